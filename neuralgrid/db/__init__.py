@@ -1,0 +1,1 @@
+"""Database access: the embedded server, the migration runner and connection helpers."""

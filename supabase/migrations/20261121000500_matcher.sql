@@ -1,0 +1,459 @@
+-- The matcher: score nodes for a request, claim capacity atomically, fail over, complete, sweep.
+-- Python only binds parameters to these functions; it never re-implements the matching.
+
+create function public.great_circle_km(
+  lat1 double precision, lon1 double precision, lat2 double precision, lon2 double precision
+) returns double precision
+language sql immutable parallel safe
+as $$
+  select 2 * 6371.0088 * asin(sqrt(
+    power(sin(radians(lat2 - lat1) / 2), 2)
+    + cos(radians(lat1)) * cos(radians(lat2)) * power(sin(radians(lon2 - lon1) / 2), 2)
+  ))
+$$;
+comment on function public.great_circle_km(double precision, double precision, double precision, double precision) is 'Haversine distance in km between two points on the mean-radius Earth.';
+
+create function public.required_vram_gb(p_model text, p_min_vram_gb real default null)
+returns real
+language plpgsql stable
+set search_path = ''
+as $$
+declare
+  v_min real;
+begin
+  if p_min_vram_gb is not null and p_min_vram_gb <= 0 then
+    raise exception 'min VRAM must be positive, got % GB', p_min_vram_gb using errcode = 'invalid_parameter_value';
+  end if;
+  select coalesce(p_min_vram_gb, m.min_vram_gb) into v_min from public.models m where m.id = p_model;
+  if v_min is not null then
+    return v_min;
+  end if;
+  if p_min_vram_gb is not null then
+    return p_min_vram_gb;
+  end if;
+  -- A model missing from the catalog is still servable by the nodes that hold it; they prove it fits.
+  if exists (select 1 from public.node_models nm where nm.model_id = p_model) then
+    return 1;
+  end if;
+  raise exception 'unknown model "%": not in the catalog and held by no node', p_model
+    using errcode = 'no_data_found';
+end;
+$$;
+comment on function public.required_vram_gb(text, real) is 'VRAM (GB) a request for a model needs: the caller''s figure, else the catalog''s; raises no_data_found for a model nobody knows.';
+
+create function public.score_nodes(
+  p_model text,
+  p_min_vram_gb real default null,
+  p_policy text default 'balanced',
+  p_region text default null,
+  p_latitude double precision default null,
+  p_longitude double precision default null,
+  p_max_hourly_rate numeric default null,
+  p_explain boolean default false,
+  p_limit integer default null
+) returns table (
+  node_id uuid,
+  name text,
+  rank bigint,
+  score double precision,
+  fit double precision,
+  compute double precision,
+  price double precision,
+  warm double precision,
+  capacity double precision,
+  reputation double precision,
+  proximity double precision,
+  reject_reason text
+)
+language plpgsql stable
+set search_path = ''
+as $$
+declare
+  v_min real := public.required_vram_gb(p_model, p_min_vram_gb);
+  v_seed boolean := p_policy = 'seed';
+  w public.matching_policies;
+  v_fresh_after timestamptz;
+begin
+  if not v_seed then
+    select * into w from public.matching_policies mp where mp.name = p_policy;
+    if not found then
+      raise exception 'unknown matching policy "%"', p_policy using errcode = 'invalid_parameter_value';
+    end if;
+  end if;
+  if (p_latitude is null) <> (p_longitude is null) then
+    raise exception 'give both latitude and longitude, or neither' using errcode = 'invalid_parameter_value';
+  end if;
+  if p_limit is not null and p_limit < 1 then
+    raise exception 'limit must be positive, got %', p_limit using errcode = 'invalid_parameter_value';
+  end if;
+  select now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
+    into v_fresh_after from public.platform_settings s;
+
+  return query
+  with judged as (
+    select
+      n.id, n.name, n.vram_gb, n.tflops, n.hourly_rate, n.inflight, n.max_concurrency,
+      n.successes, n.failures, n.region, n.latitude, n.longitude, nm.state,
+      -- The first filter a node fails; null when it may take the job. `seed` keeps the original's
+      -- two filters (online, enough VRAM); other policies add the rest. The caller's price cap
+      -- binds every policy.
+      case
+        when n.status <> 'online' then 'status is ' || n.status
+        when n.vram_gb < v_min then format('%s GB VRAM, needs %s GB', n.vram_gb, v_min)
+        when p_max_hourly_rate is not null and n.hourly_rate > p_max_hourly_rate
+          then format('costs $%s/h, over the cap of $%s/h', n.hourly_rate, p_max_hourly_rate)
+        when v_seed then null
+        when n.last_heartbeat_at is null or n.last_heartbeat_at < v_fresh_after
+          then 'heartbeat is stale (last ' || coalesce(n.last_heartbeat_at::text, 'never') || ')'
+        when nm.state is null then format('does not hold %s', p_model)
+        when n.inflight >= n.max_concurrency then format('at capacity (%s/%s)', n.inflight, n.max_concurrency)
+        when n.cooldown_until > now() then 'cooling down until ' || n.cooldown_until::text
+      end as reason
+    from public.nodes n
+    left join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
+    where p_explain or n.status = 'online'
+  ),
+  components as (
+    select
+      j.id, j.name,
+      case when v_seed then j.vram_gb / v_min else least(1.0, v_min / j.vram_gb) end as c_fit,
+      case when v_seed then j.tflops / 100.0 else j.tflops / (j.tflops + w.compute_half_tflops) end as c_compute,
+      case when v_seed then 1.0 / (j.hourly_rate::double precision + 0.01)
+           else w.price_half_usd / (w.price_half_usd + j.hourly_rate::double precision) end as c_price,
+      case when v_seed then null when j.state = 'loaded' then 1.0 else 0.0 end as c_warm,
+      case when v_seed then null else 1.0 - j.inflight::double precision / j.max_concurrency end as c_capacity,
+      case when v_seed then null
+           else (j.successes + 1.0) / (j.successes + j.failures + 2.0) end as c_reputation,
+      case when v_seed then null
+           when p_latitude is not null and j.latitude is not null then
+             w.distance_half_km / (w.distance_half_km
+               + public.great_circle_km(p_latitude, p_longitude, j.latitude, j.longitude))
+           when p_region is not null then (j.region = p_region)::integer::double precision
+           else 0.5 end as c_proximity
+    from judged j
+    where j.reason is null
+  ),
+  ranked as (
+    select
+      c.*,
+      case when v_seed then 0.3 * c.c_fit + 0.5 * c.c_compute + 0.2 * c.c_price
+      else (w.fit * c.c_fit + w.compute * c.c_compute + w.price * c.c_price + w.warm * c.c_warm
+            + w.capacity * c.c_capacity + w.reputation * c.c_reputation + w.proximity * c.c_proximity)
+           / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity)
+      end as c_score
+    from components c
+    order by 8 desc, c.id
+    limit p_limit
+  )
+  select r.id, r.name, row_number() over (order by r.c_score desc, r.id), r.c_score,
+         r.c_fit, r.c_compute, r.c_price, r.c_warm, r.c_capacity, r.c_reputation, r.c_proximity,
+         null::text
+  from ranked r
+  union all
+  select j.id, j.name, null, null, null, null, null, null, null, null, null, j.reason
+  from judged j
+  where p_explain and j.reason is not null
+  order by 3 nulls last, 1;
+end;
+$$;
+comment on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer) is 'Ranks the nodes that can serve p_model under a policy (seed or a row of matching_policies), best first, with each score component; with p_explain, also lists every rejected node and why.';
+revoke execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer) from public, anon;
+grant execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer) to authenticated, service_role;
+
+create function public.claim_node(p_candidates uuid[], p_exclude uuid[] default '{}')
+returns setof public.nodes
+language sql
+set search_path = ''
+as $$
+  -- One statement: lock the first candidate (in the given order) that is online, has a free slot
+  -- and is not cooling down; SKIP LOCKED lets concurrent claims pass each other instead of queueing,
+  -- and the lock re-checks the row so inflight can never exceed max_concurrency.
+  update public.nodes n
+  set inflight = n.inflight + 1,
+      status = case when n.inflight + 1 >= n.max_concurrency then 'busy' else n.status end
+  where n.id = (
+    select c.id
+    from unnest(p_candidates) with ordinality as r (id, ord)
+    join public.nodes c on c.id = r.id
+    where c.status = 'online'
+      and c.inflight < c.max_concurrency
+      and (c.cooldown_until is null or c.cooldown_until <= now())
+      and c.id <> all (p_exclude)
+    order by r.ord
+    limit 1
+    for update of c skip locked
+  )
+  returning n.*
+$$;
+comment on function public.claim_node(uuid[], uuid[]) is 'Claims one slot on the first available candidate node, in order; returns it, or nothing when none is free.';
+revoke execute on function public.claim_node(uuid[], uuid[]) from public, anon, authenticated;
+grant execute on function public.claim_node(uuid[], uuid[]) to service_role;
+
+create function public.match_job(
+  p_model text,
+  p_api_key_id uuid default null,
+  p_policy text default 'balanced',
+  p_min_vram_gb real default null,
+  p_region text default null,
+  p_latitude double precision default null,
+  p_longitude double precision default null,
+  p_max_hourly_rate numeric default null,
+  p_stream boolean default false,
+  p_fallbacks integer default 3
+) returns table (
+  job_id uuid,
+  node_id uuid,
+  endpoint_url text,
+  attempt integer,
+  fallback_ids uuid[],
+  error text
+)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_min real := public.required_vram_gb(p_model, p_min_vram_gb);
+  v_ranked uuid[];
+  v_node public.nodes;
+  v_job uuid;
+  v_error text;
+begin
+  if p_fallbacks < 0 then
+    raise exception 'fallbacks must not be negative' using errcode = 'invalid_parameter_value';
+  end if;
+  -- The best few are enough: a claim skips only nodes filled or locked since scoring.
+  select array_agg(s.node_id order by s.rank) into v_ranked
+  from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
+                          p_max_hourly_rate, false, greatest(32, 4 * (p_fallbacks + 1))) s;
+
+  select * into v_node from public.claim_node(coalesce(v_ranked, '{}'));
+  if v_node.id is null then
+    v_error := case when v_ranked is null then format('no capable node is online for %s', p_model)
+                    else format('every capable node for %s is at capacity', p_model) end;
+  end if;
+
+  insert into public.jobs as j (api_key_id, owner_id, model_id, policy, status, node_id, attempts, stream,
+                                region, min_vram_gb, error, finished_at)
+  values (p_api_key_id, (select k.owner_id from public.api_keys k where k.id = p_api_key_id), p_model,
+          p_policy, case when v_node.id is null then 'failed' else 'running' end, v_node.id,
+          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min, v_error,
+          case when v_node.id is null then now() end)
+  returning j.id into v_job;
+
+  if v_node.id is not null then
+    insert into public.job_attempts (job_id, attempt, node_id) values (v_job, 1, v_node.id);
+  end if;
+
+  return query select v_job, v_node.id, v_node.endpoint_url, case when v_node.id is null then 0 else 1 end,
+    array(select x from unnest(v_ranked) with ordinality as r (x, ord)
+          where x is distinct from v_node.id order by ord limit p_fallbacks),
+    v_error;
+end;
+$$;
+comment on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) is 'One atomic call per request: scores nodes, claims a slot on the best one, records the job and its first attempt, and returns the node with an ordered fallback list (node null and error set when none can take it).';
+revoke execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) from public, anon, authenticated;
+grant execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) to service_role;
+
+create function public.release_node(p_node_id uuid, p_outcome text)
+returns void
+language plpgsql
+set search_path = ''
+as $$
+begin
+  if p_outcome not in ('succeeded', 'failed', 'cancelled') then
+    raise exception 'unknown outcome "%"', p_outcome using errcode = 'invalid_parameter_value';
+  end if;
+  -- Failures cool a node down exponentially (base * 2^(n-1), capped) so requests route around it.
+  update public.nodes n
+  set inflight = greatest(n.inflight - 1, 0),
+      status = case when n.status = 'busy' then 'online' else n.status end,
+      successes = n.successes + (p_outcome = 'succeeded')::integer,
+      failures = n.failures + (p_outcome = 'failed')::integer,
+      consecutive_failures = case p_outcome when 'succeeded' then 0
+                                            when 'failed' then n.consecutive_failures + 1
+                                            else n.consecutive_failures end,
+      cooldown_until = case p_outcome
+        when 'succeeded' then null
+        when 'failed' then now() + make_interval(secs => least(
+          s.cooldown_max_s, s.cooldown_base_s * power(2, least(n.consecutive_failures, 30))))
+        else n.cooldown_until end
+  from public.platform_settings s
+  where n.id = p_node_id;
+end;
+$$;
+comment on function public.release_node(uuid, text) is 'Frees the slot a finished attempt held and records its outcome in the node''s reputation and cooldown.';
+revoke execute on function public.release_node(uuid, text) from public, anon, authenticated;
+grant execute on function public.release_node(uuid, text) to service_role;
+
+create function public.end_attempt(
+  p_job_id uuid, p_outcome text, p_error text default null, p_http_status integer default null,
+  p_ttft_ms real default null, p_latency_ms real default null
+) returns public.job_attempts
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_attempt public.job_attempts;
+begin
+  update public.job_attempts a
+  set status = p_outcome, error = p_error, http_status = p_http_status, ttft_ms = p_ttft_ms,
+      latency_ms = coalesce(p_latency_ms, 1000 * extract(epoch from clock_timestamp() - a.started_at)),
+      ended_at = clock_timestamp()
+  where a.job_id = p_job_id and a.status = 'running'
+  returning a.* into v_attempt;
+  if not found then
+    raise exception 'job % has no running attempt', p_job_id using errcode = 'object_not_in_prerequisite_state';
+  end if;
+  perform public.release_node(v_attempt.node_id, p_outcome);
+  return v_attempt;
+end;
+$$;
+comment on function public.end_attempt(uuid, text, text, integer, real, real) is 'Ends a job''s running attempt with an outcome and releases its node.';
+revoke execute on function public.end_attempt(uuid, text, text, integer, real, real) from public, anon, authenticated;
+grant execute on function public.end_attempt(uuid, text, text, integer, real, real) to service_role;
+
+create function public.failover_job(
+  p_job_id uuid, p_error text, p_http_status integer default null, p_candidates uuid[] default '{}'
+) returns table (node_id uuid, endpoint_url text, attempt integer)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_tried uuid[];
+  v_node public.nodes;
+  v_attempt integer;
+begin
+  perform public.end_attempt(p_job_id, 'failed', p_error, p_http_status);
+  select array_agg(a.node_id), max(a.attempt) into v_tried, v_attempt
+  from public.job_attempts a where a.job_id = p_job_id;
+
+  select * into v_node from public.claim_node(p_candidates, v_tried);
+  if v_node.id is null then
+    update public.jobs j set status = 'failed', error = p_error, finished_at = now() where j.id = p_job_id;
+    return;
+  end if;
+  insert into public.job_attempts (job_id, attempt, node_id) values (p_job_id, v_attempt + 1, v_node.id);
+  update public.jobs j set node_id = v_node.id, attempts = v_attempt + 1 where j.id = p_job_id;
+  return query select v_node.id, v_node.endpoint_url, v_attempt + 1;
+end;
+$$;
+comment on function public.failover_job(uuid, text, integer, uuid[]) is 'Records the running attempt''s failure (cooling its node down) and claims the next free candidate not yet tried; no row means the job failed.';
+revoke execute on function public.failover_job(uuid, text, integer, uuid[]) from public, anon, authenticated;
+grant execute on function public.failover_job(uuid, text, integer, uuid[]) to service_role;
+
+create function public.complete_job(
+  p_job_id uuid,
+  p_status text default 'succeeded',
+  p_prompt_tokens integer default 0,
+  p_completion_tokens integer default 0,
+  p_ttft_ms real default null,
+  p_latency_ms real default null,
+  p_error text default null
+) returns table (cost_usd numeric, latency_ms real)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_job public.jobs;
+  v_attempt public.job_attempts;
+  v_node public.nodes;
+  v_model public.models;
+  v_cost numeric;
+  v_decode_s double precision;
+begin
+  if p_status not in ('succeeded', 'failed', 'cancelled') then
+    raise exception 'a job ends succeeded, failed or cancelled, not "%"', p_status using errcode = 'invalid_parameter_value';
+  end if;
+  if p_prompt_tokens < 0 or p_completion_tokens < 0 then
+    raise exception 'token counts must not be negative' using errcode = 'invalid_parameter_value';
+  end if;
+  select * into v_job from public.jobs j where j.id = p_job_id for update;
+  if not found or v_job.status <> 'running' then
+    raise exception 'job % is not running', p_job_id using errcode = 'object_not_in_prerequisite_state';
+  end if;
+  v_attempt := public.end_attempt(p_job_id, p_status, p_error, null, p_ttft_ms, p_latency_ms);
+  select * into v_node from public.nodes n where n.id = v_attempt.node_id;
+  select * into v_model from public.models m where m.id = v_job.model_id;
+
+  -- Per-token catalog price when the model has one; otherwise the node's time: one of its
+  -- max_concurrency slots for the attempt's duration.
+  v_cost := case
+    when v_model.input_usd_per_mtok is not null then
+      (p_prompt_tokens * v_model.input_usd_per_mtok + p_completion_tokens * coalesce(v_model.output_usd_per_mtok, 0)) / 1e6
+    else v_node.hourly_rate * (v_attempt.latency_ms / 3.6e6) / v_node.max_concurrency
+  end;
+
+  update public.jobs j
+  set status = p_status, prompt_tokens = p_prompt_tokens, completion_tokens = p_completion_tokens,
+      cost_usd = v_cost, ttft_ms = p_ttft_ms, latency_ms = v_attempt.latency_ms, error = p_error,
+      finished_at = now()
+  where j.id = p_job_id;
+
+  if p_status = 'succeeded' then
+    v_decode_s := (v_attempt.latency_ms - coalesce(p_ttft_ms, 0)) / 1000.0;
+    update public.nodes n
+    set ewma_latency_ms = coalesce(0.8 * n.ewma_latency_ms + 0.2 * v_attempt.latency_ms, v_attempt.latency_ms),
+        ewma_tokens_per_s = case when p_completion_tokens > 0 and v_decode_s > 0 then
+          coalesce(0.8 * n.ewma_tokens_per_s + 0.2 * p_completion_tokens / v_decode_s, p_completion_tokens / v_decode_s)
+          else n.ewma_tokens_per_s end
+    where n.id = v_node.id;
+  end if;
+
+  update public.api_keys k set spent_usd = k.spent_usd + v_cost, last_used_at = now()
+  where k.id = v_job.api_key_id;
+  return query select v_cost, v_attempt.latency_ms;
+end;
+$$;
+comment on function public.complete_job(uuid, text, integer, integer, real, real, text) is 'Ends a running job: usage, cost (charged to its key), latency, the node''s reputation and EWMA speed, and releases its slot.';
+revoke execute on function public.complete_job(uuid, text, integer, integer, real, real, text) from public, anon, authenticated;
+grant execute on function public.complete_job(uuid, text, integer, integer, real, real, text) to service_role;
+
+create function public.node_heartbeat(p_node_id uuid, p_loaded_models text[] default null)
+returns text
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_status text;
+begin
+  update public.nodes n
+  set last_heartbeat_at = now(), missed_heartbeats = 0,
+      status = case when n.status = 'offline' then 'online' else n.status end
+  where n.id = p_node_id
+  returning n.status into v_status;
+  if not found then
+    raise exception 'no node %', p_node_id using errcode = 'no_data_found';
+  end if;
+  if p_loaded_models is not null then
+    insert into public.node_models (node_id, model_id, state)
+    select p_node_id, m, 'loaded' from unnest(p_loaded_models) as m
+    on conflict (node_id, model_id) do update set state = 'loaded' where public.node_models.state <> 'loaded';
+    update public.node_models nm set state = 'available'
+    where nm.node_id = p_node_id and nm.state = 'loaded' and nm.model_id <> all (p_loaded_models);
+  end if;
+  return v_status;
+end;
+$$;
+comment on function public.node_heartbeat(uuid, text[]) is 'A node''s heartbeat: marks it fresh (back online if it was offline) and, when given, syncs its warm models.';
+revoke execute on function public.node_heartbeat(uuid, text[]) from public, anon, authenticated;
+grant execute on function public.node_heartbeat(uuid, text[]) to service_role;
+
+create function public.sweep_stale_nodes()
+returns table (node_id uuid, name text, last_heartbeat_at timestamptz)
+language sql
+set search_path = ''
+as $$
+  -- A node silent for missed_heartbeats_offline intervals goes offline (5 s x 3 = 15 s by default).
+  update public.nodes n
+  set status = 'offline',
+      missed_heartbeats = coalesce(floor(extract(epoch from now() - n.last_heartbeat_at) / s.heartbeat_interval_s)::integer,
+                                   s.missed_heartbeats_offline)
+  from public.platform_settings s
+  where n.status <> 'offline'
+    and (n.last_heartbeat_at is null
+         or n.last_heartbeat_at < now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline))
+  returning n.id, n.name, n.last_heartbeat_at
+$$;
+comment on function public.sweep_stale_nodes() is 'Marks silent nodes offline and returns them; run every second by the service, or by pg_cron on Supabase.';
+revoke execute on function public.sweep_stale_nodes() from public, anon, authenticated;
+grant execute on function public.sweep_stale_nodes() to service_role;
