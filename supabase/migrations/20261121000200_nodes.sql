@@ -56,13 +56,13 @@ create table public.nodes (
   constraint "inflight must be between 0 and max_concurrency" check (inflight between 0 and max_concurrency),
   constraint "reputation counters must not be negative" check (
     successes >= 0 and failures >= 0 and consecutive_failures >= 0 and missed_heartbeats >= 0
-  )
+  ),
+  constraint "an owner's node names are unique" unique nulls not distinct (owner_id, name)
 );
 comment on table public.nodes is 'GPU nodes: specs, price, location, status, load and reputation. vram_gb and tflops are totals over the node''s GPUs; endpoint_url and owner_id are private to the owner and the service.';
 
 create index nodes_online_idx on public.nodes (id) include (vram_gb, inflight, max_concurrency)
   where status = 'online';
-create index nodes_owner_idx on public.nodes (owner_id);
 
 create trigger nodes_set_updated_at before update on public.nodes
   for each row execute function public.set_updated_at();

@@ -69,7 +69,7 @@ language plpgsql stable
 set search_path = ''
 as $$
 declare
-  v_min real := public.required_vram_gb(p_model, p_min_vram_gb);
+  v_min float8 := public.required_vram_gb(p_model, p_min_vram_gb);
   v_seed boolean := p_policy = 'seed';
   w public.matching_policies;
   v_fresh_after timestamptz;
@@ -92,7 +92,8 @@ begin
   return query
   with judged as (
     select
-      n.id, n.name, n.vram_gb, n.tflops, n.hourly_rate, n.inflight, n.max_concurrency,
+      n.id, n.name, n.vram_gb::float8 as vram_gb, n.tflops::float8 as tflops,
+      n.hourly_rate::float8 as hourly_rate, n.inflight, n.max_concurrency,
       n.successes, n.failures, n.region, n.latitude, n.longitude, nm.state,
       -- The first filter a node fails; null when it may take the job. `seed` keeps the original's
       -- two filters (online, enough VRAM); other policies add the rest. The caller's price cap
@@ -101,7 +102,7 @@ begin
         when n.status <> 'online' then 'status is ' || n.status
         when n.vram_gb < v_min then format('%s GB VRAM, needs %s GB', n.vram_gb, v_min)
         when p_max_hourly_rate is not null and n.hourly_rate > p_max_hourly_rate
-          then format('costs $%s/h, over the cap of $%s/h', n.hourly_rate, p_max_hourly_rate)
+          then format('costs $%s/h, over the cap of $%s/h', round(n.hourly_rate::numeric, 2), round(p_max_hourly_rate, 2))
         when v_seed then null
         when n.last_heartbeat_at is null or n.last_heartbeat_at < v_fresh_after
           then 'heartbeat is stale (last ' || coalesce(n.last_heartbeat_at::text, 'never') || ')'
@@ -116,20 +117,20 @@ begin
   components as (
     select
       j.id, j.name,
-      case when v_seed then j.vram_gb / v_min else least(1.0, v_min / j.vram_gb) end as c_fit,
+      case when v_seed then j.vram_gb / v_min else least(1.0::float8, v_min / j.vram_gb) end as c_fit,
       case when v_seed then j.tflops / 100.0 else j.tflops / (j.tflops + w.compute_half_tflops) end as c_compute,
-      case when v_seed then 1.0 / (j.hourly_rate::double precision + 0.01)
-           else w.price_half_usd / (w.price_half_usd + j.hourly_rate::double precision) end as c_price,
-      case when v_seed then null when j.state = 'loaded' then 1.0 else 0.0 end as c_warm,
+      case when v_seed then 1.0 / (j.hourly_rate + 0.01)
+           else w.price_half_usd / (w.price_half_usd + j.hourly_rate) end as c_price,
+      case when v_seed then null when j.state = 'loaded' then 1.0::float8 else 0.0::float8 end as c_warm,
       case when v_seed then null else 1.0 - j.inflight::double precision / j.max_concurrency end as c_capacity,
       case when v_seed then null
-           else (j.successes + 1.0) / (j.successes + j.failures + 2.0) end as c_reputation,
+           else (j.successes + 1)::float8 / (j.successes + j.failures + 2) end as c_reputation,
       case when v_seed then null
            when p_latitude is not null and j.latitude is not null then
              w.distance_half_km / (w.distance_half_km
                + public.great_circle_km(p_latitude, p_longitude, j.latitude, j.longitude))
            when p_region is not null then (j.region = p_region)::integer::double precision
-           else 0.5 end as c_proximity
+           else 0.5::float8 end as c_proximity
     from judged j
     where j.reason is null
   ),
@@ -142,7 +143,7 @@ begin
            / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity)
       end as c_score
     from components c
-    order by 8 desc, c.id
+    order by c_score desc, c.id
     limit p_limit
   )
   select r.id, r.name, row_number() over (order by r.c_score desc, r.id), r.c_score,

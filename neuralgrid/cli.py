@@ -1,0 +1,233 @@
+"""The `neuralgrid` command. Every flag has an environment-variable twin, shown in --help."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import psycopg
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from neuralgrid import fleet, matching
+from neuralgrid.config import Settings
+from neuralgrid.db import connect, migrate
+from neuralgrid.db.embedded import EmbeddedPostgresError
+from neuralgrid.db.errors import DatabaseError
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
+)
+db_app = typer.Typer(no_args_is_help=True, help="The database: migrations and its URL.")
+nodes_app = typer.Typer(no_args_is_help=True, help="Load and list the fleet of GPU nodes.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
+app.add_typer(db_app, name="db")
+app.add_typer(nodes_app, name="nodes")
+app.add_typer(bench_app, name="bench")
+
+DEMO_FLEET = Path(__file__).parent / "data" / "demo_fleet.json"
+out = Console()
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def fail(message: str) -> typer.Exit:
+    """One line on stderr and a non-zero exit, for every error a person can cause."""
+    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+def friendly_errors(command: Callable[P, R]) -> Callable[P, R]:
+    @wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except (DatabaseError, EmbeddedPostgresError) as err:
+            raise fail(str(err).splitlines()[0]) from err
+        except psycopg.OperationalError as err:
+            raise fail(f"cannot reach the database: {str(err).strip().splitlines()[0]}") from err
+
+    return wrapper
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    home: Annotated[
+        Path | None, typer.Option(envvar="NEURALGRID_HOME", help="State directory (embedded DB).")
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(envvar="DATABASE_URL", help="Use this Postgres instead of the embedded one."),
+    ] = None,
+    db_port: Annotated[
+        int | None, typer.Option(envvar="NEURALGRID_DB_PORT", help="Embedded Postgres TCP port.")
+    ] = None,
+) -> None:
+    """NeuralGrid: route OpenAI-compatible inference to other people's GPUs."""
+    overrides: dict[str, Any] = {
+        "NEURALGRID_HOME": home,
+        "DATABASE_URL": database_url,
+        "NEURALGRID_DB_PORT": db_port,
+    }
+    try:
+        ctx.obj = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as err:
+        raise fail(err.errors()[0]["msg"]) from err
+
+
+@contextmanager
+def database(ctx: typer.Context) -> Iterator[psycopg.Connection]:
+    settings: Settings = ctx.obj
+    with psycopg.connect(connect.prepare(settings), autocommit=True) as conn:
+        yield conn
+
+
+@db_app.command("migrate")
+@friendly_errors
+def db_migrate(ctx: typer.Context) -> None:
+    """Apply the Supabase compatibility layer (only where missing) and pending migrations."""
+    settings: Settings = ctx.obj
+    with psycopg.connect(connect.database_url(settings), autocommit=True) as conn:
+        if migrate.apply_compat_layer(conn):
+            out.print("applied the Supabase compatibility layer")
+        applied = migrate.migrate(conn)
+    for m in applied:
+        out.print(f"applied {m.version}_{m.name}")
+    if not applied:
+        out.print("database is up to date")
+
+
+@db_app.command("url")
+@friendly_errors
+def db_url(ctx: typer.Context) -> None:
+    """Print a database URL that psql and the Supabase CLI accept."""
+    print(connect.prepare(ctx.obj))
+
+
+@nodes_app.command("import")
+@friendly_errors
+def nodes_import(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="JSON list of nodes (fields of the nodes table + models).")],
+) -> None:
+    """Insert or update (by name) the nodes of a fleet file, all or nothing."""
+    specs = fleet.read_fleet(file)
+    with database(ctx) as conn:
+        ids = fleet.import_fleet(conn, specs)
+    out.print(f"imported {len(ids)} nodes from {file}")
+
+
+@nodes_app.command("ls")
+@friendly_errors
+def nodes_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")] = False,
+) -> None:
+    """List nodes with status, last heartbeat, load, warm models and reputation."""
+    with database(ctx) as conn:
+        rows = fleet.list_nodes(conn)
+    if as_json:
+        print(fleet.to_json(rows))
+        return
+    table = Table("name", "gpu", "vram", "tflops", "$/h", "region", "status", "load", "heartbeat",
+                  "ok/fail", "warm models")
+    for r in rows:
+        beat = r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
+        table.add_row(
+            r["name"], f"{r['gpu_count']}x {r['gpu_model']}", f"{r['vram_gb']:g}", f"{r['tflops']:g}",
+            f"{r['hourly_rate']:.2f}", r["region"], r["status"],
+            f"{r['inflight']}/{r['max_concurrency']}", beat, f"{r['successes']}/{r['failures']}",
+            ", ".join(r["warm_models"]),
+        )
+    out.print(table)
+
+
+@app.command("match")
+@friendly_errors
+def match(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(envvar="NEURALGRID_MODEL", help="Model id to serve.")],
+    min_vram: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_MIN_VRAM", help="VRAM needed (GB); default: catalog.")
+    ] = None,
+    policy: Annotated[str, typer.Option(envvar="NEURALGRID_POLICY", help="seed or balanced.")] = "balanced",
+    region: Annotated[str | None, typer.Option(envvar="NEURALGRID_REGION", help="Caller's region.")] = None,
+    max_rate: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_MAX_RATE", help="Price cap, USD per hour.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(envvar="NEURALGRID_LIMIT", help="Show the best N.")] = None,
+    explain: Annotated[
+        bool, typer.Option(envvar="NEURALGRID_EXPLAIN", help="Also list rejected nodes and why.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")] = False,
+) -> None:
+    """Rank the nodes for a request (score_nodes), best first, without claiming any."""
+    request = matching.MatchRequest(model=model, min_vram_gb=min_vram, policy=policy, region=region,
+                                    max_hourly_rate=max_rate)
+    with database(ctx) as conn:
+        rows = matching.score_nodes(conn, request, explain=explain, limit=limit)
+    if as_json:
+        print(json.dumps([asdict(r) for r in rows], default=str, indent=2))
+        return
+    components = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity")
+    table = Table("#", "node", "score", *components, "rejected because")
+    for r in rows:
+        cells = [getattr(r, c) for c in components]
+        table.add_row(
+            str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(c) for c in cells), r.reject_reason or ""
+        )
+    out.print(table)
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+@app.command("up")
+@friendly_errors
+def up(
+    ctx: typer.Context,
+    demo: Annotated[
+        bool, typer.Option(envvar="NEURALGRID_DEMO", help="Load the demo fleet and keep it alive.")
+    ] = False,
+) -> None:
+    """Start the platform: database, migrations and the health sweeper (Ctrl-C stops it)."""
+    settings: Settings = ctx.obj
+    url = connect.prepare(settings)
+    if demo:
+        with psycopg.connect(url, autocommit=True) as conn:
+            fleet.import_fleet(conn, fleet.read_fleet(DEMO_FLEET))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out.print(f"database  {url}")
+    out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
+    asyncio.run(_serve(settings, url, demo))
+
+
+async def _serve(settings: Settings, url: str, demo: bool) -> None:
+    from neuralgrid import demo as demo_fleet
+    from neuralgrid.sweeper import run_sweeper
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(run_sweeper(url, settings.sweep_interval_s, stop))]
+    if demo:
+        tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, settings.heartbeat_interval_s, stop)))
+    await asyncio.gather(*tasks)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

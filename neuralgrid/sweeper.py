@@ -1,0 +1,37 @@
+"""The health sweeper: marks silent nodes offline by calling sweep_stale_nodes() every second.
+
+On Supabase, pg_cron can run the same function instead; running both is harmless (the update is
+idempotent), so every gateway instance may run a sweeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+
+async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
+    """One sweep; returns the names of nodes it set offline."""
+    cur = await conn.execute("select name from public.sweep_stale_nodes()")
+    return [name for (name,) in await cur.fetchall()]
+
+
+async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:
+    """Sweep every interval_s until stop is set; reconnects if the database goes away."""
+    while not stop.is_set():
+        try:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                while not stop.is_set():
+                    for name in await sweep_once(conn):
+                        log.info("node %s is silent: marked offline", name)
+                    try:
+                        await asyncio.wait_for(stop.wait(), timeout=interval_s)
+                    except TimeoutError:
+                        pass
+        except psycopg.OperationalError as err:
+            log.warning("sweeper lost the database (%s); retrying", err)
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,132 @@
+"""Fixtures: one embedded Postgres per session, a migrated template database, a clone per test."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from neuralgrid.db import migrate
+from neuralgrid.db.embedded import EmbeddedPostgres
+
+TEMPLATE = "ng_template"
+_counter = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedPostgres]:
+    root = Path(tempfile.mkdtemp(prefix="ngpg-"))
+    server = EmbeddedPostgres(root, port=free_port(), fast_unsafe=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: EmbeddedPostgres) -> str:
+    """A database with the compat layer and every migration, built once per session."""
+    with psycopg.connect(pg_server.url(), autocommit=True) as conn:
+        conn.execute(f"create database {TEMPLATE}")
+    with psycopg.connect(pg_server.url(TEMPLATE), autocommit=True) as conn:
+        migrate.apply_compat_layer(conn)
+        migrate.migrate(conn)
+    return TEMPLATE
+
+
+def clone_database(server: EmbeddedPostgres, template: str) -> str:
+    name = f"t_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(server.url(), autocommit=True) as conn:
+        conn.execute(f"create database {name} template {template} strategy file_copy")
+    return name
+
+
+@pytest.fixture
+def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+    """A fresh, fully migrated database for one test."""
+    name = clone_database(pg_server, template_db)
+    yield pg_server.url(name)
+    with psycopg.connect(pg_server.url(), autocommit=True) as conn:
+        conn.execute(f"drop database {name} with (force)")
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        yield c
+
+
+# Factories: plain functions, so a test says exactly what it needs.
+
+
+def make_user(conn: psycopg.Connection, email: str | None = None) -> uuid.UUID:
+    row = conn.execute(
+        "insert into auth.users (email) values (%s) returning id",
+        (email or f"{uuid.uuid4().hex[:8]}@example.test",),
+    ).fetchone()
+    assert row is not None
+    return row[0]
+
+
+NODE_DEFAULTS: dict[str, Any] = {
+    "gpu_model": "NVIDIA GeForce RTX 4090",
+    "gpu_count": 1,
+    "vram_gb": 24,
+    "tflops": 165,
+    "hourly_rate": 0.35,
+    "region": "eu-west",
+    "latitude": 52.37,
+    "longitude": 4.9,
+    "endpoint_url": "http://127.0.0.1:9/",
+    "status": "online",
+    "max_concurrency": 4,
+    "owner_id": None,
+}
+
+
+def make_node(
+    conn: psycopg.Connection,
+    name: str | None = None,
+    *,
+    models: dict[str, str] | None = None,
+    **fields: Any,
+) -> uuid.UUID:
+    """Insert an online, fresh node; `models` maps model id -> 'loaded' | 'available'."""
+    values = {**NODE_DEFAULTS, **fields, "name": name or f"node-{uuid.uuid4().hex[:6]}"}
+    query = sql.SQL(
+        "insert into public.nodes ({}, last_heartbeat_at) values ({}, now()) returning id"
+    ).format(
+        sql.SQL(", ").join(map(sql.Identifier, values)),
+        sql.SQL(", ").join(map(sql.Placeholder, values)),
+    )
+    row = conn.execute(query, values).fetchone()
+    assert row is not None
+    for model, state in (models or {"meta-llama/Llama-3.1-8B-Instruct": "loaded"}).items():
+        conn.execute(
+            "insert into public.node_models (node_id, model_id, state) values (%s, %s, %s)",
+            (row[0], model, state),
+        )
+    return row[0]
+
+
+@pytest.fixture
+def user(conn: psycopg.Connection) -> uuid.UUID:
+    return make_user(conn)

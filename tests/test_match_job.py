@@ -1,0 +1,183 @@
+"""match_job(), failover_job(), complete_job(): claims, fallbacks, usage, reputation, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+
+from neuralgrid.db.errors import ConflictError, InvalidRequest
+from neuralgrid.matching import MatchRequest, complete_job, failover_job, match_job
+from tests.conftest import make_node, make_user
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+REQUEST = MatchRequest(model=LLAMA8)
+
+
+def node_state(conn: psycopg.Connection, node_id: uuid.UUID) -> dict[str, object]:
+    row = conn.execute(
+        "select status, inflight, successes, failures, consecutive_failures, cooldown_until,"
+        " ewma_latency_ms, ewma_tokens_per_s from nodes where id = %s",
+        (node_id,),
+    ).fetchone()
+    assert row is not None
+    keys = ("status", "inflight", "successes", "failures", "consecutive", "cooldown", "latency", "tps")
+    return dict(zip(keys, row, strict=True))
+
+
+def make_key(conn: psycopg.Connection, owner: uuid.UUID | None = None) -> uuid.UUID:
+    conn.execute("select set_config('request.jwt.claims', %s, false)",
+                 (f'{{"sub": "{owner}", "role": "authenticated"}}' if owner else "",))
+    row = conn.execute("select id from create_api_key('test')").fetchone()
+    conn.execute("select set_config('request.jwt.claims', '', false)")
+    assert row is not None
+    return row[0]
+
+
+def test_match_claims_the_best_node_and_returns_ordered_fallbacks(conn: psycopg.Connection) -> None:
+    best = make_node(conn, "best", vram_gb=24, hourly_rate=0.2)
+    second = make_node(conn, "second", vram_gb=48, hourly_rate=0.4)
+    third = make_node(conn, "third", vram_gb=80, hourly_rate=2.0)
+    match = match_job(conn, REQUEST, fallbacks=2)
+    assert (match.node_id, match.attempt, match.error) == (best, 1, None)
+    assert match.fallback_ids == [second, third]
+    assert match.endpoint_url == "http://127.0.0.1:9/"
+    assert node_state(conn, best)["inflight"] == 1
+    job = conn.execute("select status, node_id, attempts, model_id, min_vram_gb from jobs").fetchone()
+    assert job == ("running", best, 1, LLAMA8, 18.0)
+
+
+def test_no_capable_node_records_a_failed_job(conn: psycopg.Connection) -> None:
+    match = match_job(conn, REQUEST)
+    assert match.node_id is None and match.fallback_ids == []
+    assert match.error == f"no capable node is online for {LLAMA8}"
+    assert conn.execute("select status, error is not null, finished_at is not null from jobs").fetchone() == (
+        "failed", True, True)
+
+
+def test_a_full_node_turns_busy_and_back(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=2)
+    first = match_job(conn, REQUEST)
+    assert node_state(conn, node)["status"] == "online"
+    match_job(conn, REQUEST)
+    assert (node_state(conn, node)["status"], node_state(conn, node)["inflight"]) == ("busy", 2)
+    third = match_job(conn, REQUEST)
+    assert third.node_id is None and third.error is not None
+    complete_job(conn, first.job_id, prompt_tokens=1, completion_tokens=1)
+    assert (node_state(conn, node)["status"], node_state(conn, node)["inflight"]) == ("online", 1)
+
+
+def test_complete_job_meters_usage_cost_and_reputation(conn: psycopg.Connection) -> None:
+    owner = make_user(conn)
+    key = make_key(conn, owner)
+    node = make_node(conn)
+    match = match_job(conn, REQUEST, api_key_id=key)
+    cost = complete_job(conn, match.job_id, prompt_tokens=1000, completion_tokens=500, ttft_ms=100,
+                        latency_ms=1100)
+    # Catalog price for Llama 3.1 8B: $0.05 / $0.10 per million tokens.
+    assert cost == pytest.approx((1000 * 0.05 + 500 * 0.10) / 1e6)
+    job = conn.execute(
+        "select status, owner_id, prompt_tokens, completion_tokens, latency_ms, ttft_ms from jobs"
+    ).fetchone()
+    assert job == ("succeeded", owner, 1000, 500, 1100.0, 100.0)
+    state = node_state(conn, node)
+    assert (state["inflight"], state["successes"], state["latency"]) == (0, 1, 1100.0)
+    assert state["tps"] == pytest.approx(500.0)  # 500 tokens in the 1.0 s after the first byte
+    spent = conn.execute("select spent_usd from api_keys where id = %s", (key,)).fetchone()
+    assert spent is not None and float(spent[0]) == pytest.approx(cost)
+    attempt = conn.execute("select status, ended_at is not null from job_attempts").fetchone()
+    assert attempt == ("succeeded", True)
+    with pytest.raises(ConflictError, match="is not running"):
+        complete_job(conn, match.job_id)
+
+
+def test_time_priced_model_costs_a_slot_of_node_time(conn: psycopg.Connection) -> None:
+    make_node(conn, hourly_rate=3.6, max_concurrency=4, models={"custom:7b": "loaded"})
+    match = match_job(conn, MatchRequest(model="custom:7b"))
+    cost = complete_job(conn, match.job_id, latency_ms=1000)
+    assert cost == pytest.approx(3.6 / 3600 / 4)
+
+
+def test_failover_moves_to_the_next_fallback_and_cools_the_node(conn: psycopg.Connection) -> None:
+    first = make_node(conn, "first", vram_gb=24)
+    second = make_node(conn, "second", vram_gb=48)
+    match = match_job(conn, REQUEST)
+    assert match.node_id == first
+    nxt = failover_job(conn, match.job_id, "connection refused", candidates=match.fallback_ids)
+    assert nxt is not None and (nxt.node_id, nxt.attempt) == (second, 2)
+    state = node_state(conn, first)
+    assert (state["inflight"], state["failures"], state["consecutive"]) == (0, 1, 1)
+    assert state["cooldown"] is not None
+    # The cooled node is skipped by the next request.
+    assert match_job(conn, REQUEST).node_id == second
+    complete_job(conn, match.job_id, completion_tokens=3)
+    attempts = conn.execute(
+        "select attempt, node_id, status, error from job_attempts where job_id = %s order by attempt",
+        (match.job_id,),
+    ).fetchall()
+    assert attempts == [(1, first, "failed", "connection refused"), (2, second, "succeeded", None)]
+    assert conn.execute("select attempts, node_id from jobs where id = %s", (match.job_id,)).fetchone() == (
+        2, second)
+
+
+def test_failover_with_no_candidate_left_fails_the_job(conn: psycopg.Connection) -> None:
+    make_node(conn)
+    match = match_job(conn, REQUEST)
+    assert failover_job(conn, match.job_id, "HTTP 500", http_status=500, candidates=[]) is None
+    job = conn.execute("select status, error from jobs where id = %s", (match.job_id,)).fetchone()
+    assert job == ("failed", "HTTP 500")
+
+
+def test_cooldown_grows_exponentially_and_is_capped(conn: psycopg.Connection) -> None:
+    node = make_node(conn)
+    seconds = []
+    for _ in range(8):
+        conn.execute("update nodes set cooldown_until = null where id = %s", (node,))
+        match = match_job(conn, REQUEST)
+        failover_job(conn, match.job_id, "boom", candidates=[])
+        row = conn.execute(
+            "select extract(epoch from cooldown_until - now()) from nodes where id = %s", (node,)
+        ).fetchone()
+        assert row is not None
+        seconds.append(round(float(row[0])))
+    assert seconds == [5, 10, 20, 40, 80, 160, 300, 300]
+
+
+def test_bad_arguments_are_refused(conn: psycopg.Connection) -> None:
+    make_node(conn)
+    match = match_job(conn, REQUEST)
+    with pytest.raises(InvalidRequest, match="ends succeeded, failed or cancelled"):
+        complete_job(conn, match.job_id, status="done")
+    with pytest.raises(InvalidRequest, match="must not be negative"):
+        complete_job(conn, match.job_id, prompt_tokens=-1)
+    with pytest.raises(InvalidRequest, match="fallbacks must not be negative"):
+        match_job(conn, REQUEST, fallbacks=-1)
+    # Nothing half-done: the job is still running and its node still holds the slot.
+    assert conn.execute("select status from jobs where id = %s", (match.job_id,)).fetchone() == ("running",)
+
+
+async def test_concurrent_matches_never_overcommit(db_url: str) -> None:
+    """200 concurrent match_job calls on 5 nodes x 8 slots: exactly 40 claims, no node over 8."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        nodes = [make_node(conn, max_concurrency=8) for _ in range(5)]
+
+    async def one(sem: asyncio.Semaphore) -> uuid.UUID | None:
+        async with sem, await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            cur = await aconn.execute(
+                "select node_id from match_job(%s)", (LLAMA8,)
+            )
+            row = await cur.fetchone()
+            return row[0] if row else None
+
+    sem = asyncio.Semaphore(50)  # 50 connections at once, 200 calls in all
+    results = await asyncio.gather(*(one(sem) for _ in range(200)))
+    claimed = [r for r in results if r is not None]
+    assert len(claimed) == 40
+    assert {n: claimed.count(n) for n in nodes} == dict.fromkeys(nodes, 8)
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute("select inflight, max_concurrency, status from nodes").fetchall()
+        assert all(r == (8, 8, "busy") for r in rows)
+        counts = conn.execute("select status, count(*) from jobs group by 1 order by 1").fetchall()
+        assert counts == [("failed", 160), ("running", 40)]
