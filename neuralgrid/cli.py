@@ -141,14 +141,32 @@ def nodes_ls(
     if as_json:
         print(fleet.to_json(rows))
         return
-    table = Table("name", "gpu", "vram", "tflops", "$/h", "region", "status", "load", "heartbeat",
-                  "ok/fail", "warm models")
+    table = Table(
+        "name",
+        "gpu",
+        "vram",
+        "tflops",
+        "$/h",
+        "region",
+        "status",
+        "load",
+        "heartbeat",
+        "ok/fail",
+        "warm models",
+    )
     for r in rows:
         beat = r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
         table.add_row(
-            r["name"], f"{r['gpu_count']}x {r['gpu_model']}", f"{r['vram_gb']:g}", f"{r['tflops']:g}",
-            f"{r['hourly_rate']:.2f}", r["region"], r["status"],
-            f"{r['inflight']}/{r['max_concurrency']}", beat, f"{r['successes']}/{r['failures']}",
+            r["name"],
+            f"{r['gpu_count']}x {r['gpu_model']}",
+            f"{r['vram_gb']:g}",
+            f"{r['tflops']:g}",
+            f"{r['hourly_rate']:.2f}",
+            r["region"],
+            r["status"],
+            f"{r['inflight']}/{r['max_concurrency']}",
+            beat,
+            f"{r['successes']}/{r['failures']}",
             ", ".join(r["warm_models"]),
         )
     out.print(table)
@@ -160,7 +178,8 @@ def match(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(envvar="NEURALGRID_MODEL", help="Model id to serve.")],
     min_vram: Annotated[
-        float | None, typer.Option(envvar="NEURALGRID_MIN_VRAM", help="VRAM needed (GB); default: catalog.")
+        float | None,
+        typer.Option(envvar="NEURALGRID_MIN_VRAM", help="VRAM needed (GB); default: catalog."),
     ] = None,
     policy: Annotated[str, typer.Option(envvar="NEURALGRID_POLICY", help="seed or balanced.")] = "balanced",
     region: Annotated[str | None, typer.Option(envvar="NEURALGRID_REGION", help="Caller's region.")] = None,
@@ -174,8 +193,9 @@ def match(
     as_json: Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")] = False,
 ) -> None:
     """Rank the nodes for a request (score_nodes), best first, without claiming any."""
-    request = matching.MatchRequest(model=model, min_vram_gb=min_vram, policy=policy, region=region,
-                                    max_hourly_rate=max_rate)
+    request = matching.MatchRequest(
+        model=model, min_vram_gb=min_vram, policy=policy, region=region, max_hourly_rate=max_rate
+    )
     with database(ctx) as conn:
         rows = matching.score_nodes(conn, request, explain=explain, limit=limit)
     if as_json:
@@ -186,13 +206,67 @@ def match(
     for r in rows:
         cells = [getattr(r, c) for c in components]
         table.add_row(
-            str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(c) for c in cells), r.reject_reason or ""
+            str(r.rank or "-"),
+            r.name,
+            _fmt(r.score),
+            *(_fmt(c) for c in cells),
+            r.reject_reason or "",
         )
     out.print(table)
 
 
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
+
+
+@bench_app.command("matching")
+@friendly_errors
+def bench_matching(
+    ctx: typer.Context,
+    sizes: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_SIZES", help="Fleet sizes, comma-separated.")
+    ] = "1000,10000,100000",
+    callers: Annotated[
+        str,
+        typer.Option(envvar="NEURALGRID_BENCH_CALLERS", help="Concurrent callers, comma-separated."),
+    ] = "1,16",
+    calls: Annotated[int, typer.Option(envvar="NEURALGRID_BENCH_CALLS", help="Calls per case.")] = 400,
+    out_file: Annotated[
+        Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+    ] = Path("bench-results/matching.json"),
+) -> None:
+    """p50/p99 of match_job() and score_nodes() at 1k/10k/100k online nodes, 1 and 16 callers."""
+    from neuralgrid.bench import matching as bench
+    from neuralgrid.bench import write_report
+
+    try:
+        fleet_sizes = [int(s) for s in sizes.split(",")]
+        caller_counts = [int(c) for c in callers.split(",")]
+    except ValueError as err:
+        raise fail(f"--sizes and --callers take comma-separated integers ({err})") from err
+    if min(fleet_sizes) < 1 or min(caller_counts) < 1 or calls < 1:
+        raise fail("sizes, callers and calls must be positive")
+    url = connect.prepare(ctx.obj)
+    results = bench.run(
+        url,
+        fleet_sizes,
+        caller_counts,
+        calls,
+        progress=lambda msg: Console(stderr=True).print(f"[dim]{msg}[/]"),
+    )
+    table = Table("nodes", "function", "callers", "p50 ms", "p99 ms", "calls/s")
+    for r in results:
+        table.add_row(
+            f"{r['nodes']:,}",
+            r["function"],
+            str(r["callers"]),
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['calls_per_s']:,.0f}",
+        )
+    out.print(table)
+    write_report(out_file, "matching", results, target="match_job p99 <= 5 ms at 10,000 nodes")
+    out.print(f"wrote {out_file}")
 
 
 @app.command("up")
@@ -225,7 +299,7 @@ async def _serve(settings: Settings, url: str, demo: bool) -> None:
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(run_sweeper(url, settings.sweep_interval_s, stop))]
     if demo:
-        tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, settings.heartbeat_interval_s, stop)))
+        tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
     await asyncio.gather(*tasks)
 
 

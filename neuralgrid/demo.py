@@ -7,13 +7,15 @@ import contextlib
 
 import psycopg
 
-DEMO_NAMES = "select id from public.nodes where owner_id is null and status <> 'offline'"
+DEMO_NODES = "select id from public.nodes where owner_id is null and status <> 'offline'"
 
 
-async def keep_alive(url: str, interval_s: float, stop: asyncio.Event) -> None:
-    """Heartbeat every demo node (owner-less, not offline) each interval until stop is set."""
+async def keep_alive(url: str, stop: asyncio.Event) -> None:
+    """Heartbeat every demo node (owner-less, not offline) at the platform's interval until stop."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        ids = [row[0] for row in await (await conn.execute(DEMO_NAMES)).fetchall()]
+        ids = [row[0] for row in await (await conn.execute(DEMO_NODES)).fetchall()]
+        cur = await conn.execute("select heartbeat_interval_s from public.platform_settings")
+        interval_s = float((await cur.fetchone() or (5.0,))[0])
         while not stop.is_set():
             for node_id in ids:
                 await conn.execute("select public.node_heartbeat(%s)", (node_id,))

@@ -86,7 +86,11 @@ def _request_params(request: MatchRequest) -> dict[str, object]:
 
 
 def score_nodes(
-    conn: psycopg.Connection, request: MatchRequest, *, explain: bool = False, limit: int | None = None
+    conn: psycopg.Connection,
+    request: MatchRequest,
+    *,
+    explain: bool = False,
+    limit: int | None = None,
 ) -> list[RankedNode]:
     with _translated(), conn.cursor(row_factory=class_row(RankedNode)) as cur:
         cur.execute(
@@ -110,7 +114,12 @@ def match_job(
             "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
             " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
             " %(fallbacks)s)",
-            {**_request_params(request), "key": api_key_id, "stream": stream, "fallbacks": fallbacks},
+            {
+                **_request_params(request),
+                "key": api_key_id,
+                "stream": stream,
+                "fallbacks": fallbacks,
+            },
         )
         row = cur.fetchone()
         assert row is not None  # match_job always returns exactly one row

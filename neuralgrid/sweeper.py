@@ -7,6 +7,7 @@ idempotent), so every gateway instance may run a sweeper.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import psycopg
@@ -28,10 +29,8 @@ async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:
                 while not stop.is_set():
                     for name in await sweep_once(conn):
                         log.info("node %s is silent: marked offline", name)
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), timeout=interval_s)
-                    except TimeoutError:
-                        pass
         except psycopg.OperationalError as err:
             log.warning("sweeper lost the database (%s); retrying", err)
             await asyncio.sleep(interval_s)

@@ -23,13 +23,24 @@ def node_state(conn: psycopg.Connection, node_id: uuid.UUID) -> dict[str, object
         (node_id,),
     ).fetchone()
     assert row is not None
-    keys = ("status", "inflight", "successes", "failures", "consecutive", "cooldown", "latency", "tps")
+    keys = (
+        "status",
+        "inflight",
+        "successes",
+        "failures",
+        "consecutive",
+        "cooldown",
+        "latency",
+        "tps",
+    )
     return dict(zip(keys, row, strict=True))
 
 
 def make_key(conn: psycopg.Connection, owner: uuid.UUID | None = None) -> uuid.UUID:
-    conn.execute("select set_config('request.jwt.claims', %s, false)",
-                 (f'{{"sub": "{owner}", "role": "authenticated"}}' if owner else "",))
+    conn.execute(
+        "select set_config('request.jwt.claims', %s, false)",
+        (f'{{"sub": "{owner}", "role": "authenticated"}}' if owner else "",),
+    )
     row = conn.execute("select id from create_api_key('test')").fetchone()
     conn.execute("select set_config('request.jwt.claims', '', false)")
     assert row is not None
@@ -54,7 +65,10 @@ def test_no_capable_node_records_a_failed_job(conn: psycopg.Connection) -> None:
     assert match.node_id is None and match.fallback_ids == []
     assert match.error == f"no capable node is online for {LLAMA8}"
     assert conn.execute("select status, error is not null, finished_at is not null from jobs").fetchone() == (
-        "failed", True, True)
+        "failed",
+        True,
+        True,
+    )
 
 
 def test_a_full_node_turns_busy_and_back(conn: psycopg.Connection) -> None:
@@ -74,8 +88,9 @@ def test_complete_job_meters_usage_cost_and_reputation(conn: psycopg.Connection)
     key = make_key(conn, owner)
     node = make_node(conn)
     match = match_job(conn, REQUEST, api_key_id=key)
-    cost = complete_job(conn, match.job_id, prompt_tokens=1000, completion_tokens=500, ttft_ms=100,
-                        latency_ms=1100)
+    cost = complete_job(
+        conn, match.job_id, prompt_tokens=1000, completion_tokens=500, ttft_ms=100, latency_ms=1100
+    )
     # Catalog price for Llama 3.1 8B: $0.05 / $0.10 per million tokens.
     assert cost == pytest.approx((1000 * 0.05 + 500 * 0.10) / 1e6)
     job = conn.execute(
@@ -119,7 +134,9 @@ def test_failover_moves_to_the_next_fallback_and_cools_the_node(conn: psycopg.Co
     ).fetchall()
     assert attempts == [(1, first, "failed", "connection refused"), (2, second, "succeeded", None)]
     assert conn.execute("select attempts, node_id from jobs where id = %s", (match.job_id,)).fetchone() == (
-        2, second)
+        2,
+        second,
+    )
 
 
 def test_failover_with_no_candidate_left_fails_the_job(conn: psycopg.Connection) -> None:
@@ -165,9 +182,7 @@ async def test_concurrent_matches_never_overcommit(db_url: str) -> None:
 
     async def one(sem: asyncio.Semaphore) -> uuid.UUID | None:
         async with sem, await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
-            cur = await aconn.execute(
-                "select node_id from match_job(%s)", (LLAMA8,)
-            )
+            cur = await aconn.execute("select node_id from match_job(%s)", (LLAMA8,))
             row = await cur.fetchone()
             return row[0] if row else None
 

@@ -79,7 +79,16 @@ def test_components_are_normalized(conn: psycopg.Connection) -> None:
     make_node(conn, "a", vram_gb=80, tflops=989, hourly_rate=2.5, inflight=3, max_concurrency=4)
     make_node(conn, "b", vram_gb=18, tflops=10, hourly_rate=0, models={LLAMA8: "available"})
     for r in score_nodes(conn, MatchRequest(model=LLAMA8, region="eu-west")):
-        for c in (r.fit, r.compute, r.price, r.warm, r.capacity, r.reputation, r.proximity, r.score):
+        for c in (
+            r.fit,
+            r.compute,
+            r.price,
+            r.warm,
+            r.capacity,
+            r.reputation,
+            r.proximity,
+            r.score,
+        ):
             assert c is not None and 0.0 <= c <= 1.0
     by_name = {r.name: r for r in score_nodes(conn, MatchRequest(model=LLAMA8))}
     assert by_name["b"].fit == pytest.approx(1.0)  # just big enough

@@ -50,15 +50,23 @@ def world(conn: psycopg.Connection) -> dict[str, uuid.UUID]:
     alice_node = make_node(conn, "alice-node", owner_id=alice)
     bob_node = make_node(conn, "bob-node", owner_id=bob)
     make_node(conn, "platform-node")
-    conn.execute("select set_config('request.jwt.claims', %s, false)",
-                 (json.dumps({"role": "authenticated", "sub": str(alice)}),))
+    conn.execute(
+        "select set_config('request.jwt.claims', %s, false)",
+        (json.dumps({"role": "authenticated", "sub": str(alice)}),),
+    )
     key = conn.execute("select id from create_api_key('alice key')").fetchone()
     conn.execute("select set_config('request.jwt.claims', '', false)")
     assert key is not None
     job = conn.execute("select job_id from match_job(%s, %s)", (LLAMA8, key[0])).fetchone()
     assert job is not None
-    return {"alice": alice, "bob": bob, "alice_node": alice_node, "bob_node": bob_node,
-            "alice_key": key[0], "alice_job": job[0]}
+    return {
+        "alice": alice,
+        "bob": bob,
+        "alice_node": alice_node,
+        "bob_node": bob_node,
+        "alice_key": key[0],
+        "alice_job": job[0],
+    }
 
 
 def test_anon_reads_only_the_public_map(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
@@ -106,18 +114,26 @@ def test_owners_manage_only_their_own_nodes(conn: psycopg.Connection, world: dic
         row = c.execute("select owner_id from nodes where name = 'alice-2'").fetchone()
         assert row == (alice,)  # owner_id defaults to the caller
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            c.execute("insert into nodes (owner_id, name, gpu_model, vram_gb, tflops, hourly_rate, region)"
-                      " values (%s, 'forged', 'g', 24, 71, 0.2, 'r')", (world["bob"],))
+            c.execute(
+                "insert into nodes (owner_id, name, gpu_model, vram_gb, tflops, hourly_rate, region)"
+                " values (%s, 'forged', 'g', 24, 71, 0.2, 'r')",
+                (world["bob"],),
+            )
     with acting_as(conn, "authenticated", alice) as c:
         c.execute("insert into node_models (node_id, model_id) values (%s, 'm1')", (world["alice_node"],))
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            c.execute("insert into node_models (node_id, model_id) values (%s, 'm1')", (world["bob_node"],))
+            c.execute(
+                "insert into node_models (node_id, model_id) values (%s, 'm1')",
+                (world["bob_node"],),
+            )
     with acting_as(conn, "authenticated", alice) as c:
         assert c.execute("delete from node_models where node_id = %s", (world["bob_node"],)).rowcount == 0
         assert c.execute("delete from nodes where name = 'alice-node'").rowcount == 1
 
 
-def test_users_see_and_revoke_only_their_own_keys(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
+def test_users_see_and_revoke_only_their_own_keys(
+    conn: psycopg.Connection, world: dict[str, uuid.UUID]
+) -> None:
     with acting_as(conn, "authenticated", world["alice"]) as c:
         assert count(c, "select id, name, prefix from api_keys") == 1
         assert denied(c, "select key_hash from api_keys")
@@ -130,9 +146,12 @@ def test_users_see_and_revoke_only_their_own_keys(conn: psycopg.Connection, worl
     with acting_as(conn, "authenticated", world["bob"]) as c:
         assert count(c, "select id from api_keys") == 0
         assert c.execute("update api_keys set revoked_at = now()").rowcount == 0
-    with acting_as(conn, "authenticated") as c:  # a JWT without a user
-        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="signed-in user"):
-            c.execute("select * from create_api_key('nobody')")
+    # A JWT without a user cannot create keys.
+    with (
+        acting_as(conn, "authenticated") as c,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="signed-in user"),
+    ):
+        c.execute("select * from create_api_key('nobody')")
 
 
 def test_keys_are_stored_only_as_hashes(conn: psycopg.Connection) -> None:
@@ -181,7 +200,9 @@ def test_service_role_does_everything(conn: psycopg.Connection, world: dict[str,
         c.execute("delete from nodes")
 
 
-def test_catalog_and_settings_are_read_only_for_users(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
+def test_catalog_and_settings_are_read_only_for_users(
+    conn: psycopg.Connection, world: dict[str, uuid.UUID]
+) -> None:
     with acting_as(conn, "authenticated", world["alice"]) as c:
         assert count(c, "select * from matching_policies") == 1
         assert count(c, "select * from platform_settings") == 1

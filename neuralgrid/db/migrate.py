@@ -92,9 +92,7 @@ def discover(migrations_dir: Path) -> list[Migration]:
     for path in sorted(migrations_dir.glob("*.sql")):
         match = MIGRATION_NAME.match(path.name)
         if match is None:
-            raise MigrationError(
-                f"{path.name}: migration files are named YYYYMMDDHHMMSS_name.sql"
-            )
+            raise MigrationError(f"{path.name}: migration files are named YYYYMMDDHHMMSS_name.sql")
         found.append(Migration(match["version"], match["name"], path))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
@@ -137,9 +135,7 @@ def apply_compat_layer(conn: psycopg.Connection) -> bool:
 
 
 def applied_versions(conn: psycopg.Connection) -> set[str]:
-    if conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone() == (
-        None,
-    ):
+    if conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone() == (None,):
         return set()
     return {v for (v,) in conn.execute("select version from supabase_migrations.schema_migrations")}
 

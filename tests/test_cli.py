@@ -1,0 +1,157 @@
+"""The `neuralgrid` command against a real database: import, list, match, errors, the embedded stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from typer.testing import CliRunner
+
+from neuralgrid.cli import DEMO_FLEET, app
+from neuralgrid.db.embedded import EmbeddedPostgres
+from tests.conftest import free_port, make_node
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def run(db_url: str, *args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args), env={"DATABASE_URL": db_url, "COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_import_list_and_match_the_demo_fleet(db_url: str) -> None:
+    code, out, _ = run(db_url, "nodes", "import", str(DEMO_FLEET))
+    assert code == 0 and "imported 24 nodes" in out
+    code, out, _ = run(db_url, "nodes", "import", str(DEMO_FLEET))  # again: updates, no duplicates
+    code, out, _ = run(db_url, "nodes", "ls", "--json")
+    nodes = json.loads(out)
+    assert code == 0 and len(nodes) == 24
+    assert {n["status"] for n in nodes} == {"online"}
+    gpus = {n["gpu_model"] for n in nodes}
+    assert {
+        "NVIDIA GeForce RTX 3090",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA A10",
+        "NVIDIA L4",
+        "NVIDIA A100 40GB",
+        "NVIDIA A100 80GB",
+        "NVIDIA H100 80GB",
+    } <= gpus
+    code, out, _ = run(db_url, "nodes", "ls")
+    assert code == 0 and "tokyo-rtx4090" in out
+
+    code, out, _ = run(db_url, "match", "--model", LLAMA8, "--json")
+    ranking = json.loads(out)
+    assert code == 0 and ranking
+    assert [r["rank"] for r in ranking] == list(range(1, len(ranking) + 1))
+    assert {"node_id", "name", "score", "fit", "compute", "price", "warm"} <= ranking[0].keys()
+    scores = [r["score"] for r in ranking]
+    assert scores == sorted(scores, reverse=True)
+
+    code, out, _ = run(
+        db_url,
+        "match",
+        "--model",
+        "meta-llama/Llama-3.3-70B-Instruct-AWQ",
+        "--policy",
+        "seed",
+        "--explain",
+        "--json",
+    )
+    rows = json.loads(out)
+    rejected = [r for r in rows if r["rank"] is None]
+    assert rejected and all("GB VRAM, needs 42 GB" in r["reject_reason"] for r in rejected)
+    code, out, _ = run(db_url, "match", "--model", LLAMA8, "--region", "ap-northeast", "--limit", "3")
+    assert code == 0 and "tokyo" in out
+
+
+def test_bad_input_gets_one_line_and_a_nonzero_exit(db_url: str, tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    code, _, err = run(db_url, "nodes", "import", str(bad_json))
+    assert code == 1 and err.startswith("error:") and err.count("\n") == 1
+
+    impossible = tmp_path / "impossible.json"
+    fleet = json.loads(DEMO_FLEET.read_text())[:3]
+    fleet[2]["latitude"] = 123.0
+    impossible.write_text(json.dumps(fleet))
+    code, _, err = run(db_url, "nodes", "import", str(impossible))
+    assert code == 1 and "latitude must be between -90 and 90" in err and fleet[2]["name"] in err
+    code, out, _ = run(db_url, "nodes", "ls", "--json")
+    assert json.loads(out) == []  # all or nothing
+
+    wrong_field = tmp_path / "typo.json"
+    wrong_field.write_text(json.dumps([{**fleet[0], "vram": 24}]))
+    code, _, err = run(db_url, "nodes", "import", str(wrong_field))
+    assert code == 1 and "vram" in err
+
+    code, _, err = run(db_url, "match", "--model", "no/such")
+    assert code == 1 and 'unknown model "no/such"' in err
+    code, _, err = run(db_url, "match", "--model", LLAMA8, "--policy", "fancy")
+    assert code == 1 and "unknown matching policy" in err
+    code, _, err = run("postgresql://nobody@127.0.0.1:1/x", "nodes", "ls")
+    assert code == 1 and "cannot reach the database" in err
+
+
+def test_uncatalogued_cli_match_uses_given_vram(conn: psycopg.Connection, db_url: str) -> None:
+    make_node(conn, "box", models={"my/model": "loaded"}, vram_gb=24)
+    code, out, _ = run(db_url, "match", "--model", "my/model", "--min-vram", "30", "--json")
+    assert code == 0 and json.loads(out) == []
+
+
+def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> None:
+    """`neuralgrid up --demo` on a fresh NEURALGRID_HOME: database, migrations, demo fleet, sweeper."""
+    port = free_port()
+    env = {**os.environ, "NEURALGRID_HOME": str(tmp_path / "home"), "NEURALGRID_DB_PORT": str(port)}
+    env.pop("DATABASE_URL", None)
+    cli = [sys.executable, "-m", "neuralgrid.cli"]
+    proc = subprocess.Popen(
+        [*cli, "up", "--demo"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    server = EmbeddedPostgres(tmp_path / "home" / "postgres", port=port)
+    try:
+        deadline = time.monotonic() + 60
+        url = server.url()
+        while time.monotonic() < deadline:
+            try:
+                with psycopg.connect(url) as conn:
+                    row = conn.execute(
+                        "select count(*) filter (where status = 'online') from nodes"
+                    ).fetchone()
+                    if row and row[0] == 24:
+                        break
+            except psycopg.Error:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the demo fleet never came online")
+        db_url = subprocess.run([*cli, "db", "url"], env=env, capture_output=True, text=True, check=True)
+        assert db_url.stdout.strip() == url
+        migrate = subprocess.run([*cli, "db", "migrate"], env=env, capture_output=True, text=True, check=True)
+        assert "database is up to date" in migrate.stdout
+        with psycopg.connect(url, autocommit=True) as conn:
+            # A node that stops heartbeating is swept offline by the running service.
+            conn.execute(
+                "insert into nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region, status,"
+                " last_heartbeat_at) values ('silent', 'L4', 24, 121, 0.4, 'eu-west', 'online',"
+                " now() - interval '16 seconds')"
+            )
+            for _ in range(40):
+                if conn.execute("select status from nodes where name = 'silent'").fetchone() == ("offline",):
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("the sweeper did not mark the silent node offline")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        server.stop()
+    assert proc.returncode == 0, output
+    assert "sweeper" in output

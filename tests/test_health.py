@@ -1,0 +1,49 @@
+"""Heartbeats and the sweeper, in SQL and through the async sweeper loop."""
+
+from __future__ import annotations
+
+import psycopg
+
+from neuralgrid.sweeper import sweep_once
+from tests.conftest import make_node
+
+
+def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection) -> None:
+    make_node(conn, "fresh")
+    make_node(conn, "late")
+    make_node(conn, "silent")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '11 seconds' where name = 'late'")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '16 seconds' where name = 'silent'")
+    swept = conn.execute("select name from sweep_stale_nodes()").fetchall()
+    assert swept == [("silent",)]
+    rows = dict(conn.execute("select name, status from nodes").fetchall())
+    assert rows == {"fresh": "online", "late": "online", "silent": "offline"}
+    missed = conn.execute("select missed_heartbeats from nodes where name = 'silent'").fetchone()
+    assert missed == (3,)
+    assert conn.execute("select count(*) from sweep_stale_nodes()").fetchone() == (0,)  # idempotent
+
+
+def test_operators_can_tighten_the_interval(conn: psycopg.Connection) -> None:
+    make_node(conn, "n")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '4 seconds'")
+    conn.execute("update platform_settings set heartbeat_interval_s = 1")
+    assert conn.execute("select name from sweep_stale_nodes()").fetchall() == [("n",)]
+
+
+def test_heartbeat_brings_a_node_back_and_syncs_warm_models(conn: psycopg.Connection) -> None:
+    node = make_node(conn, "n", status="offline", models={"a": "loaded", "b": "available"})
+    status = conn.execute("select node_heartbeat(%s, %s)", (node, ["b", "c"])).fetchone()
+    assert status == ("online",)
+    models = dict(conn.execute("select model_id, state from node_models order by 1").fetchall())
+    assert models == {"a": "available", "b": "loaded", "c": "loaded"}
+    conn.execute("update nodes set status = 'draining' where id = %s", (node,))
+    assert conn.execute("select node_heartbeat(%s)", (node,)).fetchone() == ("draining",)
+
+
+async def test_sweeper_loop_reports_what_it_swept(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        make_node(conn, "gone")
+        conn.execute("update nodes set last_heartbeat_at = now() - interval '1 hour'")
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+        assert await sweep_once(aconn) == ["gone"]
+        assert await sweep_once(aconn) == []
