@@ -279,6 +279,8 @@ def up(
 ) -> None:
     """Start the platform: database, migrations and the health sweeper (Ctrl-C stops it)."""
     settings: Settings = ctx.obj
+    server = connect.embedded_server(settings) if settings.embedded else None
+    started_here = server is not None and not server.is_running()
     url = connect.prepare(settings)
     if demo:
         with psycopg.connect(url, autocommit=True) as conn:
@@ -286,7 +288,12 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out.print(f"database  {url}")
     out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
-    asyncio.run(_serve(settings, url, demo))
+    try:
+        asyncio.run(_serve(settings, url, demo))
+    finally:
+        if server is not None and started_here:  # leave a server someone else started alone
+            server.stop()
+            out.print("stopped the embedded database")
 
 
 async def _serve(settings: Settings, url: str, demo: bool) -> None:

@@ -152,6 +152,6 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
-        server.stop()
     assert proc.returncode == 0, output
-    assert "sweeper" in output
+    assert "sweeper" in output and "stopped the embedded database" in output
+    assert not server.is_running()
