@@ -196,3 +196,18 @@ async def test_concurrent_matches_never_overcommit(db_url: str) -> None:
         assert all(r == (8, 8, "busy") for r in rows)
         counts = conn.execute("select status, count(*) from jobs group by 1 order by 1").fetchall()
         assert counts == [("failed", 160), ("running", 40)]
+
+
+def test_a_node_deleted_mid_job_still_lets_the_job_finish(conn: psycopg.Connection) -> None:
+    node = make_node(conn, models={"custom:7b": "loaded"})
+    match = match_job(conn, MatchRequest(model="custom:7b"))
+    conn.execute("delete from nodes where id = %s", (node,))
+    assert complete_job(conn, match.job_id, completion_tokens=5) == 0.0
+    assert conn.execute("select status, node_id from jobs").fetchone() == ("succeeded", None)
+
+
+def test_an_unknown_api_key_is_refused(conn: psycopg.Connection) -> None:
+    make_node(conn)
+    with pytest.raises(InvalidRequest, match="api_key"):
+        match_job(conn, REQUEST, api_key_id=uuid.uuid4())
+    assert conn.execute("select count(*) from jobs").fetchone() == (0,)

@@ -31,6 +31,7 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
     "22003": InvalidRequest,  # numeric_value_out_of_range
     "23502": InvalidRequest,  # not_null_violation
     "23514": InvalidRequest,  # check_violation
+    "23503": InvalidRequest,  # foreign_key_violation
     "23505": ConflictError,  # unique_violation
     "55000": ConflictError,  # object_not_in_prerequisite_state
 }

@@ -383,6 +383,7 @@ begin
       (p_prompt_tokens * v_model.input_usd_per_mtok + p_completion_tokens * coalesce(v_model.output_usd_per_mtok, 0)) / 1e6
     else v_node.hourly_rate * (v_attempt.latency_ms / 3.6e6) / v_node.max_concurrency
   end;
+  v_cost := coalesce(v_cost, 0);  -- the node was deleted mid-job: its time has no price left
 
   update public.jobs j
   set status = p_status, prompt_tokens = p_prompt_tokens, completion_tokens = p_completion_tokens,
