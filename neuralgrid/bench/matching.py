@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -43,13 +42,6 @@ with gpu(k, model, vram, tflops, rate) as (values
 insert into public.node_models (node_id, model_id, state)
 select id, %(model)s, case when random() < 0.3 then 'loaded' else 'available' end from ins
 """
-
-
-@dataclass(frozen=True)
-class Case:
-    nodes: int
-    function: str
-    callers: int
 
 
 def _scratch(admin_url: str) -> str:
