@@ -1,0 +1,117 @@
+"""The indexed fast path of score_nodes() ranks exactly as the full scan, and node_scores stays true."""
+
+from __future__ import annotations
+
+import random
+
+import psycopg
+import pytest
+
+from neuralgrid.matching import MatchRequest, RankedNode, complete_job, failover_job, match_job, score_nodes
+from tests.conftest import make_node
+
+MODELS = ["meta-llama/Llama-3.1-8B-Instruct", "BAAI/bge-large-en-v1.5",
+          "meta-llama/Llama-3.3-70B-Instruct-AWQ", "custom:uncatalogued"]
+REGIONS = ["us-east", "eu-west", "ap-northeast", "sa-east"]
+
+
+def random_fleet(conn: psycopg.Connection, rng: random.Random, n: int) -> None:
+    for i in range(n):
+        held = rng.sample(MODELS, rng.randint(1, len(MODELS)))
+        max_conc = rng.choice([1, 2, 4, 8])
+        make_node(
+            conn, f"n{i}",
+            models={m: rng.choice(["loaded", "available"]) for m in held},
+            vram_gb=rng.choice([8, 16, 24, 40, 48, 80, 160]),
+            tflops=rng.choice([30, 71, 121, 165, 312, 989]),
+            hourly_rate=round(rng.uniform(0, 3), 2),
+            region=rng.choice(REGIONS),
+            latitude=rng.uniform(-60, 60), longitude=rng.uniform(-180, 180),
+            status=rng.choices(["online", "offline", "busy", "draining"], [85, 5, 5, 5])[0],
+            max_concurrency=max_conc, inflight=rng.randint(0, max_conc),
+            successes=rng.randint(0, 50), failures=rng.randint(0, 10),
+        )
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute' where random() < 0.05")
+    conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where random() < 0.05")
+
+
+def random_request(rng: random.Random) -> MatchRequest:
+    located = rng.random() < 0.3
+    return MatchRequest(
+        model=rng.choice(MODELS),
+        region=rng.choice([None, *REGIONS]) if not located else None,
+        latitude=rng.uniform(-60, 60) if located else None,
+        longitude=rng.uniform(-180, 180) if located else None,
+        max_hourly_rate=rng.choice([None, None, 0.5, 1.5]),
+    )
+
+
+def full_scan(conn: psycopg.Connection, request: MatchRequest, k: int) -> list[RankedNode]:
+    """The reference: explain forces the full scan; keep the ranked rows."""
+    return [r for r in score_nodes(conn, request, explain=True) if r.rank is not None][:k]
+
+
+def assert_same_ranking(conn: psycopg.Connection, rng: random.Random, cases: int) -> None:
+    for _ in range(cases):
+        request, k = random_request(rng), rng.randint(1, 40)
+        fast = score_nodes(conn, request, limit=k)
+        slow = full_scan(conn, request, k)
+        assert [r.node_id for r in fast] == [r.node_id for r in slow], request
+        for a, b in zip(fast, slow, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-12)
+            assert (a.fit, a.warm, a.capacity, a.proximity) == pytest.approx(
+                (b.fit, b.warm, b.capacity, b.proximity), abs=1e-12)
+
+
+def assert_scores_fresh(conn: psycopg.Connection) -> None:
+    """node_scores holds exactly what node_base_scores computes from the current rows."""
+    differences = conn.execute(
+        """
+        select count(*) from node_scores s
+        full join node_base_scores v using (policy, model_id, node_id)
+        where s.base_score is distinct from v.base_score
+        """
+    ).fetchone()
+    assert differences == (0,)
+    assert conn.execute("select count(*) from node_scores").fetchone() != (0,)
+
+
+def test_fast_path_equals_full_scan_on_random_fleets(conn: psycopg.Connection) -> None:
+    rng = random.Random(7)
+    random_fleet(conn, rng, 150)
+    assert_scores_fresh(conn)
+    assert_same_ranking(conn, rng, 150)
+
+
+def test_node_scores_follow_claims_failures_and_operator_changes(conn: psycopg.Connection) -> None:
+    rng = random.Random(11)
+    random_fleet(conn, rng, 60)
+    for _ in range(30):
+        match = match_job(conn, random_request(rng))
+        if match.node_id is None:
+            continue
+        if rng.random() < 0.3:
+            failover_job(conn, match.job_id, "boom", candidates=match.fallback_ids)
+        elif rng.random() < 0.7:
+            complete_job(conn, match.job_id, completion_tokens=rng.randint(1, 100))
+    assert_scores_fresh(conn)
+    conn.execute("update matching_policies set warm = 0.6, proximity = 0.3 where name = 'balanced'")
+    conn.execute("update models set min_vram_gb = 30 where id = %s", (MODELS[0],))
+    conn.execute("update node_models set state = 'loaded' where random() < 0.3")
+    conn.execute("update nodes set hourly_rate = hourly_rate * 2, successes = successes + 1 where random() < 0.3")
+    conn.execute("delete from node_models where random() < 0.1")
+    conn.execute("insert into matching_policies (name, description, price, proximity) values ('cheap', 'price', 1, 0.5)")
+    conn.execute("delete from models where id = %s", (MODELS[2],))  # now matched as uncatalogued
+    assert_scores_fresh(conn)
+    assert_same_ranking(conn, rng, 80)
+    rows = score_nodes(conn, MatchRequest(model=MODELS[0], policy="cheap", region="eu-west"), limit=5)
+    assert [r.node_id for r in rows] == [
+        r.node_id for r in full_scan(conn, MatchRequest(model=MODELS[0], policy="cheap", region="eu-west"), 5)]
+
+
+def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
+    node = make_node(conn)
+    before = conn.execute("select xmin::text from node_scores where node_id = %s", (node,)).fetchone()
+    conn.execute("select node_heartbeat(%s)", (node,))
+    after = conn.execute("select xmin::text from node_scores where node_id = %s", (node,)).fetchone()
+    assert before == after
