@@ -101,6 +101,7 @@ create table public.node_scores (
   policy text not null references public.matching_policies (name) on delete cascade on update cascade,
   model_id text not null,
   node_id uuid not null,
+  region text not null,
   base_score double precision not null,
   primary key (policy, model_id, node_id),
   foreign key (node_id, model_id) references public.node_models (node_id, model_id) on delete cascade
@@ -108,6 +109,9 @@ create table public.node_scores (
 comment on table public.node_scores is 'Derived, kept by triggers: each node''s base score per (policy, model), indexed so the matcher reads the top k.';
 
 create index node_scores_rank_idx on public.node_scores (policy, model_id, base_score desc, node_id);
+-- Requests from a region drain that region's capacity, sinking its nodes in the global order; this
+-- index keeps the in-region walk short.
+create index node_scores_region_rank_idx on public.node_scores (policy, model_id, region, base_score desc, node_id);
 create index node_scores_node_idx on public.node_scores (node_id);
 
 revoke all on table public.node_scores from anon, authenticated;
@@ -115,7 +119,7 @@ grant all on table public.node_scores to service_role;
 alter table public.node_scores enable row level security;
 
 create view public.node_base_scores with (security_invoker = true) as
-select w.name as policy, nm.model_id, n.id as node_id, c.base as base_score
+select w.name as policy, nm.model_id, n.id as node_id, n.region, c.base as base_score
 from public.nodes n
 join public.node_models nm on nm.node_id = n.id
 -- The VRAM a held model needs, as required_vram_gb(model) gives it: the catalog's, else 1.
@@ -137,17 +141,19 @@ as $$
 begin
   -- Two statements, not one with `p_node_ids is null or ...`: each keeps a cheap cached plan.
   if p_node_ids is not null then
-    insert into public.node_scores as s (policy, model_id, node_id, base_score)
-    select v.policy, v.model_id, v.node_id, v.base_score from public.node_base_scores v
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score from public.node_base_scores v
     where v.node_id = any (p_node_ids)
-    on conflict (policy, model_id, node_id) do update set base_score = excluded.base_score
-    where s.base_score is distinct from excluded.base_score;
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region
+    where (s.base_score, s.region) is distinct from (excluded.base_score, excluded.region);
   else
-    insert into public.node_scores as s (policy, model_id, node_id, base_score)
-    select v.policy, v.model_id, v.node_id, v.base_score from public.node_base_scores v
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score from public.node_base_scores v
     where (p_model_id is null or v.model_id = p_model_id) and (p_policy is null or v.policy = p_policy)
-    on conflict (policy, model_id, node_id) do update set base_score = excluded.base_score
-    where s.base_score is distinct from excluded.base_score;
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region
+    where (s.base_score, s.region) is distinct from (excluded.base_score, excluded.region);
   end if;
 end;
 $$;
@@ -167,8 +173,8 @@ begin
     -- Only the columns the base score reads; heartbeats and status changes cost nothing here.
     perform public.refresh_node_scores(array(
       select n.id from new_rows n join old_rows o on o.id = n.id
-      where (n.vram_gb, n.tflops, n.hourly_rate, n.inflight, n.max_concurrency, n.successes, n.failures)
-            is distinct from (o.vram_gb, o.tflops, o.hourly_rate, o.inflight, o.max_concurrency, o.successes, o.failures)));
+      where (n.region, n.vram_gb, n.tflops, n.hourly_rate, n.inflight, n.max_concurrency, n.successes, n.failures)
+            is distinct from (o.region, o.vram_gb, o.tflops, o.hourly_rate, o.inflight, o.max_concurrency, o.successes, o.failures)));
   end if;
   return null;
 end;
@@ -224,6 +230,52 @@ create trigger models_refresh_scores after insert or update or delete on public.
   for each row execute function public.node_scores_after_catalog_change();
 
 select public.refresh_node_scores();
+
+create function public.top_by_base(
+  p_policy text, p_model text, p_k integer, p_min_vram_gb double precision,
+  p_fresh_after timestamptz, p_max_hourly_rate numeric,
+  p_region text default null, p_in_region boolean default null, p_floor double precision default null
+) returns table (node_id uuid, base_score double precision)
+language plpgsql stable
+set search_path = ''
+as $$
+declare
+  -- Cursors are planned for a fast start: the walk follows the index in order, whatever the planner
+  -- guesses about how many nodes are eligible (a guess that flips plans otherwise).
+  ranked refcursor;
+  r record;
+  found_count integer := 0;
+begin
+  if p_in_region then
+    open ranked for
+      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      join public.nodes n on n.id = s.node_id
+      where s.policy = p_policy and s.model_id = p_model and s.region = p_region
+      order by s.base_score desc, s.node_id;
+  else
+    open ranked for
+      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      join public.nodes n on n.id = s.node_id
+      where s.policy = p_policy and s.model_id = p_model
+      order by s.base_score desc, s.node_id;
+  end if;
+  loop
+    fetch ranked into r;
+    exit when not found or r.base_score < p_floor;
+    continue when p_in_region = false and r.region = p_region;
+    continue when not public.node_is_eligible(r.node, p_min_vram_gb, p_fresh_after, p_max_hourly_rate);
+    node_id := r.node_id;
+    base_score := r.base_score;
+    return next;
+    found_count := found_count + 1;
+    exit when found_count >= p_k;
+  end loop;
+  close ranked;
+end;
+$$;
+comment on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) is 'The first p_k eligible nodes for a model in base-score order (optionally only in, or only out of, a region; stopping below p_floor).';
+revoke execute on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) from public, anon, authenticated;
+grant execute on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) to service_role;
 
 create or replace function public.score_nodes(
   p_model text,
@@ -285,37 +337,25 @@ begin
      and v_min = public.required_vram_gb(p_model) then
     if p_latitude is null and p_region is null then
       -- Every node's proximity is the same 0.5: the top k by base are the top k.
-      v_candidates := array(
-        select s.node_id from public.node_scores s join public.nodes n on n.id = s.node_id
-        where s.policy = p_policy and s.model_id = p_model
-          and public.node_is_eligible(n, v_min, v_fresh_after, p_max_hourly_rate)
-        order by s.base_score desc, s.node_id limit p_limit);
+      v_candidates := array(select t.node_id from public.top_by_base(
+        p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate) t);
     elsif p_latitude is null then
       -- Proximity is 1 in the caller's region and 0 elsewhere: the top k is within the top k of
       -- each side.
       v_candidates := array(
-        select s.node_id from public.node_scores s join public.nodes n on n.id = s.node_id
-        where s.policy = p_policy and s.model_id = p_model and n.region = p_region
-          and public.node_is_eligible(n, v_min, v_fresh_after, p_max_hourly_rate)
-        order by s.base_score desc, s.node_id limit p_limit
-      ) || array(
-        select s.node_id from public.node_scores s join public.nodes n on n.id = s.node_id
-        where s.policy = p_policy and s.model_id = p_model and n.region <> p_region
-          and public.node_is_eligible(n, v_min, v_fresh_after, p_max_hourly_rate)
-        order by s.base_score desc, s.node_id limit p_limit);
+        select t.node_id from public.top_by_base(
+          p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate, p_region, true) t
+        union all
+        select t.node_id from public.top_by_base(
+          p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate, p_region, false) t);
     else
       -- Proximity varies continuously: every node whose base is within the proximity weight of
       -- the k-th best base may still rank.
-      select min(t.base_score) into v_kth from (
-        select s.base_score from public.node_scores s join public.nodes n on n.id = s.node_id
-        where s.policy = p_policy and s.model_id = p_model
-          and public.node_is_eligible(n, v_min, v_fresh_after, p_max_hourly_rate)
-        order by s.base_score desc limit p_limit) t;
-      v_candidates := array(
-        select s.node_id from public.node_scores s join public.nodes n on n.id = s.node_id
-        where s.policy = p_policy and s.model_id = p_model
-          and s.base_score >= v_kth - w.proximity / v_weight - 1e-12
-          and public.node_is_eligible(n, v_min, v_fresh_after, p_max_hourly_rate));
+      select min(t.base_score) into v_kth from public.top_by_base(
+        p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate) t;
+      v_candidates := array(select t.node_id from public.top_by_base(
+        p_policy, p_model, 2147483647, v_min, v_fresh_after, p_max_hourly_rate, null, null,
+        v_kth - w.proximity / v_weight - 1e-12) t);
     end if;
     return query
     select r.id, r.name, row_number() over (order by r.total desc, r.id), r.total,
