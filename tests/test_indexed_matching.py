@@ -10,8 +10,12 @@ import pytest
 from neuralgrid.matching import MatchRequest, RankedNode, complete_job, failover_job, match_job, score_nodes
 from tests.conftest import make_node
 
-MODELS = ["meta-llama/Llama-3.1-8B-Instruct", "BAAI/bge-large-en-v1.5",
-          "meta-llama/Llama-3.3-70B-Instruct-AWQ", "custom:uncatalogued"]
+MODELS = [
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "BAAI/bge-large-en-v1.5",
+    "meta-llama/Llama-3.3-70B-Instruct-AWQ",
+    "custom:uncatalogued",
+]
 REGIONS = ["us-east", "eu-west", "ap-northeast", "sa-east"]
 
 
@@ -20,16 +24,20 @@ def random_fleet(conn: psycopg.Connection, rng: random.Random, n: int) -> None:
         held = rng.sample(MODELS, rng.randint(1, len(MODELS)))
         max_conc = rng.choice([1, 2, 4, 8])
         make_node(
-            conn, f"n{i}",
+            conn,
+            f"n{i}",
             models={m: rng.choice(["loaded", "available"]) for m in held},
             vram_gb=rng.choice([8, 16, 24, 40, 48, 80, 160]),
             tflops=rng.choice([30, 71, 121, 165, 312, 989]),
             hourly_rate=round(rng.uniform(0, 3), 2),
             region=rng.choice(REGIONS),
-            latitude=rng.uniform(-60, 60), longitude=rng.uniform(-180, 180),
+            latitude=rng.uniform(-60, 60),
+            longitude=rng.uniform(-180, 180),
             status=rng.choices(["online", "offline", "busy", "draining"], [85, 5, 5, 5])[0],
-            max_concurrency=max_conc, inflight=rng.randint(0, max_conc),
-            successes=rng.randint(0, 50), failures=rng.randint(0, 10),
+            max_concurrency=max_conc,
+            inflight=rng.randint(0, max_conc),
+            successes=rng.randint(0, 50),
+            failures=rng.randint(0, 10),
         )
     conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute' where random() < 0.05")
     conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where random() < 0.05")
@@ -60,7 +68,8 @@ def assert_same_ranking(conn: psycopg.Connection, rng: random.Random, cases: int
         for a, b in zip(fast, slow, strict=True):
             assert a.score == pytest.approx(b.score, abs=1e-12)
             assert (a.fit, a.warm, a.capacity, a.proximity) == pytest.approx(
-                (b.fit, b.warm, b.capacity, b.proximity), abs=1e-12)
+                (b.fit, b.warm, b.capacity, b.proximity), abs=1e-12
+            )
 
 
 def assert_scores_fresh(conn: psycopg.Connection) -> None:
@@ -98,15 +107,20 @@ def test_node_scores_follow_claims_failures_and_operator_changes(conn: psycopg.C
     conn.execute("update matching_policies set warm = 0.6, proximity = 0.3 where name = 'balanced'")
     conn.execute("update models set min_vram_gb = 30 where id = %s", (MODELS[0],))
     conn.execute("update node_models set state = 'loaded' where random() < 0.3")
-    conn.execute("update nodes set hourly_rate = hourly_rate * 2, successes = successes + 1 where random() < 0.3")
+    conn.execute(
+        "update nodes set hourly_rate = hourly_rate * 2, successes = successes + 1 where random() < 0.3"
+    )
     conn.execute("delete from node_models where random() < 0.1")
-    conn.execute("insert into matching_policies (name, description, price, proximity) values ('cheap', 'price', 1, 0.5)")
+    conn.execute(
+        "insert into matching_policies (name, description, price, proximity) values ('cheap', 'price', 1, 0.5)"
+    )
     conn.execute("delete from models where id = %s", (MODELS[2],))  # now matched as uncatalogued
     assert_scores_fresh(conn)
     assert_same_ranking(conn, rng, 80)
     rows = score_nodes(conn, MatchRequest(model=MODELS[0], policy="cheap", region="eu-west"), limit=5)
     assert [r.node_id for r in rows] == [
-        r.node_id for r in full_scan(conn, MatchRequest(model=MODELS[0], policy="cheap", region="eu-west"), 5)]
+        r.node_id for r in full_scan(conn, MatchRequest(model=MODELS[0], policy="cheap", region="eu-west"), 5)
+    ]
 
 
 def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
