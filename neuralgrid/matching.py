@@ -101,6 +101,26 @@ def score_nodes(
         return cur.fetchall()
 
 
+MATCH_JOB = (
+    "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
+    " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
+    " %(fallbacks)s, %(reserve)s::numeric)"
+)
+
+
+def match_params(
+    request: MatchRequest, api_key_id: UUID | None, stream: bool, fallbacks: int, reserve_usd: float
+) -> dict[str, object]:
+    """Parameters for MATCH_JOB, shared by these bindings and the async gateway."""
+    return {
+        **_request_params(request),
+        "key": api_key_id,
+        "stream": stream,
+        "fallbacks": fallbacks,
+        "reserve": reserve_usd,
+    }
+
+
 def match_job(
     conn: psycopg.Connection,
     request: MatchRequest,
@@ -108,19 +128,10 @@ def match_job(
     api_key_id: UUID | None = None,
     stream: bool = False,
     fallbacks: int = 3,
+    reserve_usd: float = 0.0,
 ) -> Match:
     with _translated(), conn.cursor(row_factory=class_row(Match)) as cur:
-        cur.execute(
-            "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
-            " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
-            " %(fallbacks)s)",
-            {
-                **_request_params(request),
-                "key": api_key_id,
-                "stream": stream,
-                "fallbacks": fallbacks,
-            },
-        )
+        cur.execute(MATCH_JOB, match_params(request, api_key_id, stream, fallbacks, reserve_usd))
         row = cur.fetchone()
         assert row is not None  # match_job always returns exactly one row
         return row

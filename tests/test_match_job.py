@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from neuralgrid.db.errors import ConflictError, InvalidRequest
+from neuralgrid.db.errors import BudgetExhausted, ConflictError, InvalidRequest
 from neuralgrid.matching import MatchRequest, complete_job, failover_job, match_job
 from tests.conftest import make_node, make_user
 
@@ -211,3 +211,27 @@ def test_an_unknown_api_key_is_refused(conn: psycopg.Connection) -> None:
     with pytest.raises(InvalidRequest, match="api_key"):
         match_job(conn, REQUEST, api_key_id=uuid.uuid4())
     assert conn.execute("select count(*) from jobs").fetchone() == (0,)
+
+
+def test_budget_reservations_hold_under_concurrency_in_sql(conn: psycopg.Connection) -> None:
+    """Each match holds its estimate; once spent + held reaches the budget, matches are refused."""
+    conn.execute("select set_config('request.jwt.claims', '', false)")
+    key = conn.execute("select id from create_api_key('b', null, null, 1.0)").fetchone()
+    assert key is not None
+    make_node(conn, max_concurrency=64)
+    held = [match_job(conn, REQUEST, api_key_id=key[0], reserve_usd=0.3) for _ in range(3)]
+    with pytest.raises(BudgetExhausted):
+        match_job(conn, REQUEST, api_key_id=key[0], reserve_usd=0.3)
+    assert conn.execute("select reserved_usd::float8 from api_keys").fetchone() == (pytest.approx(0.9),)
+    # Finishing releases the hold and charges the real cost (catalog price: tiny here).
+    for m in held:
+        complete_job(conn, m.job_id, prompt_tokens=10, completion_tokens=10)
+    spent, reserved = conn.execute("select spent_usd, reserved_usd from api_keys").fetchone() or (0, 0)
+    assert float(reserved) == 0 and float(spent) == pytest.approx(3 * (10 * 0.05 + 10 * 0.10) / 1e6)
+    # With nothing held and budget left, one request is admitted even if its estimate is larger.
+    big = match_job(conn, REQUEST, api_key_id=key[0], reserve_usd=5.0)
+    assert big.node_id is not None
+    with pytest.raises(BudgetExhausted):
+        match_job(conn, REQUEST, api_key_id=key[0], reserve_usd=0.01)
+    failover_job(conn, big.job_id, "boom", candidates=[])  # a failed job releases its hold too
+    assert conn.execute("select reserved_usd from api_keys").fetchone() == (0,)

@@ -19,6 +19,10 @@ class InvalidRequest(DatabaseError):
     """A parameter the database refused (a bad policy, a negative limit, a constraint)."""
 
 
+class BudgetExhausted(DatabaseError):
+    """The API key's USD budget is spent (or fully held by requests in flight)."""
+
+
 class ConflictError(DatabaseError):
     """The state does not allow this (a job that is no longer running, say)."""
 
@@ -34,6 +38,7 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
     "23503": InvalidRequest,  # foreign_key_violation
     "23505": ConflictError,  # unique_violation
     "55000": ConflictError,  # object_not_in_prerequisite_state
+    "NG402": BudgetExhausted,  # raised by match_job()
 }
 
 

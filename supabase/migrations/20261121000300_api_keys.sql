@@ -10,6 +10,7 @@ create table public.api_keys (
   tpm_limit integer,
   budget_usd numeric(12, 4),
   spent_usd numeric(16, 8) not null default 0,
+  reserved_usd numeric(16, 8) not null default 0,
   created_at timestamptz not null default now(),
   last_used_at timestamptz,
   revoked_at timestamptz,
@@ -18,15 +19,16 @@ create table public.api_keys (
   constraint "rpm_limit must be positive" check (rpm_limit > 0),
   constraint "tpm_limit must be positive" check (tpm_limit > 0),
   constraint "budget_usd must not be negative" check (budget_usd >= 0),
-  constraint "spent_usd must not be negative" check (spent_usd >= 0)
+  constraint "spent_usd must not be negative" check (spent_usd >= 0),
+  constraint "reserved_usd must not be negative" check (reserved_usd >= 0)
 );
 comment on table public.api_keys is 'Developer API keys (hash only), with per-key rate limits and a USD budget.';
 
 create index api_keys_owner_idx on public.api_keys (owner_id);
 
 revoke all on table public.api_keys from anon, authenticated;
-grant select (id, owner_id, name, prefix, rpm_limit, tpm_limit, budget_usd, spent_usd, created_at,
-  last_used_at, revoked_at) on table public.api_keys to authenticated;
+grant select (id, owner_id, name, prefix, rpm_limit, tpm_limit, budget_usd, spent_usd, reserved_usd,
+  created_at, last_used_at, revoked_at) on table public.api_keys to authenticated;
 grant update (name, revoked_at) on table public.api_keys to authenticated;
 grant all on table public.api_keys to service_role;
 alter table public.api_keys enable row level security;
@@ -66,3 +68,20 @@ $$;
 comment on function public.create_api_key(text, integer, integer, numeric) is 'Creates an API key owned by the caller and returns it in clear, the only time it is ever shown.';
 revoke execute on function public.create_api_key(text, integer, integer, numeric) from public, anon;
 grant execute on function public.create_api_key(text, integer, integer, numeric) to authenticated, service_role;
+
+create function public.notify_api_key_change() returns trigger
+language plpgsql
+set search_path = ''
+as $$
+begin
+  -- Gateways cache keys; this tells every instance (LISTEN neuralgrid_api_keys) to forget one.
+  perform pg_notify('neuralgrid_api_keys', new.id::text);
+  return null;
+end;
+$$;
+comment on function public.notify_api_key_change() is 'Trigger: announces a revoked or re-limited key on channel neuralgrid_api_keys.';
+revoke execute on function public.notify_api_key_change() from public, anon, authenticated;
+
+create trigger api_keys_notify_change
+  after update of revoked_at, rpm_limit, tpm_limit, budget_usd on public.api_keys
+  for each row execute function public.notify_api_key_change();

@@ -15,6 +15,7 @@ create table public.jobs (
   prompt_tokens integer not null default 0,
   completion_tokens integer not null default 0,
   cost_usd numeric(16, 8) not null default 0,
+  reserved_usd numeric(16, 8) not null default 0,
   ttft_ms real,
   latency_ms real,
   error text,

@@ -190,6 +190,23 @@ comment on function public.claim_node(uuid[], uuid[]) is 'Claims one slot on the
 revoke execute on function public.claim_node(uuid[], uuid[]) from public, anon, authenticated;
 grant execute on function public.claim_node(uuid[], uuid[]) to service_role;
 
+create function public.release_reservation(p_job_id uuid, p_cost_usd numeric)
+returns void
+language sql
+set search_path = ''
+as $$
+  -- A finished job stops holding its estimate and charges what it really cost.
+  update public.api_keys k
+  set reserved_usd = greatest(k.reserved_usd - j.reserved_usd, 0),
+      spent_usd = k.spent_usd + p_cost_usd,
+      last_used_at = now()
+  from public.jobs j
+  where j.id = p_job_id and k.id = j.api_key_id
+$$;
+comment on function public.release_reservation(uuid, numeric) is 'Releases the budget a job held and charges its key the job''s real cost.';
+revoke execute on function public.release_reservation(uuid, numeric) from public, anon, authenticated;
+grant execute on function public.release_reservation(uuid, numeric) to service_role;
+
 create function public.match_job(
   p_model text,
   p_api_key_id uuid default null,
@@ -200,7 +217,8 @@ create function public.match_job(
   p_longitude double precision default null,
   p_max_hourly_rate numeric default null,
   p_stream boolean default false,
-  p_fallbacks integer default 3
+  p_fallbacks integer default 3,
+  p_reserve_usd numeric default 0
 ) returns table (
   job_id uuid,
   node_id uuid,
@@ -222,6 +240,25 @@ begin
   if p_fallbacks < 0 then
     raise exception 'fallbacks must not be negative' using errcode = 'invalid_parameter_value';
   end if;
+  if p_reserve_usd < 0 then
+    raise exception 'a reservation must not be negative' using errcode = 'invalid_parameter_value';
+  end if;
+  -- Hold the request's estimated cost against the key's budget, atomically, so that concurrent
+  -- requests never overspend it by more than one request: a request is admitted while the
+  -- budget covers what is spent and held, or when nothing is held and something is left.
+  if p_api_key_id is not null then
+    update public.api_keys k set reserved_usd = k.reserved_usd + p_reserve_usd
+    where k.id = p_api_key_id
+      and (k.budget_usd is null
+           or k.spent_usd + k.reserved_usd + p_reserve_usd <= k.budget_usd
+           or (k.reserved_usd = 0 and k.spent_usd < k.budget_usd));
+    if not found then
+      if not exists (select 1 from public.api_keys k where k.id = p_api_key_id) then
+        raise exception 'no api_key with id %', p_api_key_id using errcode = 'invalid_parameter_value';
+      end if;
+      raise exception 'the budget of this API key is spent' using errcode = 'NG402';
+    end if;
+  end if;
   -- The best few are enough: a claim skips only nodes filled or locked since scoring.
   select array_agg(s.node_id order by s.rank) into v_ranked
   from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
@@ -234,12 +271,15 @@ begin
   end if;
 
   insert into public.jobs as j (api_key_id, owner_id, model_id, policy, status, node_id, attempts, stream,
-                                region, min_vram_gb, error, finished_at)
+                                region, min_vram_gb, reserved_usd, error, finished_at)
   values (p_api_key_id, (select k.owner_id from public.api_keys k where k.id = p_api_key_id), p_model,
           p_policy, case when v_node.id is null then 'failed' else 'running' end, v_node.id,
-          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min, v_error,
-          case when v_node.id is null then now() end)
+          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min, p_reserve_usd,
+          v_error, case when v_node.id is null then now() end)
   returning j.id into v_job;
+  if v_node.id is null then
+    perform public.release_reservation(v_job, 0);
+  end if;
 
   if v_node.id is not null then
     insert into public.job_attempts (job_id, attempt, node_id) values (v_job, 1, v_node.id);
@@ -251,9 +291,9 @@ begin
     v_error;
 end;
 $$;
-comment on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) is 'One atomic call per request: scores nodes, claims a slot on the best one, records the job and its first attempt, and returns the node with an ordered fallback list (node null and error set when none can take it).';
-revoke execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) from public, anon, authenticated;
-grant execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer) to service_role;
+comment on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) is 'One atomic call per request: holds the estimated cost against the key''s budget (NG402 when spent), scores nodes, claims a slot on the best one, records the job and its first attempt, and returns the node with an ordered fallback list (node null and error set when none can take it).';
+revoke execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) from public, anon, authenticated;
+grant execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) to service_role;
 
 create function public.release_node(p_node_id uuid, p_outcome text)
 returns void
@@ -331,6 +371,7 @@ begin
   select * into v_node from public.claim_node(p_candidates, v_tried);
   if v_node.id is null then
     update public.jobs j set status = 'failed', error = p_error, finished_at = now() where j.id = p_job_id;
+    perform public.release_reservation(p_job_id, 0);
     return;
   end if;
   insert into public.job_attempts (job_id, attempt, node_id) values (p_job_id, v_attempt + 1, v_node.id);
@@ -401,8 +442,7 @@ begin
     where n.id = v_node.id;
   end if;
 
-  update public.api_keys k set spent_usd = k.spent_usd + v_cost, last_used_at = now()
-  where k.id = v_job.api_key_id;
+  perform public.release_reservation(p_job_id, v_cost);
   return query select v_cost, v_attempt.latency_ms;
 end;
 $$;
