@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from neuralgrid import fleet, matching
+from neuralgrid import fleet, keys, matching
 from neuralgrid.config import Settings
 from neuralgrid.db import connect, migrate
 from neuralgrid.db.embedded import EmbeddedPostgresError
@@ -37,6 +36,7 @@ app.add_typer(nodes_app, name="nodes")
 app.add_typer(bench_app, name="bench")
 
 DEMO_FLEET = Path(__file__).parent / "data" / "demo_fleet.json"
+DEMO_NODES = 24
 out = Console()
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -274,20 +274,23 @@ def bench_matching(
 def up(
     ctx: typer.Context,
     demo: Annotated[
-        bool, typer.Option(envvar="NEURALGRID_DEMO", help="Load the demo fleet and keep it alive.")
-    ] = False,
+        int,
+        typer.Option(
+            envvar="NEURALGRID_DEMO", help="Run N demo nodes (the demo fleet, backed by a fake node)."
+        ),
+    ] = 0,
+    host: Annotated[str | None, typer.Option(envvar="NEURALGRID_HOST", help="Gateway address.")] = None,
+    port: Annotated[int | None, typer.Option(envvar="NEURALGRID_PORT", help="Gateway port.")] = None,
 ) -> None:
-    """Start the platform: database, migrations and the health sweeper (Ctrl-C stops it)."""
+    """Start the platform: database, migrations, gateway and health sweeper (Ctrl-C stops it)."""
     settings: Settings = ctx.obj
+    settings = settings.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v})
+    if not 0 <= demo <= DEMO_NODES:
+        raise fail(f"--demo takes 0 to {DEMO_NODES} nodes")
     server = connect.embedded_server(settings) if settings.embedded else None
     started_here = server is not None and not server.is_running()
     url = connect.prepare(settings)
-    if demo:
-        with psycopg.connect(url, autocommit=True) as conn:
-            fleet.import_fleet(conn, fleet.read_fleet(DEMO_FLEET))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    out.print(f"database  {url}")
-    out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
     try:
         asyncio.run(_serve(settings, url, demo))
     finally:
@@ -296,18 +299,96 @@ def up(
             out.print("stopped the embedded database")
 
 
-async def _serve(settings: Settings, url: str, demo: bool) -> None:
+async def _serve(settings: Settings, url: str, demo: int) -> None:
     from neuralgrid import demo as demo_fleet
-    from neuralgrid.sweeper import run_sweeper
+    from neuralgrid.gateway.app import create_app
+    from neuralgrid.serving import make_server
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(run_sweeper(url, settings.sweep_interval_s, stop))]
+    tasks: list[asyncio.Task[None]] = []
+    gateway = make_server(create_app(settings, url), settings.host, settings.port)
     if demo:
+        backend_url = await demo_fleet.start_backend(tasks)
+        with psycopg.connect(url, autocommit=True) as conn:
+            specs = fleet.read_fleet(DEMO_FLEET)[:demo]
+            fleet.import_fleet(conn, [s.model_copy(update={"endpoint_url": backend_url}) for s in specs])
         tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
-    await asyncio.gather(*tasks)
+    tasks.append(asyncio.create_task(gateway.serve()))
+    while not gateway.started and not tasks[-1].done():
+        await asyncio.sleep(0.05)
+    gateway_url = f"http://{settings.host}:{settings.port}"
+    out.print(f"database  {url}")
+    out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)")
+    out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
+    if demo:
+        out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
+    await tasks[-1]  # uvicorn handles Ctrl-C / SIGTERM and returns
+    stop.set()
+    for task in tasks[:-1]:
+        task.cancel()
+    await asyncio.gather(*tasks[:-1], return_exceptions=True)
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="Developer API keys (shown in clear once, stored hashed).")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("create")
+@friendly_errors
+def keys_create(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Option(envvar="NEURALGRID_KEY_NAME", help="A name to recognise it by.")],
+    rpm: Annotated[int | None, typer.Option(envvar="NEURALGRID_KEY_RPM", help="Requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option(envvar="NEURALGRID_KEY_TPM", help="Tokens per minute.")] = None,
+    budget_usd: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_KEY_BUDGET_USD", help="Spending cap in USD.")
+    ] = None,
+) -> None:
+    """Create a key and print it: this is the only time it is shown."""
+    with database(ctx) as conn:
+        row = keys.create(conn, name, rpm, tpm, budget_usd)
+    out.print(f"created key {row.prefix}… ({row.id}); it is shown once, keep it safe:")
+    print(row.api_key)
+
+
+@keys_app.command("ls")
+@friendly_errors
+def keys_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")] = False,
+) -> None:
+    """List keys (never the keys themselves): limits, spend, last use, revocation."""
+    with database(ctx) as conn:
+        rows = keys.list_keys(conn)
+    if as_json:
+        print(fleet.to_json(rows))
+        return
+    table = Table("id", "name", "prefix", "rpm", "tpm", "budget $", "spent $", "last used", "revoked")
+    for r in rows:
+        table.add_row(
+            str(r["id"]),
+            r["name"],
+            r["prefix"],
+            str(r["rpm_limit"] or "-"),
+            str(r["tpm_limit"] or "-"),
+            "-" if r["budget_usd"] is None else f"{r['budget_usd']:.2f}",
+            f"{r['spent_usd']:.6f}",
+            str(r["last_used_at"] or "never")[:19],
+            str(r["revoked_at"] or "")[:19],
+        )
+    out.print(table)
+
+
+@keys_app.command("revoke")
+@friendly_errors
+def keys_revoke(
+    ctx: typer.Context,
+    key: Annotated[str, typer.Argument(help="The key's id or prefix (as `keys ls` shows).")],
+) -> None:
+    """Revoke a key; every gateway refuses it within a second."""
+    with database(ctx) as conn:
+        revoked = keys.revoke(conn, key)
+    out.print(f"revoked {revoked}")
 
 
 if __name__ == "__main__":  # pragma: no cover

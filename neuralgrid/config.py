@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_SECRET = "change-me-to-a-long-random-secret"
 
 
 class Settings(BaseSettings):
@@ -13,13 +16,31 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_file=".env", extra="ignore", populate_by_name=True)
 
+    environment: Literal["development", "production"] = Field("development", alias="NEURALGRID_ENV")
     home: Path = Field(Path("~/.neuralgrid"), alias="NEURALGRID_HOME")
     database_url: str | None = Field(None, alias="DATABASE_URL")
     db_port: int = Field(54322, alias="NEURALGRID_DB_PORT", ge=1, le=65535)
+    db_pool_size: int = Field(16, alias="NEURALGRID_DB_POOL_SIZE", ge=1)
     sweep_interval_s: float = Field(1.0, alias="NEURALGRID_SWEEP_INTERVAL_S", gt=0)
 
+    host: str = Field("127.0.0.1", alias="NEURALGRID_HOST")
+    port: int = Field(8080, alias="NEURALGRID_PORT", ge=1, le=65535)
+    jwt_secret: str = Field(PLACEHOLDER_SECRET, alias="NEURALGRID_JWT_SECRET")
+    redis_url: str | None = Field(None, alias="REDIS_URL")
+
+    max_attempts: int = Field(3, alias="NEURALGRID_MAX_ATTEMPTS", ge=1, le=10)
+    connect_timeout_s: float = Field(2.0, alias="NEURALGRID_CONNECT_TIMEOUT_S", gt=0)
+    first_byte_timeout_s: float = Field(30.0, alias="NEURALGRID_FIRST_BYTE_TIMEOUT_S", gt=0)
+    max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
+    key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
+    default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)
+
     @model_validator(mode="after")
-    def _expand_home(self) -> Settings:
+    def _check(self) -> Settings:
+        if self.environment != "development" and self.jwt_secret == PLACEHOLDER_SECRET:
+            raise ValueError(
+                "NEURALGRID_JWT_SECRET is still the placeholder: set a real secret outside development"
+            )
         self.home = self.home.expanduser()
         return self
 

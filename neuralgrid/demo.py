@@ -1,4 +1,4 @@
-"""The demo fleet's stand-in agents: heartbeats for the demo nodes, so they stay online."""
+"""The demo: a fake OpenAI-compatible node behind the demo fleet, and heartbeats to keep it online."""
 
 from __future__ import annotations
 
@@ -7,7 +7,27 @@ import contextlib
 
 import psycopg
 
+from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.serving import free_port, make_server
+
 DEMO_NODES = "select id from public.nodes where owner_id is null and status <> 'offline'"
+DEMO_MODELS = (
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "mistralai/Mistral-7B-Instruct-v0.3",
+    "Qwen/Qwen2.5-0.5B-Instruct",
+    "BAAI/bge-large-en-v1.5",
+)
+
+
+async def start_backend(tasks: list[asyncio.Task[None]]) -> str:
+    """Serve one fake node on a loopback port (its task joins `tasks`); returns its base URL."""
+    port = free_port()
+    config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node")
+    server = make_server(create_fake_node(config), "127.0.0.1", port)
+    tasks.append(asyncio.create_task(server.serve()))
+    while not server.started:
+        await asyncio.sleep(0.02)
+    return f"http://127.0.0.1:{port}"
 
 
 async def keep_alive(url: str, stop: asyncio.Event) -> None:

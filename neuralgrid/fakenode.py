@@ -1,0 +1,177 @@
+"""A small OpenAI-compatible inference server with knobs, standing in for a GPU node.
+
+Tests and `neuralgrid up --demo` run it on loopback ports. It answers chat, completions and
+embeddings (with `stream: true` as SSE) with deterministic text, and can be told to be slow, to fail,
+or to drop a stream half-way, so that the gateway's failover and metering can be exercised for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+WORDS = ("grid", "node", "token", "light", "river", "stone", "cloud", "signal", "orbit", "amber")
+
+
+@dataclass
+class FakeNodeConfig:
+    """The knobs. Change them on a running node (tests do) through `app.state.config`."""
+
+    models: tuple[str, ...] = ("meta-llama/Llama-3.1-8B-Instruct",)
+    latency_s: float = 0.0  # before the first byte
+    tokens_per_s: float = 0.0  # 0: as fast as possible
+    failure_rate: float = 0.0  # share of requests answered with fail_status
+    fail_status: int = 500
+    drop_after_chunks: int | None = None  # close a stream after this many chunks
+    default_max_tokens: int = 16
+    name: str = "fake-node"
+
+
+def _text_tokens(prompt: str, n: int) -> list[str]:
+    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big")
+    return [WORDS[(seed + i * 7) % len(WORDS)] + " " for i in range(n)]
+
+
+def _count_prompt_tokens(body: dict[str, object]) -> int:
+    text = json.dumps(body.get("messages") or body.get("prompt") or body.get("input") or "")
+    return max(1, len(text) // 4)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "code": status}}, status)
+
+
+async def _models(request: Request) -> Response:
+    config: FakeNodeConfig = request.app.state.config
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": config.name} for m in config.models]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    config: FakeNodeConfig = request.app.state.config
+    request.app.state.requests += 1
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        return _error(400, "body is not JSON")
+    if config.failure_rate and random.random() < config.failure_rate:
+        return _error(config.fail_status, f"{config.name} failed on purpose")
+    if config.latency_s:
+        await asyncio.sleep(config.latency_s)
+    model = str(body.get("model", config.models[0]))
+    prompt_tokens = _count_prompt_tokens(body)
+    if kind == "embedding":
+        return JSONResponse(_embeddings(body, model, prompt_tokens))
+    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
+    tokens = _text_tokens(json.dumps(body.get("messages") or body.get("prompt")), n)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        stream = _stream(config, kind, ident, model, tokens, usage if include_usage else None)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    if config.tokens_per_s:
+        await asyncio.sleep(n / config.tokens_per_s)
+    text = "".join(tokens)
+    if kind == "chat":
+        choice: dict[str, object] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+        }
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    return JSONResponse(
+        {
+            "id": ident,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    )
+
+
+async def _stream(
+    config: FakeNodeConfig,
+    kind: str,
+    ident: str,
+    model: str,
+    tokens: list[str],
+    usage: dict[str, int] | None,
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    created = int(time.time())
+    for i, token in enumerate(tokens):
+        if config.drop_after_chunks is not None and i >= config.drop_after_chunks:
+            raise ConnectionError(f"{config.name} dropped the stream on purpose")
+        if config.tokens_per_s:
+            await asyncio.sleep(1 / config.tokens_per_s)
+        last = i == len(tokens) - 1
+        if kind == "chat":
+            delta = {"content": token} if i else {"role": "assistant", "content": token}
+            choice: dict[str, object] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": "length" if last else None,
+            }
+        else:
+            choice = {"index": 0, "text": token, "finish_reason": "length" if last else None}
+        chunk = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = None
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    if usage is not None:
+        tail = {"id": ident, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+        yield f"data: {json.dumps(tail)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def _embeddings(body: dict[str, object], model: str, prompt_tokens: int) -> dict[str, object]:
+    raw = body.get("input")
+    inputs = raw if isinstance(raw, list) else [raw]
+    data = []
+    for i, text in enumerate(inputs):
+        digest = hashlib.sha256(json.dumps(text).encode()).digest()
+        vector = [(b - 128) / 128 for b in digest[:16]]
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+async def _chat(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def _embed(request: Request) -> Response:
+    return await _generate(request, "embedding")
+
+
+def create_fake_node(config: FakeNodeConfig | None = None) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/models", _models),
+            Route("/v1/chat/completions", _chat, methods=["POST"]),
+            Route("/v1/completions", _completions, methods=["POST"]),
+            Route("/v1/embeddings", _embed, methods=["POST"]),
+        ]
+    )
+    app.state.config = config or FakeNodeConfig()
+    app.state.requests = 0
+    return app

@@ -1,0 +1,133 @@
+"""The gateway application: lifespan (pool, HTTP client, key listener, sweeper) and error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from psycopg_pool import AsyncConnectionPool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from neuralgrid import __version__
+from neuralgrid.config import Settings
+from neuralgrid.db.errors import DatabaseError
+from neuralgrid.gateway import routes_keys, routes_openai
+from neuralgrid.gateway.deps import Gateway, GatewayDep
+from neuralgrid.gateway.errors import BadRequest, GatewayError
+from neuralgrid.gateway.keys import KeyStore
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.proxy import Router
+from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.sweeper import run_sweeper
+
+log = logging.getLogger(__name__)
+
+
+class Timing:
+    """Pure ASGI middleware: stamps arrival time (for the overhead header) and counts responses."""
+
+    def __init__(self, app: ASGIApp, metrics: list[Metrics]) -> None:
+        self.app = app
+        self.metrics = metrics  # filled by the lifespan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        received = time.perf_counter()
+        scope.setdefault("state", {})["received"] = received
+        path = scope["path"]
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.metrics:
+                self.metrics[0].requests.labels(path, str(message["status"])).inc()
+                self.metrics[0].latency.labels(path).observe(time.perf_counter() - received)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> FastAPI:
+    """The gateway for one database. `sweep` runs the health sweeper in this process too."""
+    metrics_holder: list[Metrics] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = AsyncConnectionPool(
+            database_url, min_size=2, max_size=settings.db_pool_size, kwargs={"autocommit": True}, open=False
+        )
+        await pool.open(wait=True, timeout=30)
+        timeout = httpx.Timeout(
+            connect=settings.connect_timeout_s, read=settings.first_byte_timeout_s, write=30.0, pool=30.0
+        )
+        http = httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        )
+        metrics = Metrics()
+        metrics_holder.append(metrics)
+        keys = KeyStore(pool, settings.key_cache_ttl_s)
+        router = Router(pool, http, settings, RateLimiter(settings.redis_url), metrics)
+        app.state.gateway = Gateway(settings, pool, keys, router, metrics)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(keys.listen(database_url, stop))]
+        if sweep:
+            tasks.append(asyncio.create_task(run_sweeper(database_url, settings.sweep_interval_s, stop)))
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await router.drain()
+            await http.aclose()
+            await pool.close()
+
+    app = FastAPI(
+        title="NeuralGrid",
+        version=__version__,
+        description="OpenAI-compatible inference, routed to the best GPU node by a matcher in Postgres.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(Timing, metrics=metrics_holder)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_keys.router)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, err: GatewayError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param).response()
+
+    @app.exception_handler(DatabaseError)
+    async def database_error(request: Request, err: DatabaseError) -> JSONResponse:
+        return BadRequest(str(err)).response()
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz(gateway: GatewayDep) -> JSONResponse:
+        try:
+            async with asyncio.timeout(2), gateway.pool.connection() as conn:
+                await conn.execute("select 1")
+        except Exception as err:  # any failure means not ready
+            return JSONResponse({"status": "unavailable", "database": str(err)}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["health"])
+    async def metrics(gateway: GatewayDep) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

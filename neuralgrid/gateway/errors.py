@@ -1,0 +1,60 @@
+"""Errors the gateway answers with, each rendered once as OpenAI's error body."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class GatewayError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"retry-after": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+class BadRequest(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class BodyTooLarge(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class BudgetExceeded(GatewayError):
+    status, type, code = 429, "insufficient_quota", "budget_exhausted"
+
+
+class UpstreamFailed(GatewayError):
+    status, type, code = 502, "server_error", "upstream_failed"
+
+
+class NoCapacity(GatewayError):
+    status, type, code = 503, "server_error", "no_capacity"
+
+
+class UpstreamTimeout(GatewayError):
+    status, type, code = 504, "server_error", "upstream_timeout"

@@ -1,0 +1,373 @@
+"""One request's way through the platform: match in SQL, forward, fail over, relay, meter.
+
+A node that fails before its first byte (refused, timed out, 5xx, 429) is recorded by
+failover_job(), which cools it down and claims the next fallback. After the first byte a stream is
+committed: a node that drops it ends the stream with an OpenAI-style error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import httpx
+import psycopg
+from psycopg.rows import class_row
+from psycopg_pool import AsyncConnectionPool
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from neuralgrid.config import Settings
+from neuralgrid.db import errors as db_errors
+from neuralgrid.gateway import errors
+from neuralgrid.gateway.keys import ApiKey
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.matching import MATCH_JOB, Match, MatchRequest, match_params
+
+log = logging.getLogger(__name__)
+
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+COMPLETE = "select cost_usd from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)"
+FAILOVER = "select node_id, endpoint_url, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
+CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
+
+
+@dataclass(frozen=True)
+class Call:
+    """A client's request as the gateway received it."""
+
+    kind: str
+    body: dict[str, Any]
+    key: ApiKey
+    region: str | None = None
+    max_hourly_rate: float | None = None
+    policy: str = "balanced"
+    received: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def parse(cls, payload: Any) -> Usage | None:
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, status: int | None = None, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.timeout = timeout
+
+
+class Catalog:
+    """Catalog prices, for the budget hold each request places; reloaded every minute."""
+
+    def __init__(self) -> None:
+        self.prices: dict[str, tuple[float | None, float | None]] = {}
+        self.loaded_at = float("-inf")
+
+    async def estimate(self, pool: AsyncConnectionPool, model: str, prompt_bytes: int, max_out: int) -> float:
+        if time.monotonic() - self.loaded_at > 60:
+            async with pool.connection() as conn:
+                rows = await (await conn.execute(CATALOG)).fetchall()
+            self.prices = {r[0]: (r[1], r[2]) for r in rows}
+            self.loaded_at = time.monotonic()
+        price_in, price_out = self.prices.get(model, (None, None))
+        # About four bytes a token; the answer at its max_tokens: an upper bound, as a hold should be.
+        return ((prompt_bytes / 4) * (price_in or 0) + max_out * (price_out or 0)) / 1e6
+
+
+class Router:
+    """Routes calls to nodes. One per app; holds the pool, the HTTP client and the limiter."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool,
+        http: httpx.AsyncClient,
+        settings: Settings,
+        limiter: RateLimiter,
+        metrics: Metrics,
+    ) -> None:
+        self.pool = pool
+        self.http = http
+        self.settings = settings
+        self.limiter = limiter
+        self.metrics = metrics
+        self.catalog = Catalog()
+        self._finishing: set[asyncio.Task[None]] = set()
+
+    async def handle(self, call: Call) -> Response:
+        await self.limiter.admit(call.key)
+        stream = bool(call.body.get("stream")) and call.kind != "embedding"
+        upstream_body = dict(call.body)
+        if stream:  # ask for usage to meter; stripped again if the client did not ask
+            upstream_body["stream_options"] = {
+                **(call.body.get("stream_options") or {}),
+                "include_usage": True,
+            }
+        payload = json.dumps(upstream_body).encode()
+        max_out = int(
+            call.body.get("max_tokens")
+            or call.body.get("max_completion_tokens")
+            or self.settings.default_max_tokens
+        )
+        reserve = await self.catalog.estimate(
+            self.pool, call.body["model"], len(payload), 0 if call.kind == "embedding" else max_out
+        )
+        match = await self._match(call, stream, reserve)
+
+        node_id, url, attempt = match.node_id, match.endpoint_url, match.attempt
+        waited = 0.0  # time spent waiting on nodes, which is not the gateway's overhead
+        while True:
+            assert node_id is not None and url is not None
+            sent = time.perf_counter()
+            try:
+                if stream:
+                    resp, first = await self._open_stream(url.rstrip("/") + PATHS[call.kind], payload)
+                else:
+                    resp = await self._post(url.rstrip("/") + PATHS[call.kind], payload)
+                    first = b""
+                break
+            except _Retryable as failure:
+                waited += time.perf_counter() - sent
+                self._count(node_id, "failed")
+                nxt = await self._failover(match.job_id, failure, match.fallback_ids)
+                if nxt is None:
+                    kind = errors.UpstreamTimeout if failure.timeout else errors.UpstreamFailed
+                    raise kind(f"no node could serve the request; last error: {failure}") from None
+                self.metrics.failovers.inc()
+                node_id, url, attempt = nxt
+
+        first_byte = time.perf_counter()
+        waited += first_byte - sent
+        headers = {
+            "x-neuralgrid-node": str(node_id),
+            "x-neuralgrid-attempts": str(attempt),
+            "x-neuralgrid-job": str(match.job_id),
+        }
+        meter = _Meter(job_id=match.job_id, node_id=node_id, sent=sent, first_byte=first_byte)
+        if not stream:
+            overhead = time.perf_counter() - call.received - waited
+            self.metrics.overhead.observe(overhead)
+            headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
+            return self._complete_response(call, resp, meter, headers)
+        overhead = time.perf_counter() - call.received - waited
+        self.metrics.overhead.observe(overhead)
+        headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
+        client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+        relay = self._relay(call, resp, first, meter, client_wants_usage)
+        return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
+
+    async def _match(self, call: Call, stream: bool, reserve: float) -> Match:
+        request = MatchRequest(
+            model=call.body["model"],
+            policy=call.policy,
+            region=call.region,
+            max_hourly_rate=call.max_hourly_rate,
+        )
+        params = match_params(request, call.key.id, stream, self.settings.max_attempts - 1, reserve)
+        started = time.perf_counter()
+        try:
+            async with self.pool.connection() as conn:
+                cur = conn.cursor(row_factory=class_row(Match))
+                match = await (await cur.execute(MATCH_JOB, params)).fetchone()
+        except psycopg.Error as err:
+            raise _domain_error(err) from err
+        self.metrics.matcher.observe(time.perf_counter() - started)
+        assert match is not None
+        if match.node_id is None:
+            raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
+        return match
+
+    async def _post(self, url: str, payload: bytes) -> httpx.Response:
+        try:
+            resp = await self.http.post(url, content=payload, headers={"content-type": "application/json"})
+        except httpx.TimeoutException as err:
+            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
+        except httpx.TransportError as err:
+            raise _Retryable(f"{type(err).__name__}: {err}") from err
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}", status=resp.status_code)
+        return resp
+
+    async def _open_stream(self, url: str, payload: bytes) -> tuple[httpx.Response, bytes]:
+        """Send, check the status, and read the first chunk: only then is the stream committed."""
+        request = self.http.build_request(
+            "POST", url, content=payload, headers={"content-type": "application/json"}
+        )
+        try:
+            resp = await self.http.send(request, stream=True)
+            try:
+                if resp.status_code == 429 or resp.status_code >= 500:
+                    body = (await resp.aread())[:200].decode(errors="replace")
+                    raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
+                return resp, await anext(resp.aiter_raw())
+            except BaseException:
+                await resp.aclose()
+                raise
+        except httpx.TimeoutException as err:
+            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
+        except (httpx.TransportError, StopAsyncIteration) as err:
+            raise _Retryable(f"{type(err).__name__}: {err}") from err
+
+    async def _failover(
+        self, job_id: UUID, failure: _Retryable, candidates: list[UUID]
+    ) -> tuple[UUID, str, int] | None:
+        async with self.pool.connection() as conn:
+            row = await (
+                await conn.execute(FAILOVER, (job_id, str(failure), failure.status, candidates))
+            ).fetchone()
+        return (row[0], row[1], row[2]) if row else None
+
+    def _complete_response(
+        self, call: Call, resp: httpx.Response, meter: _Meter, headers: dict[str, str]
+    ) -> Response:
+        content = resp.content
+        outcome, error = "succeeded", None
+        if resp.status_code >= 400:  # the client's mistake, told by the node: neutral for the node
+            outcome, error = "cancelled", f"HTTP {resp.status_code} from the node: {content[:200]!r}"
+        try:
+            usage = Usage.parse(json.loads(content)) if outcome == "succeeded" else None
+        except ValueError:
+            usage = None
+        meter.usage = usage or Usage()
+        finish = BackgroundTask(self._finish, call, meter, outcome, error)
+        media = resp.headers.get("content-type", "application/json")
+        return Response(
+            content, status_code=resp.status_code, headers=headers, media_type=media, background=finish
+        )
+
+    async def _relay(
+        self, call: Call, resp: httpx.Response, first: bytes, meter: _Meter, client_wants_usage: bool
+    ) -> AsyncIterator[bytes]:
+        outcome, error = "succeeded", None
+        events = _SseEvents(meter, client_wants_usage)
+        try:
+            for event in events.feed(first):
+                yield event
+            async for raw in resp.aiter_raw():
+                for event in events.feed(raw):
+                    yield event
+            if not events.done:
+                raise httpx.RemoteProtocolError("the node ended the stream without [DONE]")
+        except httpx.HTTPError as err:
+            outcome, error = "failed", f"the node dropped the stream: {err}"
+            body = {
+                "error": {"message": error, "type": "server_error", "param": None, "code": "upstream_dropped"}
+            }
+            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except BaseException:  # the client went away (cancelled): keep what was used
+            outcome, error = "cancelled", "the client disconnected"
+            raise
+        finally:
+            await resp.aclose()
+            task = asyncio.get_running_loop().create_task(self._finish(call, meter, outcome, error))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
+        """Record the attempt's end: usage, cost, reputation; then charge the token rate limit."""
+        now = time.perf_counter()
+        # A node that reports no usage is charged by what was seen: a token per streamed chunk.
+        usage = meter.usage or Usage(0, meter.chunks)
+        try:
+            async with self.pool.connection() as conn:
+                await conn.execute(
+                    COMPLETE,
+                    (
+                        meter.job_id,
+                        outcome,
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        (meter.first_byte - meter.sent) * 1000,
+                        (now - meter.sent) * 1000,
+                        error,
+                    ),
+                )
+        except psycopg.Error:
+            log.exception("could not complete job %s", meter.job_id)
+        self._count(meter.node_id, outcome)
+        await self.limiter.spend_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
+
+    async def drain(self) -> None:
+        """Wait for the jobs still being recorded (on shutdown)."""
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+
+    def _count(self, node_id: UUID, outcome: str) -> None:
+        self.metrics.attempts.labels(outcome).inc()
+        self.metrics.node_outcomes.labels(str(node_id), outcome).inc()
+
+
+@dataclass
+class _Meter:
+    job_id: UUID
+    node_id: UUID
+    sent: float
+    first_byte: float
+    usage: Usage | None = None
+    chunks: int = 0
+
+
+class _SseEvents:
+    """Splits the node's SSE bytes into whole events, notes usage, and drops the usage-only event
+    the gateway asked for on the client's behalf."""
+
+    def __init__(self, meter: _Meter, keep_usage_event: bool) -> None:
+        self.meter = meter
+        self.keep_usage_event = keep_usage_event
+        self.buffer = b""
+        self.done = False
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        self.buffer += raw
+        out: list[bytes] = []
+        while b"\n\n" in self.buffer:
+            event, self.buffer = self.buffer.split(b"\n\n", 1)
+            if self._keep(event):
+                out.append(event + b"\n\n")
+        return out
+
+    def _keep(self, event: bytes) -> bool:
+        data = event.removeprefix(b"data: ").strip()
+        if data == b"[DONE]":
+            self.done = True
+            return True
+        self.meter.chunks += 1
+        if b'"usage"' not in data:
+            return True
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return True
+        usage = Usage.parse(payload)
+        if usage is None:
+            return True
+        self.meter.usage = usage
+        self.meter.chunks -= 1
+        return self.keep_usage_event or bool(payload.get("choices"))
+
+
+def _domain_error(err: psycopg.Error) -> Exception:
+    domain = db_errors.translate(err)
+    if isinstance(domain, db_errors.UnknownModel):
+        return errors.NotFound(str(domain), param="model")
+    if isinstance(domain, db_errors.BudgetExhausted):
+        return errors.BudgetExceeded(str(domain), retry_after=60)
+    if isinstance(domain, db_errors.InvalidRequest):
+        return errors.BadRequest(str(domain))
+    return domain

@@ -1,0 +1,63 @@
+"""Run ASGI apps with uvicorn: as a task in an event loop, or in a thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def make_server(app: Any, host: str, port: int, **options: Any) -> uvicorn.Server:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
+    return uvicorn.Server(config)
+
+
+class ThreadedServer:
+    """An app served on a loopback port from a background thread; a context manager."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.app = app
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = make_server(app, self.host, self.port)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        self.server.config.install_signal_handlers = False  # type: ignore[attr-defined]
+        asyncio.run(self.server.serve())
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
