@@ -9,6 +9,7 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,73 @@ def make_node(
 @pytest.fixture
 def user(conn: psycopg.Connection) -> uuid.UUID:
     return make_user(conn)
+
+
+# The gateway: a real server on loopback, fake GPU nodes on their own ports, the openai SDK as client.
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@dataclass
+class FakeNode:
+    server: Any
+    node_id: uuid.UUID
+    config: Any
+
+    @property
+    def requests(self) -> int:
+        return int(self.server.app.state.requests)
+
+
+@pytest.fixture
+def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
+    """Factory: start a fake node with the given knobs and register it as an online node."""
+    from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
+    from neuralgrid.serving import ThreadedServer
+
+    started: list[ThreadedServer] = []
+
+    def start(name: str | None = None, *, models: dict[str, str] | None = None, **knobs: Any) -> FakeNode:
+        node_fields = {k: knobs.pop(k) for k in list(knobs) if k in NODE_DEFAULTS}
+        config = FakeNodeConfig(**knobs)
+        server = ThreadedServer(create_fake_node(config)).start()
+        started.append(server)
+        node_id = make_node(conn, name, models=models, endpoint_url=server.url, **node_fields)
+        return FakeNode(server, node_id, config)
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def gateway_settings() -> dict[str, Any]:
+    """Overrides for the gateway's Settings; tests change it before asking for `gateway`."""
+    return {"NEURALGRID_KEY_CACHE_TTL_S": 30, "NEURALGRID_FIRST_BYTE_TIMEOUT_S": 5}
+
+
+@pytest.fixture
+def gateway(db_url: str, gateway_settings: dict[str, Any]) -> Iterator[str]:
+    """A running gateway (no sweeper: tests drive node health themselves); yields its base URL."""
+    from neuralgrid.config import Settings
+    from neuralgrid.gateway.app import create_app
+    from neuralgrid.serving import ThreadedServer
+
+    app = create_app(Settings(**gateway_settings), db_url, sweep=False)
+    with ThreadedServer(app) as server:
+        yield server.url
+
+
+@pytest.fixture
+def api_key(conn: psycopg.Connection) -> str:
+    row = conn.execute("select api_key from create_api_key('test key')").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@pytest.fixture
+def client(gateway: str, api_key: str) -> Iterator[Any]:
+    import openai
+
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0, timeout=20) as sdk:
+        yield sdk

@@ -136,10 +136,9 @@ class Router:
             sent = time.perf_counter()
             try:
                 if stream:
-                    resp, first = await self._open_stream(url.rstrip("/") + PATHS[call.kind], payload)
+                    resp, chunks, first = await self._open_stream(url.rstrip("/") + PATHS[call.kind], payload)
                 else:
                     resp = await self._post(url.rstrip("/") + PATHS[call.kind], payload)
-                    first = b""
                 break
             except _Retryable as failure:
                 waited += time.perf_counter() - sent
@@ -168,7 +167,7 @@ class Router:
         self.metrics.overhead.observe(overhead)
         headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
         client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-        relay = self._relay(call, resp, first, meter, client_wants_usage)
+        relay = self._relay(call, resp, chunks, first, meter, client_wants_usage)
         return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
 
     async def _match(self, call: Call, stream: bool, reserve: float) -> Match:
@@ -203,7 +202,9 @@ class Router:
             raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}", status=resp.status_code)
         return resp
 
-    async def _open_stream(self, url: str, payload: bytes) -> tuple[httpx.Response, bytes]:
+    async def _open_stream(
+        self, url: str, payload: bytes
+    ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
         """Send, check the status, and read the first chunk: only then is the stream committed."""
         request = self.http.build_request(
             "POST", url, content=payload, headers={"content-type": "application/json"}
@@ -214,7 +215,8 @@ class Router:
                 if resp.status_code == 429 or resp.status_code >= 500:
                     body = (await resp.aread())[:200].decode(errors="replace")
                     raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
-                return resp, await anext(resp.aiter_raw())
+                chunks = resp.aiter_raw()
+                return resp, chunks, await anext(chunks)
             except BaseException:
                 await resp.aclose()
                 raise
@@ -251,14 +253,20 @@ class Router:
         )
 
     async def _relay(
-        self, call: Call, resp: httpx.Response, first: bytes, meter: _Meter, client_wants_usage: bool
+        self,
+        call: Call,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        meter: _Meter,
+        client_wants_usage: bool,
     ) -> AsyncIterator[bytes]:
         outcome, error = "succeeded", None
         events = _SseEvents(meter, client_wants_usage)
         try:
             for event in events.feed(first):
                 yield event
-            async for raw in resp.aiter_raw():
+            async for raw in chunks:
                 for event in events.feed(raw):
                     yield event
             if not events.done:

@@ -163,28 +163,47 @@ grant execute on function public.score_nodes(text, real, text, text, double prec
 
 create function public.claim_node(p_candidates uuid[], p_exclude uuid[] default '{}')
 returns setof public.nodes
-language sql
+language plpgsql
 set search_path = ''
 as $$
-  -- One statement: lock the first candidate (in the given order) that is online, has a free slot
-  -- and is not cooling down; SKIP LOCKED lets concurrent claims pass each other instead of queueing,
-  -- and the lock re-checks the row so inflight can never exceed max_concurrency.
-  update public.nodes n
-  set inflight = n.inflight + 1,
-      status = case when n.inflight + 1 >= n.max_concurrency then 'busy' else n.status end
-  where n.id = (
-    select c.id
+declare
+  v_id uuid;
+begin
+  -- Lock the first candidate (in the given order) that is online, has a free slot and is not
+  -- cooling down. SKIP LOCKED lets concurrent claims pass each other; the lock re-checks the row,
+  -- so inflight can never exceed max_concurrency.
+  select c.id into v_id
+  from unnest(p_candidates) with ordinality as r (id, ord)
+  join public.nodes c on c.id = r.id
+  where c.status = 'online' and c.inflight < c.max_concurrency
+    and (c.cooldown_until is null or c.cooldown_until <= now()) and c.id <> all (p_exclude)
+  order by r.ord limit 1
+  for update of c skip locked;
+  if v_id is null then
+    -- Every free candidate was locked by someone (a claim, a completion, a heartbeat): wait for
+    -- the first one rather than report a small fleet full. One row only, so no lock is held on
+    -- rows passed over (that would let two claims deadlock).
+    select c.id into v_id
     from unnest(p_candidates) with ordinality as r (id, ord)
     join public.nodes c on c.id = r.id
-    where c.status = 'online'
-      and c.inflight < c.max_concurrency
+    where c.status = 'online' and c.inflight < c.max_concurrency
+      and (c.cooldown_until is null or c.cooldown_until <= now()) and c.id <> all (p_exclude)
+    order by r.ord limit 1;
+    select c.id into v_id from public.nodes c
+    where c.id = v_id and c.status = 'online' and c.inflight < c.max_concurrency
       and (c.cooldown_until is null or c.cooldown_until <= now())
-      and c.id <> all (p_exclude)
-    order by r.ord
-    limit 1
-    for update of c skip locked
-  )
-  returning n.*
+    for update;
+  end if;
+  if v_id is null then
+    return;
+  end if;
+  return query
+    update public.nodes n
+    set inflight = n.inflight + 1,
+        status = case when n.inflight + 1 >= n.max_concurrency then 'busy' else n.status end
+    where n.id = v_id
+    returning n.*;
+end;
 $$;
 comment on function public.claim_node(uuid[], uuid[]) is 'Claims one slot on the first available candidate node, in order; returns it, or nothing when none is free.';
 revoke execute on function public.claim_node(uuid[], uuid[]) from public, anon, authenticated;
@@ -243,10 +262,18 @@ begin
   if p_reserve_usd < 0 then
     raise exception 'a reservation must not be negative' using errcode = 'invalid_parameter_value';
   end if;
+  -- The best few are enough: a claim skips only nodes filled or locked since scoring.
+  select array_agg(s.node_id order by s.rank) into v_ranked
+  from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
+                          p_max_hourly_rate, false, greatest(32, 4 * (p_fallbacks + 1))) s;
+
+  select * into v_node from public.claim_node(coalesce(v_ranked, '{}'));
   -- Hold the request's estimated cost against the key's budget, atomically, so that concurrent
   -- requests never overspend it by more than one request: a request is admitted while the
   -- budget covers what is spent and held, or when nothing is held and something is left.
-  if p_api_key_id is not null then
+  -- After the claim: nodes are always locked before keys (complete_job's order too); a refusal
+  -- rolls the claim back.
+  if p_api_key_id is not null and v_node.id is not null then
     update public.api_keys k set reserved_usd = k.reserved_usd + p_reserve_usd
     where k.id = p_api_key_id
       and (k.budget_usd is null
@@ -259,12 +286,7 @@ begin
       raise exception 'the budget of this API key is spent' using errcode = 'NG402';
     end if;
   end if;
-  -- The best few are enough: a claim skips only nodes filled or locked since scoring.
-  select array_agg(s.node_id order by s.rank) into v_ranked
-  from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
-                          p_max_hourly_rate, false, greatest(32, 4 * (p_fallbacks + 1))) s;
 
-  select * into v_node from public.claim_node(coalesce(v_ranked, '{}'));
   if v_node.id is null then
     v_error := case when v_ranked is null then format('no capable node is online for %s', p_model)
                     else format('every capable node for %s is at capacity', p_model) end;
@@ -274,12 +296,10 @@ begin
                                 region, min_vram_gb, reserved_usd, error, finished_at)
   values (p_api_key_id, (select k.owner_id from public.api_keys k where k.id = p_api_key_id), p_model,
           p_policy, case when v_node.id is null then 'failed' else 'running' end, v_node.id,
-          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min, p_reserve_usd,
-          v_error, case when v_node.id is null then now() end)
+          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min,
+          case when v_node.id is null then 0 else p_reserve_usd end, v_error,
+          case when v_node.id is null then now() end)
   returning j.id into v_job;
-  if v_node.id is null then
-    perform public.release_reservation(v_job, 0);
-  end if;
 
   if v_node.id is not null then
     insert into public.job_attempts (job_id, attempt, node_id) values (v_job, 1, v_node.id);

@@ -1,0 +1,299 @@
+"""The gateway end to end: the official openai SDK -> gateway -> fake GPU nodes, metered in Postgres."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import psycopg
+import pytest
+
+from tests.conftest import LLAMA8, free_port, make_node
+
+MESSAGES = [{"role": "user", "content": "Say hello to the grid."}]
+
+
+def job_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "select status, attempts, prompt_tokens, completion_tokens, cost_usd::float8, error from jobs order by created_at"
+    ).fetchall()
+
+
+def wait_for(predicate: Any, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_chat_completion_is_routed_metered_and_explained(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    node = fake_nodes("node-a")
+    raw = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=7)
+    reply = raw.parse()
+    assert reply.choices[0].message.content and reply.usage is not None
+    assert reply.usage.completion_tokens == 7
+    assert raw.headers["x-neuralgrid-node"] == str(node.node_id)
+    assert raw.headers["x-neuralgrid-attempts"] == "1"
+    assert float(raw.headers["x-neuralgrid-overhead-ms"]) >= 0
+    rows = wait_for(lambda: [r for r in job_rows(conn) if r[0] == "succeeded"])
+    status, attempts, prompt, completion, cost, error = rows[0]
+    assert (status, attempts, prompt, completion, error) == (
+        "succeeded",
+        1,
+        reply.usage.prompt_tokens,
+        7,
+        None,
+    )
+    assert cost == pytest.approx((prompt * 0.05 + 7 * 0.10) / 1e6)
+    assert conn.execute("select inflight, successes from nodes").fetchone() == (0, 1)
+
+
+def test_completions_and_embeddings(conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI) -> None:
+    fake_nodes(models={LLAMA8: "loaded", "BAAI/bge-large-en-v1.5": "loaded"})
+    text = client.completions.create(model=LLAMA8, prompt="Once upon a time", max_tokens=4)
+    assert text.choices[0].text and text.usage is not None and text.usage.completion_tokens == 4
+    vectors = client.embeddings.create(model="BAAI/bge-large-en-v1.5", input=["one", "two"])
+    assert len(vectors.data) == 2 and len(vectors.data[0].embedding) == 16
+    wait_for(lambda: len([r for r in job_rows(conn) if r[0] == "succeeded"]) == 2)
+
+
+def test_models_lists_catalog_and_served_models(fake_nodes: Any, client: openai.OpenAI) -> None:
+    fake_nodes(models={"ollama/llama3:8b": "loaded"})
+    ids = {m.id for m in client.models.list()}
+    assert {"ollama/llama3:8b", LLAMA8, "BAAI/bge-large-en-v1.5"} <= ids
+
+
+def test_streaming_passes_chunks_through_and_meters(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    fake_nodes(tokens_per_s=200)
+    stream = client.chat.completions.create(
+        model=LLAMA8, messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    content = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert len(content) == 6 and all(content)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # Without include_usage the client gets no usage chunk, but the job is metered all the same.
+    plain = list(client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=5, stream=True))
+    assert all(c.choices for c in plain) and len(plain) == 5
+    rows = wait_for(
+        lambda: (
+            [r for r in job_rows(conn) if r[0] == "succeeded"]
+            if len(job_rows(conn)) == 2 and all(r[0] == "succeeded" for r in job_rows(conn))
+            else None
+        )
+    )
+    assert [r[3] for r in rows] == [6, 5]
+
+
+def test_streaming_arrives_chunk_by_chunk(fake_nodes: Any, gateway: str, api_key: str) -> None:
+    fake_nodes(tokens_per_s=10)  # a chunk every 100 ms
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 5, "stream": True}
+    arrivals = []
+    with httpx.stream(
+        "POST",
+        f"{gateway}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=10,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert len(arrivals) == 5 and min(gaps) > 0.05  # not buffered into one burst
+
+
+def test_failover_when_the_first_node_refuses(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    dead = make_node(conn, "dead", vram_gb=24, endpoint_url=f"http://127.0.0.1:{free_port()}")
+    alive = fake_nodes("alive", vram_gb=48)  # ranks second: less right-sized
+    raw = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+    assert raw.headers["x-neuralgrid-node"] == str(alive.node_id)
+    assert raw.headers["x-neuralgrid-attempts"] == "2"
+    failures, cooldown = conn.execute(
+        "select failures, cooldown_until > now() from nodes where id = %s", (dead,)
+    ).fetchone() or (0, False)
+    assert failures == 1 and cooldown
+    attempts = conn.execute("select node_id, status, error from job_attempts order by attempt").fetchall()
+    assert attempts[0][0] == dead and attempts[0][1] == "failed" and "ConnectError" in attempts[0][2]
+    # The cooled-down node is avoided: the next request goes straight to the live one.
+    again = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+    assert again.headers["x-neuralgrid-attempts"] == "1"
+    assert again.headers["x-neuralgrid-node"] == str(alive.node_id)
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_failover_on_server_errors_and_throttling(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, status: int
+) -> None:
+    broken = fake_nodes("broken", vram_gb=24, failure_rate=1.0, fail_status=status)
+    fine = fake_nodes("fine", vram_gb=48)
+    raw = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+    assert raw.headers["x-neuralgrid-node"] == str(fine.node_id) and broken.requests == 1
+    rows = conn.execute("select http_status from job_attempts where status = 'failed'").fetchall()
+    assert rows == [(status,)]
+
+
+def test_failover_of_a_stream_before_its_first_byte(fake_nodes: Any, client: openai.OpenAI) -> None:
+    fake_nodes("broken", vram_gb=24, failure_rate=1.0)
+    fake_nodes("fine", vram_gb=48)
+    chunks = list(client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, stream=True))
+    assert len(chunks) == 4
+
+
+def test_a_stream_dropped_mid_way_ends_with_an_error_event(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes(drop_after_chunks=3)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{gateway}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=10,
+    ) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 5 and events[-1] == "[DONE]"
+    assert json.loads(events[3])["error"]["code"] == "upstream_dropped"
+    row = wait_for(
+        lambda: conn.execute(
+            "select status, completion_tokens from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert row == ("failed", 3)
+
+
+def test_all_nodes_failing_is_a_502_and_a_failed_job(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    fake_nodes(failure_rate=1.0)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=LLAMA8, messages=MESSAGES)
+    assert err.value.status_code == 502 and err.value.body["code"] == "upstream_failed"  # type: ignore[index]
+    assert conn.execute("select status from jobs").fetchone() == ("failed",)
+
+
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_FIRST_BYTE_TIMEOUT_S": 0.3}])
+def test_a_slow_node_times_out_with_504(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    fake_nodes(latency_s=2)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=LLAMA8, messages=MESSAGES)
+    assert err.value.status_code == 504
+
+
+def test_errors_are_openai_shaped(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str, client: openai.OpenAI
+) -> None:
+    auth = {"authorization": f"Bearer {api_key}"}
+    url = f"{gateway}/v1/chat/completions"
+    cases = [
+        (httpx.post(url, content=b"{nope", headers=auth), 400),
+        (httpx.post(url, json={"model": LLAMA8}, headers=auth), 400),
+        (httpx.post(url, json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 0}, headers=auth), 400),
+        (httpx.post(url, json={"model": LLAMA8, "messages": MESSAGES}), 401),
+        (
+            httpx.post(
+                url, json={"model": LLAMA8, "messages": MESSAGES}, headers={"authorization": "Bearer ng-nope"}
+            ),
+            401,
+        ),
+        (httpx.post(url, json={"model": "no/such-model", "messages": MESSAGES}, headers=auth), 404),
+        (httpx.post(url, content=b"x" * 2_000_000, headers=auth), 413),
+        (httpx.post(url, json={"model": LLAMA8, "messages": MESSAGES}, headers=auth), 503),
+        (
+            httpx.post(
+                url,
+                json={"model": LLAMA8, "messages": MESSAGES},
+                headers={**auth, "x-neuralgrid-max-price": "cheap"},
+            ),
+            400,
+        ),
+    ]
+    for resp, status in cases:
+        assert resp.status_code == status, resp.text
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert cases[5][0].json()["error"]["param"] == "model"
+    assert cases[7][0].headers["retry-after"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no/such-model", messages=MESSAGES)
+    # Bad requests store nothing but their own failed job (the 503): no node slot is left claimed.
+    assert job_rows(conn) == [("failed", 0, 0, 0, 0.0, f"no capable node is online for {LLAMA8}")]
+
+
+def test_revoked_keys_are_refused(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, api_key: str
+) -> None:
+    fake_nodes()
+    client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2)  # now cached
+    conn.execute("update api_keys set revoked_at = now()")
+
+    def refused() -> bool:
+        try:
+            client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2)
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    started = time.monotonic()
+    wait_for(refused, timeout=2)
+    assert time.monotonic() - started < 1.0
+
+
+def test_rate_limit_per_key(conn: psycopg.Connection, fake_nodes: Any, gateway: str) -> None:
+    fake_nodes(max_concurrency=64)
+    key = (conn.execute("select api_key from create_api_key('limited', 3)").fetchone() or ("",))[0]
+    limited = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0)
+    for _ in range(3):
+        limited.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as err:
+        limited.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+    assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+def test_usage_endpoint_reports_the_keys_totals(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, gateway: str, api_key: str
+) -> None:
+    fake_nodes()
+    for _ in range(3):
+        client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4)
+    wait_for(
+        lambda: conn.execute("select count(*) = 3 from jobs where status = 'succeeded'").fetchone() == (True,)
+    )
+    usage = httpx.get(f"{gateway}/v1/usage", headers={"authorization": f"Bearer {api_key}"}).json()
+    assert (usage["requests"], usage["succeeded"], usage["completion_tokens"]) == (3, 3, 12)
+    assert usage["cost_usd"] == pytest.approx(usage["spent_usd"]) and usage["cost_usd"] > 0
+
+
+def test_health_ready_metrics_and_docs(fake_nodes: Any, client: openai.OpenAI, gateway: str) -> None:
+    fake_nodes()
+    client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2)
+    assert httpx.get(f"{gateway}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{gateway}/readyz").json() == {"status": "ready"}
+    metrics = httpx.get(f"{gateway}/metrics").text
+    for name in (
+        "neuralgrid_requests_total",
+        "neuralgrid_matcher_seconds",
+        "neuralgrid_attempts_total",
+        "neuralgrid_overhead_seconds",
+        "neuralgrid_node_outcomes_total",
+    ):
+        assert name in metrics
+    assert 'neuralgrid_attempts_total{outcome="succeeded"} 1.0' in metrics
+    assert "/v1/chat/completions" in httpx.get(f"{gateway}/openapi.json").text
