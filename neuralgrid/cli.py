@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -307,6 +308,9 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     gateway = make_server(create_app(settings, url), settings.host, settings.port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(gateway, "should_exit", True))
     if demo:
         backend_url = await demo_fleet.start_backend(tasks)
         with psycopg.connect(url, autocommit=True) as conn:
@@ -322,7 +326,7 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
     if demo:
         out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
-    await tasks[-1]  # uvicorn handles Ctrl-C / SIGTERM and returns
+    await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
     stop.set()
     for task in tasks[:-1]:
         task.cancel()

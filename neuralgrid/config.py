@@ -37,10 +37,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.environment != "development" and self.jwt_secret == PLACEHOLDER_SECRET:
-            raise ValueError(
-                "NEURALGRID_JWT_SECRET is still the placeholder: set a real secret outside development"
-            )
+        if self.environment != "development":
+            if self.jwt_secret == PLACEHOLDER_SECRET:
+                raise ValueError("NEURALGRID_JWT_SECRET is still the placeholder: set a real secret")
+            if len(self.jwt_secret) < 32:
+                raise ValueError("NEURALGRID_JWT_SECRET must be at least 32 characters")
         self.home = self.home.expanduser()
         return self
 

@@ -12,6 +12,9 @@ from psycopg.rows import class_row, dict_row
 from neuralgrid.db.errors import InvalidRequest, translate
 
 
+CREATE_KEY = "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)"
+
+
 @dataclass(frozen=True)
 class CreatedKey:
     id: UUID
@@ -24,10 +27,7 @@ def create(
 ) -> CreatedKey:
     try:
         with conn.cursor(row_factory=class_row(CreatedKey)) as cur:
-            row = cur.execute(
-                "select id, api_key, prefix from public.create_api_key(%s, %s, %s, %s)",
-                (name, rpm, tpm, budget_usd),
-            ).fetchone()
+            row = cur.execute(CREATE_KEY, (name, rpm, tpm, budget_usd)).fetchone()
     except psycopg.Error as err:
         raise translate(err) from err
     assert row is not None

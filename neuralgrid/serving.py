@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -18,9 +20,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def make_server(app: Any, host: str, port: int, **options: Any) -> uvicorn.Server:
+class Server(uvicorn.Server):
+    """uvicorn's server without its signal handling: callers decide what a signal means (uvicorn's
+    own re-raises the signal after shutdown, which would skip our cleanup)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_server(app: Any, host: str, port: int, **options: Any) -> Server:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 class ThreadedServer:
@@ -38,7 +49,6 @@ class ThreadedServer:
         return f"http://{self.host}:{self.port}"
 
     def _run(self) -> None:
-        self.server.config.install_signal_handlers = False  # type: ignore[attr-defined]
         asyncio.run(self.server.serve())
 
     def start(self) -> ThreadedServer:

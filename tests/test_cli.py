@@ -10,15 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import psycopg
 import pytest
 from typer.testing import CliRunner
 
 from neuralgrid.cli import DEMO_FLEET, app
 from neuralgrid.db.embedded import EmbeddedPostgres
-from tests.conftest import free_port, make_node
-
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+from tests.conftest import LLAMA8, free_port, make_node
 
 
 def run(db_url: str, *args: str) -> tuple[int, str, str]:
@@ -107,31 +107,52 @@ def test_uncatalogued_cli_match_uses_given_vram(conn: psycopg.Connection, db_url
 
 
 def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> None:
-    """`neuralgrid up --demo` on a fresh NEURALGRID_HOME: database, migrations, demo fleet, sweeper."""
-    port = free_port()
-    env = {**os.environ, "NEURALGRID_HOME": str(tmp_path / "home"), "NEURALGRID_DB_PORT": str(port)}
+    """`neuralgrid up --demo 24` on a fresh NEURALGRID_HOME: database, migrations, gateway, demo
+    fleet, sweeper; a newcomer's first openai call works."""
+    port, gateway_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "NEURALGRID_HOME": str(tmp_path / "home"),
+        "NEURALGRID_DB_PORT": str(port),
+        "NEURALGRID_PORT": str(gateway_port),
+    }
     env.pop("DATABASE_URL", None)
     cli = [sys.executable, "-m", "neuralgrid.cli"]
     proc = subprocess.Popen(
-        [*cli, "up", "--demo"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cli, "up", "--demo", "24"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     server = EmbeddedPostgres(tmp_path / "home" / "postgres", port=port)
+    gateway = f"http://127.0.0.1:{gateway_port}"
     try:
         deadline = time.monotonic() + 60
-        url = server.url()
         while time.monotonic() < deadline:
             try:
-                with psycopg.connect(url) as conn:
-                    row = conn.execute(
-                        "select count(*) filter (where status = 'online') from nodes"
-                    ).fetchone()
-                    if row and row[0] == 24:
-                        break
-            except psycopg.Error:
+                if httpx.get(f"{gateway}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.3)
         else:
-            pytest.fail("the demo fleet never came online")
+            pytest.fail("the gateway never became ready")
+        url = server.url()
+        with psycopg.connect(url) as conn:
+            assert conn.execute("select count(*) from nodes where status = 'online'").fetchone() == (24,)
+        created = subprocess.run(
+            [*cli, "keys", "create", "--name", "newcomer"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        key = created.stdout.strip().splitlines()[-1]
+        with openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0) as sdk:
+            reply = sdk.chat.completions.create(model=LLAMA8, messages=[{"role": "user", "content": "hi"}])
+            assert reply.choices[0].message.content
+            assert LLAMA8 in {m.id for m in sdk.models.list()}
+        listed = subprocess.run(
+            [*cli, "keys", "ls", "--json"], env=env, capture_output=True, text=True, check=True
+        )
+        assert [k["name"] for k in json.loads(listed.stdout)] == ["newcomer"]
         db_url = subprocess.run([*cli, "db", "url"], env=env, capture_output=True, text=True, check=True)
         assert db_url.stdout.strip() == url
         migrate = subprocess.run([*cli, "db", "migrate"], env=env, capture_output=True, text=True, check=True)
@@ -153,5 +174,21 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
-    assert "sweeper" in output and "stopped the embedded database" in output
+    assert "gateway" in output and "stopped the embedded database" in output
     assert not server.is_running()
+
+
+def test_keys_commands(db_url: str) -> None:
+    code, out, _ = run(db_url, "keys", "create", "--name", "ci", "--rpm", "60", "--budget-usd", "5")
+    key = out.strip().splitlines()[-1]
+    assert code == 0 and key.startswith("ng-") and len(key) == 67
+    code, out, _ = run(db_url, "keys", "ls", "--json")
+    (listed,) = json.loads(out)
+    assert (listed["name"], listed["rpm_limit"], listed["budget_usd"]) == ("ci", 60, 5.0)
+    assert key not in out
+    code, out, _ = run(db_url, "keys", "revoke", key[:11])
+    assert code == 0 and "revoked" in out
+    code, _, err = run(db_url, "keys", "revoke", key[:11])
+    assert code == 1 and "no active key" in err
+    code, _, err = run(db_url, "keys", "create", "--name", "bad", "--rpm", "0")
+    assert code == 1 and "rpm_limit must be positive" in err

@@ -13,9 +13,10 @@ from fastapi import APIRouter
 from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
-from neuralgrid.db.errors import translate
+from neuralgrid.db.errors import DatabaseError, translate
 from neuralgrid.gateway.deps import GatewayDep, UserDep
 from neuralgrid.gateway.errors import BadRequest, NotFound
+from neuralgrid.keys import CREATE_KEY
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -56,12 +57,15 @@ async def create_key(new: NewKey, gateway: GatewayDep, claims: UserDep) -> dict[
         async with as_user(gateway, claims) as conn:
             row = await (
                 await conn.execute(
-                    "select id, api_key, prefix from public.create_api_key(%s, %s, %s, %s)",
+                    CREATE_KEY,
                     (new.name, new.rpm_limit, new.tpm_limit, new.budget_usd),
                 )
             ).fetchone()
     except psycopg.Error as err:
-        raise BadRequest(str(translate(err))) from err
+        domain = translate(err)
+        if isinstance(domain, DatabaseError):
+            raise BadRequest(str(domain)) from err
+        raise
     assert row is not None
     return {"id": row[0], "key": row[1], "prefix": row[2], "name": new.name}
 

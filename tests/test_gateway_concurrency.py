@@ -1,0 +1,203 @@
+"""The gateway under concurrency and across processes: budgets, revocation, disconnects, user keys."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import jwt
+import openai
+import psycopg
+import pytest
+
+from tests.conftest import LLAMA8, free_port, make_user
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def test_a_nearly_spent_budget_is_never_overspent_by_more_than_one_request(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str
+) -> None:
+    pricey = "pricey/frontier-model"  # $1,000 / $2,000 per million tokens: cents per request
+    conn.execute(
+        "insert into models (id, min_vram_gb, input_usd_per_mtok, output_usd_per_mtok)"
+        " values (%s, 8, 1000, 2000)",
+        (pricey,),
+    )
+    fake_nodes(max_concurrency=64, latency_s=0.05, models={pricey: "loaded"})
+    key = (
+        conn.execute("select api_key from create_api_key('nearly spent', null, null, 0.2)").fetchone()
+        or ("",)
+    )[0]
+    sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=30)
+
+    def call(_: int) -> int:
+        try:
+            sdk.chat.completions.create(model=pricey, messages=MESSAGES, max_tokens=20)
+            return 200
+        except openai.RateLimitError as err:
+            assert err.body["code"] == "budget_exhausted"  # type: ignore[index]
+            return 429
+
+    with ThreadPoolExecutor(50) as pool:
+        statuses = list(pool.map(call, range(50)))
+    sdk.close()
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 40
+
+    def settled() -> Any:
+        row = conn.execute(
+            "select spent_usd::float8, reserved_usd::float8, budget_usd::float8 from api_keys where name = 'nearly spent'"
+        ).fetchone()
+        return (
+            row
+            if row
+            and row[1] == 0
+            and conn.execute("select count(*) from jobs where status = 'running'").fetchone() == (0,)
+            else None
+        )
+
+    spent, _, budget = wait(settled)
+    charged = conn.execute("select max(cost_usd)::float8 from jobs").fetchone()
+    assert charged is not None and spent <= budget + charged[0]
+
+
+def wait(predicate: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_revocation_reaches_another_gateway_process_within_a_second(
+    conn: psycopg.Connection, db_url: str, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes()
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(port)}
+    other = subprocess.Popen(
+        [sys.executable, "-m", "neuralgrid.cli", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        other_url = f"http://127.0.0.1:{port}"
+        wait(lambda: _ready(other_url), timeout=30)
+        sdks = [
+            openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+            for url in (gateway, other_url)
+        ]
+        for sdk in sdks:  # both gateways now hold the key in their caches
+            sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+        revoke = subprocess.run(
+            [sys.executable, "-m", "neuralgrid.cli", "keys", "revoke", api_key[:11]],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "revoked" in revoke.stdout
+        revoked_at = time.monotonic()
+        for sdk in sdks:
+            wait(lambda sdk=sdk: _refused(sdk), timeout=2)
+        assert time.monotonic() - revoked_at < 1.0
+        for sdk in sdks:
+            sdk.close()
+    finally:
+        other.terminate()
+        output, _ = other.communicate(timeout=30)
+    assert other.returncode == 0, output
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _refused(sdk: openai.OpenAI) -> bool:
+    try:
+        sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+    except openai.AuthenticationError:
+        return True
+    return False
+
+
+def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    node = fake_nodes(tokens_per_s=20)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 100, "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{gateway}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=10,
+    ) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break  # and close the connection
+    row = wait(
+        lambda: conn.execute(
+            "select status, completion_tokens, error from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert row[0] == "cancelled" and 3 <= row[1] < 100 and row[2] == "the client disconnected"
+    # Nothing leaks: the node's slot is free and its reputation untouched by the client's choice.
+    assert conn.execute("select inflight, failures from nodes where id = %s", (node.node_id,)).fetchone() == (
+        0,
+        0,
+    )
+    assert conn.execute("select spent_usd > 0 from api_keys").fetchone() == (True,)
+
+
+@pytest.mark.parametrize(
+    "gateway_settings", [{"NEURALGRID_JWT_SECRET": "test-secret-of-the-project-0123456789abcdef"}]
+)
+def test_signed_in_users_manage_their_own_keys(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str
+) -> None:
+    fake_nodes()
+    alice, bob = make_user(conn), make_user(conn)
+
+    def token(user: Any, secret: str = "test-secret-of-the-project-0123456789abcdef") -> dict[str, str]:
+        claims = {
+            "sub": str(user),
+            "role": "authenticated",
+            "aud": "authenticated",
+            "exp": int(time.time()) + 60,
+        }
+        return {"authorization": f"Bearer {jwt.encode(claims, secret, algorithm='HS256')}"}
+
+    created = httpx.post(f"{gateway}/v1/keys", json={"name": "laptop", "budget_usd": 5}, headers=token(alice))
+    assert created.status_code == 201, created.text
+    key = created.json()["key"]
+    sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0)
+    assert sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2).choices
+    listed = httpx.get(f"{gateway}/v1/keys", headers=token(alice)).json()["data"]
+    assert [k["name"] for k in listed] == ["laptop"] and "key_hash" not in listed[0]
+    assert httpx.get(f"{gateway}/v1/keys", headers=token(bob)).json()["data"] == []
+    assert httpx.delete(f"{gateway}/v1/keys/{created.json()['id']}", headers=token(bob)).status_code == 404
+    assert (
+        httpx.get(
+            f"{gateway}/v1/keys", headers=token(alice, "a-wrong-secret-that-is-long-enough-0123")
+        ).status_code
+        == 401
+    )
+    assert httpx.post(f"{gateway}/v1/keys", json={"name": ""}, headers=token(alice)).status_code == 400
+    assert httpx.delete(f"{gateway}/v1/keys/{created.json()['id']}", headers=token(alice)).status_code == 200
+    wait(lambda: _refused(sdk), timeout=2)
+    sdk.close()
