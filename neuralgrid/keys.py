@@ -11,7 +11,6 @@ from psycopg.rows import class_row, dict_row
 
 from neuralgrid.db.errors import InvalidRequest, translate
 
-
 CREATE_KEY = "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)"
 
 
