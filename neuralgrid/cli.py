@@ -270,6 +270,88 @@ def bench_matching(
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("gateway")
+@friendly_errors
+def bench_gateway(
+    ctx: typer.Context,
+    callers: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_CALLERS", help="Concurrent callers, comma-separated.")
+    ] = "1,16,64",
+    requests: Annotated[
+        int,
+        typer.Option(
+            envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per sequential case (x4 concurrent)."
+        ),
+    ] = 500,
+    out_file: Annotated[
+        Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+    ] = Path("bench-results/gateway.json"),
+) -> None:
+    """Added latency and requests/s of the gateway against the node it fronts, side by side."""
+    from neuralgrid.bench import gateway as bench
+    from neuralgrid.bench import write_report
+
+    try:
+        caller_counts = [int(c) for c in callers.split(",")]
+    except ValueError as err:
+        raise fail(f"--callers takes comma-separated integers ({err})") from err
+    if min(caller_counts) < 1 or requests < 1:
+        raise fail("callers and requests must be positive")
+    url = connect.prepare(ctx.obj)
+    results = bench.run(
+        url, caller_counts, requests, progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/]")
+    )
+    table = Table(
+        "mode", "callers", "direct p50", "gateway p50", "added p50", "added p99", "direct rps", "gateway rps"
+    )
+    for r in results:
+        table.add_row(
+            "stream" if r["stream"] else "plain",
+            str(r["callers"]),
+            f"{r['direct']['p50_ms']:.2f}",
+            f"{r['gateway']['p50_ms']:.2f}",
+            f"{r['added_p50_ms']:.2f}",
+            f"{r['added_p99_ms']:.2f}",
+            f"{r['direct']['rps']:,.0f}",
+            f"{r['gateway']['rps']:,.0f}",
+            f"{r['direct']['errors']}/{r['gateway']['errors']}",
+        )
+    out.print(table)
+    write_report(
+        out_file,
+        "gateway",
+        results,
+        units="ms",
+        target="added <= 1 ms p50 and <= 5 ms p99 sequential; >= 1000 rps non-streaming",
+    )
+    out.print(f"wrote {out_file}")
+
+
+@app.command("fake-node")
+def fake_node(
+    port: Annotated[int, typer.Option(envvar="NEURALGRID_FAKE_PORT", help="Port on 127.0.0.1.")] = 8000,
+    tokens_per_s: Annotated[
+        float, typer.Option(envvar="NEURALGRID_FAKE_TOKENS_PER_S", help="Generation speed (0: instant).")
+    ] = 0.0,
+    latency_s: Annotated[
+        float, typer.Option(envvar="NEURALGRID_FAKE_LATENCY_S", help="Delay before the first byte.")
+    ] = 0.0,
+    failure_rate: Annotated[
+        float, typer.Option(envvar="NEURALGRID_FAKE_FAILURE_RATE", help="Share of requests answered 500.")
+    ] = 0.0,
+) -> None:
+    """Serve a fake OpenAI-compatible inference server (for trying the platform without a GPU)."""
+    import uvicorn
+
+    from neuralgrid.demo import DEMO_MODELS
+    from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
+
+    config = FakeNodeConfig(
+        models=DEMO_MODELS, tokens_per_s=tokens_per_s, latency_s=latency_s, failure_rate=failure_rate
+    )
+    uvicorn.run(create_fake_node(config), host="127.0.0.1", port=port, log_level="warning")
+
+
 @app.command("up")
 @friendly_errors
 def up(
@@ -292,6 +374,7 @@ def up(
     started_here = server is not None and not server.is_running()
     url = connect.prepare(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request is noise
     try:
         asyncio.run(_serve(settings, url, demo))
     finally:

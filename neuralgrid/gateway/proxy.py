@@ -20,7 +20,6 @@ import httpx
 import psycopg
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
-from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from neuralgrid.config import Settings
@@ -246,11 +245,9 @@ class Router:
         except ValueError:
             usage = None
         meter.usage = usage or Usage()
-        finish = BackgroundTask(self._finish, call, meter, outcome, error)
+        self._finish_later(call, meter, outcome, error)
         media = resp.headers.get("content-type", "application/json")
-        return Response(
-            content, status_code=resp.status_code, headers=headers, media_type=media, background=finish
-        )
+        return Response(content, status_code=resp.status_code, headers=headers, media_type=media)
 
     async def _relay(
         self,
@@ -283,9 +280,14 @@ class Router:
             raise
         finally:
             await resp.aclose()
-            task = asyncio.get_running_loop().create_task(self._finish(call, meter, outcome, error))
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+            self._finish_later(call, meter, outcome, error)
+
+    def _finish_later(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
+        """Record the end off the request's path (not a BackgroundTask: that would hold the
+        keep-alive connection until the database answered). A client that leaves cannot cancel it."""
+        task = asyncio.get_running_loop().create_task(self._finish(call, meter, outcome, error))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
 
     async def _finish(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
         """Record the attempt's end: usage, cost, reputation; then charge the token rate limit."""

@@ -161,26 +161,35 @@ comment on function public.refresh_node_scores(uuid[], text, text) is 'Recompute
 revoke execute on function public.refresh_node_scores(uuid[], text, text) from public, anon, authenticated;
 grant execute on function public.refresh_node_scores(uuid[], text, text) to service_role;
 
-create function public.node_scores_after_nodes_change() returns trigger
+create function public.node_scores_after_nodes_insert() returns trigger
 language plpgsql
 security definer
 set search_path = ''
 as $$
 begin
-  if tg_op = 'INSERT' then
-    perform public.refresh_node_scores(array(select n.id from new_rows n));
-  else
-    -- Only the columns the base score reads; heartbeats and status changes cost nothing here.
-    perform public.refresh_node_scores(array(
-      select n.id from new_rows n join old_rows o on o.id = n.id
-      where (n.region, n.vram_gb, n.tflops, n.hourly_rate, n.inflight, n.max_concurrency, n.successes, n.failures)
-            is distinct from (o.region, o.vram_gb, o.tflops, o.hourly_rate, o.inflight, o.max_concurrency, o.successes, o.failures)));
-  end if;
+  perform public.refresh_node_scores(array(select n.id from new_rows n));
   return null;
 end;
 $$;
-comment on function public.node_scores_after_nodes_change() is 'Trigger: refreshes node_scores for nodes whose scored columns changed.';
-revoke execute on function public.node_scores_after_nodes_change() from public, anon, authenticated;
+comment on function public.node_scores_after_nodes_insert() is 'Trigger: scores newly inserted nodes (one statement for a bulk insert).';
+revoke execute on function public.node_scores_after_nodes_insert() from public, anon, authenticated;
+
+create function public.node_scores_after_node_update() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  -- Every claim and release lands here: one cached plan updating this node's rows in place.
+  update public.node_scores s set base_score = v.base_score, region = v.region
+  from public.node_base_scores v
+  where v.node_id = new.id and s.node_id = new.id and s.policy = v.policy and s.model_id = v.model_id
+    and (s.base_score, s.region) is distinct from (v.base_score, v.region);
+  return null;
+end;
+$$;
+comment on function public.node_scores_after_node_update() is 'Trigger: rescores a node whose scored columns changed (a claim, a release, new specs).';
+revoke execute on function public.node_scores_after_node_update() from public, anon, authenticated;
 
 create function public.node_scores_after_node_models_change() returns trigger
 language plpgsql
@@ -214,10 +223,15 @@ revoke execute on function public.node_scores_after_catalog_change() from public
 
 create trigger nodes_refresh_scores_insert after insert on public.nodes
   referencing new table as new_rows
-  for each statement execute function public.node_scores_after_nodes_change();
+  for each statement execute function public.node_scores_after_nodes_insert();
+-- Only the columns the base score reads: heartbeats and status changes cost nothing here.
 create trigger nodes_refresh_scores_update after update on public.nodes
-  referencing old table as old_rows new table as new_rows
-  for each statement execute function public.node_scores_after_nodes_change();
+  for each row
+  when ((old.region, old.vram_gb, old.tflops, old.hourly_rate, old.inflight, old.max_concurrency,
+         old.successes, old.failures)
+        is distinct from (new.region, new.vram_gb, new.tflops, new.hourly_rate, new.inflight,
+                          new.max_concurrency, new.successes, new.failures))
+  execute function public.node_scores_after_node_update();
 create trigger node_models_refresh_scores_insert after insert on public.node_models
   referencing new table as new_rows
   for each statement execute function public.node_scores_after_node_models_change();

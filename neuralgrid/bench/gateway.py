@@ -1,0 +1,161 @@
+"""`neuralgrid bench gateway`: the same load sent straight to a fake node and through the gateway.
+
+Three processes besides this one's load generator: Postgres, the fake node and the gateway (`neuralgrid
+up` against a scratch database). Each case runs direct first, then through the gateway (auth, match,
+proxy, metering), and reports the latency the gateway adds and the requests per second of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import psycopg
+from psycopg import sql
+
+from neuralgrid.bench import percentiles
+from neuralgrid.db import migrate
+from neuralgrid.serving import free_port
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SCRATCH_DB = "neuralgrid_bench_gateway"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Benchmark me."}], "max_tokens": 16}
+
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a file, not a pipe: a chatty child must never block
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{args[3:5]} did not start: {log.read()[-2000:]}")
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _scratch(admin_url: str, node_url: str) -> tuple[str, str]:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        name = sql.Identifier(SCRATCH_DB)
+        conn.execute(sql.SQL("drop database if exists {} with (force)").format(name))
+        conn.execute(sql.SQL("create database {}").format(name))
+    url = psycopg.conninfo.make_conninfo(admin_url, dbname=SCRATCH_DB)
+    with psycopg.connect(url, autocommit=True) as conn:
+        migrate.apply_compat_layer(conn)
+        migrate.migrate(conn)
+        conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
+        for i in range(4):  # a small fleet in front of one fake node, plenty of slots
+            row = conn.execute(
+                "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
+                " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"
+                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', 256, now()) returning id",
+                (f"bench-{i}", node_url),
+            ).fetchone()
+            assert row is not None
+            conn.execute(
+                "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], MODEL)
+            )
+        key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
+    assert key is not None
+    return url, str(key[0])
+
+
+async def _load(
+    url: str, headers: dict[str, str], stream: bool, callers: int, total: int
+) -> tuple[list[float], float, int]:
+    """Latencies of the successful requests, the wall time, and how many failed."""
+    body = {**BODY, "stream": stream}
+    samples: list[float] = []
+    failed = 0
+    limits = httpx.Limits(max_connections=callers, max_keepalive_connections=callers)
+    async with httpx.AsyncClient(limits=limits, timeout=60, headers=headers) as client:
+
+        async def one() -> None:
+            nonlocal failed
+            t0 = time.perf_counter()
+            try:
+                if stream:
+                    async with client.stream("POST", url, json=body) as resp:
+                        async for _ in resp.aiter_raw():
+                            pass
+                else:
+                    resp = await client.post(url, json=body)
+            except httpx.HTTPError:
+                failed += 1
+                return
+            if resp.status_code != 200:
+                failed += 1
+                return
+            samples.append((time.perf_counter() - t0) * 1000)
+
+        async def worker(n: int) -> None:
+            for _ in range(n):
+                await one()
+
+        for _ in range(20):  # warm connections, caches and plans
+            await one()
+        samples.clear()
+        failed = 0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(total // callers) for _ in range(callers)))
+        return samples, time.perf_counter() - t0, failed
+
+
+def run(
+    admin_url: str, callers: list[int], requests: int, progress: Callable[[str], None] = lambda _: None
+) -> list[dict[str, Any]]:
+    node_port, gateway_port = free_port(), free_port()
+    node_url, gateway_url = f"http://127.0.0.1:{node_port}", f"http://127.0.0.1:{gateway_port}"
+    db_url, key = _scratch(admin_url, node_url)
+    env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
+    cli = [sys.executable, "-m", "neuralgrid.cli"]
+    auth = {"authorization": f"Bearer {key}"}
+    results: list[dict[str, Any]] = []
+    try:
+        with (
+            _process([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models"),
+            _process([*cli, "up"], env, f"{gateway_url}/readyz"),
+        ):
+            for stream in (False, True):
+                for n in callers:
+                    total = requests if n == 1 else requests * 4
+                    progress(f"{'stream' if stream else 'plain'} x{n}: direct, then through the gateway")
+                    direct = asyncio.run(_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
+                    via = asyncio.run(_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
+                    d, g = percentiles(direct[0]), percentiles(via[0])
+                    results.append(
+                        {
+                            "stream": stream,
+                            "callers": n,
+                            "requests": total,
+                            "direct": {**d, "rps": round(len(direct[0]) / direct[1], 1), "errors": direct[2]},
+                            "gateway": {**g, "rps": round(len(via[0]) / via[1], 1), "errors": via[2]},
+                            "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
+                            "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
+                        }
+                    )
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(SCRATCH_DB))
+            )
+    return results
