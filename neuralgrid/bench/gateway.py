@@ -67,7 +67,8 @@ def _scratch(admin_url: str, node_url: str) -> tuple[str, str]:
             row = conn.execute(
                 "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
                 " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"
-                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', 256, now()) returning id",
+                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', 256, now())"
+                " returning id",
                 (f"bench-{i}", node_url),
             ).fetchone()
             assert row is not None
