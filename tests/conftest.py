@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -131,6 +132,17 @@ def make_node(
 @pytest.fixture
 def user(conn: psycopg.Connection) -> uuid.UUID:
     return make_user(conn)
+
+
+def wait_for(predicate: Any, timeout: float = 5.0) -> Any:
+    """Poll until predicate() is truthy (work the gateway finishes after answering); return it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
 
 
 # The gateway: a real server on loopback, fake GPU nodes on their own ports, the openai SDK as client.

@@ -12,7 +12,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, free_port, make_node
+from tests.conftest import LLAMA8, free_port, make_node, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hello to the grid."}]
 
@@ -21,16 +21,6 @@ def job_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     return conn.execute(
         "select status, attempts, prompt_tokens, completion_tokens, cost_usd::float8, error from jobs order by created_at"
     ).fetchall()
-
-
-def wait_for(predicate: Any, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def test_chat_completion_is_routed_metered_and_explained(

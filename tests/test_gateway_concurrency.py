@@ -15,7 +15,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, free_port, make_user
+from tests.conftest import LLAMA8, free_port, make_user, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -61,19 +61,9 @@ def test_a_nearly_spent_budget_is_never_overspent_by_more_than_one_request(
             else None
         )
 
-    spent, _, budget = wait(settled)
+    spent, _, budget = wait_for(settled)
     charged = conn.execute("select max(cost_usd)::float8 from jobs").fetchone()
     assert charged is not None and spent <= budget + charged[0]
-
-
-def wait(predicate: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_revocation_reaches_another_gateway_process_within_a_second(
@@ -91,7 +81,7 @@ def test_revocation_reaches_another_gateway_process_within_a_second(
     )
     try:
         other_url = f"http://127.0.0.1:{port}"
-        wait(lambda: _ready(other_url), timeout=30)
+        wait_for(lambda: _ready(other_url), timeout=30)
         sdks = [
             openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
             for url in (gateway, other_url)
@@ -108,7 +98,7 @@ def test_revocation_reaches_another_gateway_process_within_a_second(
         assert "revoked" in revoke.stdout
         revoked_at = time.monotonic()
         for sdk in sdks:
-            wait(lambda sdk=sdk: _refused(sdk), timeout=2)
+            wait_for(lambda sdk=sdk: _refused(sdk), timeout=2)
         assert time.monotonic() - revoked_at < 1.0
         for sdk in sdks:
             sdk.close()
@@ -150,7 +140,7 @@ def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
             seen += line.startswith("data: {")
             if seen == 3:
                 break  # and close the connection
-    row = wait(
+    row = wait_for(
         lambda: conn.execute(
             "select status, completion_tokens, error from jobs where status <> 'running'"
         ).fetchone()
@@ -199,5 +189,5 @@ def test_signed_in_users_manage_their_own_keys(
     )
     assert httpx.post(f"{gateway}/v1/keys", json={"name": ""}, headers=token(alice)).status_code == 400
     assert httpx.delete(f"{gateway}/v1/keys/{created.json()['id']}", headers=token(alice)).status_code == 200
-    wait(lambda: _refused(sdk), timeout=2)
+    wait_for(lambda: _refused(sdk), timeout=2)
     sdk.close()

@@ -41,6 +41,299 @@ end;
 $$;
 comment on function public.required_vram_gb(text, real) is 'VRAM (GB) a request for a model needs: the caller''s figure, else the catalog''s; raises no_data_found for a model nobody knows.';
 
+-- Indexed matching. Keep every request-independent part of each node's score in an index, so that
+-- match_job() reads the top k instead of scoring every candidate node.
+--
+-- For a policy with total weight W, a node's score is base + w_proximity * proximity / W, where base
+-- holds all other components (capacity included) and proximity is in [0, 1]. If T is the k-th best
+-- base among eligible nodes, the k-th best score is at least T, so a node whose base is below
+-- T - w_proximity / W cannot be in the top k. score_nodes() therefore rescores only the nodes from
+-- the index whose base is at least that: the ranking is exact.
+
+-- One definition of the components and of the hard filters, shared by every path (inlined by the
+-- planner: single-SELECT SQL functions).
+create function public.balanced_components(
+  w public.matching_policies, vram_gb double precision, tflops double precision,
+  hourly_rate double precision, model_state text, inflight integer, max_concurrency integer,
+  successes bigint, failures bigint, min_vram_gb double precision
+) returns table (
+  fit double precision, compute double precision, price double precision, warm double precision,
+  capacity double precision, reputation double precision, base double precision
+)
+language sql immutable parallel safe
+as $$
+  select c.fit, c.compute, c.price, c.warm, c.capacity, c.reputation,
+         (w.fit * c.fit + w.compute * c.compute + w.price * c.price + w.warm * c.warm
+          + w.capacity * c.capacity + w.reputation * c.reputation)
+         / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity)
+  from (select
+    least(1.0::float8, min_vram_gb / vram_gb) as fit,
+    tflops / (tflops + w.compute_half_tflops) as compute,
+    w.price_half_usd / (w.price_half_usd + hourly_rate) as price,
+    case when model_state = 'loaded' then 1.0::float8 else 0.0::float8 end as warm,
+    1.0::float8 - inflight::float8 / max_concurrency as capacity,
+    (successes + 1)::float8 / (successes + failures + 2) as reputation
+  ) c
+$$;
+comment on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) is 'The request-independent score components of a node for a model under a weighted policy, each in [0,1], and their weighted share of the score (base).';
+
+create function public.proximity_component(
+  w public.matching_policies, region text, latitude double precision, longitude double precision,
+  p_region text, p_latitude double precision, p_longitude double precision
+) returns double precision
+language sql immutable parallel safe
+as $$
+  select case
+    when p_latitude is not null and latitude is not null then
+      w.distance_half_km / (w.distance_half_km + public.great_circle_km(p_latitude, p_longitude, latitude, longitude))
+    when p_region is not null then (region = p_region)::integer::float8
+    else 0.5::float8
+  end
+$$;
+comment on function public.proximity_component(public.matching_policies, text, double precision, double precision, text, double precision, double precision) is 'How close a node is to the caller, in [0,1]: by great-circle distance, else by region, else 0.5 (unknown).';
+
+create function public.reject_reason(
+  n public.nodes, model_state text, p_model text, min_vram_gb double precision,
+  fresh_after timestamptz, p_max_hourly_rate numeric, seed boolean
+) returns text
+language sql stable
+as $$
+  -- The first hard filter a node fails, or null when it may take the job. `seed` keeps the
+  -- original's two filters (online, enough VRAM); the caller's price cap binds every policy.
+  select case
+    when n.status <> 'online' then 'status is ' || n.status
+    when n.vram_gb < min_vram_gb then format('%s GB VRAM, needs %s GB', n.vram_gb, min_vram_gb)
+    when p_max_hourly_rate is not null and n.hourly_rate > p_max_hourly_rate
+      then format('costs $%s/h, over the cap of $%s/h', round(n.hourly_rate, 2), round(p_max_hourly_rate, 2))
+    when seed then null
+    when n.last_heartbeat_at is null or n.last_heartbeat_at < fresh_after
+      then 'heartbeat is stale (last ' || coalesce(n.last_heartbeat_at::text, 'never') || ')'
+    when model_state is null then format('does not hold %s', p_model)
+    when n.inflight >= n.max_concurrency then format('at capacity (%s/%s)', n.inflight, n.max_concurrency)
+    when n.cooldown_until > now() then 'cooling down until ' || n.cooldown_until::text
+  end
+$$;
+comment on function public.reject_reason(public.nodes, text, text, double precision, timestamptz, numeric, boolean) is 'The first hard filter a node fails for a request, as a sentence; null when the node is eligible.';
+
+create function public.node_is_eligible(
+  n public.nodes, min_vram_gb double precision, fresh_after timestamptz, p_max_hourly_rate numeric
+) returns boolean
+language sql stable
+as $$
+  -- reject_reason(...) is null, for a node that holds the model, as plain clauses the planner can
+  -- estimate (tests check the two agree on random fleets).
+  select n.status = 'online'
+     and n.vram_gb >= min_vram_gb
+     and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
+     and n.last_heartbeat_at >= fresh_after
+     and n.inflight < n.max_concurrency
+     and (n.cooldown_until is null or n.cooldown_until <= now())
+$$;
+comment on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) is 'True when a node that holds the model passes every hard filter of a weighted policy.';
+
+revoke execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) from public, anon;
+revoke execute on function public.proximity_component(public.matching_policies, text, double precision, double precision, text, double precision, double precision) from public, anon;
+revoke execute on function public.reject_reason(public.nodes, text, text, double precision, timestamptz, numeric, boolean) from public, anon;
+revoke execute on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) from public, anon;
+grant execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) to authenticated, service_role;
+grant execute on function public.proximity_component(public.matching_policies, text, double precision, double precision, text, double precision, double precision) to authenticated, service_role;
+grant execute on function public.reject_reason(public.nodes, text, text, double precision, timestamptz, numeric, boolean) to authenticated, service_role;
+grant execute on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) to authenticated, service_role;
+
+create table public.node_scores (
+  policy text not null references public.matching_policies (name) on delete cascade on update cascade,
+  model_id text not null,
+  node_id uuid not null,
+  region text not null,
+  base_score double precision not null,
+  primary key (policy, model_id, node_id),
+  foreign key (node_id, model_id) references public.node_models (node_id, model_id) on delete cascade
+);
+comment on table public.node_scores is 'Derived, kept by triggers: each node''s base score per (policy, model), indexed so the matcher reads the top k.';
+
+create index node_scores_rank_idx on public.node_scores (policy, model_id, base_score desc, node_id);
+-- Requests from a region drain that region's capacity, sinking its nodes in the global order; this
+-- index keeps the in-region walk short.
+create index node_scores_region_rank_idx on public.node_scores (policy, model_id, region, base_score desc, node_id);
+create index node_scores_node_idx on public.node_scores (node_id);
+
+revoke all on table public.node_scores from anon, authenticated;
+grant all on table public.node_scores to service_role;
+alter table public.node_scores enable row level security;
+
+create view public.node_base_scores with (security_invoker = true) as
+select w.name as policy, nm.model_id, n.id as node_id, n.region, c.base as base_score
+from public.nodes n
+join public.node_models nm on nm.node_id = n.id
+-- The VRAM a held model needs, as required_vram_gb(model) gives it: the catalog's, else 1.
+left join public.models m on m.id = nm.model_id
+cross join public.matching_policies w
+cross join lateral public.balanced_components(
+  w, n.vram_gb::float8, n.tflops::float8, n.hourly_rate::float8, nm.state, n.inflight,
+  n.max_concurrency, n.successes, n.failures, coalesce(m.min_vram_gb, 1)::float8) c;
+comment on view public.node_base_scores is 'What node_scores must hold, computed from the current rows (the definition node_scores caches).';
+revoke all on table public.node_base_scores from anon, authenticated;
+grant select on table public.node_base_scores to service_role;
+
+create function public.refresh_node_scores(
+  p_node_ids uuid[] default null, p_model_id text default null, p_policy text default null
+) returns void
+language plpgsql
+set search_path = ''
+as $$
+begin
+  -- Two statements, not one with `p_node_ids is null or ...`: each keeps a cheap cached plan.
+  if p_node_ids is not null then
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score from public.node_base_scores v
+    where v.node_id = any (p_node_ids)
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region
+    where (s.base_score, s.region) is distinct from (excluded.base_score, excluded.region);
+  else
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score from public.node_base_scores v
+    where (p_model_id is null or v.model_id = p_model_id) and (p_policy is null or v.policy = p_policy)
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region
+    where (s.base_score, s.region) is distinct from (excluded.base_score, excluded.region);
+  end if;
+end;
+$$;
+comment on function public.refresh_node_scores(uuid[], text, text) is 'Recomputes node_scores for the given nodes, model and policy (null: all).';
+revoke execute on function public.refresh_node_scores(uuid[], text, text) from public, anon, authenticated;
+grant execute on function public.refresh_node_scores(uuid[], text, text) to service_role;
+
+create function public.node_scores_after_nodes_insert() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  perform public.refresh_node_scores(array(select n.id from new_rows n));
+  return null;
+end;
+$$;
+comment on function public.node_scores_after_nodes_insert() is 'Trigger: scores newly inserted nodes (one statement for a bulk insert).';
+revoke execute on function public.node_scores_after_nodes_insert() from public, anon, authenticated;
+
+create function public.node_scores_after_node_update() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  -- Every claim and release lands here: one cached plan updating this node's rows in place.
+  update public.node_scores s set base_score = v.base_score, region = v.region
+  from public.node_base_scores v
+  where v.node_id = new.id and s.node_id = new.id and s.policy = v.policy and s.model_id = v.model_id
+    and (s.base_score, s.region) is distinct from (v.base_score, v.region);
+  return null;
+end;
+$$;
+comment on function public.node_scores_after_node_update() is 'Trigger: rescores a node whose scored columns changed (a claim, a release, new specs).';
+revoke execute on function public.node_scores_after_node_update() from public, anon, authenticated;
+
+create function public.node_scores_after_node_models_change() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  perform public.refresh_node_scores(array(select distinct node_id from new_rows));
+  return null;
+end;
+$$;
+comment on function public.node_scores_after_node_models_change() is 'Trigger: refreshes node_scores for nodes whose models were added or changed state.';
+revoke execute on function public.node_scores_after_node_models_change() from public, anon, authenticated;
+
+create function public.node_scores_after_catalog_change() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  if tg_table_name = 'matching_policies' then
+    perform public.refresh_node_scores(null, null, new.name);
+  else
+    perform public.refresh_node_scores(null, coalesce(new.id, old.id), null);
+  end if;
+  return null;
+end;
+$$;
+comment on function public.node_scores_after_catalog_change() is 'Trigger: refreshes node_scores after a policy''s weights or a model''s VRAM need change.';
+revoke execute on function public.node_scores_after_catalog_change() from public, anon, authenticated;
+
+create trigger nodes_refresh_scores_insert after insert on public.nodes
+  referencing new table as new_rows
+  for each statement execute function public.node_scores_after_nodes_insert();
+-- Only the columns the base score reads: heartbeats and status changes cost nothing here.
+create trigger nodes_refresh_scores_update after update on public.nodes
+  for each row
+  when ((old.region, old.vram_gb, old.tflops, old.hourly_rate, old.inflight, old.max_concurrency,
+         old.successes, old.failures)
+        is distinct from (new.region, new.vram_gb, new.tflops, new.hourly_rate, new.inflight,
+                          new.max_concurrency, new.successes, new.failures))
+  execute function public.node_scores_after_node_update();
+create trigger node_models_refresh_scores_insert after insert on public.node_models
+  referencing new table as new_rows
+  for each statement execute function public.node_scores_after_node_models_change();
+create trigger node_models_refresh_scores_update after update on public.node_models
+  referencing new table as new_rows
+  for each statement execute function public.node_scores_after_node_models_change();
+create trigger matching_policies_refresh_scores after insert or update on public.matching_policies
+  for each row execute function public.node_scores_after_catalog_change();
+create trigger models_refresh_scores after insert or update or delete on public.models
+  for each row execute function public.node_scores_after_catalog_change();
+
+select public.refresh_node_scores();
+
+create function public.top_by_base(
+  p_policy text, p_model text, p_k integer, p_min_vram_gb double precision,
+  p_fresh_after timestamptz, p_max_hourly_rate numeric,
+  p_region text default null, p_in_region boolean default null, p_floor double precision default null
+) returns table (node_id uuid, base_score double precision)
+language plpgsql stable
+set search_path = ''
+as $$
+declare
+  -- Cursors are planned for a fast start: the walk follows the index in order, whatever the planner
+  -- guesses about how many nodes are eligible (a guess that flips plans otherwise).
+  ranked refcursor;
+  r record;
+  found_count integer := 0;
+begin
+  if p_in_region then
+    open ranked for
+      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      join public.nodes n on n.id = s.node_id
+      where s.policy = p_policy and s.model_id = p_model and s.region = p_region
+      order by s.base_score desc, s.node_id;
+  else
+    open ranked for
+      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      join public.nodes n on n.id = s.node_id
+      where s.policy = p_policy and s.model_id = p_model
+      order by s.base_score desc, s.node_id;
+  end if;
+  loop
+    fetch ranked into r;
+    exit when not found or r.base_score < p_floor;
+    continue when p_in_region = false and r.region = p_region;
+    continue when not public.node_is_eligible(r.node, p_min_vram_gb, p_fresh_after, p_max_hourly_rate);
+    node_id := r.node_id;
+    base_score := r.base_score;
+    return next;
+    found_count := found_count + 1;
+    exit when found_count >= p_k;
+  end loop;
+  close ranked;
+end;
+$$;
+comment on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) is 'The first p_k eligible nodes for a model in base-score order (optionally only in, or only out of, a region; stopping below p_floor).';
+revoke execute on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) from public, anon, authenticated;
+grant execute on function public.top_by_base(text, text, integer, double precision, timestamptz, numeric, text, boolean, double precision) to service_role;
+
 create function public.score_nodes(
   p_model text,
   p_min_vram_gb real default null,
@@ -66,19 +359,25 @@ create function public.score_nodes(
   reject_reason text
 )
 language plpgsql stable
+-- Definer: it reads node_scores and whole node rows, and returns only what the map shows anyway.
+security definer
 set search_path = ''
 as $$
 declare
   v_min float8 := public.required_vram_gb(p_model, p_min_vram_gb);
   v_seed boolean := p_policy = 'seed';
   w public.matching_policies;
+  v_weight float8;
   v_fresh_after timestamptz;
+  v_kth float8;
+  v_candidates uuid[];
 begin
   if not v_seed then
     select * into w from public.matching_policies mp where mp.name = p_policy;
     if not found then
       raise exception 'unknown matching policy "%"', p_policy using errcode = 'invalid_parameter_value';
     end if;
+    v_weight := w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity;
   end if;
   if (p_latitude is null) <> (p_longitude is null) then
     raise exception 'give both latitude and longitude, or neither' using errcode = 'invalid_parameter_value';
@@ -89,66 +388,88 @@ begin
   select now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
     into v_fresh_after from public.platform_settings s;
 
+  -- Fast path: candidates from the node_scores index, then the exact top k among them (the base
+  -- scores assume the catalog's VRAM need, so a custom need takes the full path).
+  if not v_seed and not p_explain and p_limit is not null
+     and v_min = public.required_vram_gb(p_model) then
+    if p_latitude is null and p_region is null then
+      -- Every node's proximity is the same 0.5: the top k by base are the top k.
+      v_candidates := array(select t.node_id from public.top_by_base(
+        p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate) t);
+    elsif p_latitude is null then
+      -- Proximity is 1 in the caller's region and 0 elsewhere: the top k is within the top k of
+      -- each side.
+      v_candidates := array(
+        select t.node_id from public.top_by_base(
+          p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate, p_region, true) t
+        union all
+        select t.node_id from public.top_by_base(
+          p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate, p_region, false) t);
+    else
+      -- Proximity varies continuously: every node whose base is within the proximity weight of
+      -- the k-th best base may still rank.
+      select min(t.base_score) into v_kth from public.top_by_base(
+        p_policy, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate) t;
+      v_candidates := array(select t.node_id from public.top_by_base(
+        p_policy, p_model, 2147483647, v_min, v_fresh_after, p_max_hourly_rate, null, null,
+        v_kth - w.proximity / v_weight - 1e-12) t);
+    end if;
+    return query
+    select r.id, r.name, row_number() over (order by r.total desc, r.id), r.total,
+           r.fit, r.compute, r.price, r.warm, r.capacity, r.reputation, r.prox, null::text
+    from (
+      select n.id, n.name, c.fit, c.compute, c.price, c.warm, c.capacity, c.reputation, p.prox,
+             c.base + w.proximity * p.prox / v_weight as total
+      from unnest(v_candidates) as k (id)
+      join public.nodes n on n.id = k.id
+      join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
+      cross join lateral public.balanced_components(
+        w, n.vram_gb::float8, n.tflops::float8, n.hourly_rate::float8, nm.state, n.inflight,
+        n.max_concurrency, n.successes, n.failures, v_min) c
+      cross join lateral (select public.proximity_component(
+        w, n.region, n.latitude, n.longitude, p_region, p_latitude, p_longitude) as prox) p
+      order by total desc, n.id
+      limit p_limit
+    ) r
+    order by 3;
+    return;
+  end if;
+
+  -- Full path: every node judged, for seed, explanations, a custom VRAM need or no limit.
   return query
   with judged as (
-    select
-      n.id, n.name, n.vram_gb::float8 as vram_gb, n.tflops::float8 as tflops,
-      n.hourly_rate::float8 as hourly_rate, n.inflight, n.max_concurrency,
-      n.successes, n.failures, n.region, n.latitude, n.longitude, nm.state,
-      -- The first filter a node fails; null when it may take the job. `seed` keeps the original's
-      -- two filters (online, enough VRAM); other policies add the rest. The caller's price cap
-      -- binds every policy.
-      case
-        when n.status <> 'online' then 'status is ' || n.status
-        when n.vram_gb < v_min then format('%s GB VRAM, needs %s GB', n.vram_gb, v_min)
-        when p_max_hourly_rate is not null and n.hourly_rate > p_max_hourly_rate
-          then format('costs $%s/h, over the cap of $%s/h', round(n.hourly_rate::numeric, 2), round(p_max_hourly_rate, 2))
-        when v_seed then null
-        when n.last_heartbeat_at is null or n.last_heartbeat_at < v_fresh_after
-          then 'heartbeat is stale (last ' || coalesce(n.last_heartbeat_at::text, 'never') || ')'
-        when nm.state is null then format('does not hold %s', p_model)
-        when n.inflight >= n.max_concurrency then format('at capacity (%s/%s)', n.inflight, n.max_concurrency)
-        when n.cooldown_until > now() then 'cooling down until ' || n.cooldown_until::text
-      end as reason
+    select n.id, n.name, n.vram_gb::float8 as vram_gb, n.tflops::float8 as tflops,
+           n.hourly_rate::float8 as hourly_rate, n.inflight, n.max_concurrency, n.successes,
+           n.failures, n.region, n.latitude, n.longitude, nm.state,
+           public.reject_reason(n, nm.state, p_model, v_min, v_fresh_after, p_max_hourly_rate, v_seed) as reason
     from public.nodes n
     left join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
     where p_explain or n.status = 'online'
   ),
-  components as (
-    select
-      j.id, j.name,
-      case when v_seed then j.vram_gb / v_min else least(1.0::float8, v_min / j.vram_gb) end as c_fit,
-      case when v_seed then j.tflops / 100.0 else j.tflops / (j.tflops + w.compute_half_tflops) end as c_compute,
-      case when v_seed then 1.0 / (j.hourly_rate + 0.01)
-           else w.price_half_usd / (w.price_half_usd + j.hourly_rate) end as c_price,
-      case when v_seed then null when j.state = 'loaded' then 1.0::float8 else 0.0::float8 end as c_warm,
-      case when v_seed then null else 1.0 - j.inflight::double precision / j.max_concurrency end as c_capacity,
-      case when v_seed then null
-           else (j.successes + 1)::float8 / (j.successes + j.failures + 2) end as c_reputation,
-      case when v_seed then null
-           when p_latitude is not null and j.latitude is not null then
-             w.distance_half_km / (w.distance_half_km
-               + public.great_circle_km(p_latitude, p_longitude, j.latitude, j.longitude))
-           when p_region is not null then (j.region = p_region)::integer::double precision
-           else 0.5::float8 end as c_proximity
-    from judged j
-    where j.reason is null
-  ),
   ranked as (
-    select
-      c.*,
-      case when v_seed then 0.3 * c.c_fit + 0.5 * c.c_compute + 0.2 * c.c_price
-      else (w.fit * c.c_fit + w.compute * c.c_compute + w.price * c.c_price + w.warm * c.c_warm
-            + w.capacity * c.c_capacity + w.reputation * c.c_reputation + w.proximity * c.c_proximity)
-           / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity)
-      end as c_score
-    from components c
-    order by c_score desc, c.id
+    select j.id, j.name, c.fit, c.compute, c.price, c.warm, c.capacity, c.reputation, c.prox,
+           c.total
+    from judged j
+    cross join lateral (
+      select 0.3 * (j.vram_gb / v_min) + 0.5 * (j.tflops / 100.0) + 0.2 * (1.0 / (j.hourly_rate + 0.01)) as total,
+             j.vram_gb / v_min as fit, j.tflops / 100.0 as compute, 1.0 / (j.hourly_rate + 0.01) as price,
+             null::float8 as warm, null::float8 as capacity, null::float8 as reputation, null::float8 as prox
+      where v_seed
+      union all
+      select b.base + w.proximity * p.prox / v_weight, b.fit, b.compute, b.price, b.warm, b.capacity,
+             b.reputation, p.prox
+      from public.balanced_components(w, j.vram_gb, j.tflops, j.hourly_rate, j.state, j.inflight,
+                                       j.max_concurrency, j.successes, j.failures, v_min) b
+      cross join lateral (select public.proximity_component(
+        w, j.region, j.latitude, j.longitude, p_region, p_latitude, p_longitude) as prox) p
+      where not v_seed
+    ) c
+    where j.reason is null
+    order by c.total desc, j.id
     limit p_limit
   )
-  select r.id, r.name, row_number() over (order by r.c_score desc, r.id), r.c_score,
-         r.c_fit, r.c_compute, r.c_price, r.c_warm, r.c_capacity, r.c_reputation, r.c_proximity,
-         null::text
+  select r.id, r.name, row_number() over (order by r.total desc, r.id), r.total,
+         r.fit, r.compute, r.price, r.warm, r.capacity, r.reputation, r.prox, null::text
   from ranked r
   union all
   select j.id, j.name, null, null, null, null, null, null, null, null, null, j.reason
