@@ -209,3 +209,15 @@ def test_catalog_and_settings_are_read_only_for_users(
         assert denied(c, "update matching_policies set price = 10")
         assert denied(c, "update platform_settings set heartbeat_interval_s = 1000")
         assert denied(c, "delete from models")
+
+
+def test_derived_scores_are_the_services_alone(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
+    for role, user in (("anon", None), ("authenticated", world["alice"])):
+        with acting_as(conn, role, user) as c:
+            assert denied(c, "select * from node_scores")
+            assert denied(c, "select * from node_base_scores")
+            assert denied(c, "update node_scores set base_score = 1")
+            assert denied(c, "select refresh_node_scores()")
+    with acting_as(conn, "service_role") as c:
+        assert count(c, "select * from node_scores") == 3
+        assert count(c, "select * from node_base_scores") == 3
