@@ -17,9 +17,20 @@ def test_match_function(pg_server, db_url: str) -> None:  # type: ignore[no-unty
     info = psycopg.conninfo.conninfo_to_dict(db_url)
     url = f"postgresql://postgres@127.0.0.1:{pg_server.port}/{info['dbname']}"
     result = subprocess.run(
-        [str(DENO), "test", "--config", "supabase/functions/deno.json", "--allow-env", "--allow-net",
-         "--allow-read", "supabase/functions/"],
-        cwd=ROOT, env={**os.environ, "DB_URL": url, "NO_COLOR": "1"}, capture_output=True, text=True,
+        [
+            str(DENO),
+            "test",
+            "--config",
+            "supabase/functions/deno.json",
+            "--allow-env",
+            "--allow-net",
+            "--allow-read",
+            "supabase/functions/",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "DB_URL": url, "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

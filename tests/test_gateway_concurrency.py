@@ -191,3 +191,66 @@ def test_signed_in_users_manage_their_own_keys(
     assert httpx.delete(f"{gateway}/v1/keys/{created.json()['id']}", headers=token(alice)).status_code == 200
     wait_for(lambda: _refused(sdk), timeout=2)
     sdk.close()
+
+
+@pytest.fixture
+def redis_url(tmp_path: Any) -> Any:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _redis_ping(port), timeout=10)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _redis_ping(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def test_rate_limits_are_shared_through_redis(
+    conn: psycopg.Connection, db_url: str, fake_nodes: Any, redis_url: str
+) -> None:
+    """Two gateway instances with REDIS_URL count one key's requests together."""
+    from neuralgrid.config import Settings
+    from neuralgrid.gateway.app import create_app
+    from neuralgrid.serving import ThreadedServer
+
+    fake_nodes(max_concurrency=64)
+    key = (conn.execute("select api_key from create_api_key('shared', 4)").fetchone() or ("",))[0]
+    settings = Settings(REDIS_URL=redis_url)
+    with (
+        ThreadedServer(create_app(settings, db_url, sweep=False)) as a,
+        ThreadedServer(create_app(settings, db_url, sweep=False)) as b,
+    ):
+        sdks = [openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0) for s in (a, b, a, b)]
+        for sdk in sdks:
+            sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+        for sdk in sdks[:2]:
+            with pytest.raises(openai.RateLimitError):
+                sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
+        for sdk in sdks:
+            sdk.close()
