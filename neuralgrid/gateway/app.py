@@ -74,7 +74,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         metrics = Metrics()
         metrics_holder.append(metrics)
         keys = KeyStore(pool, settings.key_cache_ttl_s)
-        router = Router(pool, http, settings, RateLimiter(settings.redis_url), metrics)
+        limiter = RateLimiter(settings.redis_url)
+        router = Router(pool, http, settings, limiter, metrics)
         app.state.gateway = Gateway(settings, pool, keys, router, metrics)
         stop = asyncio.Event()
         tasks = [asyncio.create_task(keys.listen(database_url, stop))]
@@ -86,6 +87,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             await router.drain()
+            limiter.close()
             await http.aclose()
             await pool.close()
 

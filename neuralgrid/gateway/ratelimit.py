@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import time
 
+import coredis
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import MemoryStorage, Storage
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
-from limits.storage import storage_from_string
 
 from neuralgrid.gateway.errors import RateLimited
 from neuralgrid.gateway.keys import ApiKey
@@ -18,12 +18,18 @@ class RateLimiter:
     """rpm counts requests as they arrive; tpm counts tokens once a response says how many."""
 
     def __init__(self, redis_url: str | None = None) -> None:
-        storage: Storage = (
-            storage_from_string(f"async+{redis_url}")  # type: ignore[assignment]
-            if redis_url
-            else MemoryStorage()
-        )
+        storage: Storage = MemoryStorage()
+        self._pool: coredis.ConnectionPool | None = None
+        if redis_url:
+            # Our own pool, so that shutdown can close its connections.
+            self._pool = coredis.ConnectionPool.from_url(redis_url)
+            # limits passes options through to coredis.Redis; its hints only admit scalars.
+            storage = RedisStorage(f"async+{redis_url}", connection_pool=self._pool)  # type: ignore[arg-type]
         self.limiter = MovingWindowRateLimiter(storage)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.disconnect()
 
     async def admit(self, key: ApiKey) -> None:
         if key.rpm_limit:
