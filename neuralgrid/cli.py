@@ -416,6 +416,90 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     await asyncio.gather(*tasks[:-1], return_exceptions=True)
 
 
+node_app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")
+app.add_typer(node_app, name="node")
+
+
+@node_app.command("run")
+def node_run(
+    gateway: Annotated[str, typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL.")],
+    token: Annotated[str, typer.Option(envvar="NEURALGRID_NODE_TOKEN", help="Your operator API key.")],
+    backend: Annotated[
+        str,
+        typer.Option(envvar="NEURALGRID_BACKEND_URL", help="Your OpenAI-compatible server (vLLM, Ollama…)."),
+    ],
+    name: Annotated[
+        str | None, typer.Option(envvar="NEURALGRID_NODE_NAME", help="Node name (default: host).")
+    ] = None,
+    region: Annotated[
+        str, typer.Option(envvar="NEURALGRID_NODE_REGION", help="Region, e.g. eu-west.")
+    ] = "unknown",
+    price: Annotated[
+        float, typer.Option(envvar="NEURALGRID_NODE_PRICE", help="Your price, USD per hour.")
+    ] = 0.5,
+    max_concurrency: Annotated[
+        int, typer.Option(envvar="NEURALGRID_NODE_MAX_CONCURRENCY", help="Requests at once.")
+    ] = 4,
+    listen_port: Annotated[
+        int, typer.Option(envvar="NEURALGRID_NODE_PORT", help="Port the agent listens on (direct mode).")
+    ] = 8001,
+    public_url: Annotated[
+        str | None,
+        typer.Option(envvar="NEURALGRID_NODE_PUBLIC_URL", help="How the gateway reaches this agent."),
+    ] = None,
+    gpu_model: Annotated[
+        str | None, typer.Option(envvar="NEURALGRID_GPU_MODEL", help="GPU model (no NVML).")
+    ] = None,
+    vram_gb: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_VRAM_GB", help="Total VRAM, GB.")
+    ] = None,
+    tflops: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_TFLOPS", help="Dense FP16 TFLOPS.")
+    ] = None,
+    latitude: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_NODE_LATITUDE", help="For the map.")
+    ] = None,
+    longitude: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_NODE_LONGITUDE", help="For the map.")
+    ] = None,
+) -> None:
+    """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
+    import socket
+
+    from neuralgrid.agent.run import Agent, AgentConfig, AgentError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config = AgentConfig(
+        gateway_url=gateway,
+        token=token,
+        backend_url=backend,
+        name=name or socket.gethostname(),
+        region=region,
+        price_usd_per_hour=price,
+        max_concurrency=max_concurrency,
+        listen_port=listen_port,
+        public_url=public_url,
+        gpu_model=gpu_model,
+        vram_gb=vram_gb,
+        tflops=tflops,
+        latitude=latitude,
+        longitude=longitude,
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(config).run(stop)
+
+    try:
+        asyncio.run(main())
+    except AgentError as err:
+        raise fail(str(err)) from err
+
+
 keys_app = typer.Typer(no_args_is_help=True, help="Developer API keys (shown in clear once, stored hashed).")
 app.add_typer(keys_app, name="keys")
 

@@ -51,6 +51,7 @@ class Match:
     job_id: UUID
     node_id: UUID | None
     endpoint_url: str | None
+    node_key: bytes | None
     attempt: int
     fallback_ids: list[UUID] = field(default_factory=list)
     error: str | None = None
@@ -62,6 +63,7 @@ class Assignment:
 
     node_id: UUID
     endpoint_url: str | None
+    node_key: bytes | None
     attempt: int
 
 

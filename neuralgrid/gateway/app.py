@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from neuralgrid import __version__
 from neuralgrid.config import Settings
 from neuralgrid.db.errors import DatabaseError
-from neuralgrid.gateway import routes_keys, routes_openai
+from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.deps import Gateway, GatewayDep
 from neuralgrid.gateway.errors import BadRequest, GatewayError
 from neuralgrid.gateway.keys import KeyStore
@@ -100,6 +100,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     app.add_middleware(Timing, metrics=metrics_holder)
     app.include_router(routes_openai.router)
     app.include_router(routes_keys.router)
+    app.include_router(routes_nodes.router)
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, err: GatewayError) -> JSONResponse:

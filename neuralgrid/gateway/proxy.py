@@ -22,6 +22,7 @@ from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.responses import Response, StreamingResponse
 
+from neuralgrid import signing
 from neuralgrid.config import Settings
 from neuralgrid.db import errors as db_errors
 from neuralgrid.gateway import errors
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 COMPLETE = "select cost_usd from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)"
-FAILOVER = "select node_id, endpoint_url, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
+FAILOVER = "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
 CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
 
 
@@ -128,16 +129,20 @@ class Router:
         )
         match = await self._match(call, stream, reserve)
 
-        node_id, url, attempt = match.node_id, match.endpoint_url, match.attempt
+        node_id, url, key, attempt = match.node_id, match.endpoint_url, match.node_key, match.attempt
         waited = 0.0  # time spent waiting on nodes, which is not the gateway's overhead
         while True:
             assert node_id is not None and url is not None
             sent = time.perf_counter()
             try:
+                target, headers = (
+                    url.rstrip("/") + PATHS[call.kind],
+                    _node_headers(key, PATHS[call.kind], payload),
+                )
                 if stream:
-                    resp, chunks, first = await self._open_stream(url.rstrip("/") + PATHS[call.kind], payload)
+                    resp, chunks, first = await self._open_stream(target, payload, headers)
                 else:
-                    resp = await self._post(url.rstrip("/") + PATHS[call.kind], payload)
+                    resp = await self._post(target, payload, headers)
                 break
             except _Retryable as failure:
                 waited += time.perf_counter() - sent
@@ -147,7 +152,7 @@ class Router:
                     kind = errors.UpstreamTimeout if failure.timeout else errors.UpstreamFailed
                     raise kind(f"no node could serve the request; last error: {failure}") from None
                 self.metrics.failovers.inc()
-                node_id, url, attempt = nxt
+                node_id, url, key, attempt = nxt
 
         first_byte = time.perf_counter()
         waited += first_byte - sent
@@ -190,9 +195,9 @@ class Router:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         return match
 
-    async def _post(self, url: str, payload: bytes) -> httpx.Response:
+    async def _post(self, url: str, payload: bytes, headers: dict[str, str]) -> httpx.Response:
         try:
-            resp = await self.http.post(url, content=payload, headers={"content-type": "application/json"})
+            resp = await self.http.post(url, content=payload, headers=headers)
         except httpx.TimeoutException as err:
             raise _Retryable(f"timeout: {err!r}", timeout=True) from err
         except httpx.TransportError as err:
@@ -202,12 +207,10 @@ class Router:
         return resp
 
     async def _open_stream(
-        self, url: str, payload: bytes
+        self, url: str, payload: bytes, headers: dict[str, str]
     ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
         """Send, check the status, and read the first chunk: only then is the stream committed."""
-        request = self.http.build_request(
-            "POST", url, content=payload, headers={"content-type": "application/json"}
-        )
+        request = self.http.build_request("POST", url, content=payload, headers=headers)
         try:
             resp = await self.http.send(request, stream=True)
             try:
@@ -226,12 +229,12 @@ class Router:
 
     async def _failover(
         self, job_id: UUID, failure: _Retryable, candidates: list[UUID]
-    ) -> tuple[UUID, str, int] | None:
+    ) -> tuple[UUID, str, bytes | None, int] | None:
         async with self.pool.connection() as conn:
             row = await (
                 await conn.execute(FAILOVER, (job_id, str(failure), failure.status, candidates))
             ).fetchone()
-        return (row[0], row[1], row[2]) if row else None
+        return (row[0], row[1], row[2], row[3]) if row else None
 
     def _complete_response(
         self, call: Call, resp: httpx.Response, meter: _Meter, headers: dict[str, str]
@@ -370,6 +373,14 @@ class _SseEvents:
         self.meter.usage = usage
         self.meter.chunks -= 1
         return self.keep_usage_event or bool(payload.get("choices"))
+
+
+def _node_headers(key: bytes | None, path: str, payload: bytes) -> dict[str, str]:
+    """Headers for a node; signed when the node runs an agent (it has a key)."""
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers[signing.HEADER] = signing.sign(key, path, payload)
+    return headers
 
 
 def _domain_error(err: psycopg.Error) -> Exception:

@@ -119,7 +119,7 @@ async def usage(key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
 async def _proxy(
     request: Request, key: ApiKeyDep, gateway: GatewayDep, kind: str, schema: type[_Request]
 ) -> Response:
-    body = await _read_json(request, gateway.settings.max_body_bytes)
+    body = await read_json(request, gateway.settings.max_body_bytes)
     try:
         schema.model_validate(body)
     except ValidationError as err:
@@ -145,7 +145,7 @@ async def _proxy(
     return await gateway.router.handle(call)
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"the request body is over the {limit}-byte limit")

@@ -563,6 +563,7 @@ create function public.match_job(
   job_id uuid,
   node_id uuid,
   endpoint_url text,
+  node_key bytea,
   attempt integer,
   fallback_ids uuid[],
   error text
@@ -626,13 +627,14 @@ begin
     insert into public.job_attempts (job_id, attempt, node_id) values (v_job, 1, v_node.id);
   end if;
 
-  return query select v_job, v_node.id, v_node.endpoint_url, case when v_node.id is null then 0 else 1 end,
+  return query select v_job, v_node.id, v_node.endpoint_url, v_node.secret_hash,
+    case when v_node.id is null then 0 else 1 end,
     array(select x from unnest(v_ranked) with ordinality as r (x, ord)
           where x is distinct from v_node.id order by ord limit p_fallbacks),
     v_error;
 end;
 $$;
-comment on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) is 'One atomic call per request: holds the estimated cost against the key''s budget (NG402 when spent), scores nodes, claims a slot on the best one, records the job and its first attempt, and returns the node with an ordered fallback list (node null and error set when none can take it).';
+comment on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) is 'One atomic call per request: holds the estimated cost against the key''s budget (NG402 when spent), scores nodes, claims a slot on the best one, records the job and its first attempt, and returns the node (with the key the gateway signs requests to it with) and an ordered fallback list (node null and error set when none can take it).';
 revoke execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) from public, anon, authenticated;
 grant execute on function public.match_job(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric) to service_role;
 
@@ -696,7 +698,7 @@ grant execute on function public.end_attempt(uuid, text, text, integer, real, re
 
 create function public.failover_job(
   p_job_id uuid, p_error text, p_http_status integer default null, p_candidates uuid[] default '{}'
-) returns table (node_id uuid, endpoint_url text, attempt integer)
+) returns table (node_id uuid, endpoint_url text, node_key bytea, attempt integer)
 language plpgsql
 set search_path = ''
 as $$
@@ -717,7 +719,7 @@ begin
   end if;
   insert into public.job_attempts (job_id, attempt, node_id) values (p_job_id, v_attempt + 1, v_node.id);
   update public.jobs j set node_id = v_node.id, attempts = v_attempt + 1 where j.id = p_job_id;
-  return query select v_node.id, v_node.endpoint_url, v_attempt + 1;
+  return query select v_node.id, v_node.endpoint_url, v_node.secret_hash, v_attempt + 1;
 end;
 $$;
 comment on function public.failover_job(uuid, text, integer, uuid[]) is 'Records the running attempt''s failure (cooling its node down) and claims the next free candidate not yet tried; no row means the job failed.';

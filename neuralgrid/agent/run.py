@@ -1,0 +1,199 @@
+"""The agent's life: check the backend, register, heartbeat, and drain on the way out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from neuralgrid import __version__, signing
+from neuralgrid.agent import gpu
+from neuralgrid.agent.front import FrontState, create_front
+from neuralgrid.serving import make_server
+
+log = logging.getLogger(__name__)
+REPROBE_EVERY = 6  # heartbeats between looks at the backend's models
+
+
+class AgentError(Exception):
+    """Something the owner must fix before the node can join; the message says what."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    gateway_url: str
+    token: str
+    backend_url: str
+    name: str
+    region: str
+    price_usd_per_hour: float
+    max_concurrency: int = 4
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8001
+    public_url: str | None = None
+    gpu_model: str | None = None
+    vram_gb: float | None = None
+    tflops: float | None = None
+    latitude: float | None = None
+    longitude: float | None = None
+    drain_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Specs:
+    gpu_model: str
+    gpu_count: int
+    vram_gb: float
+    tflops: float
+
+
+def resolve_specs(config: AgentConfig) -> Specs:
+    """The GPU as NVML reports it (flags override); without a GPU, only explicit flags."""
+    try:
+        found = gpu.detect()
+    except gpu.NoGpu as err:
+        if config.gpu_model and config.vram_gb and config.tflops:
+            return Specs(config.gpu_model, 1, config.vram_gb, config.tflops)
+        raise AgentError(f"{err}; describe this machine with --gpu-model, --vram-gb and --tflops") from err
+    tflops = config.tflops or found.tflops
+    if tflops is None:
+        raise AgentError(f"no TFLOPS figure for {found.model}: pass --tflops (dense FP16)")
+    return Specs(config.gpu_model or found.model, found.count, config.vram_gb or found.vram_total_gb, tflops)
+
+
+async def probe_backend(http: httpx.AsyncClient, backend_url: str) -> list[str]:
+    """The models the backend serves now (its /v1/models), or AgentError saying what is wrong."""
+    url = backend_url.rstrip("/") + "/v1/models"
+    try:
+        resp = await http.get(url)
+    except httpx.HTTPError as err:
+        raise AgentError(f"the backend at {backend_url} is unreachable: {err!r}") from err
+    try:
+        data = resp.json()["data"]
+        return [str(m["id"]) for m in data]
+    except (ValueError, KeyError, TypeError) as err:
+        raise AgentError(
+            f"the backend at {backend_url} is not OpenAI-compatible:"
+            f" GET /v1/models gave HTTP {resp.status_code}"
+        ) from err
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.front = FrontState(config.backend_url)
+        self.node_id: str | None = None
+        self.secret: str | None = None
+        self.interval_s = 5.0
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.config.public_url or f"http://{self.config.listen_host}:{self.config.listen_port}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=10) as http:
+            models = await probe_backend(http, self.config.backend_url)
+            specs = resolve_specs(self.config)
+            server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                if serving.done():
+                    raise AgentError(f"cannot listen on {self.config.listen_host}:{self.config.listen_port}")
+                await asyncio.sleep(0.02)
+            try:
+                await self._register(http, specs, models)
+                log.info(
+                    "node %s registered as %s; heartbeat every %ss",
+                    self.config.name,
+                    self.node_id,
+                    self.interval_s,
+                )
+                beats = 0
+                while not stop.is_set():
+                    if beats % REPROBE_EVERY == 0 and beats:
+                        models = await self._models_or_none(http, models)
+                    await self._heartbeat(http, "online", models)
+                    beats += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+                await self._drain(http, models)
+            finally:
+                server.should_exit = True
+                await serving
+                await self.front.http.aclose()
+
+    async def _register(self, http: httpx.AsyncClient, specs: Specs, models: list[str]) -> None:
+        body: dict[str, Any] = {
+            "name": self.config.name,
+            "gpu_model": specs.gpu_model,
+            "gpu_count": specs.gpu_count,
+            "vram_gb": specs.vram_gb,
+            "tflops": specs.tflops,
+            "hourly_rate": self.config.price_usd_per_hour,
+            "region": self.config.region,
+            "latitude": self.config.latitude,
+            "longitude": self.config.longitude,
+            "endpoint_url": self.endpoint_url,
+            "max_concurrency": self.config.max_concurrency,
+            "models": models,
+            "agent_version": __version__,
+        }
+        try:
+            resp = await http.post(
+                f"{self.config.gateway_url.rstrip('/')}/v1/nodes",
+                json=body,
+                headers={"authorization": f"Bearer {self.config.token}"},
+            )
+        except httpx.HTTPError as err:
+            raise AgentError(f"the gateway at {self.config.gateway_url} is unreachable: {err!r}") from err
+        if resp.status_code != 201:
+            raise AgentError(f"the gateway refused the registration: {_message(resp)}")
+        answer = resp.json()
+        self.node_id, self.secret = answer["node_id"], answer["node_secret"]
+        self.interval_s = float(answer["heartbeat_interval_s"])
+        self.front.key = signing.node_key(answer["node_secret"])
+
+    async def _heartbeat(self, http: httpx.AsyncClient, status: str, models: list[str]) -> None:
+        load = gpu.load()
+        body = {
+            "status": status,
+            "queue_depth": self.front.inflight,
+            "models": models,
+            "gpu_utilization": load[0] if load else None,
+            "free_vram_gb": load[1] if load else None,
+        }
+        url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
+        try:
+            resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})
+            if resp.status_code != 200:
+                log.warning("heartbeat refused: %s", _message(resp))
+        except httpx.HTTPError as err:  # the gateway is away for a moment: try again next beat
+            log.warning("heartbeat failed: %r", err)
+
+    async def _models_or_none(self, http: httpx.AsyncClient, previous: list[str]) -> list[str]:
+        try:
+            return await probe_backend(http, self.config.backend_url)
+        except AgentError as err:
+            log.warning("%s; reporting no warm models until it is back", err)
+            return []
+
+    async def _drain(self, http: httpx.AsyncClient, models: list[str]) -> None:
+        """Take no new work, finish what is running, then go offline."""
+        self.front.draining = True
+        await self._heartbeat(http, "draining", models)
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
+        while self.front.inflight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self._heartbeat(http, "offline", models)
+        log.info("node %s drained and offline", self.config.name)
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}"

@@ -1,0 +1,123 @@
+"""Node agents: registration (with an operator's API key) and heartbeats (with the node's secret)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+from uuid import UUID
+
+import psycopg
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from neuralgrid import signing
+from neuralgrid.db import errors as db_errors
+from neuralgrid.gateway.deps import ApiKeyDep, GatewayDep
+from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, NotFound, Unauthorized
+from neuralgrid.gateway.routes_openai import read_json
+
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
+ModelT = TypeVar("ModelT", bound=BaseModel)
+HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat is small; anything larger is a mistake or an attack
+
+
+class Forbidden(GatewayError):
+    status, type, code = 403, "invalid_request_error", "forbidden"
+
+
+class NodeRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100)
+    gpu_model: str = Field(min_length=1, max_length=100)
+    gpu_count: int = Field(1, ge=1, le=64)
+    vram_gb: float = Field(gt=0)
+    tflops: float = Field(gt=0)
+    hourly_rate: float = Field(ge=0)
+    region: str = Field(min_length=1, max_length=64)
+    latitude: float | None = Field(None, ge=-90, le=90)
+    longitude: float | None = Field(None, ge=-180, le=180)
+    endpoint_url: str = Field(pattern=r"^https?://\S+$")
+    max_concurrency: int = Field(4, ge=1, le=1024)
+    models: list[str] = Field(default_factory=list, max_length=1000)
+    agent_version: str | None = Field(None, max_length=64)
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["online", "draining", "offline"] = "online"
+    queue_depth: int = Field(0, ge=0)
+    gpu_utilization: float | None = Field(None, ge=0, le=1)
+    free_vram_gb: float | None = Field(None, ge=0)
+    models: list[str] = Field(default_factory=list, max_length=1000)
+
+
+REGISTER = """
+select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu_model)s, %(gpu_count)s,
+  %(vram_gb)s::real, %(tflops)s::real, %(hourly_rate)s::numeric, %(region)s, %(latitude)s::float8,
+  %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s, %(models)s::text[], %(agent_version)s)
+"""
+HEARTBEAT = "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[])"
+INTERVAL = "select heartbeat_interval_s from public.platform_settings"
+
+
+@router.post("", status_code=201)
+async def register(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
+    """Registers the caller's node (or re-registers it by name) and returns its secret, once."""
+    node = _validated(NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES))
+    params = {**node.model_dump(), "owner": key.owner_id}
+    try:
+        async with gateway.pool.connection() as conn:
+            row = await (await conn.execute(REGISTER, params)).fetchone()
+            interval = await (await conn.execute(INTERVAL)).fetchone()
+    except psycopg.Error as err:
+        raise _translated(err) from err
+    assert row is not None and interval is not None
+    return {"node_id": row[0], "node_secret": row[1], "heartbeat_interval_s": interval[0]}
+
+
+@router.post("/{node_id}/heartbeat")
+async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dict[str, Any]:
+    """A heartbeat from the node's agent, signed in with the node's secret."""
+    header = request.headers.get("authorization") or ""
+    if not header.lower().startswith("bearer "):
+        raise Unauthorized("send the node's secret: 'Authorization: Bearer <node secret>'")
+    try:
+        body = await read_json(request, HEARTBEAT_MAX_BYTES)
+    except BodyTooLarge:
+        raise BodyTooLarge(f"a heartbeat is at most {HEARTBEAT_MAX_BYTES} bytes") from None
+    beat = _validated(Heartbeat, body)
+    params = (
+        node_id,
+        signing.node_key(header[7:].strip()),
+        beat.status,
+        beat.queue_depth,
+        beat.gpu_utilization,
+        beat.free_vram_gb,
+        beat.models,
+    )
+    try:
+        async with gateway.pool.connection() as conn:
+            row = await (await conn.execute(HEARTBEAT, params)).fetchone()
+    except psycopg.Error as err:
+        raise _translated(err) from err
+    assert row is not None
+    return {"node_id": node_id, "status": row[0]}
+
+
+def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
+    try:
+        return schema.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
+
+
+def _translated(err: psycopg.Error) -> Exception:
+    if err.sqlstate == "42501":  # insufficient_privilege: the secret is another node's, or wrong
+        return Forbidden(str(err.diag.message_primary))
+    domain = db_errors.translate(err)
+    if isinstance(domain, db_errors.UnknownModel):  # no_data_found: no such node
+        return NotFound(str(domain), param="node_id")
+    if isinstance(domain, db_errors.DatabaseError):
+        return BadRequest(str(domain))
+    return err

@@ -1,0 +1,108 @@
+-- Node agents: a per-node secret (hashed), registration, authenticated heartbeats carrying load, and
+-- the sweeper on pg_cron where the extension is installed.
+
+create function public.register_node(
+  p_owner_id uuid,
+  p_name text,
+  p_gpu_model text,
+  p_gpu_count integer,
+  p_vram_gb real,
+  p_tflops real,
+  p_hourly_rate numeric,
+  p_region text,
+  p_latitude double precision,
+  p_longitude double precision,
+  p_endpoint_url text,
+  p_max_concurrency integer,
+  p_models text[],
+  p_agent_version text default null
+) returns table (node_id uuid, node_secret text)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  -- 244 random bits, like API keys; shown once, stored as its SHA-256.
+  v_secret text := 'ngn-' || encode(uuid_send(gen_random_uuid()) || uuid_send(gen_random_uuid()), 'hex');
+  v_id uuid;
+begin
+  insert into public.nodes as n (owner_id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate, region,
+                                 latitude, longitude, endpoint_url, max_concurrency, secret_hash, agent_version,
+                                 status, last_heartbeat_at)
+  values (p_owner_id, p_name, p_gpu_model, p_gpu_count, p_vram_gb, p_tflops, p_hourly_rate, p_region,
+          p_latitude, p_longitude, p_endpoint_url, p_max_concurrency, sha256(convert_to(v_secret, 'UTF8')),
+          p_agent_version, 'online', now())
+  -- Registering the same name again (a reinstall) takes the node over with a new secret.
+  on conflict (owner_id, name) do update set
+    gpu_model = excluded.gpu_model, gpu_count = excluded.gpu_count, vram_gb = excluded.vram_gb,
+    tflops = excluded.tflops, hourly_rate = excluded.hourly_rate, region = excluded.region,
+    latitude = excluded.latitude, longitude = excluded.longitude, endpoint_url = excluded.endpoint_url,
+    max_concurrency = excluded.max_concurrency, secret_hash = excluded.secret_hash,
+    agent_version = excluded.agent_version, status = 'online', last_heartbeat_at = now(), inflight = 0
+  returning n.id into v_id;
+  delete from public.node_models nm where nm.node_id = v_id and nm.model_id <> all (p_models);
+  insert into public.node_models (node_id, model_id, state)
+  select v_id, m, 'loaded' from unnest(p_models) as m
+  on conflict on constraint node_models_pkey do update set state = 'loaded';
+  return query select v_id, v_secret;
+end;
+$$;
+comment on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) is 'Registers (or re-registers by name) an owner''s node with its specs and warm models; returns its id and a new secret, shown once.';
+revoke execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) from public, anon, authenticated;
+grant execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) to service_role;
+
+create function public.agent_heartbeat(
+  p_node_id uuid,
+  p_secret_hash bytea,
+  p_status text,
+  p_queue_depth integer,
+  p_gpu_utilization real,
+  p_free_vram_gb real,
+  p_loaded_models text[]
+) returns text
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_stored bytea;
+  v_status text;
+begin
+  if p_status not in ('online', 'draining', 'offline') then
+    raise exception 'an agent reports online, draining or offline, not "%"', p_status
+      using errcode = 'invalid_parameter_value';
+  end if;
+  select n.secret_hash into v_stored from public.nodes n where n.id = p_node_id for update;
+  if not found then
+    raise exception 'no node %', p_node_id using errcode = 'no_data_found';
+  end if;
+  if v_stored is null or v_stored <> p_secret_hash then
+    raise exception 'this secret does not belong to node %', p_node_id using errcode = 'insufficient_privilege';
+  end if;
+  update public.nodes n
+  set last_heartbeat_at = now(), missed_heartbeats = 0, queue_depth = p_queue_depth,
+      gpu_utilization = p_gpu_utilization, free_vram_gb = p_free_vram_gb,
+      -- busy is the platform's word for "full"; the agent says whether it takes work at all.
+      status = case when p_status = 'online' and n.status = 'busy' then 'busy' else p_status end
+  where n.id = p_node_id
+  returning n.status into v_status;
+  perform public.node_heartbeat(p_node_id, p_loaded_models);
+  -- node_heartbeat() brings an offline node online; an agent that reports offline stays offline.
+  if p_status <> 'online' then
+    update public.nodes n set status = p_status where n.id = p_node_id and n.status <> p_status;
+    v_status := p_status;
+  end if;
+  return v_status;
+end;
+$$;
+comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) is 'A node agent''s heartbeat, authenticated by its secret''s hash: status (online, draining, offline), load and warm models.';
+revoke execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) from public, anon, authenticated;
+grant execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) to service_role;
+
+-- On Supabase (pg_cron installed), sweep every second from the database itself; elsewhere the
+-- gateway's sweeper does it. Running both is harmless.
+do $$
+begin
+  if exists (select from pg_extension where extname = 'pg_cron') then
+    perform cron.schedule('neuralgrid-sweep-stale-nodes', '1 seconds', 'select public.sweep_stale_nodes()');
+  end if;
+end
+$$;

@@ -1,0 +1,350 @@
+"""The node agent: GPU detection, joining, signed requests, heartbeats, death, drain, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import psycopg
+import pynvml
+import pytest
+import respx
+
+from neuralgrid import signing
+from neuralgrid.agent import gpu
+from neuralgrid.agent.run import AgentConfig, AgentError, probe_backend, resolve_specs
+from neuralgrid.config import Settings
+from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.gateway.app import create_app
+from neuralgrid.serving import ThreadedServer
+from tests.conftest import LLAMA8, free_port, make_node, wait_for
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+# GPU detection ---------------------------------------------------------------------------------
+
+
+def test_nvml_detection_reads_every_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 2**30
+    devices = [
+        ("NVIDIA H100 80GB HBM3", 80 * gib, 70 * gib, 40),
+        ("NVIDIA H100 80GB HBM3", 80 * gib, 30 * gib, 80),
+    ]
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(devices))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: devices[h][0].encode())
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetMemoryInfo", lambda h: SimpleNamespace(total=devices[h][1], free=devices[h][2])
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", lambda h: SimpleNamespace(gpu=devices[h][3]))
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetMigMode", lambda h: (pynvml.NVML_DEVICE_MIG_ENABLE, 0) if h == 1 else (0, 0)
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMaxMigDeviceCount", lambda h: 7)
+
+    def mig_handle(h: int, i: int) -> int:
+        if i >= 3:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return i
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigDeviceHandleByIndex", mig_handle)
+    info = gpu.detect()
+    assert (info.model, info.count, info.vram_total_gb, info.vram_free_gb) == (
+        "NVIDIA H100 80GB HBM3",
+        2,
+        160.0,
+        100.0,
+    )
+    assert (info.utilization, info.mig_instances, info.tflops) == (0.6, 3, 2 * 989.0)
+
+
+def test_tflops_table_cites_specific_models_first() -> None:
+    assert gpu.tflops_for("NVIDIA H100 PCIe") == 756.0
+    assert gpu.tflops_for("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu.tflops_for("NVIDIA L40S") == 362.0
+    assert gpu.tflops_for("NVIDIA L4") == 121.0
+    assert gpu.tflops_for("NVIDIA GeForce RTX 4090") == 165.0
+    assert gpu.tflops_for("Some Future GPU") is None
+
+
+def test_without_a_gpu_the_agent_never_invents_one() -> None:
+    """This machine has no NVIDIA GPU: detection says so and explicit specs are required."""
+    with pytest.raises(gpu.NoGpu, match="no NVIDIA GPU found"):
+        gpu.detect()
+    config = AgentConfig("http://gw", "t", "http://be", "n", "eu-west", 0.3)
+    with pytest.raises(AgentError, match="--gpu-model, --vram-gb and --tflops"):
+        resolve_specs(config)
+    explicit = AgentConfig(
+        "http://gw", "t", "http://be", "n", "eu-west", 0.3, gpu_model="RTX 4090", vram_gb=24, tflops=165
+    )
+    assert resolve_specs(explicit).vram_gb == 24
+
+
+# The backend probe (respx: edge cases of outbound HTTP) ---------------------------------------
+
+
+@respx.mock
+async def test_probe_reads_models_and_refuses_what_is_not_openai() -> None:
+    respx.get("http://vllm:8000/v1/models").respond(200, json={"data": [{"id": "a"}, {"id": "b"}]})
+    respx.get("http://web:80/v1/models").respond(404, html="<h1>Not Found</h1>")
+    respx.get("http://down:1/v1/models").mock(side_effect=httpx.ConnectError("refused"))
+    async with httpx.AsyncClient() as http:
+        assert await probe_backend(http, "http://vllm:8000") == ["a", "b"]
+        with pytest.raises(AgentError, match="not OpenAI-compatible: GET /v1/models gave HTTP 404"):
+            await probe_backend(http, "http://web:80")
+        with pytest.raises(AgentError, match="unreachable"):
+            await probe_backend(http, "http://down:1")
+
+
+# The agent for real: a subprocess against a running gateway and a fake backend ----------------
+
+
+@pytest.fixture
+def platform(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
+    """A gateway that sweeps, with 0.3 s heartbeats (offline after 0.9 s of silence)."""
+    conn.execute("update platform_settings set heartbeat_interval_s = 0.3")
+    settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=5)
+    with ThreadedServer(create_app(settings, db_url)) as gateway:
+        yield gateway.url
+
+
+@pytest.fixture
+def operator_key(conn: psycopg.Connection) -> str:
+    row = conn.execute("select api_key from create_api_key('operator')").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@pytest.fixture
+def backend() -> Iterator[ThreadedServer]:
+    with ThreadedServer(create_fake_node(FakeNodeConfig(models=(LLAMA8,), tokens_per_s=20))) as server:
+        yield server
+
+
+def start_agent(
+    gateway: str, token: str, backend_url: str, name: str = "box", vram_gb: int = 24
+) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "neuralgrid.cli",
+        "node",
+        "run",
+        "--gateway",
+        gateway,
+        "--token",
+        token,
+        "--backend",
+        backend_url,
+        "--name",
+        name,
+        "--region",
+        "eu-west",
+        "--price",
+        "0.3",
+        "--listen-port",
+        str(port),
+        "--gpu-model",
+        "NVIDIA GeForce RTX 4090",
+        "--vram-gb",
+        str(vram_gb),
+        "--tflops",
+        "165",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, port
+
+
+def node_row(conn: psycopg.Connection, name: str) -> Any:
+    return conn.execute(
+        "select id, status, endpoint_url, secret_hash is not null, last_heartbeat_at from nodes where name = %s",
+        (name,),
+    ).fetchone()
+
+
+def test_an_agent_joins_serves_signed_requests_and_refuses_others(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    agent, port = start_agent(platform, operator_key, backend.url)
+    try:
+        row = wait_for(
+            lambda: node_row(conn, "box") if (node_row(conn, "box") or (0, ""))[1] == "online" else None,
+            timeout=20,
+        )
+        node_id, _, endpoint, has_secret, first_beat = row
+        assert endpoint == f"http://127.0.0.1:{port}" and has_secret
+        assert conn.execute(
+            "select model_id, state from node_models where node_id = %s", (node_id,)
+        ).fetchall() == [(LLAMA8, "loaded")]
+        wait_for(lambda: node_row(conn, "box")[4] > first_beat, timeout=5)  # heartbeats keep coming
+
+        with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
+            raw = sdk.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+            assert raw.headers["x-neuralgrid-node"] == str(node_id) and raw.parse().choices[0].message.content
+        assert backend.app.state.requests == 1
+
+        body = json.dumps({"model": LLAMA8, "messages": MESSAGES}).encode()
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, content=body).status_code == 401
+        forged = signing.sign(signing.node_key("not-the-secret"), "/v1/chat/completions", body)
+        assert httpx.post(url, content=body, headers={signing.HEADER: forged}).status_code == 401
+        assert backend.app.state.requests == 1  # nothing unsigned reached the backend
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)
+
+
+def test_a_killed_agent_fails_over_and_goes_offline_in_time(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    agent, _ = start_agent(platform, operator_key, backend.url)
+    standby, _ = start_agent(platform, operator_key, backend.url, "standby", vram_gb=80)  # ranks lower
+    for name in ("box", "standby"):
+        wait_for(lambda name=name: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 40, "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{platform}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {operator_key}"},
+        timeout=20,
+    ) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        agent.kill()  # mid-stream, no goodbye
+        agent.communicate(timeout=10)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert any('"upstream_dropped"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    killed_at = time.monotonic()
+    wait_for(lambda: (node_row(conn, "box") or (0, ""))[1] == "offline", timeout=5)
+    assert time.monotonic() - killed_at < 3 * 0.3 + 1.0  # 3 missed beats, plus sweep and test slack
+    with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
+        raw = sdk.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=2)
+    assert raw.headers["x-neuralgrid-node"] == str(node_row(conn, "standby")[0])
+    standby.terminate()
+    standby.communicate(timeout=30)
+
+
+def test_sigterm_drains_inflight_work_then_goes_offline(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    agent, _ = start_agent(platform, operator_key, backend.url)
+    wait_for(lambda: (node_row(conn, "box") or (0, ""))[1] == "online", timeout=20)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 20, "stream": True}  # ~1 s at 20 tok/s
+    statuses = []
+    with httpx.stream(
+        "POST",
+        f"{platform}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {operator_key}"},
+        timeout=20,
+    ) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        agent.send_signal(signal.SIGTERM)
+        chunks = 1
+        for line in lines:
+            chunks += line.startswith("data: {")
+            statuses.append((node_row(conn, "box") or (0, ""))[1])
+    assert chunks == 20  # the answer was finished, not cut
+    assert "draining" in statuses
+    output, _ = agent.communicate(timeout=30)
+    assert agent.returncode == 0, output
+    assert (node_row(conn, "box") or (0, ""))[1] == "offline" and "drained and offline" in output
+
+
+# Bad input at the platform's door ---------------------------------------------------------------
+
+
+def test_bad_registrations_and_heartbeats_get_clear_errors(
+    conn: psycopg.Connection, gateway: str, operator_key: str
+) -> None:
+    spec = {
+        "name": "n1",
+        "gpu_model": "L4",
+        "vram_gb": 24,
+        "tflops": 121,
+        "hourly_rate": 0.4,
+        "region": "eu-west",
+        "endpoint_url": "http://127.0.0.1:9",
+        "models": [LLAMA8],
+    }
+    auth = {"authorization": f"Bearer {operator_key}"}
+    assert httpx.post(f"{gateway}/v1/nodes", json=spec).status_code == 401
+    bad = httpx.post(f"{gateway}/v1/nodes", json={**spec, "vram_gb": -1}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "vram_gb"
+    assert httpx.post(f"{gateway}/v1/nodes", json={**spec, "latitude": 91}, headers=auth).status_code == 400
+    one = httpx.post(f"{gateway}/v1/nodes", json=spec, headers=auth).json()
+    two = httpx.post(f"{gateway}/v1/nodes", json={**spec, "name": "n2"}, headers=auth).json()
+    before = conn.execute(
+        "select last_heartbeat_at, status from nodes where id = %s", (one["node_id"],)
+    ).fetchone()
+
+    def beat(node_id: str, secret: str, **kw: Any) -> httpx.Response:
+        return httpx.post(
+            f"{gateway}/v1/nodes/{node_id}/heartbeat", headers={"authorization": f"Bearer {secret}"}, **kw
+        )
+
+    assert beat(one["node_id"], two["node_secret"], json={}).status_code == 403  # another node's secret
+    assert beat(one["node_id"], "ngn-wrong", json={}).status_code == 403
+    assert httpx.post(f"{gateway}/v1/nodes/{one['node_id']}/heartbeat", json={}).status_code == 401
+    assert beat(one["node_id"], one["node_secret"], content=b"{nope").status_code == 400
+    assert beat(one["node_id"], one["node_secret"], json={"status": "partying"}).status_code == 400
+    assert beat(one["node_id"], one["node_secret"], json={"gpu_utilization": 7}).status_code == 400
+    assert beat(one["node_id"], one["node_secret"], json={"models": ["m"] * 20000}).status_code == 413
+    assert beat("00000000-0000-4000-8000-000000000000", one["node_secret"], json={}).status_code == 404
+    after = conn.execute(
+        "select last_heartbeat_at, status from nodes where id = %s", (one["node_id"],)
+    ).fetchone()
+    assert after == before  # nothing stored by the bad ones
+    ok = beat(
+        one["node_id"],
+        one["node_secret"],
+        json={
+            "status": "online",
+            "queue_depth": 2,
+            "gpu_utilization": 0.5,
+            "free_vram_gb": 10,
+            "models": [LLAMA8, "extra/model"],
+        },
+    )
+    assert ok.status_code == 200 and ok.json()["status"] == "online"
+    row = conn.execute(
+        "select queue_depth, gpu_utilization, free_vram_gb from nodes where id = %s", (one["node_id"],)
+    ).fetchone()
+    assert row == (2, 0.5, 10.0)
+    # Re-registering the same name takes the node over with a new secret; the old one stops working.
+    again = httpx.post(f"{gateway}/v1/nodes", json=spec, headers=auth).json()
+    assert again["node_id"] == one["node_id"] and again["node_secret"] != one["node_secret"]
+    assert beat(one["node_id"], one["node_secret"], json={}).status_code == 403
+
+
+def test_map_shows_load_but_never_the_secret(conn: psycopg.Connection, fake_nodes: Any) -> None:
+    make_node(conn, "x")
+    with conn.transaction(force_rollback=True):
+        conn.execute("set local role anon")
+        conn.execute("select gpu_utilization, free_vram_gb, queue_depth from nodes")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("select secret_hash from nodes")
+
+
+def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer, gateway: str) -> None:
+    proc, _ = start_agent(gateway, "ng-not-a-key", backend.url)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "the gateway refused the registration: unknown API key" in output
+
+
+os.environ.setdefault("NO_COLOR", "1")
