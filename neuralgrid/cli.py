@@ -462,6 +462,12 @@ def node_run(
     longitude: Annotated[
         float | None, typer.Option(envvar="NEURALGRID_NODE_LONGITUDE", help="For the map.")
     ] = None,
+    tunnel: Annotated[
+        bool,
+        typer.Option(
+            envvar="NEURALGRID_NODE_TUNNEL", help="Dial out to the gateway (behind NAT: no open port)."
+        ),
+    ] = False,
 ) -> None:
     """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
     import socket
@@ -485,6 +491,7 @@ def node_run(
         tflops=tflops,
         latitude=latitude,
         longitude=longitude,
+        tunnel=tunnel,
     )
 
     async def main() -> None:

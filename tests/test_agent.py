@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -134,9 +134,11 @@ def backend() -> Iterator[ThreadedServer]:
 
 
 def start_agent(
-    gateway: str, token: str, backend_url: str, name: str = "box", vram_gb: int = 24
+    gateway: str, token: str, backend_url: str, name: str = "box", vram_gb: int = 24, *extra: str
 ) -> tuple[subprocess.Popen[str], int]:
+    """`neuralgrid node run` as an owner would type it, in its own process."""
     port = free_port()
+    flags = f"--region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb} --tflops 165".split()
     args = [
         sys.executable,
         "-m",
@@ -151,18 +153,10 @@ def start_agent(
         backend_url,
         "--name",
         name,
-        "--region",
-        "eu-west",
-        "--price",
-        "0.3",
-        "--listen-port",
-        str(port),
         "--gpu-model",
         "NVIDIA GeForce RTX 4090",
-        "--vram-gb",
-        str(vram_gb),
-        "--tflops",
-        "165",
+        *flags,
+        *extra,
     ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, port
@@ -347,4 +341,100 @@ def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer
     assert proc.returncode == 1 and "the gateway refused the registration: unknown API key" in output
 
 
-os.environ.setdefault("NO_COLOR", "1")
+# The tunnel: nodes behind NAT dial out; requests are multiplexed over one WebSocket -------------
+
+
+def test_a_tunnel_node_serves_streams_and_plain_requests(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
+    try:
+        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+        assert node_row(conn, "nat-box")[2] == "tunnel:nat-box"
+        with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
+            reply = sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+            assert reply.usage is not None and reply.usage.completion_tokens == 3
+            chunks = list(
+                sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, stream=True)
+            )
+            assert len(chunks) == 4
+        assert backend.app.state.requests == 2
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)
+
+
+def test_a_tunnel_carries_100_concurrent_streams(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    with ThreadedServer(create_fake_node(FakeNodeConfig(models=(LLAMA8,), tokens_per_s=50))) as backend:
+        agent, _ = start_agent(
+            platform, operator_key, backend.url, "nat-box", 24, "--tunnel", "--max-concurrency", "128"
+        )
+        try:
+            wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+
+            async def one(client: httpx.AsyncClient, i: int) -> int:
+                body = {
+                    "model": LLAMA8,
+                    "messages": [{"role": "user", "content": f"stream {i}"}],
+                    "max_tokens": 10,
+                    "stream": True,
+                }
+                async with client.stream("POST", f"{platform}/v1/chat/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    return sum([line.startswith("data: {") async for line in resp.aiter_lines()])
+
+            async def all_at_once() -> list[int]:
+                limits = httpx.Limits(max_connections=100)
+                headers = {"authorization": f"Bearer {operator_key}"}
+                async with httpx.AsyncClient(limits=limits, headers=headers, timeout=60) as client:
+                    return await asyncio.gather(*(one(client, i) for i in range(100)))
+
+            started = time.monotonic()
+            assert asyncio.run(all_at_once()) == [10] * 100
+            # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
+            assert time.monotonic() - started < 10
+            assert backend.app.state.requests == 100
+        finally:
+            agent.terminate()
+            agent.communicate(timeout=30)
+
+
+def test_a_dropped_tunnel_is_offline_within_a_second(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    conn.execute("update platform_settings set heartbeat_interval_s = 5")  # so only the tunnel can tell
+    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
+    wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+    agent.kill()
+    killed_at = time.monotonic()
+    agent.communicate(timeout=10)
+    wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "offline", timeout=2)
+    assert time.monotonic() - killed_at < 1.0
+
+
+def test_a_client_leaving_cancels_the_request_on_the_node(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
+    try:
+        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+        body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 200, "stream": True}  # 10 s at 20 tok/s
+        depth = "select queue_depth from nodes where name = 'nat-box'"
+        with httpx.stream(
+            "POST",
+            f"{platform}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {operator_key}"},
+            timeout=20,
+        ) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            wait_for(lambda: conn.execute(depth).fetchone() == (1,))
+        # The agent hears the cancel and lets go long before the 10 s answer would have ended.
+        wait_for(lambda: conn.execute(depth).fetchone() == (0,), timeout=3)
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import httpx
 from neuralgrid import __version__, signing
 from neuralgrid.agent import gpu
 from neuralgrid.agent.front import FrontState, create_front
+from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.serving import make_server
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class AgentConfig:
     latitude: float | None = None
     longitude: float | None = None
     drain_timeout_s: float = 60.0
+    tunnel: bool = False  # dial out to the gateway instead of listening (for nodes behind NAT)
 
 
 @dataclass(frozen=True)
@@ -89,23 +92,21 @@ class Agent:
         self.node_id: str | None = None
         self.secret: str | None = None
         self.interval_s = 5.0
+        self._tunnel_task: asyncio.Task[None] | None = None
 
     @property
     def endpoint_url(self) -> str:
+        if self.config.tunnel:
+            return f"tunnel:{self.config.name}"
         return self.config.public_url or f"http://{self.config.listen_host}:{self.config.listen_port}"
 
     async def run(self, stop: asyncio.Event) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
             models = await probe_backend(http, self.config.backend_url)
             specs = resolve_specs(self.config)
-            server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
-            serving = asyncio.create_task(server.serve())
-            while not server.started:
-                if serving.done():
-                    raise AgentError(f"cannot listen on {self.config.listen_host}:{self.config.listen_port}")
-                await asyncio.sleep(0.02)
-            try:
+            async with self._reachable():
                 await self._register(http, specs, models)
+                tunnel = self._start_tunnel() if self.config.tunnel else None
                 log.info(
                     "node %s registered as %s; heartbeat every %ss",
                     self.config.name,
@@ -121,10 +122,37 @@ class Agent:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
                 await self._drain(http, models)
+                if tunnel is not None and self._tunnel_task is not None:
+                    tunnel.close.set()
+                    await self._tunnel_task
+
+    def _start_tunnel(self) -> TunnelClient:
+        assert self.node_id is not None and self.secret is not None
+        tunnel = TunnelClient(self.config.gateway_url, self.node_id, self.secret, self.front)
+        self._tunnel_task = asyncio.create_task(tunnel.run())
+        return tunnel
+
+    @contextlib.asynccontextmanager
+    async def _reachable(self) -> AsyncIterator[None]:
+        """Direct mode: serve the signed front on a port. Tunnel mode: nothing to listen on."""
+        if self.config.tunnel:
+            try:
+                yield
             finally:
-                server.should_exit = True
-                await serving
                 await self.front.http.aclose()
+            return
+        server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                raise AgentError(f"cannot listen on {self.config.listen_host}:{self.config.listen_port}")
+            await asyncio.sleep(0.02)
+        try:
+            yield
+        finally:
+            server.should_exit = True
+            await serving
+            await self.front.http.aclose()
 
     async def _register(self, http: httpx.AsyncClient, specs: Specs, models: list[str]) -> None:
         body: dict[str, Any] = {

@@ -26,6 +26,7 @@ from neuralgrid.gateway.keys import KeyStore
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
 from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.sweeper import run_sweeper
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         metrics_holder.append(metrics)
         keys = KeyStore(pool, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
-        router = Router(pool, http, settings, limiter, metrics)
-        app.state.gateway = Gateway(settings, pool, keys, router, metrics)
+        tunnels = Tunnels()
+        router = Router(pool, http, settings, limiter, metrics, tunnels)
+        app.state.gateway = Gateway(settings, pool, keys, router, metrics, tunnels)
         stop = asyncio.Event()
         tasks = [asyncio.create_task(keys.listen(database_url, stop))]
         if sweep:

@@ -14,6 +14,7 @@ from neuralgrid.gateway.errors import Unauthorized
 from neuralgrid.gateway.keys import ApiKey, KeyStore
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
+from neuralgrid.gateway.tunnel import Tunnels
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Gateway:
     keys: KeyStore
     router: Router
     metrics: Metrics
+    tunnels: Tunnels
 
 
 def get_gateway(request: Request) -> Gateway:

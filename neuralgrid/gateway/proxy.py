@@ -29,6 +29,7 @@ from neuralgrid.gateway import errors
 from neuralgrid.gateway.keys import ApiKey
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.tunnel import TunnelResponse, Tunnels
 from neuralgrid.matching import MATCH_JOB, Match, MatchRequest, match_params
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,14 @@ class Router:
         settings: Settings,
         limiter: RateLimiter,
         metrics: Metrics,
+        tunnels: Tunnels,
     ) -> None:
         self.pool = pool
         self.http = http
         self.settings = settings
         self.limiter = limiter
         self.metrics = metrics
+        self.tunnels = tunnels
         self.catalog = Catalog()
         self._finishing: set[asyncio.Task[None]] = set()
 
@@ -139,10 +142,15 @@ class Router:
                     url.rstrip("/") + PATHS[call.kind],
                     _node_headers(key, PATHS[call.kind], payload),
                 )
-                if stream:
-                    resp, chunks, first = await self._open_stream(target, payload, headers)
+                upstream: httpx.Response | TunnelResponse
+                if url.startswith("tunnel:"):
+                    upstream, chunks, first = await self._via_tunnel(
+                        node_id, PATHS[call.kind], payload, stream
+                    )
+                elif stream:
+                    upstream, chunks, first = await self._open_stream(target, payload, headers)
                 else:
-                    resp = await self._post(target, payload, headers)
+                    upstream = await self._post(target, payload, headers)
                 break
             except _Retryable as failure:
                 waited += time.perf_counter() - sent
@@ -166,12 +174,12 @@ class Router:
             overhead = time.perf_counter() - call.received - waited
             self.metrics.overhead.observe(overhead)
             headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
-            return self._complete_response(call, resp, meter, headers)
+            return self._complete_response(call, upstream, meter, headers)
         overhead = time.perf_counter() - call.received - waited
         self.metrics.overhead.observe(overhead)
         headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
         client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-        relay = self._relay(call, resp, chunks, first, meter, client_wants_usage)
+        relay = self._relay(call, upstream, chunks, first, meter, client_wants_usage)
         return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
 
     async def _match(self, call: Call, stream: bool, reserve: float) -> Match:
@@ -227,6 +235,29 @@ class Router:
         except (httpx.TransportError, StopAsyncIteration) as err:
             raise _Retryable(f"{type(err).__name__}: {err}") from err
 
+    async def _via_tunnel(
+        self, node_id: UUID, path: str, payload: bytes, stream: bool
+    ) -> tuple[TunnelResponse, AsyncIterator[bytes], bytes]:
+        """The same request over the node's tunnel, with the same rule: fail before the first byte."""
+        tunnel = self.tunnels.get(node_id)
+        if tunnel is None:
+            raise _Retryable("the node's tunnel is not connected to this gateway")
+        try:
+            resp = await tunnel.request(path, payload)
+            await resp.start(self.settings.first_byte_timeout_s)
+            if resp.status_code == 429 or resp.status_code >= 500:
+                body = (await resp.aread())[:200].decode(errors="replace")
+                raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
+            chunks = resp.aiter_raw()
+            if not stream:
+                await resp.aread()
+                return resp, chunks, b""
+            return resp, chunks, await anext(chunks)
+        except httpx.TimeoutException as err:
+            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
+        except (httpx.TransportError, StopAsyncIteration) as err:
+            raise _Retryable(f"{type(err).__name__}: {err}") from err
+
     async def _failover(
         self, job_id: UUID, failure: _Retryable, candidates: list[UUID]
     ) -> tuple[UUID, str, bytes | None, int] | None:
@@ -237,7 +268,7 @@ class Router:
         return (row[0], row[1], row[2], row[3]) if row else None
 
     def _complete_response(
-        self, call: Call, resp: httpx.Response, meter: _Meter, headers: dict[str, str]
+        self, call: Call, resp: httpx.Response | TunnelResponse, meter: _Meter, headers: dict[str, str]
     ) -> Response:
         content = resp.content
         outcome, error = "succeeded", None
@@ -255,7 +286,7 @@ class Router:
     async def _relay(
         self,
         call: Call,
-        resp: httpx.Response,
+        resp: httpx.Response | TunnelResponse,
         chunks: AsyncIterator[bytes],
         first: bytes,
         meter: _Meter,

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Any, Literal, TypeVar
 from uuid import UUID
 
 import psycopg
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neuralgrid import signing
 from neuralgrid.db import errors as db_errors
-from neuralgrid.gateway.deps import ApiKeyDep, GatewayDep
+from neuralgrid.gateway.deps import ApiKeyDep, Gateway, GatewayDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, NotFound, Unauthorized
 from neuralgrid.gateway.routes_openai import read_json
+from neuralgrid.gateway.tunnel import Tunnel
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -35,7 +37,7 @@ class NodeRegistration(BaseModel):
     region: str = Field(min_length=1, max_length=64)
     latitude: float | None = Field(None, ge=-90, le=90)
     longitude: float | None = Field(None, ge=-180, le=180)
-    endpoint_url: str = Field(pattern=r"^https?://\S+$")
+    endpoint_url: str = Field(pattern=r"^(https?://\S+|tunnel:\S*)$")
     max_concurrency: int = Field(4, ge=1, le=1024)
     models: list[str] = Field(default_factory=list, max_length=1000)
     agent_version: str | None = Field(None, max_length=64)
@@ -121,3 +123,38 @@ def _translated(err: psycopg.Error) -> Exception:
     if isinstance(domain, db_errors.DatabaseError):
         return BadRequest(str(domain))
     return err
+
+
+@router.websocket("/{node_id}/tunnel")
+async def tunnel(websocket: WebSocket, node_id: UUID) -> None:
+    """An agent behind NAT dials in; requests for its node then travel over this socket. The node is
+    online while the socket is up, and offline the moment it drops."""
+    gateway: Gateway = websocket.app.state.gateway
+    header = websocket.headers.get("authorization") or ""
+    key = signing.node_key(header[7:].strip()) if header.lower().startswith("bearer ") else b""
+    async with gateway.pool.connection() as conn:
+        row = await (
+            await conn.execute("select secret_hash from public.nodes where id = %s", (node_id,))
+        ).fetchone()
+    if row is None or row[0] is None or not hmac.compare_digest(bytes(row[0]), key):
+        await websocket.close(code=4403, reason="not this node's secret")
+        return
+    await websocket.accept()
+    link = Tunnel(node_id, websocket)
+    gateway.tunnels.by_node[node_id] = link
+    async with gateway.pool.connection() as conn:
+        await conn.execute(TUNNEL_UP, (node_id,))
+    try:
+        await link.read()
+    finally:
+        if gateway.tunnels.by_node.get(node_id) is link:
+            del gateway.tunnels.by_node[node_id]
+            async with gateway.pool.connection() as conn:
+                await conn.execute(TUNNEL_DOWN, (node_id,))
+
+
+TUNNEL_UP = """
+update public.nodes set status = 'online', last_heartbeat_at = now(), missed_heartbeats = 0
+where id = %s and status = 'offline'
+"""
+TUNNEL_DOWN = "update public.nodes set status = 'offline' where id = %s and status <> 'offline'"

@@ -53,7 +53,7 @@ create table public.nodes (
   constraint "latitude must be between -90 and 90" check (latitude between -90 and 90),
   constraint "longitude must be between -180 and 180" check (longitude between -180 and 180),
   constraint "latitude and longitude go together" check ((latitude is null) = (longitude is null)),
-  constraint "endpoint_url must be http(s)" check (endpoint_url ~ '^https?://[^\s]+$'),
+  constraint "endpoint_url must be http(s):// or tunnel:" check (endpoint_url ~ '^(https?://[^\s]+|tunnel:[^\s]*)$'),
   constraint "status must be online, busy, offline or draining" check (
     status in ('online', 'busy', 'offline', 'draining')
   ),

@@ -30,14 +30,15 @@ begin
                                  status, last_heartbeat_at)
   values (p_owner_id, p_name, p_gpu_model, p_gpu_count, p_vram_gb, p_tflops, p_hourly_rate, p_region,
           p_latitude, p_longitude, p_endpoint_url, p_max_concurrency, sha256(convert_to(v_secret, 'UTF8')),
-          p_agent_version, 'online', now())
-  -- Registering the same name again (a reinstall) takes the node over with a new secret.
+          p_agent_version, case when p_endpoint_url like 'tunnel:%' then 'offline' else 'online' end, now())
+  -- Registering the same name again (a reinstall) takes the node over with a new secret. A tunnel
+  -- node is offline until its tunnel connects.
   on conflict (owner_id, name) do update set
     gpu_model = excluded.gpu_model, gpu_count = excluded.gpu_count, vram_gb = excluded.vram_gb,
     tflops = excluded.tflops, hourly_rate = excluded.hourly_rate, region = excluded.region,
     latitude = excluded.latitude, longitude = excluded.longitude, endpoint_url = excluded.endpoint_url,
     max_concurrency = excluded.max_concurrency, secret_hash = excluded.secret_hash,
-    agent_version = excluded.agent_version, status = 'online', last_heartbeat_at = now(), inflight = 0
+    agent_version = excluded.agent_version, status = excluded.status, last_heartbeat_at = now(), inflight = 0
   returning n.id into v_id;
   delete from public.node_models nm where nm.node_id = v_id and nm.model_id <> all (p_models);
   insert into public.node_models (node_id, model_id, state)
@@ -63,34 +64,33 @@ language plpgsql
 set search_path = ''
 as $$
 declare
-  v_stored bytea;
-  v_status text;
+  v_node public.nodes;
 begin
   if p_status not in ('online', 'draining', 'offline') then
     raise exception 'an agent reports online, draining or offline, not "%"', p_status
       using errcode = 'invalid_parameter_value';
   end if;
-  select n.secret_hash into v_stored from public.nodes n where n.id = p_node_id for update;
+  select * into v_node from public.nodes n where n.id = p_node_id for update;
   if not found then
     raise exception 'no node %', p_node_id using errcode = 'no_data_found';
   end if;
-  if v_stored is null or v_stored <> p_secret_hash then
+  if v_node.secret_hash is null or v_node.secret_hash <> p_secret_hash then
     raise exception 'this secret does not belong to node %', p_node_id using errcode = 'insufficient_privilege';
   end if;
-  update public.nodes n
-  set last_heartbeat_at = now(), missed_heartbeats = 0, queue_depth = p_queue_depth,
-      gpu_utilization = p_gpu_utilization, free_vram_gb = p_free_vram_gb,
-      -- busy is the platform's word for "full"; the agent says whether it takes work at all.
-      status = case when p_status = 'online' and n.status = 'busy' then 'busy' else p_status end
-  where n.id = p_node_id
-  returning n.status into v_status;
   perform public.node_heartbeat(p_node_id, p_loaded_models);
-  -- node_heartbeat() brings an offline node online; an agent that reports offline stays offline.
-  if p_status <> 'online' then
-    update public.nodes n set status = p_status where n.id = p_node_id and n.status <> p_status;
-    v_status := p_status;
-  end if;
-  return v_status;
+  update public.nodes n
+  set queue_depth = p_queue_depth, gpu_utilization = p_gpu_utilization, free_vram_gb = p_free_vram_gb,
+      status = case
+        when p_status <> 'online' then p_status  -- draining or offline, as the agent says
+        -- A tunnel node is reachable only while its tunnel is up: the gateway holding the socket
+        -- says so, not the heartbeat.
+        when v_node.endpoint_url like 'tunnel:%' then v_node.status
+        when v_node.status = 'busy' then 'busy'  -- the platform's word for full
+        else 'online'
+      end
+  where n.id = p_node_id
+  returning n.status into v_node.status;
+  return v_node.status;
 end;
 $$;
 comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) is 'A node agent''s heartbeat, authenticated by its secret''s hash: status (online, draining, offline), load and warm models.';

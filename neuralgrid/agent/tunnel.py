@@ -1,0 +1,112 @@
+"""The agent's side of a tunnel: dial out to the gateway, serve the requests that come back over it.
+
+Many requests share the one socket (each in its own task, answered in frames tagged with its id);
+a `cancel` frame stops one; the socket reconnects with exponential backoff when it drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import functools
+import json
+import logging
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import WebSocketException
+
+from neuralgrid.agent.front import FrontState
+
+log = logging.getLogger(__name__)
+
+
+class TunnelClient:
+    def __init__(self, gateway_url: str, node_id: str, secret: str, front: FrontState) -> None:
+        base = gateway_url.rstrip("/").replace("http", "ws", 1)
+        self.url = f"{base}/v1/nodes/{node_id}/tunnel"
+        self.secret = secret
+        self.front = front
+        self.connected = asyncio.Event()
+        self.close = asyncio.Event()  # set after a drain: hang up for good
+
+    async def run(self) -> None:
+        backoff = 0.25
+        while not self.close.is_set():
+            try:
+                async with connect(
+                    self.url, additional_headers={"authorization": f"Bearer {self.secret}"}, max_size=None
+                ) as ws:
+                    self.connected.set()
+                    backoff = 0.25
+                    await self._serve(ws)
+            except (OSError, WebSocketException) as err:
+                log.warning("tunnel to the gateway lost (%s); reconnecting in %.2fs", err, backoff)
+            self.connected.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.close.wait(), timeout=backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    async def _serve(self, ws: ClientConnection) -> None:
+        lock = asyncio.Lock()
+        tasks: dict[int, asyncio.Task[None]] = {}
+
+        async def send(frame: dict[str, Any]) -> None:
+            async with lock:
+                await ws.send(json.dumps(frame))
+
+        closing = asyncio.create_task(self.close.wait())
+        try:
+            while True:
+                receiving = asyncio.create_task(ws.recv())
+                done, _ = await asyncio.wait({receiving, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving not in done:
+                    receiving.cancel()
+                    return
+                frame = json.loads(receiving.result())
+                if frame["t"] == "req":
+                    request_id = int(frame["id"])
+                    task = asyncio.create_task(self._handle(frame, send))
+                    tasks[request_id] = task
+                    task.add_done_callback(functools.partial(_forget, tasks, request_id))
+                elif frame["t"] == "cancel" and frame["id"] in tasks:
+                    tasks[frame["id"]].cancel()
+        finally:
+            closing.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+    async def _handle(self, frame: dict[str, Any], send: Any) -> None:
+        request_id = frame["id"]
+        if self.front.draining:
+            await send({"t": "start", "id": request_id, "status": 503, "type": "application/json"})
+            await send(
+                {"t": "data", "id": request_id, "b": '{"error": {"message": "this node is draining"}}'}
+            )
+            await send({"t": "end", "id": request_id})
+            return
+        self.front.inflight += 1
+        try:
+            url = self.front.backend_url.rstrip("/") + frame["path"]
+            async with self.front.http.stream(
+                "POST", url, content=frame["body"].encode(), headers={"content-type": "application/json"}
+            ) as resp:
+                kind = resp.headers.get("content-type", "application/json")
+                await send({"t": "start", "id": request_id, "status": resp.status_code, "type": kind})
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                async for chunk in resp.aiter_raw():
+                    if text := decoder.decode(chunk):
+                        await send({"t": "data", "id": request_id, "b": text})
+                await send({"t": "end", "id": request_id})
+            self.front.served += 1
+        except (httpx.HTTPError, OSError) as err:
+            with contextlib.suppress(WebSocketException):
+                await send({"t": "err", "id": request_id, "message": f"the backend failed: {err!r}"})
+        finally:
+            self.front.inflight -= 1
+
+
+def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: asyncio.Task[None]) -> None:
+    tasks.pop(request_id, None)

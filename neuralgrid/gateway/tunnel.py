@@ -1,0 +1,129 @@
+"""Tunnels: agents behind NAT dial in over a WebSocket, and requests are multiplexed over it.
+
+Frames are JSON text: the gateway sends {"t": "req", "id", "path", "body"} and {"t": "cancel", "id"};
+the agent answers {"t": "start", "id", "status", "type"}, then {"t": "data", "id", "b"} chunks, then
+{"t": "end", "id"} or {"t": "err", "id", "message"}. Bodies are text (JSON and SSE are UTF-8).
+A TunnelResponse offers the part of httpx.Response the proxy uses, so failover, streaming and metering
+work the same over a tunnel as over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from uuid import UUID
+
+import httpx
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+
+class TunnelClosed(httpx.RemoteProtocolError):
+    """The tunnel went away while a request was on it."""
+
+
+class Tunnel:
+    def __init__(self, node_id: UUID, ws: WebSocket) -> None:
+        self.node_id = node_id
+        self.ws = ws
+        self.pending: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self.ids = itertools.count(1)
+        self.send_lock = asyncio.Lock()
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps(frame))
+
+    async def request(self, path: str, body: bytes) -> TunnelResponse:
+        request_id = next(self.ids)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.pending[request_id] = queue
+        try:
+            await self.send({"t": "req", "id": request_id, "path": path, "body": body.decode()})
+        except (WebSocketDisconnect, RuntimeError) as err:
+            self.pending.pop(request_id, None)
+            raise TunnelClosed(f"the tunnel to node {self.node_id} is closed") from err
+        return TunnelResponse(self, request_id, queue)
+
+    async def read(self) -> None:
+        """Route the agent's frames to the requests waiting for them until the socket closes."""
+        try:
+            while True:
+                frame = json.loads(await self.ws.receive_text())
+                queue = self.pending.get(frame.get("id"))
+                if queue is not None:
+                    queue.put_nowait(frame)
+        except (WebSocketDisconnect, RuntimeError, ValueError):
+            pass
+        finally:
+            for queue in self.pending.values():
+                queue.put_nowait({"t": "err", "message": "the tunnel closed"})
+
+    async def cancel(self, request_id: int) -> None:
+        if self.pending.pop(request_id, None) is not None:
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await self.send({"t": "cancel", "id": request_id})
+
+
+class TunnelResponse:
+    """One request's answer arriving over a tunnel, shaped like the httpx.Response the proxy uses."""
+
+    def __init__(self, tunnel: Tunnel, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        self.tunnel = tunnel
+        self.request_id = request_id
+        self.queue = queue
+        self.status_code = 0
+        self.headers: dict[str, str] = {}
+        self.content = b""
+        self.finished = False
+
+    async def start(self, timeout: float) -> None:
+        """Wait for the status line; a timeout or an error frame is a failure before the first byte."""
+        try:
+            frame = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            await self.aclose()
+            raise httpx.ReadTimeout("no answer through the tunnel") from None
+        if frame["t"] != "start":
+            self.finished = True
+            raise TunnelClosed(str(frame.get("message", "the agent failed the request")))
+        self.status_code = int(frame["status"])
+        self.headers = {"content-type": str(frame.get("type", "application/json"))}
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        while not self.finished:
+            frame = await self.queue.get()
+            if frame["t"] == "data":
+                yield str(frame["b"]).encode()
+            elif frame["t"] == "end":
+                self.finished = True
+            else:
+                self.finished = True
+                raise TunnelClosed(str(frame.get("message", "the agent dropped the request")))
+
+    async def aread(self) -> bytes:
+        self.content = b"".join([chunk async for chunk in self.aiter_raw()])
+        return self.content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.tunnel.cancel(self.request_id)
+        self.tunnel.pending.pop(self.request_id, None)
+
+
+class Tunnels:
+    """The tunnels this gateway instance holds, by node."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[UUID, Tunnel] = {}
+
+    def get(self, node_id: UUID) -> Tunnel | None:
+        return self.by_node.get(node_id)
