@@ -327,6 +327,37 @@ def bench_gateway(
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("health")
+@friendly_errors
+def bench_health(
+    ctx: typer.Context,
+    requests: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per tunnel/direct case.")
+    ] = 300,
+    out_file: Annotated[
+        Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+    ] = Path("bench-results/health.json"),
+) -> None:
+    """Time from a node's death to offline and to requests avoiding it; tunnel overhead vs direct."""
+    from neuralgrid.bench import health as bench
+    from neuralgrid.bench import write_report
+
+    url = connect.prepare(ctx.obj)
+    result = bench.run(url, requests, progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"))
+    table = Table("death", "to offline s", "first served elsewhere s", "first request avoiding it s")
+    for scenario, r in result["deaths"].items():
+        table.add_row(scenario, *(f"{v:.2f}" if v is not None else "never" for v in r.values()))
+    out.print(table)
+    t = result["tunnel_vs_direct"]
+    tunnel_p50, direct_p50 = t["tunnel"]["sequential"]["p50_ms"], t["direct"]["sequential"]["p50_ms"]
+    out.print(
+        f"tunnel vs direct: p50 {tunnel_p50:.2f} vs {direct_p50:.2f} ms (added {t['added_p50_ms']:.2f} ms);"
+        f" streams x16: {t['tunnel']['stream_x16_rps']:,.0f} vs {t['direct']['stream_x16_rps']:,.0f} req/s"
+    )
+    write_report(out_file, "health", [result], targets="silent node offline <= 15 s; dropped tunnel <= 1 s")
+    out.print(f"wrote {out_file}")
+
+
 @app.command("fake-node")
 def fake_node(
     port: Annotated[int, typer.Option(envvar="NEURALGRID_FAKE_PORT", help="Port on 127.0.0.1.")] = 8000,
