@@ -38,6 +38,7 @@ def random_fleet(conn: psycopg.Connection, rng: random.Random, n: int) -> None:
             inflight=rng.randint(0, max_conc),
             successes=rng.randint(0, 50),
             failures=rng.randint(0, 10),
+            speed_ratio=rng.choice([None, None, 0.02, 0.3, 1.5]),
         )
     conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute' where random() < 0.05")
     conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where random() < 0.05")

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db.errors import BudgetExhausted, ConflictError, InvalidRequest
-from neuralgrid.matching import MatchRequest, complete_job, failover_job, match_job
+from neuralgrid.matching import MatchRequest, complete_job, failover_job, match_job, score_nodes
 from tests.conftest import make_node, make_user
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
@@ -235,3 +235,23 @@ def test_budget_reservations_hold_under_concurrency_in_sql(conn: psycopg.Connect
         match_job(conn, REQUEST, api_key_id=key[0], reserve_usd=0.01)
     failover_job(conn, big.job_id, "boom", candidates=[])  # a failed job releases its hold too
     assert conn.execute("select reserved_usd from api_keys").fetchone() == (0,)
+
+
+def test_a_node_far_slower_than_its_claimed_gpu_loses_reputation(conn: psycopg.Connection) -> None:
+    honest = make_node(conn, "honest-4090", tflops=165)
+    liar = make_node(conn, "claims-h100", tflops=989)  # more compute: it ranks first on its word
+    assert match_job(conn, REQUEST).node_id == liar
+    conn.execute("update nodes set inflight = 0, status = 'online'")
+    conn.execute("update jobs set status = 'cancelled', finished_at = now()")
+    for _ in range(5):  # it delivers 10 tokens/s; an H100 should give ~346 on an 8B model
+        match = match_job(conn, MatchRequest(model=LLAMA8, max_hourly_rate=None))
+        if match.node_id != liar:
+            complete_job(conn, match.job_id, completion_tokens=10, ttft_ms=0, latency_ms=100)
+            continue
+        complete_job(conn, match.job_id, completion_tokens=100, ttft_ms=0, latency_ms=10_000)
+    ratio = conn.execute("select speed_ratio from nodes where id = %s", (liar,)).fetchone()
+    assert ratio is not None and ratio[0] < 0.05
+    ranked = {r.name: r for r in score_nodes(conn, REQUEST)}
+    assert ranked["claims-h100"].reputation is not None and ranked["claims-h100"].reputation < 0.25
+    assert score_nodes(conn, REQUEST, limit=1)[0].name == "honest-4090"  # its lie no longer pays
+    assert match_job(conn, REQUEST).node_id == honest

@@ -9,6 +9,7 @@ create table public.models (
   input_usd_per_mtok numeric(10, 4),
   output_usd_per_mtok numeric(10, 4),
   cold_start_s real not null default 20,
+  tokens_per_s_per_tflop real,
   created_at timestamptz not null default now(),
   constraint "model id must not be empty" check (length(trim(id)) > 0),
   constraint "min_vram_gb must be positive" check (min_vram_gb > 0),
@@ -17,9 +18,11 @@ create table public.models (
   constraint "prices must not be negative" check (
     coalesce(input_usd_per_mtok, 0) >= 0 and coalesce(output_usd_per_mtok, 0) >= 0
   ),
-  constraint "cold_start_s must not be negative" check (cold_start_s >= 0)
+  constraint "cold_start_s must not be negative" check (cold_start_s >= 0),
+  constraint "tokens_per_s_per_tflop must be positive" check (tokens_per_s_per_tflop > 0)
 );
 comment on table public.models is 'The model catalog: VRAM a model needs, its context length and price hints (USD per million tokens).';
+comment on column public.models.tokens_per_s_per_tflop is 'Decode speed (one stream) a node should reach per claimed dense FP16 TFLOP; set low on purpose, it only has to catch gross overclaims.';
 
 revoke all on table public.models from anon, authenticated;
 grant select on table public.models to anon, authenticated;
@@ -28,16 +31,17 @@ alter table public.models enable row level security;
 create policy "Anyone can read the model catalog" on public.models
   for select to anon, authenticated using (true);
 
-insert into public.models (id, min_vram_gb, context_length, kind, input_usd_per_mtok, output_usd_per_mtok, cold_start_s) values
-  ('BAAI/bge-large-en-v1.5', 2, 512, 'embedding', 0.01, 0, 5),
-  ('Qwen/Qwen2.5-0.5B-Instruct', 2, 32768, 'chat', 0.02, 0.02, 8),
-  ('meta-llama/Llama-3.2-3B-Instruct', 8, 131072, 'chat', 0.03, 0.05, 10),
-  ('mistralai/Mistral-7B-Instruct-v0.3', 16, 32768, 'chat', 0.05, 0.10, 15),
-  ('meta-llama/Llama-3.1-8B-Instruct', 18, 131072, 'chat', 0.05, 0.10, 15),
-  ('Qwen/Qwen2.5-14B-Instruct', 32, 32768, 'chat', 0.10, 0.20, 20),
-  ('Qwen/Qwen2.5-32B-Instruct-AWQ', 24, 32768, 'chat', 0.15, 0.30, 22),
-  ('meta-llama/Llama-3.3-70B-Instruct-AWQ', 42, 131072, 'chat', 0.35, 0.60, 30),
-  ('meta-llama/Llama-3.3-70B-Instruct', 148, 131072, 'chat', 0.60, 0.90, 30);
+insert into public.models (id, min_vram_gb, context_length, kind, input_usd_per_mtok, output_usd_per_mtok,
+                           cold_start_s, tokens_per_s_per_tflop) values
+  ('BAAI/bge-large-en-v1.5', 2, 512, 'embedding', 0.01, 0, 5, null),
+  ('Qwen/Qwen2.5-0.5B-Instruct', 2, 32768, 'chat', 0.02, 0.02, 8, 2.0),
+  ('meta-llama/Llama-3.2-3B-Instruct', 8, 131072, 'chat', 0.03, 0.05, 10, 0.8),
+  ('mistralai/Mistral-7B-Instruct-v0.3', 16, 32768, 'chat', 0.05, 0.10, 15, 0.4),
+  ('meta-llama/Llama-3.1-8B-Instruct', 18, 131072, 'chat', 0.05, 0.10, 15, 0.35),
+  ('Qwen/Qwen2.5-14B-Instruct', 32, 32768, 'chat', 0.10, 0.20, 20, 0.2),
+  ('Qwen/Qwen2.5-32B-Instruct-AWQ', 24, 32768, 'chat', 0.15, 0.30, 22, 0.15),
+  ('meta-llama/Llama-3.3-70B-Instruct-AWQ', 42, 131072, 'chat', 0.35, 0.60, 30, 0.06),
+  ('meta-llama/Llama-3.3-70B-Instruct', 148, 131072, 'chat', 0.60, 0.90, 30, 0.03);
 
 create table public.platform_settings (
   id boolean primary key default true,

@@ -35,6 +35,7 @@ create table public.nodes (
   consecutive_failures integer not null default 0,
   ewma_latency_ms real,
   ewma_tokens_per_s real,
+  speed_ratio real,
   cooldown_until timestamptz,
   secret_hash bytea,
   gpu_utilization real,
@@ -66,9 +67,11 @@ create table public.nodes (
   constraint "gpu_utilization must be between 0 and 1" check (gpu_utilization between 0 and 1),
   constraint "free_vram_gb must not be negative" check (free_vram_gb >= 0),
   constraint "queue_depth must not be negative" check (queue_depth >= 0),
+  constraint "speed_ratio must not be negative" check (speed_ratio >= 0),
   constraint "an owner's node names are unique" unique nulls not distinct (owner_id, name)
 );
 comment on column public.nodes.secret_hash is 'SHA-256 of the node agent''s secret: the agent proves itself with the secret, and the gateway signs what it sends the node with this hash.';
+comment on column public.nodes.speed_ratio is 'EWMA of measured decode speed over what the claimed TFLOPS should give (catalog tokens_per_s_per_tflop); a node far below its claim loses reputation.';
 comment on table public.nodes is 'GPU nodes: specs, price, location, status, load and reputation. vram_gb and tflops are totals over the node''s GPUs; endpoint_url and owner_id are private to the owner and the service.';
 
 create index nodes_online_idx on public.nodes (id) include (vram_gb, inflight, max_concurrency)
@@ -82,7 +85,8 @@ create trigger nodes_set_updated_at before update on public.nodes
 revoke all on table public.nodes from anon, authenticated;
 grant select (id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate, region, latitude, longitude,
   status, max_concurrency, inflight, last_heartbeat_at, missed_heartbeats, successes, failures,
-  consecutive_failures, ewma_latency_ms, ewma_tokens_per_s, cooldown_until, gpu_utilization, free_vram_gb,
+  consecutive_failures, ewma_latency_ms, ewma_tokens_per_s, speed_ratio, cooldown_until, gpu_utilization,
+  free_vram_gb,
   queue_depth, agent_version, created_at, updated_at)
   on table public.nodes to anon, authenticated;
 grant select (owner_id) on table public.nodes to authenticated;

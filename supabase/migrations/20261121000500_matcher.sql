@@ -55,7 +55,7 @@ comment on function public.required_vram_gb(text, real) is 'VRAM (GB) a request 
 create function public.balanced_components(
   w public.matching_policies, vram_gb double precision, tflops double precision,
   hourly_rate double precision, model_state text, inflight integer, max_concurrency integer,
-  successes bigint, failures bigint, min_vram_gb double precision
+  successes bigint, failures bigint, speed_ratio real, min_vram_gb double precision
 ) returns table (
   fit double precision, compute double precision, price double precision, warm double precision,
   capacity double precision, reputation double precision, base double precision
@@ -68,14 +68,19 @@ as $$
          / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity)
   from (select
     least(1.0::float8, min_vram_gb / vram_gb) as fit,
-    tflops / (tflops + w.compute_half_tflops) as compute,
+    -- Claimed TFLOPS, discounted to what was measured when a node delivers less than it claims.
+    tflops * least(1.0, coalesce(speed_ratio, 1.0))
+      / (tflops * least(1.0, coalesce(speed_ratio, 1.0)) + w.compute_half_tflops) as compute,
     w.price_half_usd / (w.price_half_usd + hourly_rate) as price,
     case when model_state = 'loaded' then 1.0::float8 else 0.0::float8 end as warm,
     1.0::float8 - inflight::float8 / max_concurrency as capacity,
-    (successes + 1)::float8 / (successes + failures + 2) as reputation
+    -- Laplace-smoothed success rate, scaled down for a node delivering under a quarter of the
+    -- speed its claimed GPU should (nodes can lie about specs).
+    (successes + 1)::float8 / (successes + failures + 2)
+      * least(1.0, coalesce(speed_ratio, 1.0) / 0.25) as reputation
   ) c
 $$;
-comment on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) is 'The request-independent score components of a node for a model under a weighted policy, each in [0,1], and their weighted share of the score (base).';
+comment on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, real, double precision) is 'The request-independent score components of a node for a model under a weighted policy, each in [0,1], and their weighted share of the score (base).';
 
 create function public.proximity_component(
   w public.matching_policies, region text, latitude double precision, longitude double precision,
@@ -131,11 +136,11 @@ as $$
 $$;
 comment on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) is 'True when a node that holds the model passes every hard filter of a weighted policy.';
 
-revoke execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) from public, anon;
+revoke execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, real, double precision) from public, anon;
 revoke execute on function public.proximity_component(public.matching_policies, text, double precision, double precision, text, double precision, double precision) from public, anon;
 revoke execute on function public.reject_reason(public.nodes, text, text, double precision, timestamptz, numeric, boolean) from public, anon;
 revoke execute on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) from public, anon;
-grant execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, double precision) to authenticated, service_role;
+grant execute on function public.balanced_components(public.matching_policies, double precision, double precision, double precision, text, integer, integer, bigint, bigint, real, double precision) to authenticated, service_role;
 grant execute on function public.proximity_component(public.matching_policies, text, double precision, double precision, text, double precision, double precision) to authenticated, service_role;
 grant execute on function public.reject_reason(public.nodes, text, text, double precision, timestamptz, numeric, boolean) to authenticated, service_role;
 grant execute on function public.node_is_eligible(public.nodes, double precision, timestamptz, numeric) to authenticated, service_role;
@@ -170,7 +175,7 @@ left join public.models m on m.id = nm.model_id
 cross join public.matching_policies w
 cross join lateral public.balanced_components(
   w, n.vram_gb::float8, n.tflops::float8, n.hourly_rate::float8, nm.state, n.inflight,
-  n.max_concurrency, n.successes, n.failures, coalesce(m.min_vram_gb, 1)::float8) c;
+  n.max_concurrency, n.successes, n.failures, n.speed_ratio, coalesce(m.min_vram_gb, 1)::float8) c;
 comment on view public.node_base_scores is 'What node_scores must hold, computed from the current rows (the definition node_scores caches).';
 revoke all on table public.node_base_scores from anon, authenticated;
 grant select on table public.node_base_scores to service_role;
@@ -271,9 +276,9 @@ create trigger nodes_refresh_scores_insert after insert on public.nodes
 create trigger nodes_refresh_scores_update after update on public.nodes
   for each row
   when ((old.region, old.vram_gb, old.tflops, old.hourly_rate, old.inflight, old.max_concurrency,
-         old.successes, old.failures)
+         old.successes, old.failures, old.speed_ratio)
         is distinct from (new.region, new.vram_gb, new.tflops, new.hourly_rate, new.inflight,
-                          new.max_concurrency, new.successes, new.failures))
+                          new.max_concurrency, new.successes, new.failures, new.speed_ratio))
   execute function public.node_scores_after_node_update();
 create trigger node_models_refresh_scores_insert after insert on public.node_models
   referencing new table as new_rows
@@ -425,7 +430,7 @@ begin
       join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
       cross join lateral public.balanced_components(
         w, n.vram_gb::float8, n.tflops::float8, n.hourly_rate::float8, nm.state, n.inflight,
-        n.max_concurrency, n.successes, n.failures, v_min) c
+        n.max_concurrency, n.successes, n.failures, n.speed_ratio, v_min) c
       cross join lateral (select public.proximity_component(
         w, n.region, n.latitude, n.longitude, p_region, p_latitude, p_longitude) as prox) p
       order by total desc, n.id
@@ -440,7 +445,7 @@ begin
   with judged as (
     select n.id, n.name, n.vram_gb::float8 as vram_gb, n.tflops::float8 as tflops,
            n.hourly_rate::float8 as hourly_rate, n.inflight, n.max_concurrency, n.successes,
-           n.failures, n.region, n.latitude, n.longitude, nm.state,
+           n.failures, n.speed_ratio, n.region, n.latitude, n.longitude, nm.state,
            public.reject_reason(n, nm.state, p_model, v_min, v_fresh_after, p_max_hourly_rate, v_seed) as reason
     from public.nodes n
     left join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
@@ -459,7 +464,7 @@ begin
       select b.base + w.proximity * p.prox / v_weight, b.fit, b.compute, b.price, b.warm, b.capacity,
              b.reputation, p.prox
       from public.balanced_components(w, j.vram_gb, j.tflops, j.hourly_rate, j.state, j.inflight,
-                                       j.max_concurrency, j.successes, j.failures, v_min) b
+                                       j.max_concurrency, j.successes, j.failures, j.speed_ratio, v_min) b
       cross join lateral (select public.proximity_component(
         w, j.region, j.latitude, j.longitude, p_region, p_latitude, p_longitude) as prox) p
       where not v_seed
@@ -745,6 +750,8 @@ declare
   v_model public.models;
   v_cost numeric;
   v_decode_s double precision;
+  v_tps double precision;
+  v_ratio double precision;
 begin
   if p_status not in ('succeeded', 'failed', 'cancelled') then
     raise exception 'a job ends succeeded, failed or cancelled, not "%"', p_status using errcode = 'invalid_parameter_value';
@@ -777,11 +784,13 @@ begin
 
   if p_status = 'succeeded' then
     v_decode_s := (v_attempt.latency_ms - coalesce(p_ttft_ms, 0)) / 1000.0;
+    v_tps := case when p_completion_tokens > 0 and v_decode_s > 0 then p_completion_tokens / v_decode_s end;
+    -- Measured against claimed: the speed this model should reach on the node's claimed TFLOPS.
+    v_ratio := v_tps / (v_node.tflops * v_model.tokens_per_s_per_tflop);
     update public.nodes n
     set ewma_latency_ms = coalesce(0.8 * n.ewma_latency_ms + 0.2 * v_attempt.latency_ms, v_attempt.latency_ms),
-        ewma_tokens_per_s = case when p_completion_tokens > 0 and v_decode_s > 0 then
-          coalesce(0.8 * n.ewma_tokens_per_s + 0.2 * p_completion_tokens / v_decode_s, p_completion_tokens / v_decode_s)
-          else n.ewma_tokens_per_s end
+        ewma_tokens_per_s = coalesce(0.8 * n.ewma_tokens_per_s + 0.2 * v_tps, v_tps, n.ewma_tokens_per_s),
+        speed_ratio = coalesce(0.8 * n.speed_ratio + 0.2 * v_ratio, v_ratio, n.speed_ratio)
     where n.id = v_node.id;
   end if;
 
