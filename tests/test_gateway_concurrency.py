@@ -254,3 +254,28 @@ def test_rate_limits_are_shared_through_redis(
                 sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=1)
         for sdk in sdks:
             sdk.close()
+
+
+def test_a_client_leaving_before_the_first_byte_frees_the_node(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """The node's work is done and metered even though nobody reads it; the slot comes back."""
+    node = fake_nodes(latency_s=1.5)  # the node thinks for 1.5 s before answering
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{gateway}/v1/chat/completions",
+            json=body,
+            timeout=0.3,
+            headers={"authorization": f"Bearer {api_key}"},
+        )
+    row = wait_for(
+        lambda: conn.execute(
+            "select status, completion_tokens from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert row == ("succeeded", 3)
+    assert conn.execute("select inflight, failures from nodes where id = %s", (node.node_id,)).fetchone() == (
+        0,
+        0,
+    )

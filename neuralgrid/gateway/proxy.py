@@ -133,51 +133,59 @@ class Router:
         match = await self._match(call, stream, reserve)
 
         node_id, url, key, attempt = match.node_id, match.endpoint_url, match.node_key, match.attempt
+        assert node_id is not None and url is not None
         waited = 0.0  # time spent waiting on nodes, which is not the gateway's overhead
-        while True:
-            assert node_id is not None and url is not None
-            sent = time.perf_counter()
-            try:
-                target, headers = (
-                    url.rstrip("/") + PATHS[call.kind],
-                    _node_headers(key, PATHS[call.kind], payload),
-                )
-                upstream: httpx.Response | TunnelResponse
-                if url.startswith("tunnel:"):
-                    upstream, chunks, first = await self._via_tunnel(
-                        node_id, PATHS[call.kind], payload, stream
-                    )
-                elif stream:
-                    upstream, chunks, first = await self._open_stream(target, payload, headers)
-                else:
-                    upstream = await self._post(target, payload, headers)
-                break
-            except _Retryable as failure:
-                waited += time.perf_counter() - sent
-                self._count(node_id, "failed")
-                nxt = await self._failover(match.job_id, failure, match.fallback_ids)
-                if nxt is None:
-                    kind = errors.UpstreamTimeout if failure.timeout else errors.UpstreamFailed
-                    raise kind(f"no node could serve the request; last error: {failure}") from None
-                self.metrics.failovers.inc()
-                node_id, url, key, attempt = nxt
+        sent = time.perf_counter()
+        try:
+            while True:
+                sent = time.perf_counter()
+                try:
+                    upstream: httpx.Response | TunnelResponse
+                    if url.startswith("tunnel:"):
+                        upstream, chunks, first = await self._via_tunnel(
+                            node_id, PATHS[call.kind], payload, stream
+                        )
+                    else:
+                        target = url.rstrip("/") + PATHS[call.kind]
+                        headers = _node_headers(key, PATHS[call.kind], payload)
+                        if stream:
+                            upstream, chunks, first = await self._open_stream(target, payload, headers)
+                        else:
+                            upstream = await self._post(target, payload, headers)
+                    break
+                except _Retryable as failure:
+                    waited += time.perf_counter() - sent
+                    self._count(node_id, "failed")
+                    nxt = await self._failover(match.job_id, failure, match.fallback_ids)
+                    if nxt is None:  # failover_job() has ended the job as failed
+                        kind = errors.UpstreamTimeout if failure.timeout else errors.UpstreamFailed
+                        raise kind(f"no node could serve the request; last error: {failure}") from None
+                    self.metrics.failovers.inc()
+                    node_id, url, key, attempt = nxt
+        except errors.GatewayError:
+            raise
+        except BaseException as err:
+            # The client left while a node was thinking (cancelled), or something broke: the job
+            # still ends, and the node's slot is given back.
+            outcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
+            reason = "the client disconnected" if outcome == "cancelled" else f"gateway error: {err!r}"
+            now = time.perf_counter()
+            self._finish_later(call, _Meter(match.job_id, node_id, sent, now), outcome, reason)
+            raise
 
         first_byte = time.perf_counter()
         waited += first_byte - sent
+        overhead = first_byte - call.received - waited
+        self.metrics.overhead.observe(overhead)
         headers = {
             "x-neuralgrid-node": str(node_id),
             "x-neuralgrid-attempts": str(attempt),
             "x-neuralgrid-job": str(match.job_id),
+            "x-neuralgrid-overhead-ms": f"{overhead * 1000:.3f}",
         }
         meter = _Meter(job_id=match.job_id, node_id=node_id, sent=sent, first_byte=first_byte)
         if not stream:
-            overhead = time.perf_counter() - call.received - waited
-            self.metrics.overhead.observe(overhead)
-            headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
             return self._complete_response(call, upstream, meter, headers)
-        overhead = time.perf_counter() - call.received - waited
-        self.metrics.overhead.observe(overhead)
-        headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
         client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = self._relay(call, upstream, chunks, first, meter, client_wants_usage)
         return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
