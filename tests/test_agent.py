@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -133,10 +134,17 @@ def backend() -> Iterator[ThreadedServer]:
         yield server
 
 
-def start_agent(
-    gateway: str, token: str, backend_url: str, name: str = "box", vram_gb: int = 24, *extra: str
-) -> tuple[subprocess.Popen[str], int]:
-    """`neuralgrid node run` as an owner would type it, in its own process."""
+@contextmanager
+def running_agent(
+    conn: psycopg.Connection,
+    gateway: str,
+    token: str,
+    backend_url: str,
+    name: str = "box",
+    vram_gb: int = 24,
+    *extra: str,
+) -> Iterator[subprocess.Popen[str]]:
+    """`neuralgrid node run` as an owner would type it, in its own process, once its node is online."""
     port = free_port()
     flags = f"--region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb} --tflops 165".split()
     args = [
@@ -159,7 +167,13 @@ def start_agent(
         *extra,
     ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, port
+    try:
+        wait_for(lambda: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def node_row(conn: psycopg.Connection, name: str) -> Any:
@@ -172,17 +186,13 @@ def node_row(conn: psycopg.Connection, name: str) -> Any:
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
-    agent, port = start_agent(platform, operator_key, backend.url)
-    try:
-        row = wait_for(
-            lambda: node_row(conn, "box") if (node_row(conn, "box") or (0, ""))[1] == "online" else None,
-            timeout=20,
-        )
-        node_id, _, endpoint, has_secret, first_beat = row
-        assert endpoint == f"http://127.0.0.1:{port}" and has_secret
-        assert conn.execute(
+    with running_agent(conn, platform, operator_key, backend.url):
+        node_id, _, endpoint, has_secret, first_beat = node_row(conn, "box")
+        assert endpoint.startswith("http://127.0.0.1:") and has_secret
+        models = conn.execute(
             "select model_id, state from node_models where node_id = %s", (node_id,)
-        ).fetchall() == [(LLAMA8, "loaded")]
+        ).fetchall()
+        assert models == [(LLAMA8, "loaded")]
         wait_for(lambda: node_row(conn, "box")[4] > first_beat, timeout=5)  # heartbeats keep coming
 
         with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
@@ -191,23 +201,26 @@ def test_an_agent_joins_serves_signed_requests_and_refuses_others(
         assert backend.app.state.requests == 1
 
         body = json.dumps({"model": LLAMA8, "messages": MESSAGES}).encode()
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        url = f"{endpoint}/v1/chat/completions"
         assert httpx.post(url, content=body).status_code == 401
         forged = signing.sign(signing.node_key("not-the-secret"), "/v1/chat/completions", body)
         assert httpx.post(url, content=body, headers={signing.HEADER: forged}).status_code == 401
         assert backend.app.state.requests == 1  # nothing unsigned reached the backend
-    finally:
-        agent.terminate()
-        agent.communicate(timeout=30)
 
 
 def test_a_killed_agent_fails_over_and_goes_offline_in_time(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
-    agent, _ = start_agent(platform, operator_key, backend.url)
-    standby, _ = start_agent(platform, operator_key, backend.url, "standby", vram_gb=80)  # ranks lower
-    for name in ("box", "standby"):
-        wait_for(lambda name=name: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
+    with (
+        running_agent(conn, platform, operator_key, backend.url) as agent,
+        running_agent(conn, platform, operator_key, backend.url, "standby", 80),  # ranks lower
+    ):
+        _kill_mid_stream_then_fail_over(conn, platform, operator_key, agent)
+
+
+def _kill_mid_stream_then_fail_over(
+    conn: psycopg.Connection, platform: str, operator_key: str, agent: subprocess.Popen[str]
+) -> None:
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 40, "stream": True}
     with httpx.stream(
         "POST",
@@ -228,34 +241,31 @@ def test_a_killed_agent_fails_over_and_goes_offline_in_time(
     with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
         raw = sdk.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=2)
     assert raw.headers["x-neuralgrid-node"] == str(node_row(conn, "standby")[0])
-    standby.terminate()
-    standby.communicate(timeout=30)
 
 
 def test_sigterm_drains_inflight_work_then_goes_offline(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
-    agent, _ = start_agent(platform, operator_key, backend.url)
-    wait_for(lambda: (node_row(conn, "box") or (0, ""))[1] == "online", timeout=20)
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 20, "stream": True}  # ~1 s at 20 tok/s
     statuses = []
-    with httpx.stream(
-        "POST",
-        f"{platform}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {operator_key}"},
-        timeout=20,
-    ) as resp:
-        lines = resp.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))
-        agent.send_signal(signal.SIGTERM)
-        chunks = 1
-        for line in lines:
-            chunks += line.startswith("data: {")
-            statuses.append((node_row(conn, "box") or (0, ""))[1])
+    with running_agent(conn, platform, operator_key, backend.url) as agent:
+        with httpx.stream(
+            "POST",
+            f"{platform}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {operator_key}"},
+            timeout=20,
+        ) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            agent.send_signal(signal.SIGTERM)
+            chunks = 1
+            for line in lines:
+                chunks += line.startswith("data: {")
+                statuses.append((node_row(conn, "box") or (0, ""))[1])
+        output, _ = agent.communicate(timeout=30)
     assert chunks == 20  # the answer was finished, not cut
     assert "draining" in statuses
-    output, _ = agent.communicate(timeout=30)
     assert agent.returncode == 0, output
     assert (node_row(conn, "box") or (0, ""))[1] == "offline" and "drained and offline" in output
 
@@ -336,7 +346,26 @@ def test_map_shows_load_but_never_the_secret(conn: psycopg.Connection, fake_node
 
 
 def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer, gateway: str) -> None:
-    proc, _ = start_agent(gateway, "ng-not-a-key", backend.url)
+    args = [
+        sys.executable,
+        "-m",
+        "neuralgrid.cli",
+        "node",
+        "run",
+        "--gateway",
+        gateway,
+        "--token",
+        "ng-not-a-key",
+        "--backend",
+        backend.url,
+        "--gpu-model",
+        "L4",
+        "--vram-gb",
+        "24",
+        "--tflops",
+        "121",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "the gateway refused the registration: unknown API key" in output
 
@@ -347,9 +376,7 @@ def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer
 def test_a_tunnel_node_serves_streams_and_plain_requests(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
-    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
-    try:
-        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+    with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"):
         assert node_row(conn, "nat-box")[2] == "tunnel:nat-box"
         with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
             reply = sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
@@ -359,69 +386,59 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
             )
             assert len(chunks) == 4
         assert backend.app.state.requests == 2
-    finally:
-        agent.terminate()
-        agent.communicate(timeout=30)
 
 
 def test_a_tunnel_carries_100_concurrent_streams(
     conn: psycopg.Connection, platform: str, operator_key: str
 ) -> None:
-    with ThreadedServer(create_fake_node(FakeNodeConfig(models=(LLAMA8,), tokens_per_s=50))) as backend:
-        agent, _ = start_agent(
-            platform, operator_key, backend.url, "nat-box", 24, "--tunnel", "--max-concurrency", "128"
-        )
-        try:
-            wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "model": LLAMA8,
+            "messages": [{"role": "user", "content": f"stream {i}"}],
+            "max_tokens": 10,
+            "stream": True,
+        }
+        async with client.stream("POST", f"{platform}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            return sum([line.startswith("data: {") async for line in resp.aiter_lines()])
 
-            async def one(client: httpx.AsyncClient, i: int) -> int:
-                body = {
-                    "model": LLAMA8,
-                    "messages": [{"role": "user", "content": f"stream {i}"}],
-                    "max_tokens": 10,
-                    "stream": True,
-                }
-                async with client.stream("POST", f"{platform}/v1/chat/completions", json=body) as resp:
-                    assert resp.status_code == 200
-                    return sum([line.startswith("data: {") async for line in resp.aiter_lines()])
+    async def all_at_once() -> list[int]:
+        headers = {"authorization": f"Bearer {operator_key}"}
+        async with httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=100), headers=headers, timeout=60
+        ) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
 
-            async def all_at_once() -> list[int]:
-                limits = httpx.Limits(max_connections=100)
-                headers = {"authorization": f"Bearer {operator_key}"}
-                async with httpx.AsyncClient(limits=limits, headers=headers, timeout=60) as client:
-                    return await asyncio.gather(*(one(client, i) for i in range(100)))
-
-            started = time.monotonic()
-            assert asyncio.run(all_at_once()) == [10] * 100
-            # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
-            assert time.monotonic() - started < 10
-            assert backend.app.state.requests == 100
-        finally:
-            agent.terminate()
-            agent.communicate(timeout=30)
+    with (
+        ThreadedServer(create_fake_node(FakeNodeConfig(models=(LLAMA8,), tokens_per_s=50))) as backend,
+        running_agent(
+            conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel", "--max-concurrency", "128"
+        ),
+    ):
+        started = time.monotonic()
+        assert asyncio.run(all_at_once()) == [10] * 100
+        # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
+        assert time.monotonic() - started < 10
+        assert backend.app.state.requests == 100
 
 
 def test_a_dropped_tunnel_is_offline_within_a_second(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
     conn.execute("update platform_settings set heartbeat_interval_s = 5")  # so only the tunnel can tell
-    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
-    wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
-    agent.kill()
-    killed_at = time.monotonic()
-    agent.communicate(timeout=10)
-    wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "offline", timeout=2)
-    assert time.monotonic() - killed_at < 1.0
+    with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel") as agent:
+        agent.kill()
+        killed_at = time.monotonic()
+        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "offline", timeout=2)
+        assert time.monotonic() - killed_at < 1.0
 
 
 def test_a_client_leaving_cancels_the_request_on_the_node(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
-    agent, _ = start_agent(platform, operator_key, backend.url, "nat-box", 24, "--tunnel")
-    try:
-        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=20)
-        body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 200, "stream": True}  # 10 s at 20 tok/s
-        depth = "select queue_depth from nodes where name = 'nat-box'"
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 200, "stream": True}  # 10 s at 20 tok/s
+    depth = "select queue_depth from nodes where name = 'nat-box'"
+    with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"):
         with httpx.stream(
             "POST",
             f"{platform}/v1/chat/completions",
@@ -435,6 +452,3 @@ def test_a_client_leaving_cancels_the_request_on_the_node(
             wait_for(lambda: conn.execute(depth).fetchone() == (1,))
         # The agent hears the cancel and lets go long before the 10 s answer would have ended.
         wait_for(lambda: conn.execute(depth).fetchone() == (0,), timeout=3)
-    finally:
-        agent.terminate()
-        agent.communicate(timeout=30)
