@@ -134,6 +134,12 @@ def backend() -> Iterator[ThreadedServer]:
         yield server
 
 
+def agent_command(gateway: str, token: str, backend_url: str, *flags: str) -> list[str]:
+    """`neuralgrid node run` as an owner would type it."""
+    cli = [sys.executable, "-m", "neuralgrid.cli", "node", "run", "--gpu-model", "NVIDIA GeForce RTX 4090"]
+    return [*cli, "--gateway", gateway, "--token", token, "--backend", backend_url, *flags]
+
+
 @contextmanager
 def running_agent(
     conn: psycopg.Connection,
@@ -144,28 +150,10 @@ def running_agent(
     vram_gb: int = 24,
     *extra: str,
 ) -> Iterator[subprocess.Popen[str]]:
-    """`neuralgrid node run` as an owner would type it, in its own process, once its node is online."""
+    """The agent in its own process, yielded once its node is online, always stopped afterwards."""
     port = free_port()
-    flags = f"--region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb} --tflops 165".split()
-    args = [
-        sys.executable,
-        "-m",
-        "neuralgrid.cli",
-        "node",
-        "run",
-        "--gateway",
-        gateway,
-        "--token",
-        token,
-        "--backend",
-        backend_url,
-        "--name",
-        name,
-        "--gpu-model",
-        "NVIDIA GeForce RTX 4090",
-        *flags,
-        *extra,
-    ]
+    flags = f"--name {name} --region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb}".split()
+    args = agent_command(gateway, token, backend_url, *flags, "--tflops", "165", *extra)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
@@ -346,25 +334,7 @@ def test_map_shows_load_but_never_the_secret(conn: psycopg.Connection, fake_node
 
 
 def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer, gateway: str) -> None:
-    args = [
-        sys.executable,
-        "-m",
-        "neuralgrid.cli",
-        "node",
-        "run",
-        "--gateway",
-        gateway,
-        "--token",
-        "ng-not-a-key",
-        "--backend",
-        backend.url,
-        "--gpu-model",
-        "L4",
-        "--vram-gb",
-        "24",
-        "--tflops",
-        "121",
-    ]
+    args = agent_command(gateway, "ng-not-a-key", backend.url, "--vram-gb", "24", "--tflops", "121")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "the gateway refused the registration: unknown API key" in output
