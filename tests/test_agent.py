@@ -318,6 +318,17 @@ def test_bad_registrations_and_heartbeats_get_clear_errors(
         "select queue_depth, gpu_utilization, free_vram_gb from nodes where id = %s", (one["node_id"],)
     ).fetchone()
     assert row == (2, 0.5, 10.0)
+    # A changed machine re-reports its specs in a heartbeat; impossible ones are refused.
+    upgraded = {"gpu_model": "NVIDIA L40S", "gpu_count": 2, "vram_gb": 96, "tflops": 724}
+    assert beat(one["node_id"], one["node_secret"], json={"specs": upgraded}).status_code == 200
+    specs = conn.execute(
+        "select gpu_model, gpu_count, vram_gb, tflops from nodes where id = %s", (one["node_id"],)
+    )
+    assert specs.fetchone() == ("NVIDIA L40S", 2, 96.0, 724.0)
+    assert (
+        beat(one["node_id"], one["node_secret"], json={"specs": {**upgraded, "vram_gb": -5}}).status_code
+        == 400
+    )
     # Re-registering the same name takes the node over with a new secret; the old one stops working.
     again = httpx.post(f"{gateway}/v1/nodes", json=spec, headers=auth).json()
     assert again["node_id"] == one["node_id"] and again["node_secret"] != one["node_secret"]
@@ -422,3 +433,22 @@ def test_a_client_leaving_cancels_the_request_on_the_node(
             wait_for(lambda: conn.execute(depth).fetchone() == (1,))
         # The agent hears the cancel and lets go long before the 10 s answer would have ended.
         wait_for(lambda: conn.execute(depth).fetchone() == (0,), timeout=3)
+
+
+def test_a_tunnel_reconnects_after_the_gateway_restarts(
+    conn: psycopg.Connection, db_url: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    conn.execute("update platform_settings set heartbeat_interval_s = 5")
+    app = create_app(Settings(), db_url, sweep=False)
+    gateway = ThreadedServer(app).start()
+    with running_agent(conn, gateway.url, operator_key, backend.url, "nat-box", 24, "--tunnel"):
+        gateway.stop()  # the gateway goes away: the tunnel drops and the node with it
+        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "offline", timeout=5)
+        restarted = ThreadedServer(create_app(Settings(), db_url, sweep=False), port=gateway.port).start()
+        try:
+            # The agent dials again (backoff 0.25 s, doubling) and the node is back.
+            wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=10)
+            with openai.OpenAI(base_url=f"{restarted.url}/v1", api_key=operator_key, max_retries=0) as sdk:
+                assert sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2).choices
+        finally:
+            restarted.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,9 +116,12 @@ class Agent:
                 )
                 beats = 0
                 while not stop.is_set():
+                    changed = None
                     if beats % REPROBE_EVERY == 0 and beats:
                         models = await self._models_or_none(http, models)
-                    await self._heartbeat(http, "online", models)
+                        changed = self._specs_if_changed(specs)
+                        specs = changed or specs
+                    await self._heartbeat(http, "online", models, changed)
                     beats += 1
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
@@ -185,15 +189,26 @@ class Agent:
         self.interval_s = float(answer["heartbeat_interval_s"])
         self.front.key = signing.node_key(answer["node_secret"])
 
-    async def _heartbeat(self, http: httpx.AsyncClient, status: str, models: list[str]) -> None:
+    def _specs_if_changed(self, current: Specs) -> Specs | None:
+        try:
+            now = resolve_specs(self.config)
+        except AgentError:
+            return None
+        return None if now == current else now
+
+    async def _heartbeat(
+        self, http: httpx.AsyncClient, status: str, models: list[str], specs: Specs | None = None
+    ) -> None:
         load = gpu.load()
-        body = {
+        body: dict[str, Any] = {
             "status": status,
             "queue_depth": self.front.inflight,
             "models": models,
             "gpu_utilization": load[0] if load else None,
             "free_vram_gb": load[1] if load else None,
         }
+        if specs is not None:
+            body["specs"] = dataclasses.asdict(specs)
         url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
         try:
             resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})

@@ -8,6 +8,7 @@ from uuid import UUID
 
 import psycopg
 from fastapi import APIRouter, Request, WebSocket
+from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neuralgrid import signing
@@ -43,6 +44,14 @@ class NodeRegistration(BaseModel):
     agent_version: str | None = Field(None, max_length=64)
 
 
+class Specs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_model: str = Field(min_length=1, max_length=100)
+    gpu_count: int = Field(ge=1, le=64)
+    vram_gb: float = Field(gt=0)
+    tflops: float = Field(gt=0)
+
+
 class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["online", "draining", "offline"] = "online"
@@ -50,6 +59,7 @@ class Heartbeat(BaseModel):
     gpu_utilization: float | None = Field(None, ge=0, le=1)
     free_vram_gb: float | None = Field(None, ge=0)
     models: list[str] = Field(default_factory=list, max_length=1000)
+    specs: Specs | None = None  # only when they changed since registration
 
 
 REGISTER = """
@@ -57,7 +67,7 @@ select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu
   %(vram_gb)s::real, %(tflops)s::real, %(hourly_rate)s::numeric, %(region)s, %(latitude)s::float8,
   %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s, %(models)s::text[], %(agent_version)s)
 """
-HEARTBEAT = "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[])"
+HEARTBEAT = "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb)"
 INTERVAL = "select heartbeat_interval_s from public.platform_settings"
 
 
@@ -87,6 +97,7 @@ async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dic
     except BodyTooLarge:
         raise BodyTooLarge(f"a heartbeat is at most {HEARTBEAT_MAX_BYTES} bytes") from None
     beat = _validated(Heartbeat, body)
+    specs = None if beat.specs is None else Jsonb(beat.specs.model_dump())
     params = (
         node_id,
         signing.node_key(header[7:].strip()),
@@ -95,6 +106,7 @@ async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dic
         beat.gpu_utilization,
         beat.free_vram_gb,
         beat.models,
+        specs,
     )
     try:
         async with gateway.pool.connection() as conn:

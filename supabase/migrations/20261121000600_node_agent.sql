@@ -58,7 +58,8 @@ create function public.agent_heartbeat(
   p_queue_depth integer,
   p_gpu_utilization real,
   p_free_vram_gb real,
-  p_loaded_models text[]
+  p_loaded_models text[],
+  p_specs jsonb default null
 ) returns text
 language plpgsql
 set search_path = ''
@@ -78,6 +79,14 @@ begin
     raise exception 'this secret does not belong to node %', p_node_id using errcode = 'insufficient_privilege';
   end if;
   perform public.node_heartbeat(p_node_id, p_loaded_models);
+  if p_specs is not null then  -- the machine changed (a GPU added or swapped): re-reported specs
+    update public.nodes n
+    set gpu_model = coalesce(p_specs ->> 'gpu_model', n.gpu_model),
+        gpu_count = coalesce((p_specs ->> 'gpu_count')::integer, n.gpu_count),
+        vram_gb = coalesce((p_specs ->> 'vram_gb')::real, n.vram_gb),
+        tflops = coalesce((p_specs ->> 'tflops')::real, n.tflops)
+    where n.id = p_node_id;
+  end if;
   update public.nodes n
   set queue_depth = p_queue_depth, gpu_utilization = p_gpu_utilization, free_vram_gb = p_free_vram_gb,
       status = case
@@ -93,9 +102,9 @@ begin
   return v_node.status;
 end;
 $$;
-comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) is 'A node agent''s heartbeat, authenticated by its secret''s hash: status (online, draining, offline), load and warm models.';
-revoke execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) from public, anon, authenticated;
-grant execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[]) to service_role;
+comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb) is 'A node agent''s heartbeat, authenticated by its secret''s hash: status (online, draining, offline), load, warm models and, when they changed, specs.';
+revoke execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb) from public, anon, authenticated;
+grant execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb) to service_role;
 
 -- On Supabase (pg_cron installed), sweep every second from the database itself; elsewhere the
 -- gateway's sweeper does it. Running both is harmless.
