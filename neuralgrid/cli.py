@@ -358,6 +358,64 @@ def bench_health(
     out.print(f"wrote {out_file}")
 
 
+@app.command("simulate")
+@friendly_errors
+def simulate(
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(envvar="NEURALGRID_SIM_NODES", help="Fleet size.", min=1)] = 200,
+    rps: Annotated[
+        float, typer.Option(envvar="NEURALGRID_SIM_RPS", help="Mean requests per second.", min=0.01)
+    ] = 20,
+    duration: Annotated[
+        float, typer.Option(envvar="NEURALGRID_SIM_DURATION", help="Seconds simulated.", min=1)
+    ] = 600,
+    churn: Annotated[
+        float, typer.Option(envvar="NEURALGRID_SIM_CHURN", help="Share of nodes leaving per hour.", min=0)
+    ] = 0.10,
+    poisson: Annotated[bool, typer.Option(envvar="NEURALGRID_SIM_POISSON", help="No bursts.")] = False,
+    policies: Annotated[
+        str, typer.Option(envvar="NEURALGRID_SIM_POLICIES", help="Comma-separated policies.")
+    ] = "seed,balanced,round_robin,least_loaded,random",
+    seed: Annotated[int, typer.Option(envvar="NEURALGRID_SIM_SEED", help="Same seed, same results.")] = 7,
+    out_dir: Annotated[
+        Path, typer.Option("--out", envvar="NEURALGRID_SIM_OUT", help="Report directory.")
+    ] = Path("sim-results"),
+) -> None:
+    """Simulate the fleet under each policy; write a markdown report, JSON and PNG plots."""
+    from neuralgrid.sim.engine import Scenario
+    from neuralgrid.sim.report import simulate as run
+    from neuralgrid.sim.report import write_report
+
+    scenario = Scenario(
+        nodes=nodes, rps=rps, duration_s=duration, churn_per_hour=churn, bursty=not poisson, seed=seed
+    )
+    with database(ctx) as conn:
+        try:
+            results = run(
+                conn,
+                scenario,
+                [p.strip() for p in policies.split(",") if p.strip()],
+                progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"),
+            )
+        except ValueError as err:
+            raise fail(str(err)) from err
+    data = write_report(results, scenario, out_dir)
+    table = Table("policy", "served %", "p95 s", "$/1M tok", "cold %", "VRAM waste GB")
+    for s in data["policies"].values():
+        table.add_row(
+            s["policy"],
+            f"{s['served_pct']:.2f}",
+            f"{s['p95_s']:.2f}",
+            f"{s['cost_per_mtok_usd']:.4f}",
+            f"{s['cold_start_pct']:.2f}",
+            f"{s['vram_wasted_gb_mean']:.1f}",
+        )
+    out.print(table)
+    for goal in data["goals"]:
+        out.print(f"{'met   ' if goal['met'] else 'MISSED'} {goal['goal']}: {goal['detail']}")
+    out.print(f"wrote {out_dir / 'report.md'}")
+
+
 @app.command("fake-node")
 def fake_node(
     port: Annotated[int, typer.Option(envvar="NEURALGRID_FAKE_PORT", help="Port on 127.0.0.1.")] = 8000,

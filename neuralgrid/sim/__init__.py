@@ -1,0 +1,1 @@
+"""The fleet simulator: replays a workload against a fleet under each matching policy."""
