@@ -362,7 +362,16 @@ def bench_health(
 @friendly_errors
 def simulate(
     ctx: typer.Context,
-    nodes: Annotated[int, typer.Option(envvar="NEURALGRID_SIM_NODES", help="Fleet size.", min=1)] = 200,
+    fleet_file: Annotated[
+        Path | None,
+        typer.Option("--fleet", envvar="NEURALGRID_SIM_FLEET", help="A fleet file (else --nodes)."),
+    ] = None,
+    nodes: Annotated[
+        int, typer.Option(envvar="NEURALGRID_SIM_NODES", help="Generated fleet size.", min=1)
+    ] = 200,
+    trace: Annotated[
+        Path | None, typer.Option(envvar="NEURALGRID_SIM_TRACE", help="CSV of requests (else --rps).")
+    ] = None,
     rps: Annotated[
         float, typer.Option(envvar="NEURALGRID_SIM_RPS", help="Mean requests per second.", min=0.01)
     ] = 20,
@@ -380,23 +389,42 @@ def simulate(
     out_dir: Annotated[
         Path, typer.Option("--out", envvar="NEURALGRID_SIM_OUT", help="Report directory.")
     ] = Path("sim-results"),
+    show_progress: Annotated[
+        bool, typer.Option("--progress", envvar="NEURALGRID_SIM_PROGRESS", help="Show a progress bar.")
+    ] = False,
 ) -> None:
     """Simulate the fleet under each policy; write a markdown report, JSON and PNG plots."""
-    from neuralgrid.sim.engine import Scenario
+    from rich.progress import Progress
+
+    from neuralgrid.sim.engine import Scenario, fleet_from_specs, read_trace
     from neuralgrid.sim.report import simulate as run
     from neuralgrid.sim.report import write_report
 
+    try:
+        custom_fleet = None if fleet_file is None else fleet_from_specs(fleet.read_fleet(fleet_file))
+        workload = None if trace is None else read_trace(trace)
+    except (OSError, ValueError, DatabaseError) as err:
+        raise fail(str(err)) from err
+    if workload:
+        duration = max(duration, workload[-1][0])
     scenario = Scenario(
-        nodes=nodes, rps=rps, duration_s=duration, churn_per_hour=churn, bursty=not poisson, seed=seed
+        nodes=len(custom_fleet["gpu"]) if custom_fleet else nodes,
+        rps=rps,
+        duration_s=duration,
+        churn_per_hour=churn,
+        bursty=not poisson,
+        seed=seed,
     )
-    with database(ctx) as conn:
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    with database(ctx) as conn, Progress(console=Console(stderr=True), disable=not show_progress) as bar:
+        tasks = {p: bar.add_task(p, total=scenario.duration_s) for p in names}
+
+        def advance(policy: str, t: float) -> None:
+            if policy in tasks:
+                bar.update(tasks[policy], completed=t)
+
         try:
-            results = run(
-                conn,
-                scenario,
-                [p.strip() for p in policies.split(",") if p.strip()],
-                progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/]"),
-            )
+            results = run(conn, scenario, names, progress=advance, fleet=custom_fleet, workload=workload)
         except ValueError as err:
             raise fail(str(err)) from err
     data = write_report(results, scenario, out_dir)

@@ -176,3 +176,34 @@ def test_simulate_command_writes_the_report(db_url: str, tmp_path: Path) -> None
     assert len(data["goals"]) == 4 and "| balanced |" in (tmp_path / "report.md").read_text()
     bad = CliRunner().invoke(app, ["simulate", "--policies", "fastest"], env={"DATABASE_URL": db_url})
     assert bad.exit_code == 1 and "unknown policy 'fastest'" in bad.stderr
+
+
+def test_simulate_takes_a_fleet_file_and_a_trace(db_url: str, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        "time_s,model,region,prompt_tokens,output_tokens\n"
+        f"0.5,{LLAMA8},eu-west,300,50\n1.0,BAAI/bge-large-en-v1.5,us-east,100,0\n"
+    )
+    fleet_file = Path(__file__).resolve().parents[1] / "neuralgrid" / "data" / "demo_fleet.json"
+    args = [
+        "simulate",
+        "--fleet",
+        str(fleet_file),
+        "--trace",
+        str(trace),
+        "--duration",
+        "30",
+        "--churn",
+        "0",
+        "--out",
+        str(tmp_path / "out"),
+        "--progress",
+    ]
+    result = CliRunner().invoke(app, args, env={"DATABASE_URL": db_url, "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["scenario"]["nodes"] == 24
+    assert all(p["requests"] == 2 and p["served"] == 2 for p in data["policies"].values())
+    trace.write_text("time_s,model,region,prompt_tokens,output_tokens\n0.5,no/such-model,eu-west,1,1\n")
+    bad = CliRunner().invoke(app, ["simulate", "--trace", str(trace)], env={"DATABASE_URL": db_url})
+    assert bad.exit_code == 1 and "trace.csv:2" in bad.stderr

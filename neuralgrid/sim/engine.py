@@ -133,6 +133,54 @@ def make_fleet(scenario: Scenario, rng: np.random.Generator) -> dict[str, Any]:
     return {"arrays": fleet, "gpu": [GPU_CLASSES[k][0] for k in kinds]}
 
 
+def fleet_from_specs(specs: list[Any]) -> dict[str, Any]:
+    """A fleet from a fleet file's nodes (neuralgrid.fleet.NodeSpec), instead of a generated one."""
+    known = {region: i for i, region in enumerate(REGIONS)}
+    unknown = sorted({s.region for s in specs} - known.keys())
+    if unknown:
+        raise ValueError(f"the simulator knows regions {', '.join(REGIONS)}; not {', '.join(unknown)}")
+    return {
+        "gpu": [s.gpu_model.removeprefix("NVIDIA ").removeprefix("GeForce ") for s in specs],
+        "arrays": FleetArrays(
+            vram_gb=np.array([s.vram_gb for s in specs], dtype=np.float64),
+            tflops=np.array([s.tflops for s in specs], dtype=np.float64),
+            hourly_rate=np.array([s.hourly_rate for s in specs], dtype=np.float64),
+            region=np.array([known[s.region] for s in specs], dtype=np.int64),
+            inflight=np.zeros(len(specs), dtype=np.int64),
+            max_concurrency=np.array([s.max_concurrency for s in specs], dtype=np.int64),
+            successes=np.zeros(len(specs)),
+            failures=np.zeros(len(specs)),
+            online=np.ones(len(specs), dtype=bool),
+        ),
+    }
+
+
+def read_trace(path: Any) -> list[tuple[float, int, int, int, int]]:
+    """A request trace: CSV with header `time_s,model,region,prompt_tokens,output_tokens`."""
+    import csv
+
+    models = [m for m, _, _ in WORKLOAD]
+    out = []
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                out.append(
+                    (
+                        float(row["time_s"]),
+                        models.index(row["model"]),
+                        REGIONS.index(row["region"]),
+                        int(row["prompt_tokens"]),
+                        int(row["output_tokens"]),
+                    )
+                )
+            except (KeyError, ValueError, TypeError) as err:
+                raise ValueError(
+                    f"{path}:{line}: expected time_s,model,region,prompt_tokens,output_tokens"
+                    f" with a model of {models} and a known region ({err})"
+                ) from err
+    return sorted(out)
+
+
 def make_workload(scenario: Scenario, rng: np.random.Generator) -> list[tuple[float, int, int, int, int]]:
     """(arrival time, model index, caller region, prompt tokens, output tokens), in time order."""
     t, out = 0.0, []
@@ -197,7 +245,8 @@ class Simulation:
     def push(self, t: float, kind: str, data: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, data))
 
-    def run(self) -> Result:
+    def run(self, progress: Any = None) -> Result:
+        """Run to the end; `progress(simulated_seconds)` is called as time passes, if given."""
         for req_id, (t, *_rest) in enumerate(self.workload):
             self.push(t, "arrive", {"id": req_id, "start": t, "attempt": 1, "tried": set()})
         rate = self.scenario.churn_per_hour / 3600
@@ -205,8 +254,12 @@ class Simulation:
             for node in range(len(self.gpu)):
                 self.push(float(self.churn_rng.exponential(1 / rate)), "leave", node)
         online_since = np.zeros(len(self.gpu))
+        reported = 0.0
         while self.events:
             t, _, kind, data = heapq.heappop(self.events)
+            if progress is not None and t - reported >= 10:
+                progress(min(t, self.scenario.duration_s))
+                reported = t
             if t > self.scenario.duration_s * 2:
                 break
             if kind == "arrive":

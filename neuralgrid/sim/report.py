@@ -44,7 +44,12 @@ def load_catalog(conn: psycopg.Connection) -> tuple[dict[str, CatalogModel], dic
 
 
 def simulate(
-    conn: psycopg.Connection, scenario: Scenario, policies: list[str], progress: Callable[[str], None] = print
+    conn: psycopg.Connection,
+    scenario: Scenario,
+    policies: list[str],
+    progress: Callable[[str, float], None] = lambda policy, t: None,
+    fleet: dict[str, Any] | None = None,
+    workload: list[tuple[float, int, int, int, int]] | None = None,
 ) -> list[Result]:
     catalog, weights = load_catalog(conn)
     results = []
@@ -53,10 +58,10 @@ def simulate(
             raise ValueError(
                 f"unknown policy {policy!r}: choose from {', '.join(POLICIES)} or a matching_policies row"
             )
-        progress(f"simulating {policy}")
         sql_policy = "balanced" if policy in weights else policy
-        sim = Simulation(scenario, sql_policy, weights.get(policy), catalog)
-        results.append(sim.run())
+        sim = Simulation(scenario, sql_policy, weights.get(policy), catalog, fleet=fleet, workload=workload)
+        results.append(sim.run(progress=lambda t, policy=policy: progress(policy, t)))
+        progress(policy, scenario.duration_s)
     return results
 
 
