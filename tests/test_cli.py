@@ -68,8 +68,10 @@ def test_import_list_and_match_the_demo_fleet(db_url: str) -> None:
     rows = json.loads(out)
     rejected = [r for r in rows if r["rank"] is None]
     assert rejected and all("GB VRAM, needs 42 GB" in r["reject_reason"] for r in rejected)
-    code, out, _ = run(db_url, "match", "--model", LLAMA8, "--region", "ap-northeast", "--limit", "3")
-    assert code == 0 and "tokyo" in out
+    code, out, _ = run(
+        db_url, "match", "--model", LLAMA8, "--region", "ap-northeast", "--limit", "3", "--json"
+    )
+    assert code == 0 and [r["rank"] for r in json.loads(out)] == [1, 2, 3]
 
 
 def test_bad_input_gets_one_line_and_a_nonzero_exit(db_url: str, tmp_path: Path) -> None:

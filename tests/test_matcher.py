@@ -119,6 +119,9 @@ def test_balanced_prefers_reliable_free_and_close_nodes(conn: psycopg.Connection
     make_node(conn, "idle", inflight=0)
     assert ranking(conn) == ["idle", "loaded"]
     conn.execute("delete from nodes")
+    conn.execute(
+        "update matching_policies set proximity = 0.3 where name = 'balanced'"
+    )  # an operator's choice
     make_node(conn, "tokyo", region="ap-northeast", latitude=35.68, longitude=139.69)
     make_node(conn, "frankfurt", region="eu-central", latitude=50.11, longitude=8.68)
     assert ranking(conn, latitude=48.85, longitude=2.35) == ["frankfurt", "tokyo"]  # from Paris

@@ -26,7 +26,7 @@ class Weights:
     reputation: float
     proximity: float
     compute_half_tflops: float = 100.0
-    price_half_usd: float = 1.0
+    price_half_usd_per_tflop_hour: float = 0.003
     distance_half_km: float = 1000.0
 
     @property
@@ -83,7 +83,9 @@ def score(
         w = weights
         fit = np.minimum(1.0, min_vram_gb / fleet.vram_gb)
         compute = fleet.tflops / (fleet.tflops + w.compute_half_tflops)
-        price = w.price_half_usd / (w.price_half_usd + fleet.hourly_rate)
+        price = w.price_half_usd_per_tflop_hour / (
+            w.price_half_usd_per_tflop_hour + fleet.hourly_rate / fleet.tflops
+        )
         warm = loaded.astype(np.float64)
         capacity = 1.0 - fleet.inflight / fleet.max_concurrency
         reputation = (fleet.successes + 1) / (fleet.successes + fleet.failures + 2)

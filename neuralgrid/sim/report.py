@@ -37,7 +37,7 @@ def load_catalog(conn: psycopg.Connection) -> tuple[dict[str, CatalogModel], dic
         r[0]: Weights(*(float(v) for v in r[1:]))
         for r in conn.execute(
             "select name, fit, compute, price, warm, capacity, reputation, proximity, compute_half_tflops,"
-            " price_half_usd, distance_half_km from public.matching_policies"
+            " price_half_usd_per_tflop_hour, distance_half_km from public.matching_policies"
         ).fetchall()
     }
     return catalog, weights

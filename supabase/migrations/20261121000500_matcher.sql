@@ -71,7 +71,9 @@ as $$
     -- Claimed TFLOPS, discounted to what was measured when a node delivers less than it claims.
     tflops * least(1.0, coalesce(speed_ratio, 1.0))
       / (tflops * least(1.0, coalesce(speed_ratio, 1.0)) + w.compute_half_tflops) as compute,
-    w.price_half_usd / (w.price_half_usd + hourly_rate) as price,
+    -- Price per unit of work (USD per TFLOP-hour), not per hour: a fast GPU can cost less per token.
+    w.price_half_usd_per_tflop_hour / (w.price_half_usd_per_tflop_hour
+      + hourly_rate / (tflops * least(1.0, coalesce(speed_ratio, 1.0)))) as price,
     case when model_state = 'loaded' then 1.0::float8 else 0.0::float8 end as warm,
     1.0::float8 - inflight::float8 / max_concurrency as capacity,
     -- Laplace-smoothed success rate, scaled down for a node delivering under a quarter of the
