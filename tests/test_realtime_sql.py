@@ -31,7 +31,7 @@ def test_status_changes_are_broadcast_on_the_public_map_without_secrets(conn: ps
     conn.execute("update nodes set status = 'offline' where id = %s", (node,))
     events = messages(conn, "node-map")
     assert [e for e, _, _ in events] == ["node_insert", "node_update"]
-    event, payload, private = events[-1]
+    _, payload, private = events[-1]
     assert private is False and payload["old_status"] == "online" and payload["node"]["status"] == "offline"
     assert {"endpoint_url", "owner_id", "secret_hash"}.isdisjoint(payload["node"])
     # The owner's private topic carries the whole row, still without the secret.
