@@ -584,6 +584,8 @@ declare
   v_node public.nodes;
   v_job uuid;
   v_error text;
+  v_held numeric := 0;
+  v_budgeted boolean;
 begin
   if p_fallbacks < 0 then
     raise exception 'fallbacks must not be negative' using errcode = 'invalid_parameter_value';
@@ -601,18 +603,22 @@ begin
   -- requests never overspend it by more than one request: a request is admitted while the
   -- budget covers what is spent and held, or when nothing is held and something is left.
   -- After the claim: nodes are always locked before keys (complete_job's order too); a refusal
-  -- rolls the claim back.
+  -- rolls the claim back. Keys without a budget hold nothing, so their requests never queue on
+  -- the key's row.
   if p_api_key_id is not null and v_node.id is not null then
     update public.api_keys k set reserved_usd = k.reserved_usd + p_reserve_usd
-    where k.id = p_api_key_id
-      and (k.budget_usd is null
-           or k.spent_usd + k.reserved_usd + p_reserve_usd <= k.budget_usd
+    where k.id = p_api_key_id and k.budget_usd is not null
+      and (k.spent_usd + k.reserved_usd + p_reserve_usd <= k.budget_usd
            or (k.reserved_usd = 0 and k.spent_usd < k.budget_usd));
-    if not found then
-      if not exists (select 1 from public.api_keys k where k.id = p_api_key_id) then
+    if found then
+      v_held := p_reserve_usd;
+    else
+      select k.budget_usd is not null into v_budgeted from public.api_keys k where k.id = p_api_key_id;
+      if not found then
         raise exception 'no api_key with id %', p_api_key_id using errcode = 'invalid_parameter_value';
+      elsif v_budgeted then
+        raise exception 'the budget of this API key is spent' using errcode = 'NG402';
       end if;
-      raise exception 'the budget of this API key is spent' using errcode = 'NG402';
     end if;
   end if;
 
@@ -625,8 +631,7 @@ begin
                                 region, min_vram_gb, reserved_usd, error, finished_at)
   values (p_api_key_id, (select k.owner_id from public.api_keys k where k.id = p_api_key_id), p_model,
           p_policy, case when v_node.id is null then 'failed' else 'running' end, v_node.id,
-          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min,
-          case when v_node.id is null then 0 else p_reserve_usd end, v_error,
+          case when v_node.id is null then 0 else 1 end, p_stream, p_region, v_min, v_held, v_error,
           case when v_node.id is null then now() end)
   returning j.id into v_job;
 
