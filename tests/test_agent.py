@@ -372,6 +372,8 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
 def test_a_tunnel_carries_100_concurrent_streams(
     conn: psycopg.Connection, platform: str, operator_key: str
 ) -> None:
+    conn.execute("update platform_settings set heartbeat_interval_s = 5")  # throughput, not liveness, here
+
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {
             "model": LLAMA8,
@@ -452,3 +454,12 @@ def test_a_tunnel_reconnects_after_the_gateway_restarts(
                 assert sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2).choices
         finally:
             restarted.stop()
+
+
+def test_a_tunnel_node_swept_offline_comes_back_with_its_next_heartbeat(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Heartbeats that ran late got the node swept offline, but its tunnel stayed up: it returns."""
+    with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"):
+        conn.execute("update nodes set status = 'offline' where name = 'nat-box'")  # as the sweeper would
+        wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=3)

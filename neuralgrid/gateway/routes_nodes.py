@@ -111,6 +111,15 @@ async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dic
     try:
         async with gateway.pool.connection() as conn:
             row = await (await conn.execute(HEARTBEAT, params)).fetchone()
+            if (
+                row is not None
+                and row[0] == "offline"
+                and beat.status == "online"
+                and gateway.tunnels.get(node_id)
+            ):
+                # Swept offline while its tunnel here stayed up (heartbeats ran late): it is reachable.
+                await conn.execute(TUNNEL_UP, (node_id,))
+                row = ("online",)
     except psycopg.Error as err:
         raise _translated(err) from err
     assert row is not None
