@@ -329,6 +329,21 @@ def test_bad_registrations_and_heartbeats_get_clear_errors(
         beat(one["node_id"], one["node_secret"], json={"specs": {**upgraded, "vram_gb": -5}}).status_code
         == 400
     )
+    # Another key cannot take the node over by registering its (public) name.
+    other = conn.execute("select api_key from create_api_key('mallory')").fetchone()
+    assert other is not None
+    stolen = httpx.post(
+        f"{gateway}/v1/nodes",
+        json={**spec, "endpoint_url": "http://127.0.0.1:6666"},
+        headers={"authorization": f"Bearer {other[0]}"},
+    )
+    assert (
+        stolen.status_code == 400
+        and "already registered by someone else" in stolen.json()["error"]["message"]
+    )
+    assert conn.execute("select endpoint_url from nodes where id = %s", (one["node_id"],)).fetchone() == (
+        spec["endpoint_url"],
+    )
     # Re-registering the same name takes the node over with a new secret; the old one stops working.
     again = httpx.post(f"{gateway}/v1/nodes", json=spec, headers=auth).json()
     assert again["node_id"] == one["node_id"] and again["node_secret"] != one["node_secret"]
@@ -463,3 +478,24 @@ def test_a_tunnel_node_swept_offline_comes_back_with_its_next_heartbeat(
     with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"):
         conn.execute("update nodes set status = 'offline' where name = 'nat-box'")  # as the sweeper would
         wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=3)
+
+
+def test_mig_gpus_without_utilization_readings_still_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetMemoryInfo", lambda h: SimpleNamespace(total=80 * 2**30, free=2**30)
+    )
+
+    def not_supported(*_: object) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", not_supported)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigMode", not_supported)
+    info = gpu.detect()
+    assert (info.tflops, info.utilization, info.vram_free_gb) == (312.0, 0.0, 1.0)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", not_supported)  # the driver goes away
+    assert gpu.load() is None

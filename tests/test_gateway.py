@@ -287,3 +287,28 @@ def test_health_ready_metrics_and_docs(fake_nodes: Any, client: openai.OpenAI, g
         assert name in metrics
     assert 'neuralgrid_attempts_total{outcome="succeeded"} 1.0' in metrics
     assert "/v1/chat/completions" in httpx.get(f"{gateway}/openapi.json").text
+
+
+def test_a_node_refusing_a_stream_passes_the_refusal_through_without_blame(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    node = fake_nodes(failure_rate=1.0, fail_status=400)  # the backend rejects a parameter
+    body = {"model": LLAMA8, "messages": MESSAGES, "stream": True}
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+    )
+    assert resp.status_code == 400 and "failed on purpose" in resp.json()["error"]["message"]
+    row = wait_for(lambda: conn.execute("select status from jobs where status <> 'running'").fetchone())
+    assert row == ("cancelled",)
+    state = conn.execute(
+        "select inflight, failures, cooldown_until from nodes where id = %s", (node.node_id,)
+    )
+    assert state.fetchone() == (0, 0, None)  # no cooldown for the client's mistake
+
+
+def test_implausible_usage_from_a_node_is_not_believed() -> None:
+    from neuralgrid.gateway.proxy import Usage
+
+    assert Usage.parse({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
+    for bad in (-1, 10**12, [1], "7", 1.5):
+        assert Usage.parse({"usage": {"prompt_tokens": bad, "completion_tokens": 1}}) is None

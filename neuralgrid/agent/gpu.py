@@ -78,7 +78,7 @@ def detect() -> GpuInfo:
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             total += memory.total
             free += memory.free
-            busy += pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+            busy += _utilization(handle)
             mig += _mig_instances(handle)
         model = names[0]
         per_gpu = tflops_for(model)
@@ -93,6 +93,13 @@ def detect() -> GpuInfo:
         )
     finally:
         pynvml.nvmlShutdown()
+
+
+def _utilization(handle: object) -> float:
+    try:
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
+    except pynvml.NVMLError:  # not offered with MIG enabled
+        return 0.0
 
 
 def _mig_instances(handle: object) -> int:
@@ -116,6 +123,6 @@ def load() -> tuple[float, float] | None:
     """(utilization 0..1, free VRAM GB) now, for heartbeats; None without a GPU."""
     try:
         info = detect()
-    except NoGpu:
+    except (NoGpu, pynvml.NVMLError):  # a GPU lost, or a reading NVML does not offer (MIG)
         return None
     return info.utilization, info.vram_free_gb

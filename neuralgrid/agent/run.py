@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pynvml
 
 from neuralgrid import __version__, signing
 from neuralgrid.agent import gpu
@@ -192,7 +193,7 @@ class Agent:
     def _specs_if_changed(self, current: Specs) -> Specs | None:
         try:
             now = resolve_specs(self.config)
-        except AgentError:
+        except (AgentError, pynvml.NVMLError):  # a failing GPU must not stop the heartbeats
             return None
         return None if now == current else now
 

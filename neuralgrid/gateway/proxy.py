@@ -38,6 +38,7 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embed
 COMPLETE = "select cost_usd from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)"
 FAILOVER = "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
 CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
+MAX_REPORTED_TOKENS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,22 @@ class Usage:
 
     @classmethod
     def parse(cls, payload: Any) -> Usage | None:
+        """The node's own account of usage, if it is a plausible one (nodes are not trusted)."""
         usage = payload.get("usage") if isinstance(payload, dict) else None
         if not isinstance(usage, dict):
             return None
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
+        if not all(isinstance(c, int) and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):
+            return None
+        return cls(counts[0], counts[1])
+
+
+class _ClientError(Exception):
+    """The node refused the request itself (4xx but 429): the client's mistake, passed through."""
+
+    def __init__(self, status: int, body: bytes, media_type: str) -> None:
+        super().__init__(f"HTTP {status} from the node: {body[:200]!r}")
+        self.status, self.body, self.media_type = status, body, media_type
 
 
 class _Retryable(Exception):
@@ -164,6 +177,15 @@ class Router:
                     node_id, url, key, attempt = nxt
         except errors.GatewayError:
             raise
+        except _ClientError as refusal:  # passed through; neutral for the node's reputation
+            now = time.perf_counter()
+            self._finish_later(call, _Meter(match.job_id, node_id, sent, now), "cancelled", str(refusal))
+            return Response(
+                refusal.body,
+                status_code=refusal.status,
+                media_type=refusal.media_type,
+                headers={"x-neuralgrid-node": str(node_id), "x-neuralgrid-job": str(match.job_id)},
+            )
         except BaseException as err:
             # The client left while a node was thinking (cancelled), or something broke: the job
             # still ends, and the node's slot is given back.
@@ -233,6 +255,8 @@ class Router:
                 if resp.status_code == 429 or resp.status_code >= 500:
                     body = (await resp.aread())[:200].decode(errors="replace")
                     raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
+                if resp.status_code >= 400:
+                    raise _ClientError(resp.status_code, await resp.aread(), _media(resp.headers))
                 chunks = resp.aiter_raw()
                 return resp, chunks, await anext(chunks)
             except BaseException:
@@ -255,7 +279,12 @@ class Router:
             await resp.start(self.settings.first_byte_timeout_s)
             if resp.status_code == 429 or resp.status_code >= 500:
                 body = (await resp.aread())[:200].decode(errors="replace")
+                await resp.aclose()
                 raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
+            if stream and resp.status_code >= 400:
+                body_bytes = await resp.aread()
+                await resp.aclose()
+                raise _ClientError(resp.status_code, body_bytes, resp.headers["content-type"])
             chunks = resp.aiter_raw()
             if not stream:
                 await resp.aread()
@@ -412,6 +441,10 @@ class _SseEvents:
         self.meter.usage = usage
         self.meter.chunks -= 1
         return self.keep_usage_event or bool(payload.get("choices"))
+
+
+def _media(headers: httpx.Headers) -> str:
+    return str(headers.get("content-type", "application/json"))
 
 
 def _node_headers(key: bytes | None, path: str, payload: bytes) -> dict[str, str]:

@@ -65,7 +65,8 @@ class Heartbeat(BaseModel):
 REGISTER = """
 select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu_model)s, %(gpu_count)s,
   %(vram_gb)s::real, %(tflops)s::real, %(hourly_rate)s::numeric, %(region)s, %(latitude)s::float8,
-  %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s, %(models)s::text[], %(agent_version)s)
+  %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s, %(models)s::text[], %(agent_version)s,
+  %(key)s)
 """
 HEARTBEAT = "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb)"
 INTERVAL = "select heartbeat_interval_s from public.platform_settings"
@@ -75,7 +76,7 @@ INTERVAL = "select heartbeat_interval_s from public.platform_settings"
 async def register(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
     """Registers the caller's node (or re-registers it by name) and returns its secret, once."""
     node = _validated(NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES))
-    params = {**node.model_dump(), "owner": key.owner_id}
+    params = {**node.model_dump(), "owner": key.owner_id, "key": key.id}
     try:
         async with gateway.pool.connection() as conn:
             row = await (await conn.execute(REGISTER, params)).fetchone()

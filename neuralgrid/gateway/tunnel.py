@@ -88,7 +88,7 @@ class TunnelResponse:
             await self.aclose()
             raise httpx.ReadTimeout("no answer through the tunnel") from None
         if frame["t"] != "start":
-            self.finished = True
+            self._done()
             raise TunnelClosed(str(frame.get("message", "the agent failed the request")))
         self.status_code = int(frame["status"])
         self.headers = {"content-type": str(frame.get("type", "application/json"))}
@@ -99,9 +99,9 @@ class TunnelResponse:
             if frame["t"] == "data":
                 yield str(frame["b"]).encode()
             elif frame["t"] == "end":
-                self.finished = True
+                self._done()
             else:
-                self.finished = True
+                self._done()
                 raise TunnelClosed(str(frame.get("message", "the agent dropped the request")))
 
     async def aread(self) -> bytes:
@@ -111,6 +111,11 @@ class TunnelResponse:
     @property
     def text(self) -> str:
         return self.content.decode(errors="replace")
+
+    def _done(self) -> None:
+        """The answer is complete: forget the request (its id gets no more frames)."""
+        self.finished = True
+        self.tunnel.pending.pop(self.request_id, None)
 
     async def aclose(self) -> None:
         if not self.finished:

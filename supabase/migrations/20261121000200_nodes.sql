@@ -38,6 +38,7 @@ create table public.nodes (
   speed_ratio real,
   cooldown_until timestamptz,
   secret_hash bytea,
+  registered_by_key uuid,
   gpu_utilization real,
   free_vram_gb real,
   queue_depth integer not null default 0,

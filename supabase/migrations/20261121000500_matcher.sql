@@ -489,7 +489,7 @@ comment on function public.score_nodes(text, real, text, text, double precision,
 revoke execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer) from public, anon;
 grant execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer) to authenticated, service_role;
 
-create function public.claim_node(p_candidates uuid[], p_exclude uuid[] default '{}')
+create function public.claim_node(p_candidates uuid[], p_exclude uuid[] default '{}', p_wait boolean default true)
 returns setof public.nodes
 language plpgsql
 set search_path = ''
@@ -507,7 +507,7 @@ begin
     and (c.cooldown_until is null or c.cooldown_until <= now()) and c.id <> all (p_exclude)
   order by r.ord limit 1
   for update of c skip locked;
-  if v_id is null then
+  if v_id is null and p_wait then
     -- Every free candidate was locked by someone (a claim, a completion, a heartbeat): wait for
     -- the first one rather than report a small fleet full. One row only, so no lock is held on
     -- rows passed over (that would let two claims deadlock).
@@ -533,9 +533,9 @@ begin
     returning n.*;
 end;
 $$;
-comment on function public.claim_node(uuid[], uuid[]) is 'Claims one slot on the first available candidate node, in order; returns it, or nothing when none is free.';
-revoke execute on function public.claim_node(uuid[], uuid[]) from public, anon, authenticated;
-grant execute on function public.claim_node(uuid[], uuid[]) to service_role;
+comment on function public.claim_node(uuid[], uuid[], boolean) is 'Claims one slot on the first available candidate node, in order; returns it, or nothing when none is free.';
+revoke execute on function public.claim_node(uuid[], uuid[], boolean) from public, anon, authenticated;
+grant execute on function public.claim_node(uuid[], uuid[], boolean) to service_role;
 
 create function public.release_reservation(p_job_id uuid, p_cost_usd numeric)
 returns void
@@ -723,7 +723,9 @@ begin
   select array_agg(a.node_id), max(a.attempt) into v_tried, v_attempt
   from public.job_attempts a where a.job_id = p_job_id;
 
-  select * into v_node from public.claim_node(p_candidates, v_tried);
+  -- No waiting here: this transaction already holds the failed node's row, and waiting on another
+  -- failover's node could deadlock with it.
+  select * into v_node from public.claim_node(p_candidates, v_tried, false);
   if v_node.id is null then
     update public.jobs j set status = 'failed', error = p_error, finished_at = now() where j.id = p_job_id;
     perform public.release_reservation(p_job_id, 0);

@@ -15,7 +15,8 @@ create function public.register_node(
   p_endpoint_url text,
   p_max_concurrency integer,
   p_models text[],
-  p_agent_version text default null
+  p_agent_version text default null,
+  p_api_key_id uuid default null
 ) returns table (node_id uuid, node_secret text)
 language plpgsql
 set search_path = ''
@@ -27,10 +28,11 @@ declare
 begin
   insert into public.nodes as n (owner_id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate, region,
                                  latitude, longitude, endpoint_url, max_concurrency, secret_hash, agent_version,
-                                 status, last_heartbeat_at)
+                                 registered_by_key, status, last_heartbeat_at)
   values (p_owner_id, p_name, p_gpu_model, p_gpu_count, p_vram_gb, p_tflops, p_hourly_rate, p_region,
           p_latitude, p_longitude, p_endpoint_url, p_max_concurrency, sha256(convert_to(v_secret, 'UTF8')),
-          p_agent_version, case when p_endpoint_url like 'tunnel:%' then 'offline' else 'online' end, now())
+          p_agent_version, p_api_key_id, case when p_endpoint_url like 'tunnel:%' then 'offline' else 'online' end,
+          now())
   -- Registering the same name again (a reinstall) takes the node over with a new secret. A tunnel
   -- node is offline until its tunnel connects.
   on conflict (owner_id, name) do update set
@@ -38,8 +40,13 @@ begin
     tflops = excluded.tflops, hourly_rate = excluded.hourly_rate, region = excluded.region,
     latitude = excluded.latitude, longitude = excluded.longitude, endpoint_url = excluded.endpoint_url,
     max_concurrency = excluded.max_concurrency, secret_hash = excluded.secret_hash,
-    agent_version = excluded.agent_version, status = excluded.status, last_heartbeat_at = now(), inflight = 0
+    agent_version = excluded.agent_version, status = excluded.status, last_heartbeat_at = now()
+  -- Only its owner (or, for owner-less nodes, the key that registered it) may take a node over.
+  where n.owner_id is not null or n.registered_by_key is not distinct from excluded.registered_by_key
   returning n.id into v_id;
+  if v_id is null then
+    raise exception 'a node named "%" is already registered by someone else', p_name using errcode = 'unique_violation';
+  end if;
   delete from public.node_models nm where nm.node_id = v_id and nm.model_id <> all (p_models);
   insert into public.node_models (node_id, model_id, state)
   select v_id, m, 'loaded' from unnest(p_models) as m
@@ -47,9 +54,9 @@ begin
   return query select v_id, v_secret;
 end;
 $$;
-comment on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) is 'Registers (or re-registers by name) an owner''s node with its specs and warm models; returns its id and a new secret, shown once.';
-revoke execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) from public, anon, authenticated;
-grant execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text) to service_role;
+comment on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text, uuid) is 'Registers (or re-registers by name) an owner''s node with its specs and warm models; returns its id and a new secret, shown once.';
+revoke execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text, uuid) from public, anon, authenticated;
+grant execute on function public.register_node(uuid, text, text, integer, real, real, numeric, text, double precision, double precision, text, integer, text[], text, uuid) to service_role;
 
 create function public.agent_heartbeat(
   p_node_id uuid,
