@@ -16,9 +16,12 @@ log = logging.getLogger(__name__)
 
 
 async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
-    """One sweep; returns the names of nodes it set offline."""
+    """One sweep; returns the names of nodes it set offline. Abandoned jobs are ended too."""
     cur = await conn.execute("select name from public.sweep_stale_nodes()")
-    return [name for (name,) in await cur.fetchall()]
+    names = [name for (name,) in await cur.fetchall()]
+    for (job_id,) in await (await conn.execute("select job_id from public.sweep_stale_jobs()")).fetchall():
+        log.warning("job %s never completed: ended as failed, its node slot and budget hold released", job_id)
+    return names
 
 
 async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:

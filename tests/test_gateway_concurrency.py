@@ -279,3 +279,15 @@ def test_a_client_leaving_before_the_first_byte_frees_the_node(
         0,
         0,
     )
+
+
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_DEFAULT_MAX_TOKENS": 40}])
+def test_a_budgeted_key_tells_the_node_the_answer_size_it_held_for(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes()  # answers 16 tokens unless told max_tokens
+    budgeted = (conn.execute("select api_key from create_api_key('b', null, null, 5)").fetchone() or [""])[0]
+    for key, expected in ((budgeted, 40), (api_key, 16)):
+        with openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0) as sdk:
+            reply = sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES)
+        assert reply.usage is not None and reply.usage.completion_tokens == expected

@@ -47,3 +47,23 @@ async def test_sweeper_loop_reports_what_it_swept(db_url: str) -> None:
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
         assert await sweep_once(aconn) == ["gone"]
         assert await sweep_once(aconn) == []
+
+
+def test_abandoned_jobs_give_back_their_slot_and_budget_hold(conn: psycopg.Connection) -> None:
+    from neuralgrid.matching import MatchRequest, match_job
+
+    node = make_node(conn)
+    key = conn.execute("select id from create_api_key('k', null, null, 10)").fetchone()
+    assert key is not None
+    fresh = match_job(
+        conn, MatchRequest(model="meta-llama/Llama-3.1-8B-Instruct"), api_key_id=key[0], reserve_usd=1
+    )
+    old = match_job(
+        conn, MatchRequest(model="meta-llama/Llama-3.1-8B-Instruct"), api_key_id=key[0], reserve_usd=2
+    )
+    conn.execute("update jobs set created_at = now() - interval '2 hours' where id = %s", (old.job_id,))
+    assert conn.execute("select job_id from sweep_stale_jobs()").fetchall() == [(old.job_id,)]
+    assert conn.execute("select status from jobs where id = %s", (old.job_id,)).fetchone() == ("failed",)
+    assert conn.execute("select status from jobs where id = %s", (fresh.job_id,)).fetchone() == ("running",)
+    assert conn.execute("select inflight, failures from nodes where id = %s", (node,)).fetchone() == (1, 0)
+    assert conn.execute("select reserved_usd::float8 from api_keys").fetchone() == (1.0,)

@@ -134,12 +134,16 @@ class Router:
                 **(call.body.get("stream_options") or {}),
                 "include_usage": True,
             }
-        payload = json.dumps(upstream_body).encode()
         max_out = int(
             call.body.get("max_tokens")
             or call.body.get("max_completion_tokens")
             or self.settings.default_max_tokens
         )
+        if call.key.budget_usd is not None and call.kind != "embedding":
+            # The hold must bound the cost: the node is told the answer size the hold assumed.
+            upstream_body.setdefault("max_tokens", max_out)
+        max_out *= max(1, int(call.body.get("n") or 1))
+        payload = json.dumps(upstream_body).encode()
         reserve = await self.catalog.estimate(
             self.pool, call.body["model"], len(payload), 0 if call.kind == "embedding" else max_out
         )

@@ -122,3 +122,31 @@ begin
   end if;
 end
 $$;
+
+create function public.sweep_stale_jobs(p_max_age interval default interval '1 hour')
+returns table (job_id uuid)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_job uuid;
+begin
+  -- A job whose completion never came (a gateway crashed, a write was lost) would hold its node's
+  -- slot and its key's budget forever: end it as failed, which gives both back.
+  for v_job in
+    select j.id from public.jobs j
+    where j.status = 'running' and j.created_at < now() - p_max_age
+    for update skip locked
+  loop
+    perform public.end_attempt(v_job, 'cancelled', 'abandoned: no completion within ' || p_max_age::text);
+    update public.jobs j set status = 'failed', error = 'abandoned: no completion within ' || p_max_age::text,
+      finished_at = now() where j.id = v_job;
+    perform public.release_reservation(v_job, 0);
+    job_id := v_job;
+    return next;
+  end loop;
+end;
+$$;
+comment on function public.sweep_stale_jobs(interval) is 'Ends jobs still running after p_max_age (their completion was lost), giving back node slots and budget holds.';
+revoke execute on function public.sweep_stale_jobs(interval) from public, anon, authenticated;
+grant execute on function public.sweep_stale_jobs(interval) to service_role;
