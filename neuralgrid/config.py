@@ -34,6 +34,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
     key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
     default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)
+    # Node endpoints on loopback, private or link-local addresses: fine for a demo on one machine, an
+    # open door to internal services in production (the gateway would POST to them). None: allowed
+    # in development only.
+    allow_private_endpoints: bool | None = Field(None, alias="NEURALGRID_ALLOW_PRIVATE_ENDPOINTS")
+
+    @property
+    def private_endpoints_allowed(self) -> bool:
+        if self.allow_private_endpoints is None:
+            return self.environment == "development"
+        return self.allow_private_endpoints
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -499,3 +499,35 @@ def test_mig_gpus_without_utilization_readings_still_report(monkeypatch: pytest.
     assert (info.tflops, info.utilization, info.vram_free_gb) == (312.0, 0.0, 1.0)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", not_supported)  # the driver goes away
     assert gpu.load() is None
+
+
+def test_production_refuses_node_endpoints_on_private_addresses(
+    db_url: str, conn: psycopg.Connection, operator_key: str
+) -> None:
+    settings = Settings(NEURALGRID_ENV="production", NEURALGRID_JWT_SECRET="x" * 40)
+    spec = {
+        "name": "n",
+        "gpu_model": "L4",
+        "vram_gb": 24,
+        "tflops": 121,
+        "hourly_rate": 0.4,
+        "region": "eu-west",
+    }
+    auth = {"authorization": f"Bearer {operator_key}"}
+    with ThreadedServer(create_app(settings, db_url, sweep=False)) as gateway:
+        for url in (
+            "http://127.0.0.1:8000",
+            "http://10.0.0.5/admin",
+            "http://169.254.169.254",
+            "http://localhost:1",
+            "http://[::1]:80",
+        ):
+            resp = httpx.post(f"{gateway.url}/v1/nodes", json={**spec, "endpoint_url": url}, headers=auth)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "endpoint_url", url
+        for url in ("https://gpu.example.com:8443", "tunnel:n"):
+            assert (
+                httpx.post(
+                    f"{gateway.url}/v1/nodes", json={**spec, "endpoint_url": url}, headers=auth
+                ).status_code
+                == 201
+            )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 from uuid import UUID
 
 import psycopg
@@ -76,6 +78,11 @@ INTERVAL = "select heartbeat_interval_s from public.platform_settings"
 async def register(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
     """Registers the caller's node (or re-registers it by name) and returns its secret, once."""
     node = _validated(NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES))
+    if not gateway.settings.private_endpoints_allowed and _is_private(node.endpoint_url):
+        raise BadRequest(
+            "endpoint_url points at a private or loopback address; use --tunnel behind NAT",
+            param="endpoint_url",
+        )
     params = {**node.model_dump(), "owner": key.owner_id, "key": key.id}
     try:
         async with gateway.pool.connection() as conn:
@@ -134,6 +141,20 @@ def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
+
+
+def _is_private(endpoint_url: str) -> bool:
+    """True for loopback, private and link-local hosts (literal addresses and localhost)."""
+    if endpoint_url.startswith("tunnel:"):
+        return False
+    host = (urlsplit(endpoint_url).hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: resolved by the gateway at request time (see README, limits)
+    return address.is_private or address.is_loopback or address.is_link_local or address.is_unspecified
 
 
 def _translated(err: psycopg.Error) -> Exception:
