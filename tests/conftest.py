@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from psycopg import sql
@@ -143,6 +144,17 @@ def wait_for(predicate: Any, timeout: float = 5.0) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+def stream_chat(gateway: str, key: str, body: dict[str, Any], timeout: float = 20) -> Any:
+    """A streaming chat request through the gateway, as a context manager over the response."""
+    return httpx.stream(
+        "POST",
+        f"{gateway}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=timeout,
+    )
 
 
 # The gateway: a real server on loopback, fake GPU nodes on their own ports, the openai SDK as client.

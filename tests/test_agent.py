@@ -27,7 +27,7 @@ from neuralgrid.config import Settings
 from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.gateway.app import create_app
 from neuralgrid.serving import ThreadedServer
-from tests.conftest import LLAMA8, free_port, make_node, wait_for
+from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -210,13 +210,7 @@ def _kill_mid_stream_then_fail_over(
     conn: psycopg.Connection, platform: str, operator_key: str, agent: subprocess.Popen[str]
 ) -> None:
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 40, "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{platform}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {operator_key}"},
-        timeout=20,
-    ) as resp:
+    with stream_chat(platform, operator_key, body, timeout=20) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
         agent.kill()  # mid-stream, no goodbye
@@ -237,13 +231,7 @@ def test_sigterm_drains_inflight_work_then_goes_offline(
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 20, "stream": True}  # ~1 s at 20 tok/s
     statuses = []
     with running_agent(conn, platform, operator_key, backend.url) as agent:
-        with httpx.stream(
-            "POST",
-            f"{platform}/v1/chat/completions",
-            json=body,
-            headers={"authorization": f"Bearer {operator_key}"},
-            timeout=20,
-        ) as resp:
+        with stream_chat(platform, operator_key, body, timeout=20) as resp:
             lines = resp.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             agent.send_signal(signal.SIGTERM)
@@ -437,13 +425,7 @@ def test_a_client_leaving_cancels_the_request_on_the_node(
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 200, "stream": True}  # 10 s at 20 tok/s
     depth = "select queue_depth from nodes where name = 'nat-box'"
     with running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"):
-        with httpx.stream(
-            "POST",
-            f"{platform}/v1/chat/completions",
-            json=body,
-            headers={"authorization": f"Bearer {operator_key}"},
-            timeout=20,
-        ) as resp:
+        with stream_chat(platform, operator_key, body, timeout=20) as resp:
             assert resp.status_code == 200, resp.read()
             lines = resp.iter_lines()
             next(line for line in lines if line.startswith("data: {"))

@@ -12,7 +12,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, free_port, make_node, wait_for
+from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hello to the grid."}]
 
@@ -90,13 +90,7 @@ def test_streaming_arrives_chunk_by_chunk(fake_nodes: Any, gateway: str, api_key
     fake_nodes(tokens_per_s=10)  # a chunk every 100 ms
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 5, "stream": True}
     arrivals = []
-    with httpx.stream(
-        "POST",
-        f"{gateway}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {api_key}"},
-        timeout=10,
-    ) as resp:
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -149,13 +143,7 @@ def test_a_stream_dropped_mid_way_ends_with_an_error_event(
 ) -> None:
     fake_nodes(drop_after_chunks=3)
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10, "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{gateway}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {api_key}"},
-        timeout=10,
-    ) as resp:
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert len(events) == 5 and events[-1] == "[DONE]"
     assert json.loads(events[3])["error"]["code"] == "upstream_dropped"

@@ -15,7 +15,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, free_port, make_user, wait_for
+from tests.conftest import LLAMA8, free_port, make_user, stream_chat, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -128,13 +128,7 @@ def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
 ) -> None:
     node = fake_nodes(tokens_per_s=20)
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 100, "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{gateway}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {api_key}"},
-        timeout=10,
-    ) as resp:
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
         seen = 0
         for line in resp.iter_lines():
             seen += line.startswith("data: {")
