@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
+from psycopg import sql
+
+from neuralgrid.db import migrate
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:
@@ -40,3 +46,21 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+@contextmanager
+def scratch_database(admin_url: str, name: str) -> Iterator[str]:
+    """A fresh, migrated database beside the platform's, for one benchmark; dropped afterwards."""
+    drop = sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(drop)
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    url = psycopg.conninfo.make_conninfo(admin_url, dbname=name)
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            migrate.apply_compat_layer(conn)
+            migrate.migrate(conn)
+        yield url
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(drop)

@@ -19,10 +19,8 @@ from typing import Any
 
 import httpx
 import psycopg
-from psycopg import sql
 
-from neuralgrid.bench import percentiles
-from neuralgrid.db import migrate
+from neuralgrid.bench import percentiles, scratch_database
 from neuralgrid.serving import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -53,15 +51,9 @@ def _process(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[N
         log.close()
 
 
-def _scratch(admin_url: str, node_url: str) -> tuple[str, str]:
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        name = sql.Identifier(SCRATCH_DB)
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(name))
-        conn.execute(sql.SQL("create database {}").format(name))
-    url = psycopg.conninfo.make_conninfo(admin_url, dbname=SCRATCH_DB)
+def _fill(url: str, node_url: str) -> str:
+    """A small fleet in front of one fake node, and a key; returns the key."""
     with psycopg.connect(url, autocommit=True) as conn:
-        migrate.apply_compat_layer(conn)
-        migrate.migrate(conn)
         conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
         for i in range(4):  # a small fleet in front of one fake node, plenty of slots
             row = conn.execute(
@@ -77,7 +69,7 @@ def _scratch(admin_url: str, node_url: str) -> tuple[str, str]:
             )
         key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
     assert key is not None
-    return url, str(key[0])
+    return str(key[0])
 
 
 async def _load(
@@ -126,12 +118,12 @@ def run(
 ) -> list[dict[str, Any]]:
     node_port, gateway_port = free_port(), free_port()
     node_url, gateway_url = f"http://127.0.0.1:{node_port}", f"http://127.0.0.1:{gateway_port}"
-    db_url, key = _scratch(admin_url, node_url)
-    env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
-    cli = [sys.executable, "-m", "neuralgrid.cli"]
-    auth = {"authorization": f"Bearer {key}"}
-    results: list[dict[str, Any]] = []
-    try:
+    with scratch_database(admin_url, SCRATCH_DB) as db_url:
+        key = _fill(db_url, node_url)
+        env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
+        cli = [sys.executable, "-m", "neuralgrid.cli"]
+        auth = {"authorization": f"Bearer {key}"}
+        results: list[dict[str, Any]] = []
         with (
             _process([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models"),
             _process([*cli, "up"], env, f"{gateway_url}/readyz"),
@@ -154,9 +146,4 @@ def run(
                             "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
                         }
                     )
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(SCRATCH_DB))
-            )
     return results

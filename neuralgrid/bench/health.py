@@ -23,11 +23,9 @@ from typing import Any
 
 import httpx
 import psycopg
-from psycopg import sql
 
-from neuralgrid.bench import percentiles
+from neuralgrid.bench import percentiles, scratch_database
 from neuralgrid.bench.gateway import BODY, _load, _process
-from neuralgrid.db import migrate
 from neuralgrid.serving import free_port
 
 SCRATCH_DB = "neuralgrid_bench_health"
@@ -145,18 +143,12 @@ def _r(value: float | None) -> float | None:
 
 
 def run(admin_url: str, requests: int, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(SCRATCH_DB)))
-        conn.execute(sql.SQL("create database {}").format(sql.Identifier(SCRATCH_DB)))
-    url = psycopg.conninfo.make_conninfo(admin_url, dbname=SCRATCH_DB)
-    backend_port, gateway_port = free_port(), free_port()
-    backend, gateway = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
-    env = {**os.environ, "DATABASE_URL": url, "NEURALGRID_PORT": str(gateway_port)}
-    cli = [sys.executable, "-m", "neuralgrid.cli"]
-    try:
+    with scratch_database(admin_url, SCRATCH_DB) as url:
+        backend_port, gateway_port = free_port(), free_port()
+        backend, gateway = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
+        env = {**os.environ, "DATABASE_URL": url, "NEURALGRID_PORT": str(gateway_port)}
+        cli = [sys.executable, "-m", "neuralgrid.cli"]
         with psycopg.connect(url, autocommit=True) as conn:
-            migrate.apply_compat_layer(conn)
-            migrate.migrate(conn)
             key = str(
                 (conn.execute("select api_key from public.create_api_key('bench')").fetchone() or [""])[0]
             )
@@ -194,11 +186,6 @@ def run(admin_url: str, requests: int, progress: Callable[[str], None] = lambda 
             "deaths": deaths,
             "tunnel_vs_direct": {**overhead, "added_p50_ms": round(added, 3)},
         }
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(SCRATCH_DB))
-            )
 
 
 class _Bench:

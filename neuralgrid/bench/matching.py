@@ -13,10 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from neuralgrid.bench import percentiles
-from neuralgrid.db import migrate
+from neuralgrid.bench import percentiles, scratch_database
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCRATCH_DB = "neuralgrid_bench_matching"
@@ -42,19 +40,6 @@ with gpu(k, model, vram, tflops, rate) as (values
 insert into public.node_models (node_id, model_id, state)
 select id, %(model)s, case when random() < 0.3 then 'loaded' else 'available' end from ins
 """
-
-
-def _scratch(admin_url: str) -> str:
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        name = sql.Identifier(SCRATCH_DB)
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(name))
-        conn.execute(sql.SQL("create database {}").format(name))
-    return psycopg.conninfo.make_conninfo(admin_url, dbname=SCRATCH_DB)
-
-
-def _drop(admin_url: str) -> None:
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(SCRATCH_DB)))
 
 
 def _timed_calls(
@@ -106,12 +91,9 @@ def run(
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Time each function at each fleet size and caller count; returns one dict per case."""
-    url = _scratch(admin_url)
     results: list[dict[str, Any]] = []
-    try:
+    with scratch_database(admin_url, SCRATCH_DB) as url:
         with psycopg.connect(url, autocommit=True) as conn:
-            migrate.apply_compat_layer(conn)
-            migrate.migrate(conn)
             # Keep the synthetic fleet fresh for the whole run; the bench is not about the sweeper.
             conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
         loaded = 0
@@ -139,6 +121,4 @@ def run(
                             "calls_per_s": round(len(samples) / wall, 1),
                         }
                     )
-    finally:
-        _drop(admin_url)
     return results

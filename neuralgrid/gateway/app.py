@@ -21,7 +21,7 @@ from neuralgrid.config import Settings
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.deps import Gateway, GatewayDep
-from neuralgrid.gateway.errors import BadRequest, GatewayError
+from neuralgrid.gateway.errors import BadRequest, GatewayError, invalid
 from neuralgrid.gateway.keys import KeyStore
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
@@ -110,9 +110,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param).response()
+        return invalid(err.errors()).response()
 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, err: DatabaseError) -> JSONResponse:

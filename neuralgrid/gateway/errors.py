@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi.responses import JSONResponse
 
 
@@ -26,6 +29,13 @@ class GatewayError(Exception):
 
 class BadRequest(GatewayError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+def invalid(errors: Sequence[Any]) -> BadRequest:
+    """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter."""
+    first = errors[0]
+    param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+    return BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
 class Unauthorized(GatewayError):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from neuralgrid import signing
 from neuralgrid.db import errors as db_errors
 from neuralgrid.gateway.deps import ApiKeyDep, Gateway, GatewayDep
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, NotFound, Unauthorized
+from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, NotFound, Unauthorized, invalid
 from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
 
@@ -138,9 +138,7 @@ def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
     try:
         return schema.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
+        raise invalid(err.errors()) from err
 
 
 def _is_private(endpoint_url: str) -> bool:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from neuralgrid.gateway.deps import ApiKeyDep, GatewayDep
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge
+from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, invalid
 from neuralgrid.gateway.proxy import Call
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -123,9 +123,7 @@ async def _proxy(
     try:
         schema.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from err
+        raise invalid(err.errors()) from err
     max_price = request.headers.get("x-neuralgrid-max-price")
     try:
         max_rate = float(max_price) if max_price else None
