@@ -39,7 +39,7 @@ def _agent(
     key: str,
     backend: str,
     name: str,
-    vram_gb: int,
+    price: float,
     tunnel: bool,
 ) -> Iterator[subprocess.Popen[bytes]]:
     args = [
@@ -56,12 +56,14 @@ def _agent(
         name,
         "--region",
         "eu-west",
+        "--price",
+        str(price),
         "--listen-port",
         str(free_port()),
         "--gpu-model",
         "NVIDIA GeForce RTX 4090",
         "--vram-gb",
-        str(vram_gb),
+        "24",
         "--tflops",
         "165",
         "--max-concurrency",
@@ -167,7 +169,9 @@ def run(admin_url: str, requests: int, progress: Callable[[str], None] = lambda 
             ):
                 bench = _Bench(conn, cli, env, gateway, key, backend)
                 deaths = {}
-                with bench.agent("standby", 80, tunnel=False):
+                # Priced well above the nodes under test, so it ranks below them whatever the
+                # reputation it earns: traffic reaches each dying node until the platform notices.
+                with bench.agent("standby", 2.0, tunnel=False):
                     for scenario, tunnel, how in (
                         ("process killed", False, signal.SIGKILL),
                         ("tunnel dropped", True, signal.SIGKILL),
@@ -207,14 +211,14 @@ class _Bench:
             backend,
         )
 
-    def agent(self, name: str, vram_gb: int, tunnel: bool) -> Any:
-        return _agent(self.cli, self.env, self.gateway, self.key, self.backend, name, vram_gb, tunnel)
+    def agent(self, name: str, price: float, tunnel: bool) -> Any:
+        return _agent(self.cli, self.env, self.gateway, self.key, self.backend, name, price, tunnel)
 
     def online(self, *names: str) -> None:
         _wait(lambda: all(_status(self.conn, n) == "online" for n in names), 30)
 
     def death(self, name: str, tunnel: bool, how: signal.Signals, limit_s: float) -> dict[str, float | None]:
-        with self.agent(name, 24, tunnel) as proc:
+        with self.agent(name, 0.3, tunnel) as proc:
             self.online(name, "standby")
             row = self.conn.execute("select id from public.nodes where name = %s", (name,)).fetchone()
             assert row is not None
@@ -227,7 +231,7 @@ class _Bench:
         self.conn.execute("update public.nodes set status = 'offline'")
         auth = {"authorization": f"Bearer {self.key}"}
         target = f"{self.gateway}/v1/chat/completions"
-        with self.agent(name, 24, tunnel):
+        with self.agent(name, 0.3, tunnel):
             self.online(name)
             sequential = asyncio.run(_load(target, auth, False, 1, requests))
             concurrent = asyncio.run(_load(target, auth, True, 16, requests * 2))
