@@ -10,7 +10,7 @@ import psycopg
 from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.serving import free_port, make_server
 
-DEMO_NODES = "select id from public.nodes where owner_id is null and status <> 'offline'"
+LIVE_DEMO_NODE_IDS = "select id from public.nodes where owner_id is null and status <> 'offline'"
 DEMO_MODELS = (
     "meta-llama/Llama-3.1-8B-Instruct",
     "mistralai/Mistral-7B-Instruct-v0.3",
@@ -33,7 +33,7 @@ async def start_backend(tasks: list[asyncio.Task[None]]) -> str:
 async def keep_alive(url: str, stop: asyncio.Event) -> None:
     """Heartbeat every demo node (owner-less, not offline) at the platform's interval until stop."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        ids = [row[0] for row in await (await conn.execute(DEMO_NODES)).fetchall()]
+        ids = [row[0] for row in await (await conn.execute(LIVE_DEMO_NODE_IDS)).fetchall()]
         cur = await conn.execute("select heartbeat_interval_s from public.platform_settings")
         interval_s = float((await cur.fetchone() or (5.0,))[0])
         while not stop.is_set():
