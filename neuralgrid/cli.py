@@ -104,6 +104,8 @@ def db_migrate(ctx: typer.Context) -> None:
         if migrate.apply_compat_layer(conn):
             out.print("applied the Supabase compatibility layer")
         applied = migrate.migrate(conn)
+        if migrate.apply_realtime_feed(conn):
+            out.print("installed the embedded Realtime feed")
     for m in applied:
         out.print(f"applied {m.version}_{m.name}")
     if not applied:

@@ -30,6 +30,9 @@ class Server(uvicorn.Server):
 
 
 def make_server(app: Any, host: str, port: int, **options: Any) -> Server:
+    # Realtime fans small messages out to many sockets: compressing each one per socket would cost
+    # more than it saves, so no permessage-deflate.
+    options = {"ws": "websockets-sansio", "ws_per_message_deflate": False, **options}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
     return Server(config)
 

@@ -50,8 +50,7 @@ def template_db(pg_server: EmbeddedPostgres) -> str:
     with psycopg.connect(pg_server.url(), autocommit=True) as conn:
         conn.execute(f"create database {TEMPLATE}")
     with psycopg.connect(pg_server.url(TEMPLATE), autocommit=True) as conn:
-        migrate.apply_compat_layer(conn)
-        migrate.migrate(conn)
+        migrate.setup_database(conn)
     return TEMPLATE
 
 

@@ -58,8 +58,7 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
     url = psycopg.conninfo.make_conninfo(admin_url, dbname=name)
     try:
         with psycopg.connect(url, autocommit=True) as conn:
-            migrate.apply_compat_layer(conn)
-            migrate.migrate(conn)
+            migrate.setup_database(conn)
         yield url
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:

@@ -31,6 +31,5 @@ def prepare(settings: Settings) -> str:
     url = database_url(settings)
     if settings.embedded:
         with psycopg.connect(url, autocommit=True) as conn:
-            migrate.apply_compat_layer(conn)
-            migrate.migrate(conn)
+            migrate.setup_database(conn)
     return url

@@ -134,6 +134,30 @@ def apply_compat_layer(conn: psycopg.Connection) -> bool:
     return True
 
 
+def feed_sql() -> str:
+    return resources.files("neuralgrid.db").joinpath("sql/realtime_feed.sql").read_text()
+
+
+def apply_realtime_feed(conn: psycopg.Connection) -> bool:
+    """Install the embedded Realtime server's feed (NOTIFY triggers) unless Supabase's Realtime runs
+    on this database (it reads the WAL itself). Idempotent; returns True if applied."""
+    if conn.execute("select to_regclass('realtime.subscription') is not null").fetchone() == (True,):
+        return False
+    with conn.transaction():
+        for statement in split_statements(feed_sql()):
+            conn.execute(statement.encode())
+    return True
+
+
+def setup_database(conn: psycopg.Connection) -> list[Migration]:
+    """Everything the platform needs in one database: the compat layer where missing, the pending
+    migrations, and the Realtime feed where Supabase's Realtime does not run."""
+    apply_compat_layer(conn)
+    applied = migrate(conn)
+    apply_realtime_feed(conn)
+    return applied
+
+
 def applied_versions(conn: psycopg.Connection) -> set[str]:
     if conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone() == (None,):
         return set()

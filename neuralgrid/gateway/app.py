@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
+from neuralgrid.realtime import socket as realtime_socket
+from neuralgrid.realtime.hub import Hub
 from neuralgrid.sweeper import run_sweeper
 
 log = logging.getLogger(__name__)
@@ -79,8 +82,12 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         tunnels = Tunnels()
         router = Router(pool, http, settings, limiter, metrics, tunnels)
         app.state.gateway = Gateway(settings, pool, keys, router, metrics, tunnels)
+        app.state.realtime = hub = Hub(pool, database_url)
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(keys.listen(database_url, stop))]
+        tasks = [asyncio.create_task(keys.listen(database_url, stop)), asyncio.create_task(hub.run(stop))]
+        # Serve only once the Realtime feed listens, so no change committed after startup is missed.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hub.listening.wait(), 10)
         if sweep:
             tasks.append(asyncio.create_task(run_sweeper(database_url, settings.sweep_interval_s, stop)))
         try:
@@ -103,6 +110,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     app.include_router(routes_openai.router)
     app.include_router(routes_keys.router)
     app.include_router(routes_nodes.router)
+    app.include_router(realtime_socket.router)
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, err: GatewayError) -> JSONResponse:

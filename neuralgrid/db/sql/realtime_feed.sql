@@ -1,0 +1,115 @@
+-- The embedded Realtime server's feed: what Supabase Realtime reads from the WAL, sent here with
+-- NOTIFY on the `realtime` channel so that every gateway instance LISTENing receives every change.
+--
+-- * Row changes of the tables in the `supabase_realtime` publication (postgres_changes): a trigger on
+--   each, kept in step with the publication by realtime.sync_change_triggers() (run by an event
+--   trigger on publication DDL and after each migration run).
+-- * Broadcast from Database: each row inserted into realtime.messages (realtime.send()).
+--
+-- NOTIFY payloads are limited to 8000 bytes; larger ones are parked in realtime.feed_overflow and
+-- only their id is notified. Applied only where Supabase's own Realtime does not run (no
+-- realtime.subscription table); every statement is idempotent.
+
+create unlogged table if not exists realtime.feed_overflow (
+  id bigint generated always as identity primary key,
+  payload jsonb not null,
+  created_at timestamptz not null default now()
+);
+comment on table realtime.feed_overflow is 'Feed notifications too large for NOTIFY; read by id, swept after an hour.';
+revoke all on realtime.feed_overflow from public, anon, authenticated;
+
+create or replace function realtime.feed_notify(payload jsonb) returns void
+language plpgsql
+as $$
+declare
+  v_text text := payload::text;
+  v_id bigint;
+begin
+  if octet_length(v_text) < 7900 then
+    perform pg_notify('realtime', v_text);
+  else
+    insert into realtime.feed_overflow (payload) values (payload) returning id into v_id;
+    perform pg_notify('realtime', jsonb_build_object('k', 'overflow', 'id', v_id)::text);
+  end if;
+end;
+$$;
+
+create or replace function realtime.feed_row_change() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  perform realtime.feed_notify(jsonb_build_object(
+    'k', 'change', 'schema', tg_table_schema, 'table', tg_table_name, 'type', tg_op,
+    'commit_timestamp', clock_timestamp(),
+    'record', case when tg_op = 'DELETE' then null else to_jsonb(new) end,
+    'old_record', case when tg_op = 'INSERT' then null else to_jsonb(old) end));
+  return null;
+end;
+$$;
+revoke execute on function realtime.feed_row_change() from public, anon, authenticated;
+
+create or replace function realtime.feed_message() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  perform realtime.feed_notify(jsonb_build_object(
+    'k', 'message', 'id', new.id, 'topic', new.topic, 'extension', new.extension, 'event', new.event,
+    'private', coalesce(new.private, false), 'payload', new.payload));
+  return null;
+end;
+$$;
+revoke execute on function realtime.feed_message() from public, anon, authenticated;
+
+drop trigger if exists realtime_feed on realtime.messages;
+create trigger realtime_feed after insert on realtime.messages
+  for each row execute function realtime.feed_message();
+
+create or replace function realtime.sync_change_triggers() returns void
+language plpgsql
+as $$
+declare
+  r record;
+begin
+  -- Add the trigger to published tables that lack it...
+  for r in
+    select format('%I.%I', schemaname, tablename) as rel from pg_publication_tables
+    where pubname = 'supabase_realtime'
+      and not exists (select from pg_trigger t
+                      where t.tgrelid = format('%I.%I', schemaname, tablename)::regclass
+                        and t.tgname = 'realtime_changes')
+  loop
+    execute format('create trigger realtime_changes after insert or update or delete on %s'
+                   ' for each row execute function realtime.feed_row_change()', r.rel);
+  end loop;
+  -- ...and drop it from tables no longer published.
+  for r in
+    select t.tgrelid::regclass::text as rel from pg_trigger t
+    join pg_class c on c.oid = t.tgrelid join pg_namespace n on n.oid = c.relnamespace
+    where t.tgname = 'realtime_changes'
+      and not exists (select from pg_publication_tables p where p.pubname = 'supabase_realtime'
+                      and p.schemaname = n.nspname and p.tablename = c.relname)
+  loop
+    execute format('drop trigger realtime_changes on %s', r.rel);
+  end loop;
+end;
+$$;
+revoke execute on function realtime.sync_change_triggers() from public, anon, authenticated;
+
+create or replace function realtime.on_publication_ddl() returns event_trigger
+language plpgsql
+as $$
+begin
+  perform realtime.sync_change_triggers();
+end;
+$$;
+
+drop event trigger if exists realtime_publication_ddl;
+create event trigger realtime_publication_ddl on ddl_command_end
+  when tag in ('CREATE PUBLICATION', 'ALTER PUBLICATION', 'DROP PUBLICATION')
+  execute function realtime.on_publication_ddl();
+
+select realtime.sync_change_triggers();

@@ -1,0 +1,305 @@
+"""The WebSocket endpoint: one connection, its joined channels, and the events clients send."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketState
+
+from neuralgrid.realtime.auth import AuthError, verify
+from neuralgrid.realtime.authz import Access
+from neuralgrid.realtime.bindings import Binding, BindingError, parse_binding
+from neuralgrid.realtime.hub import PREFIX, Channel, Hub
+from neuralgrid.realtime.protocol import V1, VERSIONS, Message, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+HEARTBEAT_TIMEOUT_S = 60.0  # clients heartbeat every 25-30 s; Phoenix drops a socket silent for 60
+MAX_QUEUED = 10_000  # messages waiting for a socket that does not read; then it is dropped
+MAX_FRAME_BYTES = 1_048_576
+
+
+def unauthorized(sub_topic: str) -> str:
+    return f"Unauthorized: You do not have permissions to read from this Channel topic: {sub_topic}"
+
+
+class Connection:
+    """A client's socket: reads and handles its messages; a writer task drains its outbound queue."""
+
+    def __init__(
+        self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any], apikey: str
+    ) -> None:
+        self.ws = ws
+        self.hub = hub
+        self.secret = secret
+        self.vsn = vsn
+        self.claims = claims
+        self.apikey = apikey
+        self.channels: dict[str, Channel] = {}
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.overflowed = False
+
+    def queue(self, text: str) -> None:
+        if self.outbox.qsize() >= MAX_QUEUED:
+            if not self.overflowed:
+                self.overflowed = True
+                log.warning("realtime: a subscriber stopped reading; disconnecting it")
+                self.outbox.put_nowait(None)
+            return
+        self.outbox.put_nowait(text)
+
+    def reply(self, msg: Message, status: str, response: dict[str, Any]) -> None:
+        self.queue(
+            encode(
+                Message(
+                    msg.topic, "phx_reply", {"status": status, "response": response}, msg.ref, msg.join_ref
+                ),
+                self.vsn,
+            )
+        )
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write())
+        try:
+            while not writer.done():
+                try:
+                    async with asyncio.timeout(HEARTBEAT_TIMEOUT_S):
+                        frame = await self.ws.receive()
+                except TimeoutError:
+                    log.info(
+                        "realtime: closing a socket that sent no heartbeat for %.0fs", HEARTBEAT_TIMEOUT_S
+                    )
+                    break
+                if frame["type"] == "websocket.disconnect":
+                    break
+                data = frame.get("text") if frame.get("text") is not None else frame.get("bytes")
+                if data is None:
+                    continue
+                if len(data) > MAX_FRAME_BYTES:
+                    self.queue(
+                        encode(Message("phoenix", "phx_error", {"reason": "message too large"}), self.vsn)
+                    )
+                    continue
+                try:
+                    msg = decode(data, self.vsn)
+                except ProtocolError as err:
+                    log.info("realtime: dropped a malformed message: %s", err)
+                    continue
+                await self.handle(msg)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for channel in list(self.channels.values()):
+                await self.hub.remove(channel)
+            self.channels.clear()
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await self.ws.close()
+
+    async def _write(self) -> None:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+            while True:
+                text = await self.outbox.get()
+                if text is None:
+                    return
+                await self.ws.send_text(text)
+
+    # -- events -----------------------------------------------------------------------------------
+
+    async def handle(self, msg: Message) -> None:
+        if msg.topic == "phoenix" and msg.event == "heartbeat":
+            self.reply(msg, "ok", {})
+            return
+        if msg.event == "phx_join":
+            await self.join(msg)
+            return
+        channel = self.channels.get(msg.topic)
+        if channel is None:
+            self.reply(msg, "error", {"reason": "unmatched topic"})
+            return
+        if msg.event == "phx_leave":
+            self.reply(msg, "ok", {})
+            await self.close_channel(channel)
+        elif msg.event == "access_token":
+            await self.refresh_token(channel, msg.payload.get("access_token"))
+        elif msg.event == "broadcast":
+            await self.client_broadcast(channel, msg)
+        elif msg.event == "presence":
+            await self.client_presence(channel, msg)
+        else:
+            self.reply(msg, "error", {"reason": f"unknown event {msg.event!r}"})
+
+    async def join(self, msg: Message) -> None:
+        if not msg.topic.startswith(PREFIX) or msg.topic == PREFIX:
+            self.reply(msg, "error", {"reason": "TopicNameRequired: You must provide a topic name"})
+            return
+        if (old := self.channels.pop(msg.topic, None)) is not None:
+            await self.hub.remove(old)  # a rejoin replaces the channel, as in Phoenix
+        config = msg.payload.get("config") or {}
+        token = msg.payload.get("access_token")
+        try:
+            claims = self.claims if not token or token.startswith("sb_") else verify(token, self.secret)
+            config = config if isinstance(config, dict) else {}
+            private = bool(config.get("private", False))
+            broadcast = config.get("broadcast") or {}
+            presence = config.get("presence") or {}
+        except AuthError as err:
+            self.reply(msg, "error", {"reason": err.reason})
+            return
+        sub_topic = msg.topic.removeprefix(PREFIX)
+        access = Access(True, True)
+        if private:
+            access = await self.hub.authz.topic_access(claims, sub_topic)
+            if not access.read:
+                self.reply(msg, "error", {"reason": unauthorized(sub_topic)})
+                return
+        bindings: list[Binding] = []
+        binding_errors: list[str] = []
+        for raw in config.get("postgres_changes") or []:
+            try:
+                bindings.append(parse_binding(raw))
+            except BindingError as err:
+                binding_errors.append(str(err))
+        channel = Channel(
+            self,
+            msg.topic,
+            msg.join_ref,
+            claims,
+            private=private,
+            access=access,
+            broadcast_self=bool(broadcast.get("self", False)),
+            broadcast_ack=bool(broadcast.get("ack", False)),
+            presence_enabled=bool(presence.get("enabled", False)),
+            presence_key=str(presence.get("key") or "") or str(uuid.uuid4()),
+            bindings=bindings,
+        )
+        self.channels[msg.topic] = channel
+        self.hub.add(channel)
+        self._schedule_expiry(channel)
+        self.reply(msg, "ok", {"postgres_changes": [b.reply() for b in bindings]})
+        if bindings or binding_errors:
+            await self._report_bindings(channel, bindings, binding_errors)
+        if channel.presence_enabled:
+            channel.send("presence_state", self.hub.presence_state(channel.room))
+
+    async def _report_bindings(self, channel: Channel, bindings: list[Binding], errors: list[str]) -> None:
+        for binding in bindings:
+            if binding.table == "*" or binding.schema == "*":
+                continue
+            table = await self.hub.authz.table(binding.schema, binding.table)
+            if table is None or not table.published:
+                errors.append(
+                    f"Unable to subscribe to changes with given parameters: {binding.schema}.{binding.table}"
+                    " is not in the supabase_realtime publication"
+                )
+        if errors:
+            for error in errors:
+                self._system(channel, "error", "postgres_changes", error)
+        else:
+            self._system(channel, "ok", "postgres_changes", "Subscribed to PostgreSQL")
+
+    def _system(self, channel: Channel, status: str, extension: str, message: str) -> None:
+        channel.send(
+            "system",
+            {"message": message, "status": status, "extension": extension, "channel": channel.sub_topic},
+        )
+
+    async def close_channel(self, channel: Channel, reason: str | None = None) -> None:
+        """Ends a channel; with a reason, first says why in a system message (as Supabase does)."""
+        if reason:
+            self._system(channel, "error", "system", reason)
+        channel.send("phx_close", {}, channel.join_ref)
+        self.channels.pop(channel.topic, None)
+        await self.hub.remove(channel)
+
+    def _schedule_expiry(self, channel: Channel) -> None:
+        if channel.expiry:
+            channel.expiry.cancel()
+        left = float(channel.claims["exp"]) - time.time()
+        loop = asyncio.get_running_loop()
+        channel.expiry = loop.call_later(max(left, 0), lambda: asyncio.ensure_future(self._expire(channel)))
+
+    async def _expire(self, channel: Channel) -> None:
+        if self.channels.get(channel.topic) is channel:
+            late = int(time.time() - float(channel.claims["exp"]))
+            await self.close_channel(channel, f"Token has expired {late} seconds ago")
+
+    async def refresh_token(self, channel: Channel, token: Any) -> None:
+        if not isinstance(token, str) or token.startswith("sb_"):
+            return  # publishable keys are ignored, as on Supabase
+        try:
+            claims = verify(token, self.secret)
+        except AuthError as err:
+            await self.close_channel(channel, err.reason)
+            return
+        channel.claims = claims
+        if channel.private:
+            channel.access = await self.hub.authz.topic_access(claims, channel.sub_topic)
+            if not channel.access.read:
+                await self.close_channel(channel, unauthorized(channel.sub_topic))
+                return
+        self._schedule_expiry(channel)
+
+    async def client_broadcast(self, channel: Channel, msg: Message) -> None:
+        payload = msg.payload
+        if not isinstance(payload.get("event"), str):
+            if channel.broadcast_ack:
+                self.reply(msg, "error", {"error": "broadcast needs an event name"})
+            return
+        if channel.private and not channel.access.write:
+            if channel.broadcast_ack:
+                self.reply(msg, "error", {"error": "unauthorized"})
+            return  # denied writes are silent, as on Supabase
+        await self.hub.broadcast(
+            channel, {"type": "broadcast", "event": payload["event"], "payload": payload.get("payload", {})}
+        )
+        if channel.broadcast_ack:
+            self.reply(msg, "ok", {})
+
+    async def client_presence(self, channel: Channel, msg: Message) -> None:
+        event = msg.payload.get("event")
+        if channel.private and not channel.access.write:
+            self.reply(msg, "error", {})
+            return
+        if event == "track":
+            meta = msg.payload.get("payload")
+            if not isinstance(meta, dict):
+                self.reply(msg, "error", {"reason": "Presence track payload must be a map"})
+                return
+            channel.presence_enabled = True
+            await self.hub.track(channel, meta)
+        elif event == "untrack":
+            await self.hub.untrack(channel)
+        else:
+            self.reply(msg, "error", {"reason": f"unknown presence event {event!r}"})
+            return
+        self.reply(msg, "ok", {})
+
+
+@router.websocket("/realtime/v1/websocket")
+async def realtime_websocket(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.realtime
+    secret: str = ws.app.state.gateway.settings.jwt_secret
+    apikey = ws.query_params.get("apikey") or ws.headers.get("apikey") or ""
+    vsn = ws.query_params.get("vsn") or V1
+    try:
+        if vsn not in VERSIONS:
+            raise AuthError("UnsupportedProtocolVersion", f"vsn {vsn!r}: use one of {VERSIONS}")
+        claims = verify(apikey, secret)
+    except AuthError as err:
+        log.info("realtime: refused a connection: %s", err.reason)
+        await ws.close(code=1008, reason=err.reason[:120])  # before accept: an HTTP 403
+        return
+    await ws.accept()
+    await Connection(ws, hub, secret, vsn, claims, apikey).run()
