@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from neuralgrid import fleet, keys, matching
+from neuralgrid import fleet, keys, matching, stack
 from neuralgrid.config import Settings
 from neuralgrid.db import connect, migrate
 from neuralgrid.db.embedded import EmbeddedPostgresError
@@ -83,7 +83,7 @@ def main(
         "NEURALGRID_DB_PORT": db_port,
     }
     try:
-        ctx.obj = Settings(**{k: v for k, v in overrides.items() if v is not None})
+        ctx.obj = stack.with_stack_secret(Settings(**{k: v for k, v in overrides.items() if v is not None}))
     except ValidationError as err:
         raise fail(err.errors()[0]["msg"]) from err
 
@@ -533,6 +533,60 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     for task in tasks[:-1]:
         task.cancel()
     await asyncio.gather(*tasks[:-1], return_exceptions=True)
+
+
+@app.command("status")
+def status(
+    ctx: typer.Context,
+    output: Annotated[str, typer.Option("--output", "-o", help="pretty, json or env.")] = "pretty",
+) -> None:
+    """Print the stack's URLs and keys (API, Realtime, database, anon and service_role), as
+    `supabase status` does."""
+    settings: Settings = ctx.obj
+    if output not in ("pretty", "json", "env"):
+        raise fail("--output takes pretty, json or env")
+    url = connect.database_url(settings, start=False)
+    info = stack.status(settings, url)
+    if output == "json":
+        print(json.dumps(info, indent=2))
+    elif output == "env":
+        for name, value in info.items():
+            print(f'{name}="{value}"')
+    else:
+        width = max(len(n) for n in info)
+        for name, value in info.items():
+            out.print(f"{name.replace('_', ' ').lower():>{width}}: {value}", highlight=False, soft_wrap=True)
+        if settings.embedded and not connect.embedded_server(settings).is_running():
+            out.print("the embedded database is not running: start the stack with `neuralgrid up`")
+
+
+@app.command("watch")
+def watch(
+    ctx: typer.Context,
+    heartbeats: Annotated[bool, typer.Option(help="Also print every heartbeat (postgres_changes).")] = False,
+    count: Annotated[int | None, typer.Option(help="Exit after this many events.", min=1)] = None,
+    timeout: Annotated[float | None, typer.Option(help="Exit after this many seconds.", min=0)] = None,
+) -> None:
+    """Print the fleet's live feed (node status and health changes) through Supabase Realtime."""
+    from neuralgrid.realtime.watch import watch as watch_feed
+
+    settings: Settings = ctx.obj
+    info = stack.status(settings, "")
+    try:
+        asyncio.run(
+            watch_feed(
+                info["REALTIME_URL"],
+                info["ANON_KEY"],
+                lambda line: print(line, flush=True),
+                heartbeats=heartbeats,
+                count=count,
+                timeout=timeout,
+            )
+        )
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ConnectionError) as err:
+        raise fail(f"cannot watch {info['REALTIME_URL']}: {err} (is `neuralgrid up` running?)") from err
 
 
 node_app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # open door to internal services in production (the gateway would POST to them). None: allowed
     # in development only.
     allow_private_endpoints: bool | None = Field(None, alias="NEURALGRID_ALLOW_PRIVATE_ENDPOINTS")
+    # A hosted Supabase project for the web UI (Realtime and email sign-in); unset on the embedded
+    # stack, where the gateway itself serves both.
+    supabase_url: str | None = Field(None, alias="NEURALGRID_SUPABASE_URL")
+    supabase_anon_key: str | None = Field(None, alias="NEURALGRID_SUPABASE_ANON_KEY")
 
     @property
     def private_endpoints_allowed(self) -> bool:
@@ -52,6 +56,8 @@ class Settings(BaseSettings):
                 raise ValueError("NEURALGRID_JWT_SECRET is still the placeholder: set a real secret")
             if len(self.jwt_secret) < 32:
                 raise ValueError("NEURALGRID_JWT_SECRET must be at least 32 characters")
+        if (self.supabase_url is None) != (self.supabase_anon_key is None):
+            raise ValueError("set NEURALGRID_SUPABASE_URL and NEURALGRID_SUPABASE_ANON_KEY together")
         self.home = self.home.expanduser()
         return self
 

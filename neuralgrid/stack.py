@@ -27,8 +27,9 @@ def secret_file(settings: Settings) -> Path:
 
 
 def with_stack_secret(settings: Settings) -> Settings:
-    """Settings whose jwt_secret is the stack's: the configured one, else the one kept under home."""
-    if settings.jwt_secret != PLACEHOLDER_SECRET:
+    """Settings whose jwt_secret is the stack's: the configured one, else (embedded) the one kept
+    under home. With DATABASE_URL and no secret set, the development placeholder stays."""
+    if settings.jwt_secret != PLACEHOLDER_SECRET or not settings.embedded:
         return settings
     path = secret_file(settings)
     if not path.exists():
@@ -61,3 +62,27 @@ def user_token(secret: str, user_id: uuid.UUID | str, email: str | None, ttl_s: 
     if email:
         claims["email"] = email
     return jwt.encode(claims, secret, algorithm="HS256")
+
+
+def public_base_url(settings: Settings) -> str:
+    """Where clients reach the gateway (a wildcard bind address is reached on loopback)."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def status(settings: Settings, database_url: str) -> dict[str, str]:
+    """What `neuralgrid status` prints: URLs and keys, as `supabase status` does."""
+    if settings.supabase_url and settings.supabase_anon_key:  # a hosted Supabase project
+        api, anon = settings.supabase_url.rstrip("/"), settings.supabase_anon_key
+    else:
+        api, anon = public_base_url(settings), api_key(settings.jwt_secret, "anon")
+    gateway = public_base_url(settings)
+    return {
+        "API_URL": f"{gateway}/v1",
+        "MAP_URL": f"{gateway}/",
+        "REALTIME_URL": f"{api.replace('http', 'ws', 1)}/realtime/v1",
+        "DB_URL": database_url,
+        "JWT_SECRET": settings.jwt_secret,
+        "ANON_KEY": anon,
+        "SERVICE_ROLE_KEY": api_key(settings.jwt_secret, "service_role"),
+    }

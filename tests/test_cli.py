@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jwt
 import openai
 import psycopg
 import pytest
@@ -159,6 +160,21 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
         assert db_url.stdout.strip() == url
         migrate = subprocess.run([*cli, "db", "migrate"], env=env, capture_output=True, text=True, check=True)
         assert "database is up to date" in migrate.stdout
+
+        status = subprocess.run(
+            [*cli, "status", "-o", "json"], env=env, capture_output=True, text=True, check=True
+        )
+        info = json.loads(status.stdout)
+        secret = (tmp_path / "home" / "jwt-secret").read_text().strip()
+        assert info["JWT_SECRET"] == secret and info["DB_URL"] == url
+        assert info["REALTIME_URL"] == f"ws://127.0.0.1:{gateway_port}/realtime/v1"
+        assert jwt.decode(info["ANON_KEY"], secret, algorithms=["HS256"])["role"] == "anon"
+        assert jwt.decode(info["SERVICE_ROLE_KEY"], secret, algorithms=["HS256"])["role"] == "service_role"
+        watcher = subprocess.Popen(
+            [*cli, "watch", "--count", "2", "--timeout", "30"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        assert watcher.stdout is not None
+        assert "watching node-map" in watcher.stdout.readline()
         with psycopg.connect(url, autocommit=True) as conn:
             # A node that stops heartbeating is swept offline by the running service.
             conn.execute(
@@ -172,6 +188,12 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
                 time.sleep(0.1)
             else:
                 pytest.fail("the sweeper did not mark the silent node offline")
+        # `neuralgrid watch` saw both, live, through the official realtime client.
+        watched, _ = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0
+        inserted, offline = watched.strip().splitlines()
+        assert "node_insert" in inserted and "silent" in inserted
+        assert "node_update" in offline and "online -> offline" in offline
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
