@@ -25,6 +25,7 @@ from neuralgrid.config import Settings
 from neuralgrid.db import connect, migrate
 from neuralgrid.db.embedded import EmbeddedPostgresError
 from neuralgrid.db.errors import DatabaseError
+from neuralgrid.serving import run_fast
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
@@ -329,6 +330,51 @@ def bench_gateway(
     out.print(f"wrote {out_file}")
 
 
+@bench_app.command("realtime")
+@friendly_errors
+def bench_realtime(
+    ctx: typer.Context,
+    subscribers: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_SUBSCRIBERS", help="Subscriber counts, comma-separated.")
+    ] = "1,100,1000",
+    rate: Annotated[int, typer.Option(help="Status changes per second.", min=1)] = 100,
+    seconds: Annotated[float, typer.Option(help="Seconds of changes per case.", min=1)] = 10,
+    out_file: Annotated[
+        Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+    ] = Path("bench-results/realtime.json"),
+) -> None:
+    """Delivery latency from a committed node status change to N Realtime subscribers."""
+    from neuralgrid.bench import realtime as bench
+    from neuralgrid.bench import write_report
+
+    try:
+        counts = [int(c) for c in subscribers.split(",")]
+    except ValueError as err:
+        raise fail(f"--subscribers takes comma-separated integers ({err})") from err
+    if min(counts) < 1:
+        raise fail("subscriber counts must be positive")
+    url = connect.prepare(ctx.obj)
+    results = bench.run(
+        url, counts, rate, seconds, progress=lambda m: Console(stderr=True).print(f"[dim]{m}[/]")
+    )
+    table = Table("subscribers", "changes/s", "delivered", "lost", "p50 ms", "p99 ms", "max ms")
+    for r in results:
+        table.add_row(
+            str(r["subscribers"]),
+            f"{r['changes_per_s']:.0f}",
+            f"{r['delivered']:,}",
+            str(r["lost"]),
+            f"{r.get('p50_ms', float('nan')):.1f}",
+            f"{r.get('p99_ms', float('nan')):.1f}",
+            f"{r['max_ms'] or float('nan'):.1f}",
+        )
+    out.print(table)
+    write_report(
+        out_file, "realtime", results, units="ms", target="p99 <= 200 ms at 1,000 subscribers, 100 changes/s"
+    )
+    out.print(f"wrote {out_file}")
+
+
 @bench_app.command("health")
 @friendly_errors
 def bench_health(
@@ -495,7 +541,7 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request is noise
     try:
-        asyncio.run(_serve(settings, url, demo))
+        run_fast(_serve(settings, url, demo))
     finally:
         if server is not None and started_here:  # leave a server someone else started alone
             server.stop()

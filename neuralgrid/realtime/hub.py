@@ -25,7 +25,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from neuralgrid.realtime.authz import Access, Authorizer, Table
 from neuralgrid.realtime.bindings import Binding
-from neuralgrid.realtime.protocol import Message, encode
+from neuralgrid.realtime.fastpath import Coalescer
+from neuralgrid.realtime.protocol import Message, Outgoing, outgoing
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Sink(Protocol):
 
     vsn: str
 
-    def queue(self, text: str) -> None: ...
+    def queue(self, message: Outgoing) -> None: ...
 
 
 class Channel:
@@ -81,7 +82,7 @@ class Channel:
         return (self.sub_topic, self.private)
 
     def send(self, event: str, payload: Any, ref: str | None = None) -> None:
-        self.sink.queue(encode(Message(self.topic, event, payload, ref, self.join_ref), self.sink.vsn))
+        self.sink.queue(outgoing(Message(self.topic, event, payload, ref, self.join_ref), self.sink.vsn))
 
 
 def commit_timestamp(value: str) -> str:
@@ -101,6 +102,7 @@ class Hub:
         self.presence: dict[tuple[str, bool], dict[str, dict[str, tuple[dict[str, Any], str]]]] = defaultdict(
             lambda: defaultdict(dict)
         )
+        self.coalescer = Coalescer()
         self.listening = asyncio.Event()
         self.delivered = 0
 
@@ -136,15 +138,17 @@ class Hub:
     def _deliver_broadcast(
         self, room: tuple[str, bool], payload: dict[str, Any], skip: Channel | None = None
     ) -> None:
-        cache: dict[tuple[str, str], str] = {}
+        cache: dict[tuple[str, str], Outgoing] = {}
         for channel in list(self.rooms.get(room, ())):
             if channel is skip or (channel.private and not channel.access.read):
                 continue
             key = (channel.sink.vsn, channel.topic)
-            text = cache.get(key)
-            if text is None:
-                text = cache[key] = encode(Message(channel.topic, "broadcast", payload), channel.sink.vsn)
-            channel.sink.queue(text)
+            message = cache.get(key)
+            if message is None:
+                message = cache[key] = outgoing(
+                    Message(channel.topic, "broadcast", payload), channel.sink.vsn
+                )
+            channel.sink.queue(message)
             self.delivered += 1
 
     # -- presence ---------------------------------------------------------------------------------
@@ -330,7 +334,7 @@ class Hub:
         stamp = commit_timestamp(change["commit_timestamp"])
         # One RLS check and one payload per distinct subscriber identity, not per subscriber.
         views: dict[str, dict[str, Any] | None] = {}
-        cache: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
+        cache: dict[tuple[str, str, str, tuple[int, ...]], Outgoing] = {}
         for channel, ids in subscribed:
             identity = json.dumps(channel.claims, sort_keys=True)
             if identity not in views:
@@ -339,12 +343,12 @@ class Hub:
             if data is None:
                 continue
             key = (channel.sink.vsn, channel.topic, identity, tuple(ids))
-            text = cache.get(key)
-            if text is None:
-                text = cache[key] = encode(
+            message = cache.get(key)
+            if message is None:
+                message = cache[key] = outgoing(
                     Message(channel.topic, "postgres_changes", {"ids": ids, "data": data}), channel.sink.vsn
                 )
-            channel.sink.queue(text)
+            channel.sink.queue(message)
             self.delivered += 1
 
     async def _view(

@@ -27,6 +27,35 @@ class Message:
     join_ref: str | None = None
 
 
+class Outgoing:
+    """A message encoded once for many sockets: its text, and its WebSocket frame built on first use."""
+
+    __slots__ = ("_frame", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._frame: bytes | None = None
+
+    @property
+    def frame(self) -> bytes:
+        """An unmasked server text frame, valid on every socket (servers never mask)."""
+        if self._frame is None:
+            data = self.text.encode()
+            size = len(data)
+            if size < 126:
+                header = bytes([0x81, size])
+            elif size < 1 << 16:
+                header = bytes([0x81, 126]) + size.to_bytes(2, "big")
+            else:
+                header = bytes([0x81, 127]) + size.to_bytes(8, "big")
+            self._frame = header + data
+        return self._frame
+
+
+def outgoing(msg: Message, vsn: str) -> Outgoing:
+    return Outgoing(encode(msg, vsn))
+
+
 def encode(msg: Message, vsn: str) -> str:
     if vsn == V2:
         return json.dumps([msg.join_ref, msg.ref, msg.topic, msg.event, msg.payload], separators=(",", ":"))

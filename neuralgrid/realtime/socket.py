@@ -15,8 +15,9 @@ from starlette.websockets import WebSocketState
 from neuralgrid.realtime.auth import AuthError, verify
 from neuralgrid.realtime.authz import Access
 from neuralgrid.realtime.bindings import Binding, BindingError, parse_binding
+from neuralgrid.realtime.fastpath import EXTENSION, FrameWriter
 from neuralgrid.realtime.hub import PREFIX, Channel, Hub
-from neuralgrid.realtime.protocol import V1, VERSIONS, Message, ProtocolError, decode, encode
+from neuralgrid.realtime.protocol import V1, VERSIONS, Message, Outgoing, ProtocolError, decode, outgoing
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +45,40 @@ class Connection:
         self.claims = claims
         self.apikey = apikey
         self.channels: dict[str, Channel] = {}
+        # Served by our uvicorn protocol, frames go straight to the socket; under any other ASGI
+        # server, through a queue and a writer task.
+        extension = ws.scope.get("extensions", {}).get(EXTENSION)
+        self.frames: FrameWriter | None = extension["writer"] if extension else None
+        self.pending: list[bytes] = []  # frames waiting for the hub's next flush
         self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
         self.overflowed = False
 
-    def queue(self, text: str) -> None:
-        if self.outbox.qsize() >= MAX_QUEUED:
-            if not self.overflowed:
-                self.overflowed = True
-                log.warning("realtime: a subscriber stopped reading; disconnecting it")
-                self.outbox.put_nowait(None)
+    def queue(self, message: Outgoing) -> None:
+        if self.overflowed:
             return
-        self.outbox.put_nowait(text)
+        if self.frames is not None:
+            self.pending.append(message.frame)
+            if len(self.pending) == 1:
+                self.hub.coalescer.mark(self)
+        elif self.outbox.qsize() >= MAX_QUEUED:
+            self._overflow()
+        else:
+            self.outbox.put_nowait(message.text)
+
+    def flush(self) -> None:
+        frames = b"".join(self.pending)
+        self.pending.clear()
+        if self.frames is not None and not self.overflowed and not self.frames.write(frames):
+            self._overflow()
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        log.warning("realtime: a subscriber stopped reading (or left); disconnecting it")
+        self.outbox.put_nowait(None)
 
     def reply(self, msg: Message, status: str, response: dict[str, Any]) -> None:
-        self.queue(
-            encode(
-                Message(
-                    msg.topic, "phx_reply", {"status": status, "response": response}, msg.ref, msg.join_ref
-                ),
-                self.vsn,
-            )
-        )
+        payload = {"status": status, "response": response}
+        self.queue(outgoing(Message(msg.topic, "phx_reply", payload, msg.ref, msg.join_ref), self.vsn))
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
@@ -85,7 +99,7 @@ class Connection:
                     continue
                 if len(data) > MAX_FRAME_BYTES:
                     self.queue(
-                        encode(Message("phoenix", "phx_error", {"reason": "message too large"}), self.vsn)
+                        outgoing(Message("phoenix", "phx_error", {"reason": "message too large"}), self.vsn)
                     )
                     continue
                 try:
