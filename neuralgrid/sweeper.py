@@ -24,14 +24,33 @@ async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
     return names
 
 
+PRUNE_EVERY_S = 60.0
+
+
+async def prune_realtime(conn: psycopg.AsyncConnection) -> int:
+    """Old realtime.messages and feed overflow, where the embedded Realtime feed is installed."""
+    row = await (
+        await conn.execute("select to_regprocedure('realtime.prune_feed(interval)') is not null")
+    ).fetchone()
+    if not (row and row[0]):
+        return 0
+    pruned = await (await conn.execute("select realtime.prune_feed()")).fetchone()
+    return int(pruned[0]) if pruned else 0
+
+
 async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:
     """Sweep every interval_s until stop is set; reconnects if the database goes away."""
+    loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                pruned_at = 0.0
                 while not stop.is_set():
                     for name in await sweep_once(conn):
                         log.info("node %s is silent: marked offline", name)
+                    if loop.time() - pruned_at > PRUNE_EVERY_S:
+                        pruned_at = loop.time()
+                        await prune_realtime(conn)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), timeout=interval_s)
         except psycopg.OperationalError as err:

@@ -330,3 +330,64 @@ async def test_bad_bindings_are_reported_not_fatal(gateway: str) -> None:
         assert "invalid filter" in errors[0]["message"] and "publication" in errors[1]["message"]
         await ws.send(json.dumps({"topic": "phoenix", "event": "heartbeat", "ref": "2", "payload": {}}))
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"  # the socket lives on
+
+
+async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psycopg.Connection) -> None:
+    """Two gateways on one database: a client broadcast, a database change and presence made on one
+    reach a subscriber of the other, including presence tracked before the second one started."""
+    from neuralgrid.config import Settings
+    from neuralgrid.gateway.app import create_app
+    from neuralgrid.serving import ThreadedServer
+
+    node = make_node(conn, "rt-multi")
+    with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as first:
+        a = AsyncRealtimeClient(realtime_url(first.url), token=ANON, auto_reconnect=False)
+        await a.connect()
+        lobby_a = a.channel("lobby", {"config": {"presence": {"key": "on-a", "enabled": True}}})  # type: ignore[typeddict-item]
+        lobby_a.on_presence_sync(lambda: None)
+        await subscribed(lobby_a)
+        await lobby_a.track({"where": "a"})
+        with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as second:
+            b = AsyncRealtimeClient(realtime_url(second.url), token=ANON, auto_reconnect=False)
+            await b.connect()
+            got: list[dict[str, Any]] = []
+            lobby_b = b.channel("lobby", {"config": {"presence": {"key": "on-b", "enabled": True}}})  # type: ignore[typeddict-item]
+            lobby_b.on_presence_sync(lambda: None)
+            lobby_b.on_broadcast("*", got.append)
+            await subscribed(lobby_b)
+            await until(lambda: "on-a" in lobby_b.presence_state())
+            await lobby_b.track({"where": "b"})
+            await until(lambda: "on-b" in lobby_a.presence_state())
+
+            await lobby_a.send_broadcast("ping", {"from": "a"})
+            await until(lambda: any(m["event"] == "ping" for m in got))
+
+            changes: list[dict[str, Any]] = []
+            feed = b.channel("nodes")
+            feed.on_postgres_changes("UPDATE", changes.append, table="nodes", schema="public")
+            await subscribed(feed)
+            await asyncio.to_thread(set_status, db_url, node, "offline")
+            await until(lambda: changes)
+            await b.close()
+        await until(lambda: "on-b" not in lobby_a.presence_state())
+        await a.close()
+
+
+async def test_large_payloads_and_retention(connect: Callable[..., Any], conn: psycopg.Connection) -> None:
+    """A broadcast bigger than NOTIFY's 8000 bytes still arrives; the sweeper prunes old messages."""
+    from neuralgrid.sweeper import prune_realtime
+
+    client = await connect()
+    got: list[dict[str, Any]] = []
+    channel = client.channel("big")
+    channel.on_broadcast("blob", got.append)
+    await subscribed(channel)
+    blob = "x" * 20_000
+    conn.execute("select realtime.send(jsonb_build_object('blob', %s::text), 'blob', 'big', false)", (blob,))
+    await until(lambda: got)
+    assert got[0]["payload"]["blob"] == blob
+
+    conn.execute("update realtime.messages set inserted_at = inserted_at - interval '4 days'")
+    async with await psycopg.AsyncConnection.connect(conn.info.dsn, autocommit=True) as aconn:
+        assert await prune_realtime(aconn) >= 1
+    assert conn.execute("select count(*) from realtime.messages").fetchone() == (0,)

@@ -68,6 +68,16 @@ drop trigger if exists realtime_feed on realtime.messages;
 create trigger realtime_feed after insert on realtime.messages
   for each row execute function realtime.feed_message();
 
+-- Retention, as Supabase keeps realtime.messages for a few days; the gateway's sweeper calls it.
+create or replace function realtime.prune_feed(p_keep interval default interval '3 days') returns integer
+language sql
+as $$
+  with messages as (delete from realtime.messages where inserted_at < localtimestamp - p_keep returning 1),
+       overflow as (delete from realtime.feed_overflow where created_at < now() - interval '1 hour' returning 1)
+  select ((select count(*) from messages) + (select count(*) from overflow))::integer
+$$;
+revoke execute on function realtime.prune_feed(interval) from public, anon, authenticated;
+
 create or replace function realtime.sync_change_triggers() returns void
 language plpgsql
 as $$
