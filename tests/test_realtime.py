@@ -391,3 +391,26 @@ async def test_large_payloads_and_retention(connect: Callable[..., Any], conn: p
     async with await psycopg.AsyncConnection.connect(conn.info.dsn, autocommit=True) as aconn:
         assert await prune_realtime(aconn) >= 1
     assert conn.execute("select count(*) from realtime.messages").fetchone() == (0,)
+
+
+async def test_row_changes_are_notified_only_while_someone_watches(
+    connect: Callable[..., Any], conn: psycopg.Connection, db_url: str
+) -> None:
+    """An unwatched table's writes (every claim of a node) cost no NOTIFY."""
+    node = make_node(conn, "rt-quiet")
+
+    def kinds_after_update() -> list[str]:
+        with psycopg.connect(db_url, autocommit=True) as listener:
+            listener.execute("listen realtime")
+            conn.execute("update public.nodes set inflight = inflight + 1 where id = %s", (node,))
+            return [json.loads(n.payload)["k"] for n in listener.notifies(timeout=0.5)]
+
+    assert "change" not in await asyncio.to_thread(kinds_after_update)
+    client = await connect()
+    channel = client.channel("watching")
+    channel.on_postgres_changes("UPDATE", lambda _: None, table="nodes", schema="public")
+    await subscribed(channel)
+    assert "change" in await asyncio.to_thread(kinds_after_update)
+    await client.close()
+    await until(lambda: conn.execute("select count(*) from realtime.feed_subscriptions").fetchone() == (0,))
+    assert "change" not in await asyncio.to_thread(kinds_after_update)

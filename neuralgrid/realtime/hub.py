@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 PREFIX = "realtime:"
 FEED_CHANNEL = "realtime"
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+WATCH_REFRESH_S = 30.0
+WATCH = (
+    "insert into realtime.feed_subscriptions (relid, instance) select unnest(%s::oid[]), %s"
+    " on conflict (relid, instance) do update set seen_at = now()"
+)
+UNWATCH = "delete from realtime.feed_subscriptions where relid = any(%s::oid[]) and instance = %s"
 
 
 class Sink(Protocol):
@@ -74,6 +80,7 @@ class Channel:
         self.presence_key = presence_key
         self.presence_ref: str | None = None  # phx_ref of what this channel tracks
         self.bindings = bindings
+        self.relids: list[int] = []  # the published tables its bindings cover
         self.expiry: asyncio.TimerHandle | None = None
 
     @property
@@ -102,25 +109,68 @@ class Hub:
         self.presence: dict[tuple[str, bool], dict[str, dict[str, tuple[dict[str, Any], str]]]] = defaultdict(
             lambda: defaultdict(dict)
         )
+        self.watched: dict[int, int] = defaultdict(int)  # relid -> local channels watching it
         self.coalescer = Coalescer()
         self.listening = asyncio.Event()
         self.delivered = 0
 
     # -- channels ---------------------------------------------------------------------------------
 
-    def add(self, channel: Channel) -> None:
+    async def add(self, channel: Channel) -> None:
+        """Registers a channel; its postgres_changes tables are watched before this returns, so a
+        change committed after the join reply reaches it."""
         self.rooms[channel.room].add(channel)
+        if channel.bindings:
+            channel.relids = await self._published_relids(channel.bindings)
+            fresh = [relid for relid in channel.relids if not self.watched[relid]]
+            for relid in channel.relids:
+                self.watched[relid] += 1
+            if fresh:
+                async with self.pool.connection() as conn:
+                    await conn.execute(WATCH, (fresh, self.instance))
 
     async def remove(self, channel: Channel) -> None:
         if channel.expiry:
             channel.expiry.cancel()
         room = self.rooms.get(channel.room)
-        if room is not None:
+        if room is not None and channel in room:
             room.discard(channel)
             if not room:
                 del self.rooms[channel.room]
+            unwatched = []
+            for relid in channel.relids:
+                self.watched[relid] -= 1
+                if not self.watched[relid]:
+                    del self.watched[relid]
+                    unwatched.append(relid)
+            if unwatched:
+                async with self.pool.connection() as conn:
+                    await conn.execute(UNWATCH, (unwatched, self.instance))
         if channel.presence_ref:
             await self.untrack(channel)
+
+    async def _published_relids(self, bindings: list[Binding]) -> list[int]:
+        async with self.pool.connection() as conn:
+            rows = await (
+                await conn.execute(
+                    "select distinct format('%I.%I', schemaname, tablename)::regclass::oid::int8,"
+                    " schemaname, tablename from pg_publication_tables where pubname = 'supabase_realtime'"
+                )
+            ).fetchall()
+        return [
+            relid
+            for relid, schema, table in rows
+            if any(b.schema in ("*", schema) and b.table in ("*", table) for b in bindings)
+        ]
+
+    async def _keep_watching(self) -> None:
+        """Refreshes this instance's watched tables (rows older than 90 s stop counting)."""
+        while True:
+            await asyncio.sleep(WATCH_REFRESH_S)
+            if self.watched:
+                with contextlib.suppress(psycopg.Error):
+                    async with self.pool.connection() as conn:
+                        await conn.execute(WATCH, (list(self.watched), self.instance))
 
     def channels(self) -> Iterable[Channel]:
         for room in self.rooms.values():
@@ -247,6 +297,18 @@ class Hub:
 
     async def run(self, stop: asyncio.Event) -> None:
         """LISTEN until stopped, reconnecting with backoff (changes while disconnected are lost)."""
+        keeper = asyncio.create_task(self._keep_watching())
+        try:
+            await self._listen(stop)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(psycopg.Error):
+                async with self.pool.connection() as conn:
+                    await conn.execute(
+                        "delete from realtime.feed_subscriptions where instance = %s", (self.instance,)
+                    )
+
+    async def _listen(self, stop: asyncio.Event) -> None:
         attempt = 0
         while not stop.is_set():
             try:

@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketState
 
@@ -107,7 +108,11 @@ class Connection:
                 except ProtocolError as err:
                     log.info("realtime: dropped a malformed message: %s", err)
                     continue
-                await self.handle(msg)
+                try:
+                    await self.handle(msg)
+                except psycopg.Error as err:  # the database is down or refused: say so, keep the socket
+                    log.warning("realtime: %s %s failed: %s", msg.event, msg.topic, err)
+                    self.reply(msg, "error", {"reason": "DatabaseError: the database could not answer"})
         except WebSocketDisconnect:
             pass
         finally:
@@ -199,7 +204,7 @@ class Connection:
             bindings=bindings,
         )
         self.channels[msg.topic] = channel
-        self.hub.add(channel)
+        await self.hub.add(channel)
         self._schedule_expiry(channel)
         self.reply(msg, "ok", {"postgres_changes": [b.reply() for b in bindings]})
         if bindings or binding_errors:

@@ -18,6 +18,18 @@ create unlogged table if not exists realtime.feed_overflow (
 comment on table realtime.feed_overflow is 'Feed notifications too large for NOTIFY; read by id, swept after an hour.';
 revoke all on realtime.feed_overflow from public, anon, authenticated;
 
+-- Which published tables some gateway's subscriber watches: the row-change trigger stays silent for the
+-- others, so an unwatched table's writes (every claim of a node, say) cost no NOTIFY. Each instance
+-- keeps its rows fresh; rows not refreshed for 90 s (an instance that died) no longer count.
+create table if not exists realtime.feed_subscriptions (
+  relid oid not null,
+  instance text not null,
+  seen_at timestamptz not null default now(),
+  primary key (relid, instance)
+);
+comment on table realtime.feed_subscriptions is 'Tables watched through postgres_changes, per gateway instance.';
+revoke all on realtime.feed_subscriptions from public, anon, authenticated;
+
 create or replace function realtime.feed_notify(payload jsonb) returns void
 language plpgsql
 as $$
@@ -40,6 +52,10 @@ security definer
 set search_path = ''
 as $$
 begin
+  if not exists (select from realtime.feed_subscriptions
+                 where relid = tg_relid and seen_at > now() - interval '90 seconds') then
+    return null;
+  end if;
   perform realtime.feed_notify(jsonb_build_object(
     'k', 'change', 'schema', tg_table_schema, 'table', tg_table_name, 'type', tg_op,
     'commit_timestamp', clock_timestamp(),
@@ -73,8 +89,9 @@ create or replace function realtime.prune_feed(p_keep interval default interval 
 language sql
 as $$
   with messages as (delete from realtime.messages where inserted_at < localtimestamp - p_keep returning 1),
-       overflow as (delete from realtime.feed_overflow where created_at < now() - interval '1 hour' returning 1)
-  select ((select count(*) from messages) + (select count(*) from overflow))::integer
+       overflow as (delete from realtime.feed_overflow where created_at < now() - interval '1 hour' returning 1),
+       stale as (delete from realtime.feed_subscriptions where seen_at < now() - interval '5 minutes' returning 1)
+  select ((select count(*) from messages) + (select count(*) from overflow) + (select count(*) from stale))::integer
 $$;
 revoke execute on function realtime.prune_feed(interval) from public, anon, authenticated;
 
