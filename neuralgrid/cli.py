@@ -552,6 +552,7 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     from neuralgrid import demo as demo_fleet
     from neuralgrid.gateway.app import create_app
     from neuralgrid.serving import make_server
+    from neuralgrid.web.signin import signin_link
 
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
@@ -574,6 +575,8 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
     if demo:
         out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
+    if link := signin_link(settings, gateway_url):  # one use, 10 minutes; soft_wrap keeps it one line
+        out.print(f"sign in   {link}", soft_wrap=True)
     await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
     stop.set()
     for task in tasks[:-1]:
@@ -604,6 +607,19 @@ def status(
             out.print(f"{name.replace('_', ' ').lower():>{width}}: {value}", highlight=False, soft_wrap=True)
         if settings.embedded and not connect.embedded_server(settings).is_running():
             out.print("the embedded database is not running: start the stack with `neuralgrid up`")
+
+
+@app.command("signin")
+def signin(ctx: typer.Context) -> None:
+    """Print a fresh one-time sign-in link for the local owner (`up` prints one at start)."""
+    from neuralgrid.web.signin import signin_link
+
+    link = signin_link(ctx.obj, stack.public_base_url(ctx.obj))
+    if link is None:
+        raise fail(
+            "this stack signs in through Supabase Auth (NEURALGRID_SUPABASE_URL): use the page's email form"
+        )
+    print(link)
 
 
 @app.command("watch")

@@ -170,6 +170,14 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
         assert info["REALTIME_URL"] == f"ws://127.0.0.1:{gateway_port}/realtime/v1"
         assert jwt.decode(info["ANON_KEY"], secret, algorithms=["HS256"])["role"] == "anon"
         assert jwt.decode(info["SERVICE_ROLE_KEY"], secret, algorithms=["HS256"])["role"] == "service_role"
+        link = subprocess.run(
+            [*cli, "signin"], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        assert link.startswith(f"http://127.0.0.1:{gateway_port}/signin#token=")
+        token = link.split("#token=")[1]
+        session = httpx.post(f"{gateway}/api/auth/signin", json={"token": token}, timeout=5)
+        assert session.status_code == 200 and session.json()["user"]["email"] == "owner@localhost"
+        assert httpx.post(f"{gateway}/api/auth/signin", json={"token": token}, timeout=5).status_code == 401
         watcher = subprocess.Popen(
             [*cli, "watch", "--count", "2", "--timeout", "30"], env=env, stdout=subprocess.PIPE, text=True
         )
@@ -199,6 +207,7 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert "gateway" in output and "stopped the embedded database" in output
+    assert f"sign in   http://127.0.0.1:{gateway_port}/signin#token=" in output
     assert not server.is_running()
 
 

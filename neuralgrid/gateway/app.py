@@ -31,6 +31,7 @@ from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
 from neuralgrid.sweeper import run_sweeper
+from neuralgrid.web import routes as web_routes
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     app.include_router(routes_openai.router)
     app.include_router(routes_keys.router)
     app.include_router(routes_nodes.router)
+    app.include_router(web_routes.router)
     app.include_router(realtime_socket.router)
 
     @app.exception_handler(GatewayError)

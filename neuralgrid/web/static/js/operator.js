@@ -1,0 +1,86 @@
+// Run a node: the command that connects a GPU to this gateway, and the signed-in user's own nodes.
+
+import {
+  api, displayStatus, fieldError, h, loadConfig, renderSignIn, showAlert, showSession, startClock, statusBadge,
+  timeAgo, usd, wireCopy,
+} from './common.js';
+
+const $ = (id) => document.getElementById(id);
+const BACKEND = 'http://127.0.0.1:8000';
+
+/** A word the shell passes through unchanged: bare when safe, else in single quotes. */
+function shellWord(text) {
+  return /^[\w@%+=:,./-]+$/.test(text) ? text : `'${text.replaceAll("'", "'\\''")}'`;
+}
+
+/** The command for the form's values; bad fields are marked and shown as placeholders. */
+function renderCommand() {
+  const name = $('node-name');
+  const region = $('node-region');
+  const price = $('node-price');
+  const token = $('node-token');
+  const nameText = name.value.trim();
+  const regionText = region.value.trim();
+  const priceText = price.value.trim().replace(/^\$/, '');
+  const tokenText = token.value.trim();
+  const nameOk = fieldError(name, nameText ? null : 'Give the node a name (1 to 100 characters), like my-4090.');
+  const regionOk = fieldError(region, regionText ? null : 'Give a region, like eu-west or us-east.');
+  const priceOk = fieldError(price, /^\d+(\.\d+)?$/.test(priceText) ? null : 'The price is USD per hour, 0 or more, like 0.30.');
+  fieldError(token, tokenText && !tokenText.startsWith('ng-') ? 'NeuralGrid API keys start with ng-: create one on the API keys page.' : null);
+  const parts = [
+    'neuralgrid node run',
+    `--gateway ${shellWord(location.origin)}`,
+    `--token ${tokenText ? shellWord(tokenText) : '<your API key>'}`,
+    `--backend ${BACKEND}`,
+    `--name ${nameOk ? shellWord(nameText) : '<name>'}`,
+    `--region ${regionOk ? shellWord(regionText) : '<region>'}`,
+    `--price ${priceOk ? priceText : '<USD per hour>'}`,
+    '--tunnel',
+  ];
+  $('command').textContent = parts.join(' \\\n    ');
+}
+
+async function showMyNodes(cfg) {
+  const session = await showSession(cfg);
+  if (!session) {
+    $('mine-signin').hidden = false;
+    renderSignIn($('mine-signin'), cfg);
+    return;
+  }
+  try {
+    const { data } = await api('/api/my/nodes', { token: session.access_token });
+    $('mine-body').replaceChildren(...data.map((n) => h('tr', { 'data-id': n.id },
+      h('td', {}, statusBadge(displayStatus(n))),
+      h('th', { scope: 'row' }, n.name),
+      h('td', {}, `${n.gpu_count} × ${n.gpu_model}`),
+      h('td', { class: 'num' }, usd(n.hourly_rate)),
+      h('td', {}, n.region),
+      h('td', { class: 'num' }, `${n.inflight}/${n.max_concurrency}`),
+      h('td', {}, `${n.successes} ok / ${n.failures} failed`),
+      h('td', {}, timeAgo(n.last_heartbeat_at)))));
+    $('mine-empty').hidden = data.length > 0;
+    $('mine').hidden = false;
+  } catch (err) {
+    if (err.status === 401) {
+      $('mine-signin').hidden = false;
+      renderSignIn($('mine-signin'), cfg, { reason: `Your session has ended (${err.message}). Sign in again.` });
+    } else {
+      showAlert($('mine-error'), `Could not load your nodes: ${err.message}`);
+    }
+  }
+}
+
+async function main() {
+  startClock();
+  $('node-form').addEventListener('input', renderCommand);
+  $('node-form').addEventListener('submit', (event) => event.preventDefault());
+  wireCopy($('copy-command'), () => $('command').textContent);
+  renderCommand();
+  try {
+    await showMyNodes(await loadConfig());
+  } catch (err) {
+    showAlert($('mine-error'), `Cannot reach the gateway: ${err.message}`);
+  }
+}
+
+main();
