@@ -569,9 +569,11 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     tasks.append(asyncio.create_task(gateway.serve()))
     while not gateway.started and not tasks[-1].done():
         await asyncio.sleep(0.05)
-    gateway_url = f"http://{settings.host}:{settings.port}"
+    gateway_url = stack.public_base_url(settings)
     out.print(f"database  {url}")
     out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)")
+    realtime_url = gateway_url.replace("http", "ws", 1)
+    out.print(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)")
     out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
     if demo:
         out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
