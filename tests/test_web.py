@@ -201,6 +201,22 @@ def test_the_map_shows_the_fleet_without_leaving_loopback(
     watch.assert_clean()
 
 
+def test_the_map_shows_the_demo_fleet(conn: psycopg.Connection, gateway: str, open_page: Opener) -> None:
+    """The 24 nodes a newcomer sees after `./dev up`, on the map and in the table."""
+    from neuralgrid import fleet as fleet_files
+    from neuralgrid.cli import DEMO_FLEET
+
+    specs = fleet_files.read_fleet(DEMO_FLEET)
+    fleet_files.import_fleet(conn, specs)
+    page, watch = open_page(gateway)
+    expect(page.locator("#map g.node")).to_have_count(len(specs))
+    expect(page.locator("#nodes-body tr")).to_have_count(len(specs))
+    expect(page.locator("#stat-online")).to_have_text(str(len(specs)))
+    wait_live(page)
+    screenshot(page, "map-demo-1280")
+    watch.assert_clean()
+
+
 def test_the_node_card_opens_by_keyboard_and_shows_the_node(
     conn: psycopg.Connection, gateway: str, open_page: Opener
 ) -> None:
