@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +13,7 @@ from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
 from neuralgrid.db.errors import DatabaseError, translate
+from neuralgrid.db.roles import act_as
 from neuralgrid.gateway.deps import GatewayDep, UserDep
 from neuralgrid.gateway.errors import BadRequest, NotFound
 from neuralgrid.keys import CREATE_KEY
@@ -32,8 +32,7 @@ class NewKey(BaseModel):
 async def as_user(gateway: GatewayDep, claims: dict[str, Any]) -> AsyncIterator[psycopg.AsyncConnection]:
     """A transaction acting as the user, exactly as PostgREST does: role + request.jwt.claims."""
     async with gateway.pool.connection() as conn, conn.transaction():
-        await conn.execute("set local role authenticated")
-        await conn.execute("select set_config('request.jwt.claims', %s, true)", (json.dumps(claims),))
+        await act_as(conn, claims)  # get_user_claims checked the role is authenticated
         yield conn
 
 

@@ -14,7 +14,15 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-CATALOG_TTL_S = 30.0  # grants and keys change with migrations; re-read them now and then
+from neuralgrid.db.roles import act_as
+
+CATALOG_TTL_S = 30.0
+# A message on the topic being authorized: written as the server, it is what the subscriber's SELECT
+# policies must see; written as the subscriber, what its INSERT policies must allow.
+PROBE = (
+    "insert into realtime.messages (topic, extension, event, private)"
+    " values (%s, 'broadcast', 'authorization-probe', true)"
+)  # grants and keys change with migrations; re-read them now and then
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +52,7 @@ class Authorizer:
     async def as_subscriber(self, claims: dict[str, Any]) -> AsyncIterator[psycopg.AsyncConnection]:
         """A transaction acting as the subscriber, always rolled back."""
         async with self.pool.connection() as conn, conn.transaction(force_rollback=True):
-            await conn.execute(sql.SQL("set local role {}").format(sql.Identifier(claims["role"])))
-            await conn.execute("select set_config('request.jwt.claims', %s, true)", (json.dumps(claims),))
+            await act_as(conn, claims)
             yield conn
 
     async def bypasses_rls(self, role: str) -> bool:
@@ -65,30 +72,17 @@ class Authorizer:
             return Access(True, True)
         async with self.pool.connection() as conn, conn.transaction(force_rollback=True):
             # A probe message, written as the server, that the subscriber's SELECT policies must see.
-            row = await (
-                await conn.execute(
-                    "insert into realtime.messages (topic, extension, event, private)"
-                    " values (%s, 'broadcast', 'authorization-probe', true) returning id",
-                    (topic,),
-                )
-            ).fetchone()
+            row = await (await conn.execute(PROBE + " returning id", (topic,))).fetchone()
             assert row is not None
-            await conn.execute(sql.SQL("set local role {}").format(sql.Identifier(claims["role"])))
-            await conn.execute(
-                "select set_config('request.jwt.claims', %s, true), set_config('realtime.topic', %s, true)",
-                (json.dumps(claims), topic),
-            )
+            await act_as(conn, claims)
+            await conn.execute("select set_config('realtime.topic', %s, true)", (topic,))
             seen = await (
                 await conn.execute("select exists (select from realtime.messages where id = %s)", (row[0],))
             ).fetchone()
             write = True
             try:
                 async with conn.transaction():
-                    await conn.execute(
-                        "insert into realtime.messages (topic, extension, event, private)"
-                        " values (%s, 'broadcast', 'authorization-probe', true)",
-                        (topic,),
-                    )
+                    await conn.execute(PROBE, (topic,))
             except psycopg.errors.InsufficientPrivilege:
                 write = False
         return Access(bool(seen and seen[0]), write)

@@ -4,7 +4,6 @@ JSON API the pages read (the public map as `anon`, aggregate stats, sign-in, a u
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
 from neuralgrid.config import Settings
+from neuralgrid.db.roles import act_as
 from neuralgrid.gateway.deps import Gateway, GatewayDep, UserDep
 from neuralgrid.gateway.errors import BadRequest, GatewayError, Unauthorized
 from neuralgrid.gateway.routes_keys import as_user
@@ -165,10 +165,7 @@ async def config(request: Request, gateway: GatewayDep) -> dict[str, str]:
 async def as_anon(gateway: Gateway) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     """A transaction acting as an anonymous visitor, so grants and RLS decide what the map shows."""
     async with gateway.pool.connection() as conn, conn.transaction():
-        await conn.execute("set local role anon")
-        await conn.execute(
-            "select set_config('request.jwt.claims', %s, true)", (json.dumps({"role": "anon"}),)
-        )
+        await act_as(conn, {"role": "anon"})
         yield conn
 
 
