@@ -112,7 +112,6 @@ class Hub:
         self.watched: dict[int, int] = defaultdict(int)  # relid -> local channels watching it
         self.coalescer = Coalescer()
         self.listening = asyncio.Event()
-        self.delivered = 0
 
     # -- channels ---------------------------------------------------------------------------------
 
@@ -199,7 +198,6 @@ class Hub:
                     Message(channel.topic, "broadcast", payload), channel.sink.vsn
                 )
             channel.sink.queue(message)
-            self.delivered += 1
 
     # -- presence ---------------------------------------------------------------------------------
 
@@ -220,29 +218,13 @@ class Hub:
         channel.presence_ref = ref
         joins = {channel.presence_key: {"metas": [entry]}}
         self._deliver_presence_diff(channel.room, joins, leaves)
-        await self._notify(
-            {
-                "k": "presence",
-                "topic": channel.sub_topic,
-                "private": channel.private,
-                "joins": joins,
-                "leaves": leaves,
-            }
-        )
+        await self._notify_presence(channel.room, joins, leaves)
 
     async def untrack(self, channel: Channel) -> None:
         leaves = self._drop_local(channel)
         if leaves:
             self._deliver_presence_diff(channel.room, {}, leaves)
-            await self._notify(
-                {
-                    "k": "presence",
-                    "topic": channel.sub_topic,
-                    "private": channel.private,
-                    "joins": {},
-                    "leaves": leaves,
-                }
-            )
+            await self._notify_presence(channel.room, {}, leaves)
 
     def _drop_local(self, channel: Channel) -> dict[str, Any]:
         if channel.presence_ref is None:
@@ -284,9 +266,15 @@ class Hub:
             }
             joins = {k: v for k, v in joins.items() if v["metas"]}
             if joins:
-                await self._notify(
-                    {"k": "presence", "topic": room[0], "private": room[1], "joins": joins, "leaves": {}}
-                )
+                await self._notify_presence(room, joins, {})
+
+    async def _notify_presence(
+        self, room: tuple[str, bool], joins: dict[str, Any], leaves: dict[str, Any]
+    ) -> None:
+        topic, private = room
+        await self._notify(
+            {"k": "presence", "topic": topic, "private": private, "joins": joins, "leaves": leaves}
+        )
 
     # -- the feed ---------------------------------------------------------------------------------
 
@@ -411,7 +399,6 @@ class Hub:
                     Message(channel.topic, "postgres_changes", {"ids": ids, "data": data}), channel.sink.vsn
                 )
             channel.sink.queue(message)
-            self.delivered += 1
 
     async def _view(
         self,

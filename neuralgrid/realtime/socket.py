@@ -34,17 +34,15 @@ def unauthorized(sub_topic: str) -> str:
 
 
 class Connection:
-    """A client's socket: reads and handles its messages; a writer task drains its outbound queue."""
+    """A client's socket: reads and handles its messages, and sends through the hub's coalesced frame
+    writes (or, under another ASGI server, a queue drained by a writer task)."""
 
-    def __init__(
-        self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any], apikey: str
-    ) -> None:
+    def __init__(self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any]) -> None:
         self.ws = ws
         self.hub = hub
         self.secret = secret
         self.vsn = vsn
         self.claims = claims
-        self.apikey = apikey
         self.channels: dict[str, Channel] = {}
         # Served by our uvicorn protocol, frames go straight to the socket; under any other ASGI
         # server, through a queue and a writer task.
@@ -165,17 +163,17 @@ class Connection:
             return
         if (old := self.channels.pop(msg.topic, None)) is not None:
             await self.hub.remove(old)  # a rejoin replaces the channel, as in Phoenix
-        config = msg.payload.get("config") or {}
         token = msg.payload.get("access_token")
         try:
             claims = self.claims if not token or token.startswith("sb_") else verify(token, self.secret)
-            config = config if isinstance(config, dict) else {}
-            private = bool(config.get("private", False))
-            broadcast = config.get("broadcast") or {}
-            presence = config.get("presence") or {}
         except AuthError as err:
             self.reply(msg, "error", {"reason": err.reason})
             return
+        config = msg.payload.get("config")
+        config = config if isinstance(config, dict) else {}
+        private = bool(config.get("private", False))
+        broadcast = config.get("broadcast") or {}
+        presence = config.get("presence") or {}
         sub_topic = msg.topic.removeprefix(PREFIX)
         access = Access(True, True)
         if private:
@@ -321,4 +319,4 @@ async def realtime_websocket(ws: WebSocket) -> None:
         await ws.close(code=1008, reason=err.reason[:120])  # before accept: an HTTP 403
         return
     await ws.accept()
-    await Connection(ws, hub, secret, vsn, claims, apikey).run()
+    await Connection(ws, hub, secret, vsn, claims).run()
