@@ -331,6 +331,24 @@ async def test_bad_bindings_are_reported_not_fatal(gateway: str) -> None:
         await ws.send(json.dumps({"topic": "phoenix", "event": "heartbeat", "ref": "2", "payload": {}}))
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"  # the socket lives on
 
+        # Config sections that are not objects are taken as absent, not a crash.
+        odd = {"broadcast": "yes", "presence": [1], "postgres_changes": None}
+        await ws.send(
+            json.dumps(
+                {
+                    "topic": "realtime:odd",
+                    "event": "phx_join",
+                    "ref": "3",
+                    "join_ref": "3",
+                    "payload": {"config": odd},
+                }
+            )
+        )
+        assert json.loads(await ws.recv())["payload"] == {
+            "status": "ok",
+            "response": {"postgres_changes": []},
+        }
+
 
 async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psycopg.Connection) -> None:
     """Two gateways on one database: a client broadcast, a database change and presence made on one

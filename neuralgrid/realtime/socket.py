@@ -29,6 +29,11 @@ MAX_QUEUED = 10_000  # messages waiting for a socket that does not read; then it
 MAX_FRAME_BYTES = 1_048_576
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """A config section, or {} where a client sent nothing (or something that is not an object)."""
+    return value if isinstance(value, dict) else {}
+
+
 def unauthorized(sub_topic: str) -> str:
     return f"Unauthorized: You do not have permissions to read from this Channel topic: {sub_topic}"
 
@@ -169,11 +174,9 @@ class Connection:
         except AuthError as err:
             self.reply(msg, "error", {"reason": err.reason})
             return
-        config = msg.payload.get("config")
-        config = config if isinstance(config, dict) else {}
+        config = _object(msg.payload.get("config"))
         private = bool(config.get("private", False))
-        broadcast = config.get("broadcast") or {}
-        presence = config.get("presence") or {}
+        broadcast, presence = _object(config.get("broadcast")), _object(config.get("presence"))
         sub_topic = msg.topic.removeprefix(PREFIX)
         access = Access(True, True)
         if private:
