@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import psycopg
 from psycopg import sql
@@ -63,3 +67,28 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(drop)
+
+
+@contextmanager
+def served(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
+    """A neuralgrid command (`up`, `fake-node`) in its own process, for the duration of the block,
+    once `ready_url` answers 200; its output is shown if it fails to start."""
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a file, not a pipe: a chatty child must never block
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{args[3:5]} did not start: {log.read()[-2000:]}")
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

@@ -9,46 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database
+from neuralgrid.bench import percentiles, scratch_database, served
 from neuralgrid.serving import free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCRATCH_DB = "neuralgrid_bench_gateway"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Benchmark me."}], "max_tokens": 16}
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
-    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a file, not a pipe: a chatty child must never block
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(ready_url, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"{args[3:5]} did not start: {log.read()[-2000:]}")
-            time.sleep(0.1)
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _fill(url: str, node_url: str) -> str:
@@ -72,7 +46,7 @@ def _fill(url: str, node_url: str) -> str:
     return str(key[0])
 
 
-async def _load(
+async def send_load(
     url: str, headers: dict[str, str], stream: bool, callers: int, total: int
 ) -> tuple[list[float], float, int]:
     """Latencies of the successful requests, the wall time, and how many failed."""
@@ -125,15 +99,15 @@ def run(
         auth = {"authorization": f"Bearer {key}"}
         results: list[dict[str, Any]] = []
         with (
-            _process([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models"),
-            _process([*cli, "up"], env, f"{gateway_url}/readyz"),
+            served([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models"),
+            served([*cli, "up"], env, f"{gateway_url}/readyz"),
         ):
             for stream in (False, True):
                 for n in callers:
                     total = requests if n == 1 else requests * 4
                     progress(f"{'stream' if stream else 'plain'} x{n}: direct, then through the gateway")
-                    direct = asyncio.run(_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
-                    via = asyncio.run(_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
+                    direct = asyncio.run(send_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
+                    via = asyncio.run(send_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
                     d, g = percentiles(direct[0]), percentiles(via[0])
                     results.append(
                         {

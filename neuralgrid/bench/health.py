@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database
-from neuralgrid.bench.gateway import BODY, _load, _process
+from neuralgrid.bench import percentiles, scratch_database, served
+from neuralgrid.bench.gateway import BODY, send_load
 from neuralgrid.serving import free_port
 
 SCRATCH_DB = "neuralgrid_bench_health"
@@ -164,8 +164,8 @@ def run(admin_url: str, requests: int, progress: Callable[[str], None] = lambda 
                 )[0]
             )
             with (
-                _process([*cli, "fake-node", "--port", str(backend_port)], env, f"{backend}/v1/models"),
-                _process([*cli, "up"], env, f"{gateway}/readyz"),
+                served([*cli, "fake-node", "--port", str(backend_port)], env, f"{backend}/v1/models"),
+                served([*cli, "up"], env, f"{gateway}/readyz"),
             ):
                 bench = _Bench(conn, cli, env, gateway, key, backend)
                 deaths = {}
@@ -233,8 +233,8 @@ class _Bench:
         target = f"{self.gateway}/v1/chat/completions"
         with self.agent(name, 0.3, tunnel):
             self.online(name)
-            sequential = asyncio.run(_load(target, auth, False, 1, requests))
-            concurrent = asyncio.run(_load(target, auth, True, 16, requests * 2))
+            sequential = asyncio.run(send_load(target, auth, False, 1, requests))
+            concurrent = asyncio.run(send_load(target, auth, True, 16, requests * 2))
         self.conn.execute("update public.nodes set status = 'offline' where name = %s", (name,))
         return {
             "sequential": percentiles(sequential[0]),

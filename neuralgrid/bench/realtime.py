@@ -28,8 +28,7 @@ from typing import Any
 
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database
-from neuralgrid.bench.gateway import _process
+from neuralgrid.bench import percentiles, scratch_database, served
 from neuralgrid.serving import free_port, run_fast
 from neuralgrid.stack import api_key
 
@@ -218,7 +217,7 @@ def run(
             "NEURALGRID_JWT_SECRET": secret,
         }
         results = []
-        with _process([sys.executable, "-m", "neuralgrid.cli", "up"], env, f"http://127.0.0.1:{port}/readyz"):
+        with served([sys.executable, "-m", "neuralgrid.cli", "up"], env, f"http://127.0.0.1:{port}/readyz"):
             for n in subscriber_counts:
                 progress(f"{n} subscribers, {rate} status changes/s for {seconds:g}s")
                 results.append(run_fast(_case(db_url, port, key, n, rate, seconds)))
