@@ -225,3 +225,28 @@ def test_keys_commands(db_url: str) -> None:
     assert code == 1 and "no active key" in err
     code, _, err = run(db_url, "keys", "create", "--name", "bad", "--rpm", "0")
     assert code == 1 and "rpm_limit must be positive" in err
+
+
+def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Path) -> None:
+    """A small run of `neuralgrid bench realtime`: a real gateway process, real subscribers."""
+    out_file = tmp_path / "realtime.json"
+    code, out, err = run(
+        db_url,
+        "bench",
+        "realtime",
+        "--subscribers",
+        "1,3",
+        "--rate",
+        "20",
+        "--seconds",
+        "1",
+        "--out",
+        str(out_file),
+    )
+    assert code == 0, out + err
+    assert "p99 ms" in out
+    report = json.loads(out_file.read_text())
+    assert [r["subscribers"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["lost"] == 0 and r["delivered"] == r["expected"] == 20 * r["subscribers"]
+        assert 0 < r["p50_ms"] <= r["p99_ms"]

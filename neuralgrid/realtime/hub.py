@@ -4,7 +4,8 @@ Every instance LISTENs on the `realtime` NOTIFY channel. Database changes and re
 from triggers (realtime_feed.sql); client broadcasts and presence changes are sent there too (with
 the sending instance's id, which skips its own), so subscribers on any instance see everything.
 Deliveries of one feed message are encoded once per (protocol version, topic, payload view) and
-queued to each subscriber's socket; a subscriber that stops reading is disconnected, not waited for.
+handed to each subscriber's socket, whose writes the Coalescer batches; a subscriber that stops
+reading is disconnected, not waited for.
 """
 
 from __future__ import annotations
