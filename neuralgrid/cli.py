@@ -570,10 +570,10 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     while not gateway.started and not tasks[-1].done():
         await asyncio.sleep(0.05)
     gateway_url = stack.public_base_url(settings)
-    out.print(f"database  {url}")
-    out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)")
+    out.print(f"database  {url}", soft_wrap=True)
+    out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)", soft_wrap=True)
     realtime_url = gateway_url.replace("http", "ws", 1)
-    out.print(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)")
+    out.print(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)", soft_wrap=True)
     out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
     if demo:
         out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
