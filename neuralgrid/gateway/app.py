@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -28,6 +27,7 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
+from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
 from neuralgrid.sweeper import run_sweeper
@@ -70,18 +70,13 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             database_url, min_size=2, max_size=settings.db_pool_size, kwargs={"autocommit": True}, open=False
         )
         await pool.open(wait=True, timeout=30)
-        timeout = httpx.Timeout(
-            connect=settings.connect_timeout_s, read=settings.first_byte_timeout_s, write=30.0, pool=30.0
-        )
-        http = httpx.AsyncClient(
-            timeout=timeout, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-        )
+        nodes = HttpNodes(settings.connect_timeout_s, settings.first_byte_timeout_s)
         metrics = Metrics()
         metrics_holder.append(metrics)
         keys = KeyStore(pool, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
         tunnels = Tunnels()
-        router = Router(pool, http, settings, limiter, metrics, tunnels)
+        router = Router(pool, nodes, settings, limiter, metrics, tunnels)
         app.state.gateway = Gateway(settings, pool, keys, router, metrics, tunnels)
         app.state.realtime = hub = Hub(pool, database_url)
         stop = asyncio.Event()
@@ -98,7 +93,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             await asyncio.gather(*tasks, return_exceptions=True)
             await router.drain()
             limiter.close()
-            await http.aclose()
+            await nodes.close()
             await pool.close()
 
     app = FastAPI(

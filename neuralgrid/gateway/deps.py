@@ -29,7 +29,7 @@ class Gateway:
     tunnels: Tunnels
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
 
@@ -44,7 +44,7 @@ async def get_api_key(request: Request, gateway: GatewayDep) -> ApiKey:
 ApiKeyDep = Annotated[ApiKey, Depends(get_api_key)]
 
 
-def get_user_claims(request: Request, gateway: GatewayDep) -> dict[str, Any]:
+async def get_user_claims(request: Request, gateway: GatewayDep) -> dict[str, Any]:
     """A Supabase user's JWT (HS256, the project's JWT secret), as Supabase Auth issues it."""
     header = request.headers.get("authorization") or ""
     if not header.lower().startswith("bearer "):

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-import httpx
 import psycopg
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
@@ -29,7 +28,8 @@ from neuralgrid.gateway import errors
 from neuralgrid.gateway.keys import ApiKey
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
-from neuralgrid.gateway.tunnel import TunnelResponse, Tunnels
+from neuralgrid.gateway.tunnel import Tunnels
+from neuralgrid.gateway.upstream import HttpNodes, NodeError, NodeResponse, NodeTimeout
 from neuralgrid.matching import MATCH_JOB, Match, MatchRequest, match_params
 
 log = logging.getLogger(__name__)
@@ -105,19 +105,19 @@ class Catalog:
 
 
 class Router:
-    """Routes calls to nodes. One per app; holds the pool, the HTTP client and the limiter."""
+    """Routes calls to nodes. One per app; holds the pool, the node connections and the limiter."""
 
     def __init__(
         self,
         pool: AsyncConnectionPool,
-        http: httpx.AsyncClient,
+        nodes: HttpNodes,
         settings: Settings,
         limiter: RateLimiter,
         metrics: Metrics,
         tunnels: Tunnels,
     ) -> None:
         self.pool = pool
-        self.http = http
+        self.nodes = nodes
         self.settings = settings
         self.limiter = limiter
         self.metrics = metrics
@@ -157,18 +157,9 @@ class Router:
             while True:
                 sent = time.perf_counter()
                 try:
-                    upstream: httpx.Response | TunnelResponse
-                    if url.startswith("tunnel:"):
-                        upstream, chunks, first = await self._via_tunnel(
-                            node_id, PATHS[call.kind], payload, stream
-                        )
-                    else:
-                        target = url.rstrip("/") + PATHS[call.kind]
-                        headers = _node_headers(key, PATHS[call.kind], payload)
-                        if stream:
-                            upstream, chunks, first = await self._open_stream(target, payload, headers)
-                        else:
-                            upstream = await self._post(target, payload, headers)
+                    upstream, chunks, first = await self._send(
+                        node_id, url, key, PATHS[call.kind], payload, stream
+                    )
                     break
                 except _Retryable as failure:
                     waited += time.perf_counter() - sent
@@ -211,7 +202,7 @@ class Router:
         }
         meter = _Meter(job_id=match.job_id, node_id=node_id, sent=sent, first_byte=first_byte)
         if not stream:
-            return self._complete_response(call, upstream, meter, headers)
+            return self._complete_response(call, upstream, first, meter, headers)
         client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = self._relay(call, upstream, chunks, first, meter, client_wants_usage)
         return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
@@ -237,67 +228,44 @@ class Router:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         return match
 
-    async def _post(self, url: str, payload: bytes, headers: dict[str, str]) -> httpx.Response:
+    async def _send(
+        self, node_id: UUID, url: str, key: bytes | None, path: str, payload: bytes, stream: bool
+    ) -> tuple[NodeResponse, AsyncIterator[bytes], bytes]:
+        """Ask one node. Returns once the answer is committed to: a status that is not a failure,
+        and the whole body (plain) or its first chunk (streams). Anything before that is _Retryable."""
         try:
-            resp = await self.http.post(url, content=payload, headers=headers)
-        except httpx.TimeoutException as err:
-            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
-        except httpx.TransportError as err:
-            raise _Retryable(f"{type(err).__name__}: {err}") from err
-        if resp.status_code == 429 or resp.status_code >= 500:
-            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}", status=resp.status_code)
-        return resp
-
-    async def _open_stream(
-        self, url: str, payload: bytes, headers: dict[str, str]
-    ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
-        """Send, check the status, and read the first chunk: only then is the stream committed."""
-        request = self.http.build_request("POST", url, content=payload, headers=headers)
-        try:
-            resp = await self.http.send(request, stream=True)
+            resp = await self._open(node_id, url, key, path, payload)
             try:
-                if resp.status_code == 429 or resp.status_code >= 500:
-                    body = (await resp.aread())[:200].decode(errors="replace")
-                    raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
-                if resp.status_code >= 400:
-                    raise _ClientError(resp.status_code, await resp.aread(), _media(resp.headers))
-                chunks = resp.aiter_raw()
+                if resp.status == 429 or resp.status >= 500:
+                    body = (await resp.read())[:200].decode(errors="replace")
+                    raise _Retryable(f"HTTP {resp.status}: {body}", status=resp.status)
+                chunks = resp.chunks()
+                if not stream:
+                    return resp, chunks, await resp.read()
+                if resp.status >= 400:
+                    raise _ClientError(resp.status, await resp.read(), resp.content_type)
                 return resp, chunks, await anext(chunks)
             except BaseException:
-                await resp.aclose()
+                await resp.close()
                 raise
-        except httpx.TimeoutException as err:
-            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
-        except (httpx.TransportError, StopAsyncIteration) as err:
-            raise _Retryable(f"{type(err).__name__}: {err}") from err
+        except NodeTimeout as err:
+            raise _Retryable(str(err), timeout=True) from err
+        except NodeError as err:
+            raise _Retryable(str(err)) from err
+        except StopAsyncIteration:
+            raise _Retryable("the node ended the stream before its first event") from None
 
-    async def _via_tunnel(
-        self, node_id: UUID, path: str, payload: bytes, stream: bool
-    ) -> tuple[TunnelResponse, AsyncIterator[bytes], bytes]:
-        """The same request over the node's tunnel, with the same rule: fail before the first byte."""
+    async def _open(
+        self, node_id: UUID, url: str, key: bytes | None, path: str, payload: bytes
+    ) -> NodeResponse:
+        if not url.startswith("tunnel:"):
+            return await self.nodes.post(url.rstrip("/") + path, payload, _node_headers(key, path, payload))
         tunnel = self.tunnels.get(node_id)
         if tunnel is None:
-            raise _Retryable("the node's tunnel is not connected to this gateway")
-        try:
-            resp = await tunnel.request(path, payload)
-            await resp.start(self.settings.first_byte_timeout_s)
-            if resp.status_code == 429 or resp.status_code >= 500:
-                body = (await resp.aread())[:200].decode(errors="replace")
-                await resp.aclose()
-                raise _Retryable(f"HTTP {resp.status_code}: {body}", status=resp.status_code)
-            if stream and resp.status_code >= 400:
-                body_bytes = await resp.aread()
-                await resp.aclose()
-                raise _ClientError(resp.status_code, body_bytes, resp.headers["content-type"])
-            chunks = resp.aiter_raw()
-            if not stream:
-                await resp.aread()
-                return resp, chunks, b""
-            return resp, chunks, await anext(chunks)
-        except httpx.TimeoutException as err:
-            raise _Retryable(f"timeout: {err!r}", timeout=True) from err
-        except (httpx.TransportError, StopAsyncIteration) as err:
-            raise _Retryable(f"{type(err).__name__}: {err}") from err
+            raise NodeError("the node's tunnel is not connected to this gateway")
+        resp = await tunnel.request(path, payload)
+        await resp.start(self.settings.first_byte_timeout_s)
+        return resp
 
     async def _failover(
         self, job_id: UUID, failure: _Retryable, candidates: list[UUID]
@@ -309,25 +277,23 @@ class Router:
         return (row[0], row[1], row[2], row[3]) if row else None
 
     def _complete_response(
-        self, call: Call, resp: httpx.Response | TunnelResponse, meter: _Meter, headers: dict[str, str]
+        self, call: Call, resp: NodeResponse, content: bytes, meter: _Meter, headers: dict[str, str]
     ) -> Response:
-        content = resp.content
         outcome, error = "succeeded", None
-        if resp.status_code >= 400:  # the client's mistake, told by the node: neutral for the node
-            outcome, error = "cancelled", f"HTTP {resp.status_code} from the node: {content[:200]!r}"
+        if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
+            outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
         try:
             usage = Usage.parse(json.loads(content)) if outcome == "succeeded" else None
         except ValueError:
             usage = None
         meter.usage = usage or Usage()
         self._finish_later(call, meter, outcome, error)
-        media = resp.headers.get("content-type", "application/json")
-        return Response(content, status_code=resp.status_code, headers=headers, media_type=media)
+        return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)
 
     async def _relay(
         self,
         call: Call,
-        resp: httpx.Response | TunnelResponse,
+        resp: NodeResponse,
         chunks: AsyncIterator[bytes],
         first: bytes,
         meter: _Meter,
@@ -342,8 +308,8 @@ class Router:
                 for event in events.feed(raw):
                     yield event
             if not events.done:
-                raise httpx.RemoteProtocolError("the node ended the stream without [DONE]")
-        except httpx.HTTPError as err:
+                raise NodeError("the node ended the stream without [DONE]")
+        except NodeError as err:
             outcome, error = "failed", f"the node dropped the stream: {err}"
             body = {
                 "error": {"message": error, "type": "server_error", "param": None, "code": "upstream_dropped"}
@@ -354,7 +320,7 @@ class Router:
             outcome, error = "cancelled", "the client disconnected"
             raise
         finally:
-            await resp.aclose()
+            await resp.close()
             self._finish_later(call, meter, outcome, error)
 
     def _finish_later(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
@@ -445,10 +411,6 @@ class _SseEvents:
         self.meter.usage = usage
         self.meter.chunks -= 1
         return self.keep_usage_event or bool(payload.get("choices"))
-
-
-def _media(headers: httpx.Headers) -> str:
-    return str(headers.get("content-type", "application/json"))
 
 
 def _node_headers(key: bytes | None, path: str, payload: bytes) -> dict[str, str]:

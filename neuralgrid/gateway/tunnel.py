@@ -3,8 +3,8 @@
 Frames are JSON text: the gateway sends {"t": "req", "id", "path", "body"} and {"t": "cancel", "id"};
 the agent answers {"t": "start", "id", "status", "type"}, then {"t": "data", "id", "b"} chunks, then
 {"t": "end", "id"} or {"t": "err", "id", "message"}. Bodies are text (JSON and SSE are UTF-8).
-A TunnelResponse offers the part of httpx.Response the proxy uses, so failover, streaming and metering
-work the same over a tunnel as over HTTP.
+A TunnelResponse is a NodeResponse, so failover, streaming and metering work the same over a tunnel as
+over HTTP.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 from uuid import UUID
 
-import httpx
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from neuralgrid.gateway.upstream import NodeError, NodeTimeout
 
-class TunnelClosed(httpx.RemoteProtocolError):
+
+class TunnelClosed(NodeError):
     """The tunnel went away while a request was on it."""
 
 
@@ -69,15 +70,14 @@ class Tunnel:
 
 
 class TunnelResponse:
-    """One request's answer arriving over a tunnel, shaped like the httpx.Response the proxy uses."""
+    """One request's answer arriving over a tunnel, as a NodeResponse."""
 
     def __init__(self, tunnel: Tunnel, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self.tunnel = tunnel
         self.request_id = request_id
         self.queue = queue
-        self.status_code = 0
-        self.headers: dict[str, str] = {}
-        self.content = b""
+        self.status = 0
+        self.content_type = "application/json"
         self.finished = False
 
     async def start(self, timeout: float) -> None:
@@ -85,15 +85,15 @@ class TunnelResponse:
         try:
             frame = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
-            await self.aclose()
-            raise httpx.ReadTimeout("no answer through the tunnel") from None
+            await self.close()
+            raise NodeTimeout("timeout: no answer through the tunnel") from None
         if frame["t"] != "start":
             self._done()
             raise TunnelClosed(str(frame.get("message", "the agent failed the request")))
-        self.status_code = int(frame["status"])
-        self.headers = {"content-type": str(frame.get("type", "application/json"))}
+        self.status = int(frame["status"])
+        self.content_type = str(frame.get("type", "application/json"))
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes]:
         while not self.finished:
             frame = await self.queue.get()
             if frame["t"] == "data":
@@ -104,20 +104,15 @@ class TunnelResponse:
                 self._done()
                 raise TunnelClosed(str(frame.get("message", "the agent dropped the request")))
 
-    async def aread(self) -> bytes:
-        self.content = b"".join([chunk async for chunk in self.aiter_raw()])
-        return self.content
-
-    @property
-    def text(self) -> str:
-        return self.content.decode(errors="replace")
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
 
     def _done(self) -> None:
         """The answer is complete: forget the request (its id gets no more frames)."""
         self.finished = True
         self.tunnel.pending.pop(self.request_id, None)
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         if not self.finished:
             self.finished = True
             await self.tunnel.cancel(self.request_id)
