@@ -9,7 +9,6 @@ node reached directly with one reached through a tunnel.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import uvloop
 
 from neuralgrid.bench import percentiles, scratch_database, served
 from neuralgrid.bench.gateway import BODY, send_load
@@ -233,8 +233,8 @@ class _Bench:
         target = f"{self.gateway}/v1/chat/completions"
         with self.agent(name, 0.3, tunnel):
             self.online(name)
-            sequential = asyncio.run(send_load(target, auth, False, 1, requests))
-            concurrent = asyncio.run(send_load(target, auth, True, 16, requests * 2))
+            sequential = uvloop.run(send_load(target, auth, False, 1, requests))
+            concurrent = uvloop.run(send_load(target, auth, True, 16, requests * 2))
         self.conn.execute("update public.nodes set status = 'offline' where name = %s", (name,))
         return {
             "sequential": percentiles(sequential[0]),
