@@ -174,3 +174,35 @@ def complete_job(
         ).fetchone()
     assert row is not None
     return float(row[0])
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How one job ended, as complete_jobs() takes it."""
+
+    job_id: UUID
+    status: str = "succeeded"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    error: str | None = None
+
+
+COMPLETE_JOBS = (
+    "select job_id, cost_usd::float8 from public.complete_jobs("
+    "%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])"
+)
+
+
+def complete_jobs_params(ends: list[JobEnd]) -> tuple[list[object], ...]:
+    """The batch as complete_jobs() takes it: one array per field."""
+    columns = ("job_id", "status", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "error")
+    return tuple([getattr(end, column) for end in ends] for column in columns)
+
+
+def complete_jobs(conn: psycopg.Connection, ends: list[JobEnd]) -> dict[UUID, float]:
+    """Ends a batch of running jobs in one statement; returns the cost of each job it ended."""
+    with _translated():
+        rows = conn.execute(COMPLETE_JOBS, complete_jobs_params(ends)).fetchall()
+    return {row[0]: row[1] for row in rows}

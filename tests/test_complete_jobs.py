@@ -1,0 +1,141 @@
+"""complete_jobs(): a batch ends jobs exactly as complete_job() would, one by one, in order."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+
+from neuralgrid.db.errors import InvalidRequest
+from neuralgrid.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
+from tests.conftest import make_node
+from tests.test_match_job import make_key
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+TIME_PRICED = "custom:7b"  # not in the catalog: priced by node time
+
+NODES = "select id, status, inflight, successes, failures, consecutive_failures, extract(epoch from cooldown_until - now()), ewma_latency_ms, ewma_tokens_per_s, speed_ratio from nodes order by id"
+JOBS = "select id, status, prompt_tokens, completion_tokens, cost_usd, ttft_ms, latency_ms, error, finished_at is not null from jobs order by id"
+ATTEMPTS = "select job_id, attempt, status, error, ttft_ms, latency_ms, ended_at is not null from job_attempts order by job_id, attempt"
+KEYS = "select id, reserved_usd, spent_usd, last_used_at is not null from api_keys order by id"
+
+
+def _state(conn: psycopg.Connection) -> dict[str, list[tuple[Any, ...]]]:
+    return {
+        name: conn.execute(query).fetchall()
+        for name, query in (("nodes", NODES), ("jobs", JOBS), ("attempts", ATTEMPTS), ("keys", KEYS))
+    }
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, Decimal) and isinstance(b, Decimal):
+        # Money is numeric(16, 8): one by one rounds each charge to 1e-8, a batch rounds the sum.
+        return abs(a - b) <= Decimal("1e-6")
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-5, abs=0.01)  # reals; cooldowns in seconds from now()
+    return a == b
+
+
+def _random_batch(conn: psycopg.Connection, rng: random.Random) -> list[JobEnd]:
+    nodes = [
+        make_node(
+            conn,
+            max_concurrency=64,
+            tflops=rng.choice([20, 165, 989]),
+            models={LLAMA8: "loaded", TIME_PRICED: "loaded"},
+        )
+        for _ in range(3)
+    ]
+    # Some history, so that averages, failure streaks and cooldowns start from something.
+    conn.execute(
+        "update nodes set ewma_latency_ms = %s, consecutive_failures = %s where id = %s",
+        (rng.choice([None, 500.0]), rng.choice([0, 3]), nodes[0]),
+    )
+    conn.execute("select set_config('request.jwt.claims', '', false)")
+    budgeted = conn.execute("select id from create_api_key('budgeted', null, null, 5.0)").fetchone()
+    assert budgeted is not None
+    keys = [make_key(conn), budgeted[0], None]
+    ends = []
+    for _ in range(rng.randint(1, 24)):
+        model = rng.choice([LLAMA8, TIME_PRICED])
+        match = match_job(conn, MatchRequest(model=model), api_key_id=rng.choice(keys), reserve_usd=0.01)
+        assert match.node_id is not None
+        ttft = rng.choice([None, 0.0, 120.0])
+        ends.append(
+            JobEnd(
+                match.job_id,
+                status=rng.choice(["succeeded", "succeeded", "failed", "cancelled"]),
+                prompt_tokens=rng.randint(0, 2000),
+                completion_tokens=rng.choice([0, 1, 300]),
+                ttft_ms=ttft,
+                latency_ms=rng.choice([90.0, 2500.0]),
+                error=rng.choice([None, "the node dropped the stream"]),
+            )
+        )
+    rng.shuffle(ends)
+    return ends
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_batch_ends_jobs_as_complete_job_does_one_by_one(db_url: str, seed: int) -> None:
+    with psycopg.connect(db_url, autocommit=True) as setup:
+        ends = _random_batch(setup, random.Random(seed))
+    with psycopg.connect(db_url) as conn:
+        one_by_one = {}
+        for end in ends:
+            one_by_one[end.job_id] = complete_job(
+                conn,
+                end.job_id,
+                status=end.status,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+                ttft_ms=end.ttft_ms,
+                latency_ms=end.latency_ms,
+                error=end.error,
+            )
+        expected = _state(conn)
+        conn.rollback()
+        batched = complete_jobs(conn, ends)
+        got = _state(conn)
+        conn.rollback()
+    assert batched.keys() == one_by_one.keys()
+    assert [batched[j] for j in batched] == pytest.approx([one_by_one[j] for j in batched])
+    for table in expected:
+        for row_expected, row_got in zip(expected[table], got[table], strict=True):
+            assert all(map(_same, row_expected, row_got)), (table, row_expected, row_got)
+
+
+def test_jobs_no_longer_running_are_left_out(conn: psycopg.Connection) -> None:
+    make_node(conn, max_concurrency=8)
+    first, second = (match_job(conn, MatchRequest(model=LLAMA8)) for _ in range(2))
+    complete_job(conn, first.job_id)
+    ended = complete_jobs(conn, [JobEnd(first.job_id), JobEnd(second.job_id), JobEnd(uuid.uuid4())])
+    assert list(ended) == [second.job_id]
+    assert conn.execute("select inflight, successes from nodes").fetchone() == (0, 2)
+    # A latency left out is measured by the database, from the attempt's start.
+    latency = conn.execute("select latency_ms from jobs where id = %s", (second.job_id,)).fetchone()
+    assert latency is not None and latency[0] > 0
+    assert complete_jobs(conn, []) == {}
+
+
+def test_a_bad_batch_is_refused_and_changes_nothing(conn: psycopg.Connection) -> None:
+    make_node(conn)
+    job = match_job(conn, MatchRequest(model=LLAMA8)).job_id
+    bad = [
+        [JobEnd(job, status="done")],
+        [JobEnd(job, prompt_tokens=-1)],
+        [JobEnd(job), JobEnd(job)],
+    ]
+    for ends in bad:
+        with pytest.raises(InvalidRequest):
+            complete_jobs(conn, ends)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="arrays of one length"):
+        conn.execute(
+            "select * from complete_jobs(array[%s]::uuid[], '{}', '{}', '{}', '{}', '{}', '{}')", (job,)
+        )
+    assert conn.execute("select status from jobs").fetchone() == ("running",)
+    assert conn.execute("select inflight from nodes").fetchone() == (1,)
