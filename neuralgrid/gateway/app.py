@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -60,6 +61,10 @@ class Timing:
         await self.app(scope, receive, counted)
 
 
+async def _commit_asynchronously(conn: AsyncConnection) -> None:
+    await conn.execute("set synchronous_commit = off")
+
+
 def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> FastAPI:
     """The gateway for one database. `sweep` runs the health sweeper in this process too."""
     metrics_holder: list[Metrics] = []
@@ -70,13 +75,23 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             database_url, min_size=2, max_size=settings.db_pool_size, kwargs={"autocommit": True}, open=False
         )
         await pool.open(wait=True, timeout=30)
+        # The request path's own connections: see Settings.async_commit.
+        jobs_pool = AsyncConnectionPool(
+            database_url,
+            min_size=2,
+            max_size=settings.db_pool_size,
+            kwargs={"autocommit": True},
+            configure=_commit_asynchronously if settings.async_commit else None,
+            open=False,
+        )
+        await jobs_pool.open(wait=True, timeout=30)
         nodes = HttpNodes(settings.connect_timeout_s, settings.first_byte_timeout_s)
         metrics = Metrics()
         metrics_holder.append(metrics)
         keys = KeyStore(pool, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
         tunnels = Tunnels()
-        router = Router(pool, nodes, settings, limiter, metrics, tunnels)
+        router = Router(jobs_pool, nodes, settings, limiter, metrics, tunnels)
         app.state.gateway = Gateway(settings, pool, keys, router, metrics, tunnels)
         app.state.realtime = hub = Hub(pool, database_url)
         stop = asyncio.Event()
@@ -94,6 +109,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             await router.drain()
             limiter.close()
             await nodes.close()
+            await jobs_pool.close()
             await pool.close()
 
     app = FastAPI(

@@ -25,17 +25,17 @@ from neuralgrid import signing
 from neuralgrid.config import Settings
 from neuralgrid.db import errors as db_errors
 from neuralgrid.gateway import errors
+from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.keys import ApiKey
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes, NodeError, NodeResponse, NodeTimeout
-from neuralgrid.matching import MATCH_JOB, Match, MatchRequest, match_params
+from neuralgrid.matching import MATCH_JOB, JobEnd, Match, MatchRequest, match_params
 
 log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
-COMPLETE = "select cost_usd from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)"
 FAILOVER = "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
 CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
 MAX_REPORTED_TOKENS = 10_000_000
@@ -123,6 +123,7 @@ class Router:
         self.metrics = metrics
         self.tunnels = tunnels
         self.catalog = Catalog()
+        self.completions = Completions(pool)
         self._finishing: set[asyncio.Task[None]] = set()
 
     async def handle(self, call: Call) -> Response:
@@ -335,20 +336,18 @@ class Router:
         now = time.perf_counter()
         # A node that reports no usage is charged by what was seen: a token per streamed chunk.
         usage = meter.usage or Usage(0, meter.chunks)
+        end = JobEnd(
+            meter.job_id,
+            outcome,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            ttft_ms=(meter.first_byte - meter.sent) * 1000,
+            latency_ms=(now - meter.sent) * 1000,
+            error=error,
+        )
         try:
-            async with self.pool.connection() as conn:
-                await conn.execute(
-                    COMPLETE,
-                    (
-                        meter.job_id,
-                        outcome,
-                        usage.prompt_tokens,
-                        usage.completion_tokens,
-                        (meter.first_byte - meter.sent) * 1000,
-                        (now - meter.sent) * 1000,
-                        error,
-                    ),
-                )
+            if await self.completions.record(end) is None:
+                log.warning("job %s had already ended (swept?) when its completion came", meter.job_id)
         except psycopg.Error:
             log.exception("could not complete job %s", meter.job_id)
         self._count(meter.node_id, outcome)
@@ -358,6 +357,7 @@ class Router:
         """Wait for the jobs still being recorded (on shutdown)."""
         if self._finishing:
             await asyncio.gather(*self._finishing, return_exceptions=True)
+        await self.completions.drain()
 
     def _count(self, node_id: UUID, outcome: str) -> None:
         self.metrics.attempts.labels(outcome).inc()

@@ -57,19 +57,20 @@ begin
 
   -- Locks in one order everywhere (jobs, then nodes, then keys, each by id) so that concurrent
   -- batches, claims and sweeps cannot deadlock. A job already ended (by the sweeper) is left out.
+  -- "No key update", the lock an UPDATE takes: new jobs may still reference these nodes and keys.
   select array_agg(r.id) into v_running from (
     select j.id from public.jobs j where j.id = any (p_job_ids) and j.status = 'running'
-    order by j.id for update
+    order by j.id for no key update
   ) r;
   if v_running is null then
     return;
   end if;
   perform from public.nodes n
   where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_running) and a.status = 'running')
-  order by n.id for update;
+  order by n.id for no key update;
   perform from public.api_keys k
   where k.id in (select j.api_key_id from public.jobs j where j.id = any (v_running))
-  order by k.id for update;
+  order by k.id for no key update;
 
   return query
   with input as (
