@@ -21,6 +21,10 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, alias="DATABASE_URL")
     db_port: int = Field(54322, alias="NEURALGRID_DB_PORT", ge=1, le=65535)
     db_pool_size: int = Field(16, alias="NEURALGRID_DB_POOL_SIZE", ge=1)
+    # Connections for the request path (match, failover, completions). Small on purpose: requests
+    # contend for the same few node rows, and connections beyond what the database runs at once
+    # only queue on those locks inside Postgres (measured: more connections, fewer requests/s).
+    request_pool_size: int = Field(4, alias="NEURALGRID_REQUEST_POOL_SIZE", ge=1)
     sweep_interval_s: float = Field(1.0, alias="NEURALGRID_SWEEP_INTERVAL_S", gt=0)
 
     host: str = Field("127.0.0.1", alias="NEURALGRID_HOST")

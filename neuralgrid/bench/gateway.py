@@ -31,7 +31,7 @@ def _fill(url: str, node_url: str) -> str:
     """A small fleet in front of one fake node, and a key; returns the key."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
-        for i in range(int(os.environ.get("NODES", "4"))):  # a small fleet in front of one fake node, plenty of slots
+        for i in range(4):  # a small fleet in front of one fake node, plenty of slots
             row = conn.execute(
                 "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
                 " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"

@@ -78,8 +78,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         # The request path's own connections: see Settings.async_commit.
         jobs_pool = AsyncConnectionPool(
             database_url,
-            min_size=2,
-            max_size=settings.db_pool_size,
+            min_size=settings.request_pool_size,
+            max_size=settings.request_pool_size,
             kwargs={"autocommit": True},
             configure=_commit_asynchronously if settings.async_commit else None,
             open=False,
