@@ -38,9 +38,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
     key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
     default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)
-    # The request path's job records (claims, completions) commit without waiting for the WAL flush
-    # (synchronous_commit = off): a Postgres crash may lose the last fraction of a second of them,
-    # never corrupt them. Keys, nodes and everything else always commit durably.
+    # The request path's transactions (claims, completions: jobs, node load and reputation, budget
+    # holds and charges) commit without waiting for the WAL flush (synchronous_commit = off). A
+    # Postgres crash may lose the last fraction of a second of them, never corrupt them. Creating and
+    # revoking keys, registering nodes and everything else commit durably.
     async_commit: bool = Field(True, alias="NEURALGRID_ASYNC_COMMIT")
     # Node endpoints on loopback, private or link-local addresses: fine for a demo on one machine, an
     # open door to internal services in production (the gateway would POST to them). None: allowed

@@ -11,7 +11,12 @@ import httpx
 import openai
 import psycopg
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
 
+from neuralgrid.serving import ThreadedServer
 from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hello to the grid."}]
@@ -117,6 +122,33 @@ def test_failover_when_the_first_node_refuses(
     again = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
     assert again.headers["x-neuralgrid-attempts"] == "1"
     assert again.headers["x-neuralgrid-node"] == str(alive.node_id)
+
+
+def test_a_nodes_redirect_is_not_followed(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    """A node must not be able to point the gateway at another address (an internal service)."""
+    internal_hits: list[str] = []
+
+    async def internal(request: Request) -> Response:
+        internal_hits.append(request.url.path)
+        return JSONResponse({"secret": True})
+
+    async def redirect(request: Request) -> Response:
+        return RedirectResponse(f"{inside.url}/metadata", status_code=307)
+
+    with (
+        ThreadedServer(
+            Starlette(routes=[Route("/{path:path}", internal, methods=["GET", "POST"])])
+        ) as inside,
+        ThreadedServer(Starlette(routes=[Route("/{path:path}", redirect, methods=["POST"])])) as node,
+    ):
+        make_node(conn, "redirecting", vram_gb=24, endpoint_url=node.url)
+        fine = fake_nodes("fine", vram_gb=48)  # ranks second: less right-sized
+        raw = client.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
+    assert raw.headers["x-neuralgrid-node"] == str(fine.node_id) and internal_hits == []
+    rows = conn.execute("select http_status from job_attempts where status = 'failed'").fetchall()
+    assert rows == [(307,)]
 
 
 @pytest.mark.parametrize("status", [500, 503, 429])
@@ -298,5 +330,5 @@ def test_implausible_usage_from_a_node_is_not_believed() -> None:
     from neuralgrid.gateway.proxy import Usage
 
     assert Usage.parse({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
-    for bad in (-1, 10**12, [1], "7", 1.5):
+    for bad in (-1, 10**12, [1], "7", 1.5, True):
         assert Usage.parse({"usage": {"prompt_tokens": bad, "completion_tokens": 1}}) is None

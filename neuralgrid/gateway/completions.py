@@ -47,14 +47,19 @@ class Completions:
         try:
             costs = await self._complete([end for end, _ in batch])
         except psycopg.Error as err:
-            if len(batch) == 1:
-                _settle(batch[0][1], error=err)
+            if len(batch) == 1 or not _one_ending_may_be_to_blame(err):
+                for _, future in batch:
+                    _settle(future, error=err)
                 return
             # One bad ending (or a deadlock's victim) must not lose the others: write each alone.
             log.warning("a batch of %d job endings failed (%s); writing each alone", len(batch), err)
             for item in batch:
                 await self._write_batch([item])
             return
+        except BaseException as err:  # cancelled (shutdown) or a bug: no waiter is left hanging
+            for _, future in batch:
+                _settle(future, error=err if isinstance(err, Exception) else RuntimeError("shutting down"))
+            raise
         for end, future in batch:
             _settle(future, costs.get(end.job_id))
 
@@ -67,6 +72,14 @@ class Completions:
         """Wait for the endings already handed in (on shutdown)."""
         while self._writer is not None:
             await asyncio.shield(self._writer)
+
+
+def _one_ending_may_be_to_blame(err: psycopg.Error) -> bool:
+    """Bad data or a lost deadlock, as opposed to a database that is down or a pool that is full
+    (writing the endings one by one would then only wait longer for the same failure)."""
+    return not isinstance(err, psycopg.OperationalError) or isinstance(
+        err, psycopg.errors.TransactionRollback
+    )
 
 
 def _settle(

@@ -66,7 +66,7 @@ class Usage:
         if not isinstance(usage, dict):
             return None
         counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
-        if not all(isinstance(c, int) and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):
+        if not all(type(c) is int and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):  # not bools
             return None
         return cls(counts[0], counts[1])
 
@@ -237,7 +237,7 @@ class Router:
         try:
             resp = await self._open(node_id, url, key, path, payload)
             try:
-                if resp.status == 429 or resp.status >= 500:
+                if resp.status == 429 or resp.status >= 500 or 300 <= resp.status < 400:
                     body = (await resp.read())[:200].decode(errors="replace")
                     raise _Retryable(f"HTTP {resp.status}: {body}", status=resp.status)
                 chunks = resp.chunks()

@@ -54,7 +54,8 @@ class Tunnel:
         try:
             while True:
                 frame = json.loads(await self.ws.receive_text())
-                queue = self.pending.get(frame.get("id"))
+                request_id = frame.get("id") if isinstance(frame, dict) else None
+                queue = self.pending.get(request_id) if isinstance(request_id, int) else None
                 if queue is not None:
                     queue.put_nowait(frame)
         except (WebSocketDisconnect, RuntimeError, ValueError):
@@ -87,18 +88,22 @@ class TunnelResponse:
         except TimeoutError:
             await self.close()
             raise NodeTimeout("timeout: no answer through the tunnel") from None
-        if frame["t"] != "start":
+        if frame.get("t") != "start":
             self._done()
             raise TunnelClosed(str(frame.get("message", "the agent failed the request")))
-        self.status = int(frame["status"])
+        try:
+            self.status = int(frame["status"])
+        except (KeyError, TypeError, ValueError):
+            await self.close()
+            raise TunnelClosed("the agent sent a malformed start frame") from None
         self.content_type = str(frame.get("type", "application/json"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while not self.finished:
             frame = await self.queue.get()
-            if frame["t"] == "data":
-                yield str(frame["b"]).encode()
-            elif frame["t"] == "end":
+            if frame.get("t") == "data":
+                yield str(frame.get("b", "")).encode()
+            elif frame.get("t") == "end":
                 self._done()
             else:
                 self._done()

@@ -73,13 +73,18 @@ class HttpNodes:
     """Keep-alive connections to nodes. Timeouts: to connect, and between bytes once connected."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int = 1000) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        # sock_connect bounds the node's own connect; connect (which also counts the wait for a free
+        # slot in this pool) only guards against waiting forever.
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=30.0, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     async def post(self, url: str, payload: bytes, headers: dict[str, str]) -> HttpResponse:
         try:
-            resp = await self.session.post(url, data=payload, headers=headers)
+            # Never follow a node's redirect: it could point the gateway at an internal address.
+            resp = await self.session.post(url, data=payload, headers=headers, allow_redirects=False)
         except (aiohttp.ClientError, TimeoutError) as err:
             raise _translate(err) from err
         return HttpResponse(resp)

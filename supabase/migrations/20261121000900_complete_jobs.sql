@@ -14,7 +14,7 @@ declare
 begin
   -- complete_job()'s rule, sample by sample: the first sample starts the average, nulls keep it.
   foreach x in array coalesce(p_samples, '{}') loop
-    v := coalesce(0.8 * v + 0.2 * x, x, v);
+    v := coalesce(0.8 * v + 0.2 * x, x, v)::real;  -- stored as real after each job, as there
   end loop;
   return v;
 end;
@@ -39,7 +39,7 @@ declare
   v_count integer := coalesce(cardinality(p_job_ids), 0);
   v_running uuid[];
 begin
-  if v_count <> all (array[coalesce(cardinality(p_statuses), 0), coalesce(cardinality(p_prompt_tokens), 0),
+  if v_count <> any (array[coalesce(cardinality(p_statuses), 0), coalesce(cardinality(p_prompt_tokens), 0),
                            coalesce(cardinality(p_completion_tokens), 0), coalesce(cardinality(p_ttft_ms), 0),
                            coalesce(cardinality(p_latency_ms), 0), coalesce(cardinality(p_errors), 0)]) then
     raise exception 'complete_jobs takes arrays of one length' using errcode = 'invalid_parameter_value';
@@ -55,8 +55,10 @@ begin
     raise exception 'each job appears once in a batch' using errcode = 'invalid_parameter_value';
   end if;
 
-  -- Locks in one order everywhere (jobs, then nodes, then keys, each by id) so that concurrent
-  -- batches, claims and sweeps cannot deadlock. A job already ended (by the sweeper) is left out.
+  -- Locks in the order claims and completions take them (jobs, then nodes, then keys; each by id)
+  -- so that batches and claims cannot deadlock one another. The sweepers lock in another order; a
+  -- deadlock with one is detected by Postgres, and the gateway then writes the batch job by job.
+  -- A job already ended (by the sweeper) is left out.
   -- "No key update", the lock an UPDATE takes: new jobs may still reference these nodes and keys.
   select array_agg(r.id) into v_running from (
     select j.id from public.jobs j where j.id = any (p_job_ids) and j.status = 'running'
@@ -155,7 +157,8 @@ begin
     -- release_reservation(), once per key.
     update public.api_keys k
     set reserved_usd = greatest(k.reserved_usd - t.held, 0), spent_usd = k.spent_usd + t.cost, last_used_at = now()
-    from (select p.api_key_id, sum(p.reserved_usd) as held, sum(p.cost) as cost
+    -- Each charge rounded to the column's 8 decimals, as one complete_job() after another leaves it.
+    from (select p.api_key_id, sum(p.reserved_usd) as held, sum(round(p.cost, 8)) as cost
           from priced p where p.api_key_id is not null group by p.api_key_id) t
     where k.id = t.api_key_id
   )
