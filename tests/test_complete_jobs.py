@@ -1,4 +1,8 @@
-"""complete_jobs(): a batch ends jobs exactly as complete_job() would, one by one, in order."""
+"""complete_jobs(): a batch ends jobs exactly as ending them one at a time, in order, would.
+
+complete_job() is a batch of one, so comparing the two checks what batching adds: the folding of
+averages, failure streaks, cooldowns and charges per node and key. test_match_job.py pins the values
+one ending gives."""
 
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ def _random_batch(conn: psycopg.Connection, rng: random.Random) -> list[JobEnd]:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_a_batch_ends_jobs_as_complete_job_does_one_by_one(db_url: str, seed: int) -> None:
+def test_a_batch_ends_jobs_as_one_at_a_time_does(db_url: str, seed: int) -> None:
     with psycopg.connect(db_url, autocommit=True) as setup:
         ends = _random_batch(setup, random.Random(seed))
     with psycopg.connect(db_url) as conn:

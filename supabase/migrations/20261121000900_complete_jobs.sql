@@ -1,7 +1,7 @@
 -- Ending jobs in batches. A busy gateway ends hundreds of jobs a second; complete_jobs() ends a
 -- batch of them in one statement, writing each node's row and each key's row once per batch rather
--- than two or three times per job. The result is the one complete_job() gives, applied job by job
--- in the batch's order (tests check the two agree).
+-- than two or three times per job. The result is the one ending the jobs one by one, in the batch's
+-- order, gives (a test checks the two agree); complete_job() becomes that batch of one.
 
 create function public.ewma_fold(p_start double precision, p_samples double precision[])
 returns double precision
@@ -12,7 +12,7 @@ declare
   v double precision := p_start;
   x double precision;
 begin
-  -- complete_job()'s rule, sample by sample: the first sample starts the average, nulls keep it.
+  -- Sample by sample: the first sample starts the average, nulls keep it.
   foreach x in array coalesce(p_samples, '{}') loop
     v := coalesce(0.8 * v + 0.2 * x, x, v)::real;  -- stored as real after each job, as there
   end loop;
@@ -93,7 +93,7 @@ begin
   ),
   priced as (
     select e.*, j.api_key_id, j.reserved_usd,
-           -- As complete_job(): the catalog's per-token price, else a slot of the node's time.
+           -- The catalog's per-token price, else a slot of the node's time.
            coalesce(case
              when m.input_usd_per_mtok is not null then
                (e.prompt_tokens * m.input_usd_per_mtok + e.completion_tokens * coalesce(m.output_usd_per_mtok, 0)) / 1e6
@@ -134,7 +134,7 @@ begin
     group by p.node_id
   ),
   nodes_done as (
-    -- release_node() and the EWMA update of complete_job(), once per node for the whole batch.
+    -- release_node() and the EWMA updates (latency, speed, speed ratio), once per node per batch.
     update public.nodes n
     set inflight = greatest(n.inflight - c.ended, 0),
         status = case when n.status = 'busy' then 'online' else n.status end,
@@ -157,7 +157,7 @@ begin
     -- release_reservation(), once per key.
     update public.api_keys k
     set reserved_usd = greatest(k.reserved_usd - t.held, 0), spent_usd = k.spent_usd + t.cost, last_used_at = now()
-    -- Each charge rounded to the column's 8 decimals, as one complete_job() after another leaves it.
+    -- Each charge rounded to the column's 8 decimals, as one ending after another leaves it.
     from (select p.api_key_id, sum(p.reserved_usd) as held, sum(round(p.cost, 8)) as cost
           from priced p where p.api_key_id is not null group by p.api_key_id) t
     where k.id = t.api_key_id
@@ -165,6 +165,31 @@ begin
   select p.job_id, p.cost, p.latency_ms from priced p order by p.ord;
 end;
 $$;
-comment on function public.complete_jobs(uuid[], text[], integer[], integer[], real[], real[], text[]) is 'Ends a batch of running jobs (parallel arrays, one entry per job) as complete_job() would one by one, in order: usage, cost charged to keys, node reputation and EWMA speed, slots released. Returns the jobs it ended; jobs no longer running are left out.';
+comment on function public.complete_jobs(uuid[], text[], integer[], integer[], real[], real[], text[]) is 'Ends a batch of running jobs (parallel arrays, one entry per job) as ending them one by one, in order, would: usage, cost charged to keys, node reputation and EWMA speed, slots released. Returns the jobs it ended; jobs no longer running are left out.';
 revoke execute on function public.complete_jobs(uuid[], text[], integer[], integer[], real[], real[], text[]) from public, anon, authenticated;
 grant execute on function public.complete_jobs(uuid[], text[], integer[], integer[], real[], real[], text[]) to service_role;
+
+-- One piece of SQL ends jobs: complete_job() is now a batch of one.
+create or replace function public.complete_job(
+  p_job_id uuid,
+  p_status text default 'succeeded',
+  p_prompt_tokens integer default 0,
+  p_completion_tokens integer default 0,
+  p_ttft_ms real default null,
+  p_latency_ms real default null,
+  p_error text default null
+) returns table (cost_usd numeric, latency_ms real)
+language plpgsql
+set search_path = ''
+as $$
+begin
+  return query
+  select c.cost_usd, c.latency_ms
+  from public.complete_jobs(array[p_job_id], array[p_status], array[p_prompt_tokens], array[p_completion_tokens],
+                            array[p_ttft_ms], array[p_latency_ms], array[p_error]) c;
+  if not found then
+    raise exception 'job % is not running', p_job_id using errcode = 'object_not_in_prerequisite_state';
+  end if;
+end;
+$$;
+comment on function public.complete_job(uuid, text, integer, integer, real, real, text) is 'Ends a running job (complete_jobs() with a batch of one): usage, cost (charged to its key), latency, the node''s reputation and EWMA speed, and releases its slot.';
