@@ -17,10 +17,9 @@ from typing import Any
 
 import aiohttp
 import psycopg
-import uvloop
 
 from neuralgrid.bench import percentiles, scratch_database, served
-from neuralgrid.serving import free_port
+from neuralgrid.serving import free_port, run_fast
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCRATCH_DB = "neuralgrid_bench_gateway"
@@ -110,8 +109,8 @@ def run(
                 for n in callers:
                     total = requests if n == 1 else requests * 4
                     progress(f"{'stream' if stream else 'plain'} x{n}: direct, then through the gateway")
-                    direct = uvloop.run(send_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
-                    via = uvloop.run(send_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
+                    direct = run_fast(send_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
+                    via = run_fast(send_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
                     d, g = percentiles(direct[0]), percentiles(via[0])
                     results.append(
                         {

@@ -22,11 +22,10 @@ from typing import Any
 
 import httpx
 import psycopg
-import uvloop
 
 from neuralgrid.bench import percentiles, scratch_database, served
 from neuralgrid.bench.gateway import BODY, send_load
-from neuralgrid.serving import free_port
+from neuralgrid.serving import free_port, run_fast
 
 SCRATCH_DB = "neuralgrid_bench_health"
 
@@ -233,8 +232,8 @@ class _Bench:
         target = f"{self.gateway}/v1/chat/completions"
         with self.agent(name, 0.3, tunnel):
             self.online(name)
-            sequential = uvloop.run(send_load(target, auth, False, 1, requests))
-            concurrent = uvloop.run(send_load(target, auth, True, 16, requests * 2))
+            sequential = run_fast(send_load(target, auth, False, 1, requests))
+            concurrent = run_fast(send_load(target, auth, True, 16, requests * 2))
         self.conn.execute("update public.nodes set status = 'offline' where name = %s", (name,))
         return {
             "sequential": percentiles(sequential[0]),
