@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, alias="NEURALGRID_MAX_ATTEMPTS", ge=1, le=10)
     connect_timeout_s: float = Field(2.0, alias="NEURALGRID_CONNECT_TIMEOUT_S", gt=0)
     first_byte_timeout_s: float = Field(30.0, alias="NEURALGRID_FIRST_BYTE_TIMEOUT_S", gt=0)
+    # A stream a node drops after its first byte goes on on another node, which is sent the
+    # conversation plus the text streamed so far (see proxy.continuation).
+    resume_streams: bool = Field(True, alias="NEURALGRID_RESUME_STREAMS")
     max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
     key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
     default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)

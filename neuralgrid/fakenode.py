@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,9 +39,26 @@ class FakeNodeConfig:
     name: str = "fake-node"
 
 
-def _text_tokens(prompt: str, n: int) -> list[str]:
-    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big")
-    return [WORDS[(seed + i * 7) % len(WORDS)] + " " for i in range(n)]
+def _text_tokens(body: dict[str, Any], n: int) -> list[str]:
+    """The answer: words picked by the prompt's hash, each following from the one before, so that
+    a request continuing an answer goes on as the uninterrupted answer would have (chat: vLLM's
+    `continue_final_message`; completions: a prompt that ends in this node's words)."""
+    prompt, so_far = body.get("messages") or body.get("prompt"), ""
+    if (
+        isinstance(prompt, list)
+        and body.get("continue_final_message")
+        and prompt
+        and isinstance(prompt[-1], dict)
+    ):
+        prompt, so_far = prompt[:-1], str(prompt[-1].get("content") or "")
+    elif isinstance(prompt, str) and prompt.endswith(" "):
+        so_far = prompt
+    last = so_far.split()[-1] if so_far.split() else None
+    if last in WORDS:
+        start = WORDS.index(last) + 7
+    else:
+        start = int.from_bytes(hashlib.sha256(json.dumps(prompt).encode()).digest()[:4], "big")
+    return [WORDS[(start + i * 7) % len(WORDS)] + " " for i in range(n)]
 
 
 def _count_prompt_tokens(body: dict[str, object]) -> int:
@@ -74,7 +92,7 @@ async def _generate(request: Request, kind: str) -> Response:
     if kind == "embedding":
         return JSONResponse(_embeddings(body, model, prompt_tokens))
     n = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
-    tokens = _text_tokens(json.dumps(body.get("messages") or body.get("prompt")), n)
+    tokens = _text_tokens(body, n)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
     if body.get("stream"):

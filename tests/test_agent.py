@@ -216,7 +216,17 @@ def _kill_mid_stream_then_fail_over(
         agent.kill()  # mid-stream, no goodbye
         agent.communicate(timeout=10)
         rest = [line for line in lines if line.startswith("data: ")]
-    assert any('"upstream_dropped"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    # The standby goes on with the answer: the client sees no error, and the job both nodes.
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    job = wait_for(
+        lambda: conn.execute("select id from jobs where stream and status = 'succeeded'").fetchone()
+    )
+    attempts = conn.execute(
+        "select n.name, a.status from job_attempts a join nodes n on n.id = a.node_id"
+        " where a.job_id = %s order by a.attempt",
+        job,
+    ).fetchall()
+    assert attempts == [("box", "failed"), ("standby", "succeeded")]
     killed_at = time.monotonic()
     wait_for(lambda: (node_row(conn, "box") or (0, ""))[1] == "offline", timeout=5)
     assert time.monotonic() - killed_at < 3 * 0.3 + 1.0  # 3 missed beats, plus sweep and test slack

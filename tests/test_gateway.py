@@ -187,6 +187,83 @@ def test_a_stream_dropped_mid_way_ends_with_an_error_event(
     assert row == ("failed", 3)
 
 
+def _direct_answer(node: Any, path: str, body: dict[str, Any]) -> Any:
+    """What a node answers when nothing breaks: the text a resumed stream must add up to."""
+    resp = httpx.post(f"{node.server.url}{path}", json={**body, "stream": False}, timeout=10)
+    resp.raise_for_status()
+    return resp.json()["choices"][0]
+
+
+def test_a_stream_dropped_mid_way_goes_on_on_another_node(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    flaky = fake_nodes("flaky", vram_gb=24, drop_after_chunks=4)  # ranks first: right-sized
+    steady = fake_nodes("steady", vram_gb=48)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10}
+    chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _direct_answer(steady, "/v1/chat/completions", body)["message"]["content"]
+    assert len({c.id for c in chunks}) == 1  # one stream, as far as the client can tell
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 10
+    assert usage.prompt_tokens < 30  # the replayed text is not billed as prompt
+    assert (flaky.requests, steady.requests) == (1, 2)  # the second: _direct_answer
+    job = wait_for(
+        lambda: conn.execute(
+            "select status, attempts, completion_tokens, node_id from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert job == ("succeeded", 2, 10, steady.node_id)
+    attempts = conn.execute("select node_id, status, error from job_attempts order by attempt").fetchall()
+    assert [(a[0], a[1]) for a in attempts] == [(flaky.node_id, "failed"), (steady.node_id, "succeeded")]
+    assert "dropped the stream" in attempts[0][2]
+    cooled = conn.execute(
+        "select cooldown_until > now() from nodes where id = %s", (flaky.node_id,)
+    ).fetchone()
+    assert cooled == (True,)
+
+
+def test_a_dropped_completion_stream_goes_on_with_the_prompt_plus_the_text_so_far(
+    fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    fake_nodes("flaky", vram_gb=24, drop_after_chunks=3)
+    steady = fake_nodes("steady", vram_gb=48)
+    body = {"model": LLAMA8, "prompt": "Once upon a time", "max_tokens": 8}
+    chunks = list(client.completions.create(**body, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _direct_answer(steady, "/v1/completions", body)["text"]
+
+
+def test_a_resumed_stream_that_drops_again_with_no_node_left_ends_with_an_error_event(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes("first", vram_gb=24, drop_after_chunks=3)
+    fake_nodes("second", vram_gb=48, drop_after_chunks=2)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3 + 2 + 2 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "upstream_dropped"
+    row = wait_for(
+        lambda: conn.execute(
+            "select status, attempts, completion_tokens from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert row == ("failed", 2, 5)  # what the client received from both nodes is metered
+    statuses = conn.execute("select status from job_attempts order by attempt").fetchall()
+    assert statuses == [("failed",), ("failed",)]
+
+
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_RESUME_STREAMS": False}])
+def test_resuming_streams_can_be_turned_off(fake_nodes: Any, gateway: str, api_key: str) -> None:
+    fake_nodes("flaky", vram_gb=24, drop_after_chunks=3)
+    steady = fake_nodes("steady", vram_gb=48)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "upstream_dropped" and steady.requests == 0
+
+
 def test_all_nodes_failing_is_a_502_and_a_failed_job(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
 ) -> None:
@@ -327,7 +404,7 @@ def test_a_node_refusing_a_stream_passes_the_refusal_through_without_blame(
 
 
 def test_implausible_usage_from_a_node_is_not_believed() -> None:
-    from neuralgrid.gateway.proxy import Usage
+    from neuralgrid.gateway.stream import Usage
 
     assert Usage.parse({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
     for bad in (-1, 10**12, [1], "7", 1.5, True):

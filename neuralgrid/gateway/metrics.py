@@ -40,6 +40,11 @@ class Metrics:
         self.failovers = Counter(
             "neuralgrid_failovers_total", "Moves to a fallback node.", registry=self.registry
         )
+        self.resumes = Counter(
+            "neuralgrid_stream_resumes_total",
+            "Streams a node dropped after their first byte, resumed on another node.",
+            registry=self.registry,
+        )
         self.node_outcomes = Counter(
             "neuralgrid_node_outcomes_total",
             "Attempt outcomes per node.",

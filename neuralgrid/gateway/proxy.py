@@ -1,8 +1,9 @@
 """One request's way through the platform: match in SQL, forward, fail over, relay, meter.
 
 A node that fails before its first byte (refused, timed out, 5xx, 429) is recorded by
-failover_job(), which cools it down and claims the next fallback. After the first byte a stream is
-committed: a node that drops it ends the stream with an OpenAI-style error event.
+failover_job(), which cools it down and claims the next fallback. A node that drops a stream after
+its first byte is handed over the same way (handoff_job()), and the next node goes on with the
+answer so far (see stream.py); when none can, the stream ends with an OpenAI-style error event.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import psycopg
@@ -29,6 +30,7 @@ from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.keys import ApiKey
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.stream import SseEvents, Usage, continuation
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes, NodeError, NodeResponse, NodeTimeout
 from neuralgrid.matching import MATCH_JOB, JobEnd, Match, MatchRequest, match_params
@@ -37,8 +39,8 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 FAILOVER = "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
+HANDOFF = "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::uuid[])"
 CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
-MAX_REPORTED_TOKENS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -52,23 +54,6 @@ class Call:
     max_hourly_rate: float | None = None
     policy: str = "balanced"
     received: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @classmethod
-    def parse(cls, payload: Any) -> Usage | None:
-        """The node's own account of usage, if it is a plausible one (nodes are not trusted)."""
-        usage = payload.get("usage") if isinstance(payload, dict) else None
-        if not isinstance(usage, dict):
-            return None
-        counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
-        if not all(type(c) is int and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):  # not bools
-            return None
-        return cls(counts[0], counts[1])
 
 
 class _ClientError(Exception):
@@ -150,62 +135,47 @@ class Router:
         )
         match = await self._match(call, stream, reserve)
 
-        node_id, url, key, attempt = match.node_id, match.endpoint_url, match.node_key, match.attempt
-        assert node_id is not None and url is not None
-        waited = 0.0  # time spent waiting on nodes, which is not the gateway's overhead
-        sent = time.perf_counter()
+        assert match.node_id is not None and match.endpoint_url is not None
+        node = _Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
+        meter = _Meter(match.job_id, node.id, sent=time.perf_counter())
+        route = _Route(call, upstream_body, match.fallback_ids)
         try:
-            while True:
-                sent = time.perf_counter()
-                try:
-                    upstream, chunks, first = await self._send(
-                        node_id, url, key, PATHS[call.kind], payload, stream
-                    )
-                    break
-                except _Retryable as failure:
-                    waited += time.perf_counter() - sent
-                    self._count(node_id, "failed")
-                    nxt = await self._failover(match.job_id, failure, match.fallback_ids)
-                    if nxt is None:  # failover_job() has ended the job as failed
-                        kind = errors.UpstreamTimeout if failure.timeout else errors.UpstreamFailed
-                        raise kind(f"no node could serve the request; last error: {failure}") from None
-                    self.metrics.failovers.inc()
-                    node_id, url, key, attempt = nxt
-        except errors.GatewayError:
-            raise
+            delivery = await self._deliver(route, meter, node, payload, stream, self._failover)
+        except _NoNodeLeft as gone:  # failover_job() has ended the job as failed
+            kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
+            raise kind(f"no node could serve the request; last error: {gone.failure}") from None
         except _ClientError as refusal:  # passed through; neutral for the node's reputation
-            now = time.perf_counter()
-            self._finish_later(call, _Meter(match.job_id, node_id, sent, now), "cancelled", str(refusal))
+            meter.first_byte = time.perf_counter()
+            self._finish_later(call, meter, "cancelled", str(refusal))
             return Response(
                 refusal.body,
                 status_code=refusal.status,
                 media_type=refusal.media_type,
-                headers={"x-neuralgrid-node": str(node_id), "x-neuralgrid-job": str(match.job_id)},
+                headers={"x-neuralgrid-node": str(meter.node_id), "x-neuralgrid-job": str(match.job_id)},
             )
         except BaseException as err:
             # The client left while a node was thinking (cancelled), or something broke: the job
             # still ends, and the node's slot is given back.
             outcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
             reason = "the client disconnected" if outcome == "cancelled" else f"gateway error: {err!r}"
-            now = time.perf_counter()
-            self._finish_later(call, _Meter(match.job_id, node_id, sent, now), outcome, reason)
+            meter.first_byte = time.perf_counter()
+            self._finish_later(call, meter, outcome, reason)
             raise
 
-        first_byte = time.perf_counter()
-        waited += first_byte - sent
-        overhead = first_byte - call.received - waited
+        meter.first_byte = time.perf_counter()
+        overhead = meter.sent - call.received - delivery.waited
         self.metrics.overhead.observe(overhead)
         headers = {
-            "x-neuralgrid-node": str(node_id),
-            "x-neuralgrid-attempts": str(attempt),
+            "x-neuralgrid-node": str(meter.node_id),
+            "x-neuralgrid-attempts": str(delivery.node.attempt),
             "x-neuralgrid-job": str(match.job_id),
             "x-neuralgrid-overhead-ms": f"{overhead * 1000:.3f}",
         }
-        meter = _Meter(job_id=match.job_id, node_id=node_id, sent=sent, first_byte=first_byte)
         if not stream:
-            return self._complete_response(call, upstream, first, meter, headers)
+            return self._complete_response(call, delivery, meter, headers)
         client_wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-        relay = self._relay(call, upstream, chunks, first, meter, client_wants_usage)
+        events = SseEvents(keep_usage_event=client_wants_usage)
+        relay = self._relay(route, delivery, events, meter)
         return StreamingResponse(relay, media_type="text/event-stream", headers=headers)
 
     async def _match(self, call: Call, stream: bool, reserve: float) -> Match:
@@ -230,12 +200,12 @@ class Router:
         return match
 
     async def _send(
-        self, node_id: UUID, url: str, key: bytes | None, path: str, payload: bytes, stream: bool
+        self, node: _Node, path: str, payload: bytes, stream: bool
     ) -> tuple[NodeResponse, AsyncIterator[bytes], bytes]:
         """Ask one node. Returns once the answer is committed to: a status that is not a failure,
         and the whole body (plain) or its first chunk (streams). Anything before that is _Retryable."""
         try:
-            resp = await self._open(node_id, url, key, path, payload)
+            resp = await self._open(node, path, payload)
             try:
                 if resp.status == 429 or resp.status >= 500 or 300 <= resp.status < 400:
                     body = (await resp.read())[:200].decode(errors="replace")
@@ -256,30 +226,54 @@ class Router:
         except StopAsyncIteration:
             raise _Retryable("the node ended the stream before its first event") from None
 
-    async def _open(
-        self, node_id: UUID, url: str, key: bytes | None, path: str, payload: bytes
-    ) -> NodeResponse:
-        if not url.startswith("tunnel:"):
-            return await self.nodes.post(url.rstrip("/") + path, payload, _node_headers(key, path, payload))
-        tunnel = self.tunnels.get(node_id)
+    async def _open(self, node: _Node, path: str, payload: bytes) -> NodeResponse:
+        if not node.url.startswith("tunnel:"):
+            headers = _node_headers(node.key, path, payload)
+            return await self.nodes.post(node.url.rstrip("/") + path, payload, headers)
+        tunnel = self.tunnels.get(node.id)
         if tunnel is None:
             raise NodeError("the node's tunnel is not connected to this gateway")
         resp = await tunnel.request(path, payload)
         await resp.start(self.settings.first_byte_timeout_s)
         return resp
 
-    async def _failover(
-        self, job_id: UUID, failure: _Retryable, candidates: list[UUID]
-    ) -> tuple[UUID, str, bytes | None, int] | None:
+    async def _deliver(
+        self, route: _Route, meter: _Meter, node: _Node, payload: bytes, stream: bool, move: _Move
+    ) -> _Delivery:
+        """Send to `node`; each time a node fails before its first byte, `move` the job on to the
+        next candidate and send there. The meter follows the job from node to node."""
+        waited = 0.0  # time spent on nodes that failed, which is not the gateway's overhead
+        while True:
+            meter.node_id, meter.sent = node.id, time.perf_counter()
+            try:
+                upstream, chunks, first = await self._send(node, PATHS[route.call.kind], payload, stream)
+                return _Delivery(node, upstream, chunks, first, waited)
+            except _Retryable as failure:
+                waited += time.perf_counter() - meter.sent
+                self._count(node.id, "failed")
+                nxt = await move(meter.job_id, failure, route.candidates)
+                if nxt is None:
+                    raise _NoNodeLeft(failure) from None
+                self.metrics.failovers.inc()
+                node = nxt
+
+    async def _failover(self, job_id: UUID, failure: _Retryable, candidates: list[UUID]) -> _Node | None:
+        """The next node, or None: then failover_job() has ended the job as failed."""
+        return await self._move(FAILOVER, (job_id, str(failure), failure.status, candidates))
+
+    async def _handoff(self, job_id: UUID, failure: _Retryable, candidates: list[UUID]) -> _Node | None:
+        """The next node, or None: then handoff_job() has left the job as it was."""
+        return await self._move(HANDOFF, (job_id, str(failure), candidates))
+
+    async def _move(self, query: str, params: tuple[object, ...]) -> _Node | None:
         async with self.pool.connection() as conn:
-            row = await (
-                await conn.execute(FAILOVER, (job_id, str(failure), failure.status, candidates))
-            ).fetchone()
-        return (row[0], row[1], row[2], row[3]) if row else None
+            row = await (await conn.execute(query, params)).fetchone()
+        return _Node(row[0], row[1], row[2], row[3]) if row else None
 
     def _complete_response(
-        self, call: Call, resp: NodeResponse, content: bytes, meter: _Meter, headers: dict[str, str]
+        self, call: Call, delivery: _Delivery, meter: _Meter, headers: dict[str, str]
     ) -> Response:
+        resp, content = delivery.response, delivery.first
         outcome, error = "succeeded", None
         if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
             outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
@@ -292,24 +286,26 @@ class Router:
         return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)
 
     async def _relay(
-        self,
-        call: Call,
-        resp: NodeResponse,
-        chunks: AsyncIterator[bytes],
-        first: bytes,
-        meter: _Meter,
-        client_wants_usage: bool,
+        self, route: _Route, delivery: _Delivery, events: SseEvents, meter: _Meter
     ) -> AsyncIterator[bytes]:
         outcome, error = "succeeded", None
-        events = _SseEvents(meter, client_wants_usage)
         try:
-            for event in events.feed(first):
-                yield event
-            async for raw in chunks:
-                for event in events.feed(raw):
-                    yield event
-            if not events.done:
-                raise NodeError("the node ended the stream without [DONE]")
+            while True:
+                try:
+                    for event in events.feed(delivery.first):
+                        yield event
+                    async for raw in delivery.chunks:
+                        for event in events.feed(raw):
+                            yield event
+                    if not events.done:
+                        raise NodeError("the node ended the stream without [DONE]")
+                    break
+                except NodeError as err:
+                    await delivery.response.close()
+                    resumed = await self._resume(route, events, meter, err)
+                    if resumed is None:
+                        raise
+                    delivery = resumed
         except NodeError as err:
             outcome, error = "failed", f"the node dropped the stream: {err}"
             body = {
@@ -321,8 +317,35 @@ class Router:
             outcome, error = "cancelled", "the client disconnected"
             raise
         finally:
-            await resp.close()
-            self._finish_later(call, meter, outcome, error)
+            await delivery.response.close()
+            meter.usage = events.usage or Usage(0, events.chunks)
+            self._finish_later(route.call, meter, outcome, error)
+
+    async def _resume(
+        self, route: _Route, events: SseEvents, meter: _Meter, err: NodeError
+    ) -> _Delivery | None:
+        """Go on with a dropped stream on another node, or None when it cannot (then the job
+        ends failed, with the tokens already streamed)."""
+        payload = continuation(route.call.kind, route.body, events) if self.settings.resume_streams else None
+        if payload is None:
+            return None
+        failure = _Retryable(f"the node dropped the stream: {err}")
+        self._count(meter.node_id, "failed")
+        try:
+            node = await self._handoff(meter.job_id, failure, route.candidates)
+            if node is None:
+                return None
+            delivery = await self._deliver(route, meter, node, payload, True, self._handoff)
+        except (_NoNodeLeft, _ClientError):
+            return None
+        except psycopg.Error:
+            log.exception("could not hand job %s to another node", meter.job_id)
+            return None
+        log.info("job %s: stream resumed on node %s after: %s", meter.job_id, meter.node_id, err)
+        self.metrics.failovers.inc()
+        self.metrics.resumes.inc()
+        events.resumed()
+        return delivery
 
     def _finish_later(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
         """Record the end off the request's path (not a BackgroundTask: that would hold the
@@ -334,8 +357,7 @@ class Router:
     async def _finish(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
         """Record the attempt's end: usage, cost, reputation; then charge the token rate limit."""
         now = time.perf_counter()
-        # A node that reports no usage is charged by what was seen: a token per streamed chunk.
-        usage = meter.usage or Usage(0, meter.chunks)
+        usage = meter.usage or Usage()
         end = JobEnd(
             meter.job_id,
             outcome,
@@ -366,51 +388,50 @@ class Router:
 
 @dataclass
 class _Meter:
+    """What a job's end records; follows the job from node to node."""
+
     job_id: UUID
     node_id: UUID
-    sent: float
-    first_byte: float
+    sent: float  # when the current node was asked
+    first_byte: float = 0.0
+    # A node that reports no usage is charged by what was seen: a token per streamed chunk.
     usage: Usage | None = None
-    chunks: int = 0
 
 
-class _SseEvents:
-    """Splits the node's SSE bytes into whole events, notes usage, and drops the usage-only event
-    the gateway asked for on the client's behalf."""
+class _Node(NamedTuple):
+    id: UUID
+    url: str
+    key: bytes | None
+    attempt: int
 
-    def __init__(self, meter: _Meter, keep_usage_event: bool) -> None:
-        self.meter = meter
-        self.keep_usage_event = keep_usage_event
-        self.buffer = b""
-        self.done = False
 
-    def feed(self, raw: bytes) -> list[bytes]:
-        self.buffer += raw
-        out: list[bytes] = []
-        while b"\n\n" in self.buffer:
-            event, self.buffer = self.buffer.split(b"\n\n", 1)
-            if self._keep(event):
-                out.append(event + b"\n\n")
-        return out
+@dataclass(frozen=True)
+class _Route:
+    """A call on its way: the body nodes are sent, and the nodes it may move on to."""
 
-    def _keep(self, event: bytes) -> bool:
-        data = event.removeprefix(b"data: ").strip()
-        if data == b"[DONE]":
-            self.done = True
-            return True
-        self.meter.chunks += 1
-        if b'"usage"' not in data:
-            return True
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            return True
-        usage = Usage.parse(payload)
-        if usage is None:
-            return True
-        self.meter.usage = usage
-        self.meter.chunks -= 1
-        return self.keep_usage_event or bool(payload.get("choices"))
+    call: Call
+    body: dict[str, Any]
+    candidates: list[UUID]
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """A node's committed answer: its response, body chunks and first bytes (plain: the whole body)."""
+
+    node: _Node
+    response: NodeResponse
+    chunks: AsyncIterator[bytes]
+    first: bytes
+    waited: float
+
+
+class _NoNodeLeft(Exception):
+    def __init__(self, failure: _Retryable) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+_Move = Callable[[UUID, _Retryable, list[UUID]], Awaitable[_Node | None]]
 
 
 def _node_headers(key: bytes | None, path: str, payload: bytes) -> dict[str, str]:

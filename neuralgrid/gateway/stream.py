@@ -1,0 +1,158 @@
+"""A node's SSE stream as the gateway relays it: whole events, usage, and the answer so far.
+
+The answer so far is what lets a stream that a node dropped go on on another node: that node is
+sent the conversation plus the text already streamed (`continuation`), and its events are relayed
+as if the first node had gone on (same id, usage counted across both).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_REPORTED_TOKENS = 10_000_000
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def parse(cls, payload: Any) -> Usage | None:
+        """The node's own account of usage, if it is a plausible one (nodes are not trusted)."""
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
+        if not all(type(c) is int and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):  # not bools
+            return None
+        return cls(counts[0], counts[1])
+
+
+class SseEvents:
+    """Splits a node's SSE bytes into whole events; keeps usage, the answer's text and the stream's
+    identity; drops the usage-only event the gateway asked for on the client's behalf."""
+
+    def __init__(self, keep_usage_event: bool) -> None:
+        self.keep_usage_event = keep_usage_event
+        self.buffer = b""
+        self.done = False  # [DONE] seen
+        self.chunks = 0  # events other than usage and [DONE]: a token each, when usage is missing
+        self.usage: Usage | None = None
+        self.text: list[str] = []  # choice 0's text so far
+        self.finished = False  # a choice has its finish_reason: the answer is whole
+        self.plain_text = True  # one choice of text only (no tool calls): an answer one can resume
+        self.identity: dict[str, Any] = {}  # the first event's id and created
+        self.resumes = 0
+        self.carried = 0  # tokens streamed before the last resume
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        self.buffer += raw
+        out: list[bytes] = []
+        while b"\n\n" in self.buffer:
+            event, self.buffer = self.buffer.split(b"\n\n", 1)
+            kept = self._take(event)
+            if kept is not None:
+                out.append(kept + b"\n\n")
+        return out
+
+    def resumed(self) -> None:
+        """The events from here on come from another node, which was sent the answer so far."""
+        self.resumes += 1
+        self.carried = self.tokens()
+        self.buffer = b""
+        self.done = False
+
+    def tokens(self) -> int:
+        """Completion tokens streamed so far, by the node's count if it gave one."""
+        return self.usage.completion_tokens if self.usage else self.chunks
+
+    def _take(self, event: bytes) -> bytes | None:
+        data = event.removeprefix(b"data: ").strip()
+        if data == b"[DONE]":
+            self.done = True
+            return event
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            self.chunks += 1
+            return event
+        choices = payload.get("choices") or []
+        self._note(choices)
+        usage = Usage.parse(payload)
+        if usage is None:
+            self.chunks += 1
+        elif self.resumes:  # what the client would have been told had the first node gone on
+            replayed = self.carried
+            usage = Usage(max(usage.prompt_tokens - replayed, 0), usage.completion_tokens + replayed)
+            payload["usage"] = {**payload["usage"], **_usage_fields(usage)}
+        if usage is not None:
+            self.usage = usage
+            if not (self.keep_usage_event or choices):
+                return None
+        if not self.identity:
+            self.identity = {k: payload[k] for k in ("id", "created") if k in payload}
+            return event
+        if self.resumes:
+            return b"data: " + json.dumps({**payload, **self.identity}).encode()
+        return event
+
+    def _note(self, choices: list[Any]) -> None:
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                self.plain_text = False
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):  # chat
+                if delta.get("tool_calls") or delta.get("function_call"):
+                    self.plain_text = False
+                piece = delta.get("content")
+            else:  # completions
+                piece = choice.get("text")
+            if isinstance(piece, str):
+                self.text.append(piece)
+            if choice.get("finish_reason"):
+                self.finished = True
+
+
+def _usage_fields(usage: Usage) -> dict[str, int]:
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def continuation(kind: str, body: dict[str, Any], events: SseEvents) -> bytes | None:
+    """The request that has another node go on with a dropped stream, or None when it cannot.
+
+    Chat: the conversation plus the answer so far as an open assistant message, with vLLM's
+    `continue_final_message` (the node goes on with that message instead of starting a new one).
+    Completions: the prompt plus the text so far. The token limit shrinks by what was streamed."""
+    if events.finished or not events.plain_text or body.get("n") not in (None, 1) or body.get("echo"):
+        return None
+    text = "".join(events.text)
+    body = dict(body)
+    for limit in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(limit), int):
+            body[limit] -= events.tokens()
+            if body[limit] < 1:
+                return None
+    if not text:  # nothing but a role so far: ask again
+        return json.dumps(body).encode()
+    if kind == "chat":
+        messages = list(body.get("messages") or [])
+        last = messages[-1] if messages else None
+        if body.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant":
+            if not isinstance(last.get("content"), str):
+                return None
+            messages[-1] = {**last, "content": last["content"] + text}  # the client's own prefill
+        else:
+            messages.append({"role": "assistant", "content": text})
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+    elif kind == "completion" and isinstance(body.get("prompt"), str):
+        body["prompt"] += text
+    else:
+        return None
+    return json.dumps(body).encode()
