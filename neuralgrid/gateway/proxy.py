@@ -329,12 +329,12 @@ class Router:
         payload = continuation(route.call.kind, route.body, events) if self.settings.resume_streams else None
         if payload is None:
             return None
-        failure = _Retryable(f"the node dropped the stream: {err}")
-        self._count(meter.node_id, "failed")
+        failure, dropped = _Retryable(f"the node dropped the stream: {err}"), meter.node_id
         try:
             node = await self._handoff(meter.job_id, failure, route.candidates)
             if node is None:
                 return None
+            self._count(dropped, "failed")
             delivery = await self._deliver(route, meter, node, payload, True, self._handoff)
         except (_NoNodeLeft, _ClientError):
             return None
