@@ -210,10 +210,11 @@ def test_a_stream_dropped_mid_way_goes_on_on_another_node(
     assert (flaky.requests, steady.requests) == (1, 2)  # the second: _direct_answer
     job = wait_for(
         lambda: conn.execute(
-            "select status, attempts, completion_tokens, node_id from jobs where status <> 'running'"
+            "select status, attempts, completion_tokens, node_id, ttft_ms >= 0 and latency_ms >= ttft_ms"
+            " from jobs where status <> 'running'"
         ).fetchone()
     )
-    assert job == ("succeeded", 2, 10, steady.node_id)
+    assert job == ("succeeded", 2, 10, steady.node_id, True)  # times: the node that finished
     attempts = conn.execute("select node_id, status, error from job_attempts order by attempt").fetchall()
     assert [(a[0], a[1]) for a in attempts] == [(flaky.node_id, "failed"), (steady.node_id, "succeeded")]
     assert "dropped the stream" in attempts[0][2]

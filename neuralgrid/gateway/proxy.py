@@ -341,6 +341,7 @@ class Router:
         except psycopg.Error:
             log.exception("could not hand job %s to another node", meter.job_id)
             return None
+        meter.first_byte = time.perf_counter()  # the job's end describes the node that finished it
         log.info("job %s: stream resumed on node %s after: %s", meter.job_id, meter.node_id, err)
         self.metrics.failovers.inc()
         self.metrics.resumes.inc()
