@@ -39,26 +39,30 @@ class FakeNodeConfig:
     name: str = "fake-node"
 
 
-def _text_tokens(body: dict[str, Any], n: int) -> list[str]:
-    """The answer: words picked by the prompt's hash, each following from the one before, so that
-    a request continuing an answer goes on as the uninterrupted answer would have (chat: vLLM's
-    `continue_final_message`; completions: a prompt that ends in this node's words)."""
-    prompt, so_far = body.get("messages") or body.get("prompt"), ""
-    if (
-        isinstance(prompt, list)
-        and body.get("continue_final_message")
-        and prompt
-        and isinstance(prompt[-1], dict)
-    ):
-        prompt, so_far = prompt[:-1], str(prompt[-1].get("content") or "")
-    elif isinstance(prompt, str) and prompt.endswith(" "):
-        so_far = prompt
-    last = so_far.split()[-1] if so_far.split() else None
-    if last in WORDS:
-        start = WORDS.index(last) + 7
-    else:
-        start = int.from_bytes(hashlib.sha256(json.dumps(prompt).encode()).digest()[:4], "big")
+def _answer(prompt: object, n: int) -> list[str]:
+    """This node's answer to a prompt: n words picked by the prompt's hash."""
+    start = int.from_bytes(hashlib.sha256(json.dumps(prompt).encode()).digest()[:4], "big")
     return [WORDS[(start + i * 7) % len(WORDS)] + " " for i in range(n)]
+
+
+def _text_tokens(body: dict[str, Any], n: int) -> list[str]:
+    """The next n words. A request that continues this node's own answer exactly (chat: vLLM's
+    `continue_final_message` with the answer so far; completions: the prompt plus the answer so
+    far) gets the rest of that answer, as a model would; anything else is a new prompt."""
+    prompt = body.get("messages") or body.get("prompt")
+    if isinstance(prompt, list) and prompt and body.get("continue_final_message"):
+        so_far = prompt[-1].get("content") if isinstance(prompt[-1], dict) else None
+        if isinstance(so_far, str):
+            done = len(so_far.split())
+            if "".join(_answer(prompt[:-1], done)) == so_far:
+                return _answer(prompt[:-1], done + n)[done:]
+    elif isinstance(prompt, str):
+        original, done = prompt, 0
+        while word := next((w for w in WORDS if original.endswith(w + " ")), None):
+            original, done = original[: -len(word) - 1], done + 1
+            if "".join(_answer(original, done)) == prompt[len(original) :]:
+                return _answer(original, done + n)[done:]
+    return _answer(prompt, n)
 
 
 def _count_prompt_tokens(body: dict[str, object]) -> int:

@@ -255,6 +255,26 @@ def test_a_resumed_stream_that_drops_again_with_no_node_left_ends_with_an_error_
     assert statuses == [("failed",), ("failed",)]
 
 
+def test_a_resume_the_next_node_fails_ends_with_an_error_event_and_is_metered(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes("first", vram_gb=24, drop_after_chunks=3)
+    second = fake_nodes("second", vram_gb=48, failure_rate=1.0)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    with stream_chat(gateway, api_key, body, timeout=10) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3 + 2 and json.loads(events[-2])["error"]["code"] == "upstream_dropped"
+    row = wait_for(
+        lambda: conn.execute(
+            "select status, attempts, completion_tokens, ttft_ms >= 0 from jobs where status <> 'running'"
+        ).fetchone()
+    )
+    assert row == ("failed", 2, 3, True) and second.requests == 1
+    outcome = f'neuralgrid_node_outcomes_total{{node="{second.node_id}",outcome="failed"}}'
+    lines = httpx.get(f"{gateway}/metrics").text.splitlines()
+    assert [line.split()[-1] for line in lines if line.startswith(outcome)] == ["1.0"]  # counted once
+
+
 @pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_RESUME_STREAMS": False}])
 def test_resuming_streams_can_be_turned_off(fake_nodes: Any, gateway: str, api_key: str) -> None:
     fake_nodes("flaky", vram_gb=24, drop_after_chunks=3)

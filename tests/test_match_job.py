@@ -147,6 +147,32 @@ def test_failover_with_no_candidate_left_fails_the_job(conn: psycopg.Connection)
     assert job == ("failed", "HTTP 500")
 
 
+HANDOFF = "select node_id, attempt from handoff_job(%s, 'the node dropped the stream', %s::uuid[])"
+
+
+def test_handoff_moves_a_job_as_failover_does(conn: psycopg.Connection) -> None:
+    first, second = make_node(conn, "first", vram_gb=24), make_node(conn, "second", vram_gb=48)
+    match = match_job(conn, REQUEST)
+    assert conn.execute(HANDOFF, (match.job_id, match.fallback_ids)).fetchall() == [(second, 2)]
+    assert node_state(conn, first)["failures"] == 1 and node_state(conn, first)["cooldown"] is not None
+
+
+def test_handoff_with_no_node_left_changes_nothing(conn: psycopg.Connection) -> None:
+    node = make_node(conn)
+    key = make_key(conn)
+    conn.execute("update api_keys set budget_usd = 1 where id = %s", (key,))
+    match = match_job(conn, REQUEST, api_key_id=key, reserve_usd=0.25)
+    state = (
+        "select (select row(j.*)::text from jobs j), (select array_agg(row(a.*)::text) from job_attempts a),"
+    )
+    state += " (select row(n.*)::text from nodes n), (select row(k.*)::text from api_keys k)"
+    before = conn.execute(state).fetchone()
+    assert conn.execute(HANDOFF, (match.job_id, [])).fetchall() == []
+    assert conn.execute(state).fetchone() == before
+    complete_job(conn, match.job_id, status="failed", completion_tokens=3)  # the job still ends as it was
+    assert node_state(conn, node)["inflight"] == 0
+
+
 def test_cooldown_grows_exponentially_and_is_capped(conn: psycopg.Connection) -> None:
     node = make_node(conn)
     seconds = []

@@ -81,12 +81,6 @@ def test_a_completion_continuation_extends_the_prompt() -> None:
     assert body == {"prompt": "Hi there", "max_tokens": 3}
 
 
-def test_nothing_but_a_role_so_far_asks_again() -> None:
-    events = SseEvents(keep_usage_event=False)
-    events.feed(_sse(_chat_chunk("", role="assistant")))
-    assert json.loads(continuation("chat", CHAT, events) or b"")["messages"] == CHAT["messages"]
-
-
 def test_streams_that_cannot_be_resumed() -> None:
     def after(kind: str, body: dict[str, Any], *chunks: dict[str, Any]) -> bytes | None:
         events = SseEvents(keep_usage_event=False)
@@ -102,3 +96,37 @@ def test_streams_that_cannot_be_resumed() -> None:
     text = {"id": "c", "choices": [{"index": 0, "text": "x"}]}
     assert after("completion", {"prompt": ["a", "b"]}, text) is None
     assert after("completion", {"prompt": "a", "echo": True}, text) is None
+
+
+def test_data_lines_without_a_space_and_keep_alive_comments() -> None:
+    events = SseEvents(keep_usage_event=False)
+    out = events.feed(b": keep-alive\n\n" + b"data:" + json.dumps(_chat_chunk("hi")).encode() + b"\n\n")
+    assert len(out) == 2 and events.chunks == 1 and events.text == ["hi"]
+
+
+def test_after_a_resume_the_next_nodes_usage_is_added_to_what_came_before() -> None:
+    events = SseEvents(keep_usage_event=False)
+    first_usage = {"prompt_tokens": 5, "completion_tokens": 2}
+    events.feed(_sse({**_chat_chunk("a b"), "usage": first_usage}))  # usage on every chunk
+    events.resumed()
+    events.feed(_sse(_chat_chunk(" c"), _chat_chunk(" d")))  # the next node reports none
+    assert events.usage is None and events.tokens() == 2 + 2
+
+
+def test_answers_one_cannot_replay_are_not_resumed() -> None:
+    reasoning = SseEvents(keep_usage_event=False)
+    reasoning.feed(_sse(_chat_chunk(None, reasoning_content="thinking")))
+    assert continuation("chat", CHAT, reasoning) is None
+    for constrained in ({"response_format": {"type": "json_object"}}, {"guided_regex": "[a-z]+"}):
+        events = SseEvents(keep_usage_event=False)
+        events.feed(_sse(_chat_chunk("{")))
+        assert continuation("chat", {**CHAT, **constrained}, events) is None
+    events = SseEvents(keep_usage_event=False)
+    events.feed(_sse(_chat_chunk("plain")))
+    assert continuation("chat", {**CHAT, "response_format": {"type": "text"}}, events) is not None
+
+
+def test_nothing_but_a_role_so_far_asks_again_as_it_was() -> None:
+    events = SseEvents(keep_usage_event=False)
+    events.feed(_sse(_chat_chunk("", role="assistant")))
+    assert json.loads(continuation("chat", CHAT, events) or b"") == CHAT

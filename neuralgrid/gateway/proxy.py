@@ -142,6 +142,7 @@ class Router:
         try:
             delivery = await self._deliver(route, meter, node, payload, stream, self._failover)
         except _NoNodeLeft as gone:  # failover_job() has ended the job as failed
+            self._count(meter.node_id, "failed")
             kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
             raise kind(f"no node could serve the request; last error: {gone.failure}") from None
         except _ClientError as refusal:  # passed through; neutral for the node's reputation
@@ -250,10 +251,10 @@ class Router:
                 return _Delivery(node, upstream, chunks, first, waited)
             except _Retryable as failure:
                 waited += time.perf_counter() - meter.sent
-                self._count(node.id, "failed")
                 nxt = await move(meter.job_id, failure, route.candidates)
-                if nxt is None:
+                if nxt is None:  # counted by whoever ends the job
                     raise _NoNodeLeft(failure) from None
+                self._count(node.id, "failed")
                 self.metrics.failovers.inc()
                 node = nxt
 
@@ -317,9 +318,10 @@ class Router:
             outcome, error = "cancelled", "the client disconnected"
             raise
         finally:
-            await delivery.response.close()
-            meter.usage = events.usage or Usage(0, events.chunks)
+            # Recorded before anything is awaited: a client that left cancels every await here.
+            meter.usage = events.used()
             self._finish_later(route.call, meter, outcome, error)
+            await delivery.response.close()
 
     async def _resume(
         self, route: _Route, events: SseEvents, meter: _Meter, err: NodeError
@@ -336,12 +338,15 @@ class Router:
                 return None
             self._count(dropped, "failed")
             delivery = await self._deliver(route, meter, node, payload, True, self._handoff)
-        except (_NoNodeLeft, _ClientError):
+        except (_NoNodeLeft, _ClientError) as refused:
+            log.warning("job %s: no node went on with the stream: %s", meter.job_id, refused)
             return None
         except psycopg.Error:
             log.exception("could not hand job %s to another node", meter.job_id)
             return None
-        meter.first_byte = time.perf_counter()  # the job's end describes the node that finished it
+        finally:
+            if meter.node_id != dropped:  # the job's end describes the node it ends on
+                meter.first_byte = time.perf_counter()
         log.info("job %s: stream resumed on node %s after: %s", meter.job_id, meter.node_id, err)
         self.metrics.failovers.inc()
         self.metrics.resumes.inc()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_REPORTED_TOKENS = 10_000_000
+# vLLM's request fields for guided decoding (OpenAI's is response_format).
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 @dataclass
@@ -47,6 +49,7 @@ class SseEvents:
         self.identity: dict[str, Any] = {}  # the first event's id and created
         self.resumes = 0
         self.carried = 0  # tokens streamed before the last resume
+        self.chunks_carried = 0  # events streamed before the last resume
 
     def feed(self, raw: bytes) -> list[bytes]:
         self.buffer += raw
@@ -61,16 +64,28 @@ class SseEvents:
     def resumed(self) -> None:
         """The events from here on come from another node, which was sent the answer so far."""
         self.resumes += 1
-        self.carried = self.tokens()
+        self.carried, self.chunks_carried = self.tokens(), self.chunks
+        self.usage = None  # the next node's own account, if it gives one, is added to `carried`
         self.buffer = b""
         self.done = False
 
     def tokens(self) -> int:
-        """Completion tokens streamed so far, by the node's count if it gave one."""
-        return self.usage.completion_tokens if self.usage else self.chunks
+        """Completion tokens streamed so far: the node's count if it gave one (which includes
+        earlier nodes'), else a token per event since the last resume on top of earlier nodes'."""
+        if self.usage:
+            return self.usage.completion_tokens
+        return self.carried + self.chunks - self.chunks_carried
+
+    def used(self) -> Usage:
+        """The stream's usage, for metering: the nodes' account, else counted here."""
+        return self.usage or Usage(0, self.tokens())
 
     def _take(self, event: bytes) -> bytes | None:
-        data = event.removeprefix(b"data: ").strip()
+        # An event's data is its `data:` lines (a space after the colon is optional), joined.
+        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if not lines:  # a comment (keep-alive) or a field we do not use
+            return event
+        data = b"\n".join(lines).strip()
         if data == b"[DONE]":
             self.done = True
             return event
@@ -80,6 +95,7 @@ class SseEvents:
             payload = None
         if not isinstance(payload, dict):
             self.chunks += 1
+            self.plain_text = False  # something we cannot read: no telling what a resume would repeat
             return event
         choices = payload.get("choices") or []
         self._note(choices)
@@ -96,7 +112,6 @@ class SseEvents:
                 return None
         if not self.identity:
             self.identity = {k: payload[k] for k in ("id", "created") if k in payload}
-            return event
         if self.resumes:
             return b"data: " + json.dumps({**payload, **self.identity}).encode()
         return event
@@ -108,8 +123,8 @@ class SseEvents:
                 continue
             delta = choice.get("delta")
             if isinstance(delta, dict):  # chat
-                if delta.get("tool_calls") or delta.get("function_call"):
-                    self.plain_text = False
+                if any(value for key, value in delta.items() if key not in ("role", "content")):
+                    self.plain_text = False  # tool calls, reasoning: not text one can replay
                 piece = delta.get("content")
             else:  # completions
                 piece = choice.get("text")
@@ -132,15 +147,18 @@ def continuation(kind: str, body: dict[str, Any], events: SseEvents) -> bytes | 
     Completions: the prompt plus the text so far. The token limit shrinks by what was streamed."""
     if events.finished or not events.plain_text or body.get("n") not in (None, 1) or body.get("echo"):
         return None
+    form = body.get("response_format")
+    if any(body.get(key) for key in GUIDED) or (isinstance(form, dict) and form.get("type") != "text"):
+        return None  # a grammar restarted mid-answer would not hold: JSON mode, schemas, guided output
     text = "".join(events.text)
+    if not text:  # nothing but a role so far: ask again
+        return json.dumps(body).encode()
     body = dict(body)
     for limit in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(limit), int):
             body[limit] -= events.tokens()
             if body[limit] < 1:
                 return None
-    if not text:  # nothing but a role so far: ask again
-        return json.dumps(body).encode()
     if kind == "chat":
         messages = list(body.get("messages") or [])
         last = messages[-1] if messages else None

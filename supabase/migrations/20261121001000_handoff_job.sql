@@ -17,9 +17,9 @@ begin
     from public.failover_job(p_job_id, p_error, null, p_candidates) f;
     if v_next.node_id is null then
       -- Undo failover_job(): the running attempt, the node's reputation and the job are untouched.
-      raise exception 'no node left' using errcode = 'no_data_found';
+      raise exception 'no node left' using errcode = 'NG404';
     end if;
-  exception when no_data_found then
+  exception when sqlstate 'NG404' then
     return;
   end;
   return query select v_next.node_id, v_next.endpoint_url, v_next.node_key, v_next.attempt;
