@@ -561,7 +561,7 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(gateway, "should_exit", True))
     if demo:
-        backend_url = await demo_fleet.start_backend(tasks)
+        backend_url = await demo_fleet.start_backend(tasks, stop)
         with psycopg.connect(url, autocommit=True) as conn:
             specs = fleet.read_fleet(DEMO_FLEET)[:demo]
             fleet.import_fleet(conn, [s.model_copy(update={"endpoint_url": backend_url}) for s in specs])
@@ -581,7 +581,8 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
         out.print(f"sign in   {link}", soft_wrap=True)
     await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
     stop.set()
-    for task in tasks[:-1]:
+    _, stuck = await asyncio.wait(tasks[:-1], timeout=10) if tasks[:-1] else (set(), set())
+    for task in stuck:
         task.cancel()
     await asyncio.gather(*tasks[:-1], return_exceptions=True)
 

@@ -19,12 +19,21 @@ DEMO_MODELS = (
 )
 
 
-async def start_backend(tasks: list[asyncio.Task[None]]) -> str:
-    """Serve one fake node on a loopback port (its task joins `tasks`); returns its base URL."""
+async def start_backend(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> str:
+    """Serve one fake node on a loopback port until stop (its task joins `tasks`); returns its base URL."""
     port = free_port()
     config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node")
     server = make_server(create_fake_node(config), "127.0.0.1", port)
-    tasks.append(asyncio.create_task(server.serve()))
+    serving = asyncio.create_task(server.serve())
+
+    async def serve_until_stop() -> None:
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        server.should_exit = True  # a graceful shutdown: cancelling uvicorn would log a traceback
+        await serving
+
+    tasks.append(asyncio.create_task(serve_until_stop()))
     while not server.started:
         await asyncio.sleep(0.02)
     return f"http://127.0.0.1:{port}"
