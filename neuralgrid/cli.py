@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -560,31 +561,33 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(gateway, "should_exit", True))
-    if demo:
-        backend_url = await demo_fleet.start_backend(tasks, stop)
-        with psycopg.connect(url, autocommit=True) as conn:
-            specs = fleet.read_fleet(DEMO_FLEET)[:demo]
-            fleet.import_fleet(conn, [s.model_copy(update={"endpoint_url": backend_url}) for s in specs])
-        tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
-    tasks.append(asyncio.create_task(gateway.serve()))
-    while not gateway.started and not tasks[-1].done():
-        await asyncio.sleep(0.05)
-    gateway_url = stack.public_base_url(settings)
-    out.print(f"database  {url}", soft_wrap=True)
-    out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)", soft_wrap=True)
-    realtime_url = gateway_url.replace("http", "ws", 1)
-    out.print(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)", soft_wrap=True)
-    out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
-    if demo:
-        out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
-    if link := signin_link(settings, gateway_url):  # one use, 10 minutes; soft_wrap keeps it one line
-        out.print(f"sign in   {link}", soft_wrap=True)
-    await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
-    stop.set()
-    _, stuck = await asyncio.wait(tasks[:-1], timeout=10) if tasks[:-1] else (set(), set())
-    for task in stuck:
-        task.cancel()
-    await asyncio.gather(*tasks[:-1], return_exceptions=True)
+    # Entered resources (the demo node) stop after the gateway has drained.
+    async with contextlib.AsyncExitStack() as resources:
+        if demo:
+            backend_url = await resources.enter_async_context(demo_fleet.backend())
+            with psycopg.connect(url, autocommit=True) as conn:
+                specs = fleet.read_fleet(DEMO_FLEET)[:demo]
+                fleet.import_fleet(conn, [s.model_copy(update={"endpoint_url": backend_url}) for s in specs])
+            tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
+        tasks.append(asyncio.create_task(gateway.serve()))
+        while not gateway.started and not tasks[-1].done():
+            await asyncio.sleep(0.05)
+        gateway_url = stack.public_base_url(settings)
+        out.print(f"database  {url}", soft_wrap=True)
+        docs = f"{gateway_url}/docs"
+        out.print(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {docs})", soft_wrap=True)
+        realtime_url = gateway_url.replace("http", "ws", 1)
+        out.print(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)", soft_wrap=True)
+        out.print(f"sweeper   every {settings.sweep_interval_s:g}s")
+        if demo:
+            out.print(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
+        if link := signin_link(settings, gateway_url):  # one use, 10 minutes; soft_wrap keeps it one line
+            out.print(f"sign in   {link}", soft_wrap=True)
+        await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
+        stop.set()
+        for task in tasks[:-1]:
+            task.cancel()
+        await asyncio.gather(*tasks[:-1], return_exceptions=True)
 
 
 @app.command("status")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import psycopg
 
 from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.serving import free_port, make_server
+from neuralgrid.serving import free_port, make_server, running
 
 LIVE_DEMO_NODE_IDS = "select id from public.nodes where owner_id is null and status <> 'offline'"
 DEMO_MODELS = (
@@ -19,24 +20,13 @@ DEMO_MODELS = (
 )
 
 
-async def start_backend(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> str:
-    """Serve one fake node on a loopback port until stop (its task joins `tasks`); returns its base URL."""
+@contextlib.asynccontextmanager
+async def backend() -> AsyncIterator[str]:
+    """Serve one fake node on a loopback port while the block runs; yields its base URL."""
     port = free_port()
     config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node")
-    server = make_server(create_fake_node(config), "127.0.0.1", port)
-    serving = asyncio.create_task(server.serve())
-
-    async def serve_until_stop() -> None:
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        server.should_exit = True  # a graceful shutdown: cancelling uvicorn would log a traceback
-        await serving
-
-    tasks.append(asyncio.create_task(serve_until_stop()))
-    while not server.started:
-        await asyncio.sleep(0.02)
-    return f"http://127.0.0.1:{port}"
+    async with running(make_server(create_fake_node(config), "127.0.0.1", port)):
+        yield f"http://127.0.0.1:{port}"
 
 
 async def keep_alive(url: str, stop: asyncio.Event) -> None:

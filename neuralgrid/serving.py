@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -50,6 +50,26 @@ def make_server(app: Any, host: str, port: int, **options: Any) -> Server:
     options = {"ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
     return Server(config)
+
+
+class CannotListen(OSError):
+    """A server that did not start (its port taken, its address not ours)."""
+
+
+@contextlib.asynccontextmanager
+async def running(server: Server) -> AsyncIterator[None]:
+    """Serve on this event loop while the block runs, then shut down as a signal would (cancelling
+    uvicorn's task instead logs a traceback from the app's lifespan)."""
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            raise CannotListen(f"cannot listen on {server.config.host}:{server.config.port}")
+        await asyncio.sleep(0.02)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await serving
 
 
 class ThreadedServer:

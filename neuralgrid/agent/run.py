@@ -17,7 +17,7 @@ from neuralgrid import __version__, signing
 from neuralgrid.agent import gpu
 from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
-from neuralgrid.serving import make_server
+from neuralgrid.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
 REPROBE_EVERY = 6  # heartbeats between looks at the backend's models
@@ -147,16 +147,12 @@ class Agent:
                 await self.front.http.aclose()
             return
         server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            if serving.done():
-                raise AgentError(f"cannot listen on {self.config.listen_host}:{self.config.listen_port}")
-            await asyncio.sleep(0.02)
         try:
-            yield
+            async with running(server):
+                yield
+        except CannotListen as err:
+            raise AgentError(str(err)) from err
         finally:
-            server.should_exit = True
-            await serving
             await self.front.http.aclose()
 
     async def _register(self, http: httpx.AsyncClient, specs: Specs, models: list[str]) -> None:
