@@ -400,8 +400,7 @@ class _Meter:
     node_id: UUID
     sent: float  # when the current node was asked
     first_byte: float = 0.0
-    # A node that reports no usage is charged by what was seen: a token per streamed chunk.
-    usage: Usage | None = None
+    usage: Usage | None = None  # set when the answer is over (SseEvents.used() for streams)
 
 
 class _Node(NamedTuple):
