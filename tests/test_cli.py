@@ -251,3 +251,30 @@ def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Pat
     for r in report["results"]:
         assert r["lost"] == 0 and r["delivered"] == r["expected"] == 20 * r["subscribers"]
         assert 0 < r["p50_ms"] <= r["p99_ms"]
+
+
+def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A small run of `neuralgrid bench gateway`: a fake node, the relay and a gateway, each a process."""
+    out_file = tmp_path / "gateway.json"
+    code, out, err = run(
+        db_url, "bench", "gateway", "--callers", "1,2", "--requests", "8", "--out", str(out_file)
+    )
+    assert code == 0, out + err
+    assert "gateway +p50" in out and "relay +p50" in out
+    report = json.loads(out_file.read_text())
+    assert [(r["stream"], r["callers"]) for r in report["results"]] == [
+        (False, 1),
+        (False, 2),
+        (True, 1),
+        (True, 2),
+    ]
+    for r in report["results"]:
+        for target in ("direct", "relay", "gateway"):
+            assert r[target]["errors"] == 0 and r[target]["rps"] > 0
+            assert 0 < r[target]["p50_ms"] <= r[target]["p99_ms"]
+        assert r["added_p50_ms"] == round(r["gateway"]["p50_ms"] - r["direct"]["p50_ms"], 3)
+        assert r["relay_added_p50_ms"] == round(r["relay"]["p50_ms"] - r["direct"]["p50_ms"], 3)
+    code, _, err = run(db_url, "bench", "gateway", "--callers", "0")
+    assert code == 1 and "must be positive" in err

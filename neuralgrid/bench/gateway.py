@@ -1,8 +1,10 @@
 """`neuralgrid bench gateway`: the same load sent straight to a fake node and through the gateway.
 
-Three processes besides this one's load generator: Postgres, the fake node and the gateway (`neuralgrid
-up` against a scratch database). Each case runs direct first, then through the gateway (auth, match,
-proxy, metering), and reports the latency the gateway adds and the requests per second of each.
+Four processes besides this one's load generator: Postgres, the fake node, a bare relay in front of it
+(bench/relay.py: one more HTTP hop through Python, nothing else) and the gateway (`neuralgrid up`
+against a scratch database). Each case sends the same load straight to the node, through the relay
+and through the gateway (auth, match, proxy, metering), in alternating rounds, and reports the latency
+the relay and the gateway add and the requests per second of each.
 """
 
 from __future__ import annotations
@@ -90,37 +92,85 @@ async def send_load(
         return samples, time.perf_counter() - t0, failed
 
 
+ROUNDS = 4  # each case alternates its targets round by round, so that drift spreads over all three
+
+
 def run(
     admin_url: str, callers: list[int], requests: int, progress: Callable[[str], None] = lambda _: None
 ) -> list[dict[str, Any]]:
-    node_port, gateway_port = free_port(), free_port()
-    node_url, gateway_url = f"http://127.0.0.1:{node_port}", f"http://127.0.0.1:{gateway_port}"
+    node_port, relay_port, gateway_port = free_port(), free_port(), free_port()
+    node_url = f"http://127.0.0.1:{node_port}"
+    relay_url, gateway_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{gateway_port}"
     with scratch_database(admin_url, SCRATCH_DB) as db_url:
         key = _fill(db_url, node_url)
         env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
         cli = [sys.executable, "-m", "neuralgrid.cli"]
-        auth = {"authorization": f"Bearer {key}"}
+        relay = [
+            sys.executable,
+            "-m",
+            "neuralgrid.bench.relay",
+            "--node",
+            node_url,
+            "--port",
+            str(relay_port),
+        ]
+        targets = {
+            "direct": (node_url, {}),
+            "relay": (relay_url, {}),
+            "gateway": (gateway_url, {"authorization": f"Bearer {key}"}),
+        }
         results: list[dict[str, Any]] = []
         with (
             served([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models"),
+            served(relay, env, relay_url),
             served([*cli, "up"], env, f"{gateway_url}/readyz"),
         ):
             for stream in (False, True):
                 for n in callers:
                     total = requests if n == 1 else requests * 4
-                    progress(f"{'stream' if stream else 'plain'} x{n}: direct, then through the gateway")
-                    direct = run_fast(send_load(f"{node_url}/v1/chat/completions", {}, stream, n, total))
-                    via = run_fast(send_load(f"{gateway_url}/v1/chat/completions", auth, stream, n, total))
-                    d, g = percentiles(direct[0]), percentiles(via[0])
+                    progress(
+                        f"{'stream' if stream else 'plain'} x{n}: direct, relay and gateway, {ROUNDS} rounds"
+                    )
+                    runs = _alternate(targets, stream, n, max(n, total // ROUNDS))
+                    d, r, g = (runs[name] for name in targets)
                     results.append(
                         {
                             "stream": stream,
                             "callers": n,
                             "requests": total,
-                            "direct": {**d, "rps": round(len(direct[0]) / direct[1], 1), "errors": direct[2]},
-                            "gateway": {**g, "rps": round(len(via[0]) / via[1], 1), "errors": via[2]},
+                            **runs,
                             "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
                             "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
+                            "relay_added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3),
+                            "relay_added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3),
                         }
                     )
     return results
+
+
+def _alternate(
+    targets: dict[str, tuple[str, dict[str, str]]], stream: bool, callers: int, per_round: int
+) -> dict[str, dict[str, Any]]:
+    """The same load sent to each target in turn, ROUNDS times, the order reversed every round;
+    each target's latencies and time pooled over its rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in targets}
+    wall = dict.fromkeys(targets, 0.0)
+    errors = dict.fromkeys(targets, 0)
+    names = list(targets)
+    for i in range(ROUNDS):
+        for name in names if i % 2 == 0 else names[::-1]:
+            url, headers = targets[name]
+            lat, took, failed = run_fast(
+                send_load(f"{url}/v1/chat/completions", headers, stream, callers, per_round)
+            )
+            samples[name] += lat
+            wall[name] += took
+            errors[name] += failed
+    return {
+        name: {
+            **percentiles(samples[name]),
+            "rps": round(len(samples[name]) / wall[name], 1),
+            "errors": errors[name],
+        }
+        for name in targets
+    }
