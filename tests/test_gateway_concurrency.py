@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -146,6 +148,33 @@ def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
         0,
     )
     assert conn.execute("select spent_usd > 0 from api_keys").fetchone() == (True,)
+
+
+def test_a_client_leaving_before_the_first_byte_of_a_stream_leaves_a_finished_job(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """The client hangs up while the node is still thinking: the gateway then returns its streaming
+    response to a client already gone, and Starlette never starts the relay. The job must still end
+    at once, its node's slot free (not an hour later, when the sweeper finds it)."""
+    node = fake_nodes(latency_s=0.5, tokens_per_s=50)
+    body = json.dumps({"model": LLAMA8, "messages": MESSAGES, "max_tokens": 20, "stream": True}).encode()
+    host, port = gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {api_key}\r\n"
+        sock.sendall(
+            f"{head}content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+        )
+        wait_for(
+            lambda: conn.execute("select count(*) from jobs where status = 'running'").fetchone() == (1,)
+        )
+    row = wait_for(
+        lambda: conn.execute("select status, error from jobs where status <> 'running'").fetchone(), timeout=5
+    )
+    assert row == ("cancelled", "the client disconnected")
+    wait_for(
+        lambda: conn.execute("select inflight from nodes where id = %s", (node.node_id,)).fetchone() == (0,)
+    )
+    assert conn.execute("select failures from nodes where id = %s", (node.node_id,)).fetchone() == (0,)
 
 
 @pytest.mark.parametrize(
