@@ -150,7 +150,7 @@ def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
     assert conn.execute("select spent_usd > 0 from api_keys").fetchone() == (True,)
 
 
-def test_a_client_leaving_before_the_first_byte_of_a_stream_leaves_a_finished_job(
+def test_a_stream_whose_client_left_before_its_first_byte_ends_at_once(
     conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
 ) -> None:
     """The client hangs up while the node is still thinking: the gateway then returns its streaming
