@@ -1,4 +1,4 @@
-"""`neuralgrid bench gateway`: the same load sent straight to a fake node and through the gateway.
+"""`neuralgrid bench gateway`: the same load sent to a fake node, through a bare relay, through the gateway.
 
 Four processes besides this one's load generator: Postgres, the fake node, a bare relay in front of it
 (bench/relay.py: one more HTTP hop through Python, nothing else) and the gateway (`neuralgrid up`
