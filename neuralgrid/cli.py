@@ -690,8 +690,23 @@ def node_run(
         float, typer.Option(envvar="NEURALGRID_NODE_PRICE", help="Your price, USD per hour.")
     ] = 0.5,
     max_concurrency: Annotated[
-        int, typer.Option(envvar="NEURALGRID_NODE_MAX_CONCURRENCY", help="Requests at once.")
-    ] = 4,
+        int | None,
+        typer.Option(
+            envvar="NEURALGRID_NODE_MAX_CONCURRENCY",
+            min=1,
+            max=1024,
+            help="Requests at once (default: what the server runs at once, when it says; else 4).",
+        ),
+    ] = None,
+    model_alias: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model-alias",
+            envvar="NEURALGRID_NODE_MODEL_ALIASES",
+            help="SERVED=CATALOG: serve the model the server calls SERVED as the catalog's CATALOG"
+            " (its price and VRAM apply). Repeat for several.",
+        ),
+    ] = None,
     listen_port: Annotated[
         int, typer.Option(envvar="NEURALGRID_NODE_PORT", help="Port the agent listens on (direct mode).")
     ] = 8001,
@@ -724,8 +739,13 @@ def node_run(
     """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
     import socket
 
+    from neuralgrid.agent.backend import BackendError, parse_aliases
     from neuralgrid.agent.run import Agent, AgentConfig, AgentError
 
+    try:
+        aliases = parse_aliases(model_alias or [])
+    except BackendError as err:
+        raise fail(str(err)) from err
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = AgentConfig(
@@ -744,6 +764,7 @@ def node_run(
         latitude=latitude,
         longitude=longitude,
         tunnel=tunnel,
+        model_aliases=aliases,
     )
 
     async def main() -> None:

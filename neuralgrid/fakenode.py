@@ -3,6 +3,12 @@
 Tests and `neuralgrid up --demo` run it on loopback ports. It answers chat, completions and
 embeddings (with `stream: true` as SSE) with deterministic text, and can be told to be slow, to fail,
 or to drop a stream half-way, so that the gateway's failover and metering can be exercised for real.
+
+By default it behaves like vLLM where the platform cares. `FakeNodeConfig.like()` makes it behave
+like llama.cpp's server or llama-cpp-python's instead, in each way the backend conformance suite
+(tests/test_backends.py) found them to differ, and the suite holds each preset against the real
+server: the endpoints that identify it, its parallelism, usage in streams, whether it continues an
+open assistant message, what it answers to bad parameters, and whether a new request cuts a stream.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -37,6 +43,28 @@ class FakeNodeConfig:
     drop_after_chunks: int | None = None  # close a stream after this many chunks
     default_max_tokens: int = 16
     name: str = "fake-node"
+    kind: str = "vllm"  # whose identifying endpoints it serves: vllm, llama.cpp or llama-cpp-python
+    usage_in_streams: bool = True  # send usage in a stream that asks for it
+    continues: bool = True  # honour continue_final_message (else: a new answer)
+    parallel: int = 0  # requests run at once; more wait their turn (0: no limit)
+    interrupts: bool = False  # a new request ends a running stream early, without a finish_reason
+    bad_request_status: int = 400  # the answer to a parameter of the wrong type
+
+    @classmethod
+    def like(cls, kind: str, **knobs: Any) -> FakeNodeConfig:
+        """A fake that behaves like `kind` ("llama.cpp" or "llama-cpp-python"), as measured."""
+        presets: dict[str, dict[str, Any]] = {
+            "llama.cpp": {"parallel": 4},
+            "llama-cpp-python": {
+                "usage_in_streams": False,
+                "continues": False,
+                "parallel": 1,
+                "interrupts": True,
+                "bad_request_status": 500,
+            },
+            "vllm": {},
+        }
+        return cls(**{"kind": kind, **presets[kind], **knobs})
 
 
 def _answer(prompt: object, n: int) -> list[str]:
@@ -45,16 +73,16 @@ def _answer(prompt: object, n: int) -> list[str]:
     return [WORDS[(start + i * 7) % len(WORDS)] + " " for i in range(n)]
 
 
-def _text_tokens(body: dict[str, Any], n: int) -> list[str]:
+def _text_tokens(body: dict[str, Any], n: int, continues: bool = True) -> list[str]:
     """The next n words. A request that continues this node's own answer exactly (chat: vLLM's
     `continue_final_message` with the answer so far; completions: the prompt plus the answer so
     far) gets the rest of that answer, as a model would; anything else is a new prompt."""
     prompt = body.get("messages") or body.get("prompt")
-    if isinstance(prompt, list) and prompt and body.get("continue_final_message"):
+    if isinstance(prompt, list) and prompt and body.get("continue_final_message") and continues:
         so_far = prompt[-1].get("content") if isinstance(prompt[-1], dict) else None
         if isinstance(so_far, str):
             done = len(so_far.split())
-            if "".join(_answer(prompt[:-1], done)) == so_far:
+            if "".join(_answer(prompt[:-1], done)).rstrip() == so_far.rstrip():
                 return _answer(prompt[:-1], done + n)[done:]
     elif isinstance(prompt, str):
         original, done = prompt, 0
@@ -76,6 +104,8 @@ def _error(status: int, message: str) -> JSONResponse:
 
 async def _models(request: Request) -> Response:
     config: FakeNodeConfig = request.app.state.config
+    if config.interrupts:  # llama-cpp-python's GET /v1/models waits for the model, cutting a stream
+        request.app.state.fake.interrupt()
     data = [{"id": m, "object": "model", "created": 0, "owned_by": config.name} for m in config.models]
     return JSONResponse({"object": "list", "data": data})
 
@@ -89,22 +119,42 @@ async def _generate(request: Request, kind: str) -> Response:
         return _error(400, "body is not JSON")
     if config.failure_rate and random.random() < config.failure_rate:
         return _error(config.fail_status, f"{config.name} failed on purpose")
+    for param in ("temperature", "top_p"):
+        if param in body and (isinstance(body[param], bool) or not isinstance(body[param], int | float)):
+            return _error(config.bad_request_status, f"{param} must be a number")
+    state: _State = request.app.state.fake
+    if config.interrupts:  # what llama-cpp-python does to a running stream when another request comes
+        state.interrupt()
+    slot = await state.take_slot(config.parallel)
+    try:
+        return await _answer_request(config, state, body, kind, slot)
+    except BaseException:
+        slot.release()
+        raise
+
+
+async def _answer_request(
+    config: FakeNodeConfig, state: _State, body: dict[str, Any], kind: str, slot: _Slot
+) -> Response:
     if config.latency_s:
         await asyncio.sleep(config.latency_s)
     model = str(body.get("model", config.models[0]))
     prompt_tokens = _count_prompt_tokens(body)
     if kind == "embedding":
+        slot.release()
         return JSONResponse(_embeddings(body, model, prompt_tokens))
     n = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
-    tokens = _text_tokens(body, n)
+    tokens = _text_tokens(body, n, config.continues)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        stream = _stream(config, kind, ident, model, tokens, usage if include_usage else None)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        include_usage = include_usage and config.usage_in_streams
+        stream = _stream(config, state, kind, ident, model, tokens, usage if include_usage else None)
+        return StreamingResponse(_holding(slot, stream), media_type="text/event-stream")
     if config.tokens_per_s:
         await asyncio.sleep(n / config.tokens_per_s)
+    slot.release()
     text = "".join(tokens)
     if kind == "chat":
         choice: dict[str, object] = {
@@ -126,8 +176,17 @@ async def _generate(request: Request, kind: str) -> Response:
     )
 
 
+async def _holding(slot: _Slot, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        slot.release()
+
+
 async def _stream(
     config: FakeNodeConfig,
+    state: _State,
     kind: str,
     ident: str,
     model: str,
@@ -136,7 +195,30 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     created = int(time.time())
+    interrupted = asyncio.Event()
+    state.streams.add(interrupted)
+    try:
+        async for event in _events(config, kind, ident, obj, created, model, tokens, usage, interrupted):
+            yield event
+    finally:
+        state.streams.discard(interrupted)
+
+
+async def _events(
+    config: FakeNodeConfig,
+    kind: str,
+    ident: str,
+    obj: str,
+    created: int,
+    model: str,
+    tokens: list[str],
+    usage: dict[str, int] | None,
+    interrupted: asyncio.Event,
+) -> AsyncIterator[bytes]:
     for i, token in enumerate(tokens):
+        if interrupted.is_set():  # ended early: [DONE] without a finish_reason, as llama-cpp-python does
+            yield b"data: [DONE]\n\n"
+            return
         if config.drop_after_chunks is not None and i >= config.drop_after_chunks:
             raise ConnectionError(f"{config.name} dropped the stream on purpose")
         if config.tokens_per_s:
@@ -185,15 +267,77 @@ async def _embed(request: Request) -> Response:
     return await _generate(request, "embedding")
 
 
+class _Slot:
+    """A request's place in the fake's parallelism: released once, when its answer is over."""
+
+    def __init__(self, semaphore: asyncio.Semaphore | None) -> None:
+        self.semaphore = semaphore
+
+    def release(self) -> None:
+        if self.semaphore is not None:
+            self.semaphore.release()
+            self.semaphore = None
+
+
+@dataclass
+class _State:
+    streams: set[asyncio.Event] = field(default_factory=set)
+    slots: asyncio.Semaphore | None = None  # made on the server's own loop, at the first request
+
+    def interrupt(self) -> None:
+        for stream in self.streams:
+            stream.set()
+
+    async def take_slot(self, parallel: int) -> _Slot:
+        if not parallel:
+            return _Slot(None)
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(parallel)
+        await self.slots.acquire()
+        return _Slot(self.slots)
+
+
+async def _identity(request: Request) -> Response:
+    """The endpoint that tells which server this is, shaped like the server the fake mimics."""
+    config: FakeNodeConfig = request.app.state.config
+    path = request.url.path
+    if config.kind == "llama.cpp" and path == "/props":
+        return JSONResponse({"total_slots": config.parallel or 1, "build_info": "fake"})
+    if config.kind == "llama-cpp-python" and path == "/openapi.json":
+        return JSONResponse({"openapi": "3.1.0", "info": {"title": "🦙 llama.cpp Python API (fake)"}})
+    if config.kind == "vllm" and path == "/version":
+        return JSONResponse({"version": "fake"})
+    if path == "/health" and config.kind != "llama-cpp-python":
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"detail": "Not Found"}, 404)
+
+
+async def _tokenize(request: Request) -> Response:
+    """A word is a token here (the fake's answers are words), counted as each server's API has it."""
+    body = await request.json()
+    text = str(body.get("content") or body.get("prompt") or body.get("input") or "")
+    count = len(text.split())
+    if request.url.path == "/extras/tokenize/count":
+        return JSONResponse({"count": count})
+    if request.url.path == "/tokenize" and "content" in body:
+        return JSONResponse({"tokens": list(range(count))})
+    return JSONResponse({"count": count, "tokens": list(range(count))})
+
+
 def create_fake_node(config: FakeNodeConfig | None = None) -> Starlette:
+    config = config or FakeNodeConfig()
     app = Starlette(
         routes=[
             Route("/v1/models", _models),
             Route("/v1/chat/completions", _chat, methods=["POST"]),
             Route("/v1/completions", _completions, methods=["POST"]),
             Route("/v1/embeddings", _embed, methods=["POST"]),
+            *(Route(path, _identity) for path in ("/props", "/openapi.json", "/version", "/health")),
+            Route("/tokenize", _tokenize, methods=["POST"]),
+            Route("/extras/tokenize/count", _tokenize, methods=["POST"]),
         ]
     )
-    app.state.config = config or FakeNodeConfig()
+    app.state.config = config
     app.state.requests = 0
+    app.state.fake = _State()
     return app

@@ -6,10 +6,13 @@ import itertools
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import httpx
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from neuralgrid.db import migrate
 from neuralgrid.db.embedded import EmbeddedPostgres
@@ -185,6 +189,13 @@ def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
         config = FakeNodeConfig(**knobs)
         server = ThreadedServer(create_fake_node(config)).start()
         started.append(server)
+        # What an agent would have verified of this fake (tests without an agent register it directly).
+        found = {
+            "kind": config.kind,
+            "continues": config.continues,
+            "usage_in_streams": config.usage_in_streams,
+        }
+        node_fields.setdefault("backend", Jsonb(found))
         node_id = make_node(conn, name, models=models, endpoint_url=server.url, **node_fields)
         return FakeNode(server, node_id, config)
 
@@ -224,3 +235,63 @@ def client(gateway: str, api_key: str) -> Iterator[Any]:
 
     with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0, timeout=20) as sdk:
         yield sdk
+
+
+# Node agents: `neuralgrid node run` in its own process, as an owner runs it ------------------------
+
+
+@pytest.fixture
+def platform(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
+    """A gateway that sweeps, with 0.3 s heartbeats (offline after 0.9 s of silence)."""
+    conn.execute("update platform_settings set heartbeat_interval_s = 0.3")
+    from neuralgrid.config import Settings
+    from neuralgrid.gateway.app import create_app
+    from neuralgrid.serving import ThreadedServer
+
+    settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=5)
+    with ThreadedServer(create_app(settings, db_url)) as gateway:
+        yield gateway.url
+
+
+@pytest.fixture
+def operator_key(conn: psycopg.Connection) -> str:
+    row = conn.execute("select api_key from create_api_key('operator')").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def agent_command(gateway: str, token: str, backend_url: str, *flags: str) -> list[str]:
+    """`neuralgrid node run` as an owner would type it."""
+    cli = [sys.executable, "-m", "neuralgrid.cli", "node", "run", "--gpu-model", "NVIDIA GeForce RTX 4090"]
+    return [*cli, "--gateway", gateway, "--token", token, "--backend", backend_url, *flags]
+
+
+@contextmanager
+def running_agent(
+    conn: psycopg.Connection,
+    gateway: str,
+    token: str,
+    backend_url: str,
+    name: str = "box",
+    vram_gb: int = 24,
+    *extra: str,
+) -> Iterator[subprocess.Popen[str]]:
+    """The agent in its own process, yielded once its node is online, always stopped afterwards."""
+    port = free_port()
+    flags = f"--name {name} --region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb}".split()
+    args = agent_command(gateway, token, backend_url, *flags, "--tflops", "165", *extra)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def node_row(conn: psycopg.Connection, name: str) -> Any:
+    return conn.execute(
+        "select id, status, endpoint_url, secret_hash is not null, last_heartbeat_at from nodes where name = %s",
+        (name,),
+    ).fetchone()

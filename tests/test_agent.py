@@ -6,10 +6,9 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,12 +21,13 @@ import respx
 
 from neuralgrid import signing
 from neuralgrid.agent import gpu
-from neuralgrid.agent.run import AgentConfig, AgentError, probe_backend, resolve_specs
+from neuralgrid.agent.backend import Backend, BackendError, parse_aliases
+from neuralgrid.agent.run import AgentConfig, AgentError, resolve_specs
 from neuralgrid.config import Settings
 from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.gateway.app import create_app
 from neuralgrid.serving import ThreadedServer
-from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
+from tests.conftest import LLAMA8, agent_command, make_node, node_row, running_agent, stream_chat, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -93,39 +93,79 @@ def test_without_a_gpu_the_agent_never_invents_one() -> None:
     assert resolve_specs(explicit).vram_gb == 24
 
 
-# The backend probe (respx: edge cases of outbound HTTP) ---------------------------------------
+# What the agent finds behind it: recorded answers of servers that cannot run here (respx) -----
+
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "recorded_backends.json").read_text())
+
+
+def mock_server(base: str, kind: str) -> None:
+    """Every GET and POST the agent makes answered as the recorded server answered; the rest 404."""
+    # A variant recorded for one request body ("POST /tokenize (add_special_tokens false)") first.
+    for route, answer in sorted(RECORDED[kind]["responses"].items(), key=lambda kv: " (" not in kv[0]):
+        method, path = route.split(" ", 1)
+        pattern = {"json": answer["request"]} if " (" in path else {}
+        url = base + path.split(" (")[0]
+        if "json" in answer:
+            respx.request(method, url, **pattern).respond(answer["status"], json=answer["json"])
+        else:
+            respx.request(method, url, **pattern).respond(answer["status"], text=answer.get("text", ""))
+    respx.route(host=base.split("//")[1].split(":")[0]).respond(404, json={"detail": "Not Found"})
+
+
+@pytest.mark.parametrize(
+    ("kind", "parallel", "health"),
+    [
+        ("vllm", None, "/health"),
+        ("sglang", 2048, "/health"),
+        ("tgi", 128, "/health"),
+        ("ollama", None, "/api/version"),
+    ],
+)
+@respx.mock
+async def test_the_agent_tells_recorded_servers_apart(kind: str, parallel: int | None, health: str) -> None:
+    mock_server("http://gpu:8000", kind)
+    backend = Backend("http://gpu:8000")
+    try:
+        info = await backend.detect()
+        assert (info.kind, info.parallel, backend.kind.health) == (kind, parallel, health)
+        assert info.version and not info.interrupts
+        assert await backend.models() == [
+            m["id"] for m in RECORDED[kind]["responses"]["GET /v1/models"]["json"]["data"]
+        ]
+        assert await backend.healthy()
+        if kind in ("vllm", "tgi"):  # the server's own tokenizer, special tokens not counted
+            assert await backend._count(RECORDED[kind]["model"], "Hello world") == 2
+    finally:
+        await backend.aclose()
 
 
 @respx.mock
-async def test_probe_reads_models_and_refuses_what_is_not_openai() -> None:
+async def test_the_agent_says_what_is_wrong_with_a_backend() -> None:
     respx.get("http://vllm:8000/v1/models").respond(200, json={"data": [{"id": "a"}, {"id": "b"}]})
     respx.get("http://web:80/v1/models").respond(404, html="<h1>Not Found</h1>")
-    respx.get("http://down:1/v1/models").mock(side_effect=httpx.ConnectError("refused"))
+    respx.route(host="web").respond(404)
+    respx.route(host="down").mock(side_effect=httpx.ConnectError("refused"))
     async with httpx.AsyncClient() as http:
-        assert await probe_backend(http, "http://vllm:8000") == ["a", "b"]
-        with pytest.raises(AgentError, match="not OpenAI-compatible: GET /v1/models gave HTTP 404"):
-            await probe_backend(http, "http://web:80")
-        with pytest.raises(AgentError, match="unreachable"):
-            await probe_backend(http, "http://down:1")
+        assert await Backend("http://vllm:8000", http).models() == ["a", "b"]
+        web = Backend("http://web:80", http)
+        assert (await web.detect()).kind == "openai"  # not one it knows: the owner says the rest
+        with pytest.raises(BackendError, match="not OpenAI-compatible: GET /v1/models gave HTTP 404"):
+            await web.models()
+        with pytest.raises(BackendError, match="unreachable"):
+            await Backend("http://down:1", http).detect()
+        assert not await Backend("http://down:1", http).healthy()
+
+
+def test_model_aliases_are_parsed_or_refused_in_one_line() -> None:
+    assert parse_aliases(["/models/smol.gguf=HuggingFaceTB/SmolLM2-135M-Instruct"]) == {
+        "/models/smol.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"
+    }
+    with pytest.raises(BackendError, match="write SERVED=CATALOG"):
+        parse_aliases(["just-a-name"])
 
 
 # The agent for real: a subprocess against a running gateway and a fake backend ----------------
-
-
-@pytest.fixture
-def platform(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
-    """A gateway that sweeps, with 0.3 s heartbeats (offline after 0.9 s of silence)."""
-    conn.execute("update platform_settings set heartbeat_interval_s = 0.3")
-    settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=5)
-    with ThreadedServer(create_app(settings, db_url)) as gateway:
-        yield gateway.url
-
-
-@pytest.fixture
-def operator_key(conn: psycopg.Connection) -> str:
-    row = conn.execute("select api_key from create_api_key('operator')").fetchone()
-    assert row is not None
-    return str(row[0])
 
 
 @pytest.fixture
@@ -134,47 +174,12 @@ def backend() -> Iterator[ThreadedServer]:
         yield server
 
 
-def agent_command(gateway: str, token: str, backend_url: str, *flags: str) -> list[str]:
-    """`neuralgrid node run` as an owner would type it."""
-    cli = [sys.executable, "-m", "neuralgrid.cli", "node", "run", "--gpu-model", "NVIDIA GeForce RTX 4090"]
-    return [*cli, "--gateway", gateway, "--token", token, "--backend", backend_url, *flags]
-
-
-@contextmanager
-def running_agent(
-    conn: psycopg.Connection,
-    gateway: str,
-    token: str,
-    backend_url: str,
-    name: str = "box",
-    vram_gb: int = 24,
-    *extra: str,
-) -> Iterator[subprocess.Popen[str]]:
-    """The agent in its own process, yielded once its node is online, always stopped afterwards."""
-    port = free_port()
-    flags = f"--name {name} --region eu-west --price 0.3 --listen-port {port} --vram-gb {vram_gb}".split()
-    args = agent_command(gateway, token, backend_url, *flags, "--tflops", "165", *extra)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(lambda: (node_row(conn, name) or (0, ""))[1] == "online", timeout=20)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.communicate(timeout=30)
-
-
-def node_row(conn: psycopg.Connection, name: str) -> Any:
-    return conn.execute(
-        "select id, status, endpoint_url, secret_hash is not null, last_heartbeat_at from nodes where name = %s",
-        (name,),
-    ).fetchone()
-
-
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
     with running_agent(conn, platform, operator_key, backend.url):
+        warm_ups = backend.app.state.requests  # the agent's own: a warm-up and a continuation check
+        assert warm_ups == 2
         node_id, _, endpoint, has_secret, first_beat = node_row(conn, "box")
         assert endpoint.startswith("http://127.0.0.1:") and has_secret
         models = conn.execute(
@@ -186,14 +191,14 @@ def test_an_agent_joins_serves_signed_requests_and_refuses_others(
         with openai.OpenAI(base_url=f"{platform}/v1", api_key=operator_key, max_retries=0) as sdk:
             raw = sdk.chat.completions.with_raw_response.create(model=LLAMA8, messages=MESSAGES, max_tokens=3)
             assert raw.headers["x-neuralgrid-node"] == str(node_id) and raw.parse().choices[0].message.content
-        assert backend.app.state.requests == 1
+        assert backend.app.state.requests == warm_ups + 1
 
         body = json.dumps({"model": LLAMA8, "messages": MESSAGES}).encode()
         url = f"{endpoint}/v1/chat/completions"
         assert httpx.post(url, content=body).status_code == 401
         forged = signing.sign(signing.node_key("not-the-secret"), "/v1/chat/completions", body)
         assert httpx.post(url, content=body, headers={signing.HEADER: forged}).status_code == 401
-        assert backend.app.state.requests == 1  # nothing unsigned reached the backend
+        assert backend.app.state.requests == warm_ups + 1  # nothing unsigned reached the backend
 
 
 def test_a_killed_agent_fails_over_and_goes_offline_in_time(
@@ -379,7 +384,7 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
                 sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, stream=True)
             )
             assert len(chunks) == 4
-        assert backend.app.state.requests == 2
+        assert backend.app.state.requests == 2 + 2  # two warm-up requests, two of the client's
 
 
 def test_a_tunnel_carries_100_concurrent_streams(
@@ -415,7 +420,7 @@ def test_a_tunnel_carries_100_concurrent_streams(
         assert asyncio.run(all_at_once()) == [10] * 100
         # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
         assert time.monotonic() - started < 10
-        assert backend.app.state.requests == 100
+        assert backend.app.state.requests == 2 + 100
 
 
 def test_a_dropped_tunnel_is_offline_within_a_second(

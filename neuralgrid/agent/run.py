@@ -15,12 +15,14 @@ import pynvml
 
 from neuralgrid import __version__, signing
 from neuralgrid.agent import gpu
+from neuralgrid.agent.backend import Backend, BackendError, ServerInfo
 from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
 REPROBE_EVERY = 6  # heartbeats between looks at the backend's models
+DEFAULT_CONCURRENCY = 4  # when neither the server nor the owner says
 
 
 class AgentError(Exception):
@@ -35,7 +37,7 @@ class AgentConfig:
     name: str
     region: str
     price_usd_per_hour: float
-    max_concurrency: int = 4
+    max_concurrency: int | None = None  # None: what the server runs at once (else 4)
     listen_host: str = "127.0.0.1"
     listen_port: int = 8001
     public_url: str | None = None
@@ -46,6 +48,7 @@ class AgentConfig:
     longitude: float | None = None
     drain_timeout_s: float = 60.0
     tunnel: bool = False  # dial out to the gateway instead of listening (for nodes behind NAT)
+    model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # served name -> catalog id
 
 
 @dataclass(frozen=True)
@@ -70,27 +73,11 @@ def resolve_specs(config: AgentConfig) -> Specs:
     return Specs(config.gpu_model or found.model, found.count, config.vram_gb or found.vram_total_gb, tflops)
 
 
-async def probe_backend(http: httpx.AsyncClient, backend_url: str) -> list[str]:
-    """The models the backend serves now (its /v1/models), or AgentError saying what is wrong."""
-    url = backend_url.rstrip("/") + "/v1/models"
-    try:
-        resp = await http.get(url)
-    except httpx.HTTPError as err:
-        raise AgentError(f"the backend at {backend_url} is unreachable: {err!r}") from err
-    try:
-        data = resp.json()["data"]
-        return [str(m["id"]) for m in data]
-    except (ValueError, KeyError, TypeError) as err:
-        raise AgentError(
-            f"the backend at {backend_url} is not OpenAI-compatible:"
-            f" GET /v1/models gave HTTP {resp.status_code}"
-        ) from err
-
-
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
-        self.front = FrontState(config.backend_url)
+        self.backend = Backend(config.backend_url)
+        self.front = FrontState(self.backend, {v: k for k, v in config.model_aliases.items()})
         self.node_id: str | None = None
         self.secret: str | None = None
         self.interval_s = 5.0
@@ -104,32 +91,78 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
-            models = await probe_backend(http, self.config.backend_url)
+            try:
+                models = await self._ready()
+            except BackendError as err:
+                await self.backend.aclose()
+                raise AgentError(str(err)) from err
             specs = resolve_specs(self.config)
             async with self._reachable():
                 await self._register(http, specs, models)
                 tunnel = self._start_tunnel() if self.config.tunnel else None
                 log.info(
-                    "node %s registered as %s; heartbeat every %ss",
+                    "node %s registered as %s (%s, %d at once); heartbeat every %ss",
                     self.config.name,
                     self.node_id,
+                    self.backend.info.kind,
+                    self._concurrency(),
                     self.interval_s,
                 )
-                beats = 0
-                while not stop.is_set():
-                    changed = None
-                    if beats % REPROBE_EVERY == 0 and beats:
-                        models = await self._models_or_none(http, models)
-                        changed = self._specs_if_changed(specs)
-                        specs = changed or specs
-                    await self._heartbeat(http, "online", models, changed)
-                    beats += 1
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+                await self._beat(http, stop, models, specs)
                 await self._drain(http, models)
                 if tunnel is not None and self._tunnel_task is not None:
                     tunnel.close.set()
                     await self._tunnel_task
+
+    async def _ready(self) -> list[str]:
+        """Detect the server, warm its models up and verify what it does; the warm models, under
+        their catalog names. BackendError when it cannot serve at all."""
+        info = await self.backend.detect()
+        served = await self.backend.models()
+        info, warm = await self.backend.verify(served)
+        if not warm:
+            raise BackendError(f"the backend at {self.config.backend_url} serves {served} but none answered")
+        log.info("backend: %s; warm: %s", info, warm)
+        return [self.config.model_aliases.get(m, m) for m in warm]
+
+    async def _beat(
+        self, http: httpx.AsyncClient, stop: asyncio.Event, models: list[str], specs: Specs
+    ) -> None:
+        """Heartbeat until told to stop. Each beat checks the server's health first, so a dead server
+        takes the node out within one beat; back up, it is detected and warmed up again first."""
+        beats, up, reported = 0, True, self.backend.info
+        while not stop.is_set():
+            changed = None
+            if not await self.backend.healthy():
+                if up:
+                    log.warning("the backend stopped answering: the node takes no work until it is back")
+                up = False
+            elif not up:
+                try:
+                    models, up = await self._ready(), True
+                except (BackendError, httpx.HTTPError) as err:
+                    log.warning("the backend answers again but is not ready: %s", err)
+            elif beats % REPROBE_EVERY == 0 and beats and not self._busy_and_fragile():
+                models = await self._models_or(models)
+                changed = self._specs_if_changed(specs)
+                specs = changed or specs
+            backend = self.backend.info if self.backend.info != reported else None
+            reported = self.backend.info
+            await self._heartbeat(http, "online", models, changed, up=up, backend=backend)
+            beats += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+
+    def _busy_and_fragile(self) -> bool:
+        """A server that cuts running streams for any request is looked at only while idle."""
+        return self.backend.info.interrupts and self.front.inflight > 0
+
+    def _concurrency(self) -> int:
+        """Requests at once: what the server runs at once, capped by the owner's --max-concurrency."""
+        parallel, asked = self.backend.info.parallel, self.config.max_concurrency
+        if parallel is None:
+            return asked or DEFAULT_CONCURRENCY
+        return min(parallel, asked) if asked else parallel
 
     def _start_tunnel(self) -> TunnelClient:
         assert self.node_id is not None and self.secret is not None
@@ -144,7 +177,7 @@ class Agent:
             try:
                 yield
             finally:
-                await self.front.http.aclose()
+                await self.backend.aclose()
             return
         server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
         try:
@@ -153,9 +186,18 @@ class Agent:
         except CannotListen as err:
             raise AgentError(str(err)) from err
         finally:
-            await self.front.http.aclose()
+            await self.backend.aclose()
 
     async def _register(self, http: httpx.AsyncClient, specs: Specs, models: list[str]) -> None:
+        parallel = self.backend.info.parallel
+        if parallel is not None and self.config.max_concurrency and self.config.max_concurrency > parallel:
+            log.warning(
+                "--max-concurrency %d is more than the %d requests the %s server runs at once: using %d",
+                self.config.max_concurrency,
+                parallel,
+                self.backend.info.kind,
+                parallel,
+            )
         body: dict[str, Any] = {
             "name": self.config.name,
             "gpu_model": specs.gpu_model,
@@ -167,9 +209,10 @@ class Agent:
             "latitude": self.config.latitude,
             "longitude": self.config.longitude,
             "endpoint_url": self.endpoint_url,
-            "max_concurrency": self.config.max_concurrency,
+            "max_concurrency": self._concurrency(),
             "models": models,
             "agent_version": __version__,
+            "backend": self.backend.info.as_json(),
         }
         try:
             resp = await http.post(
@@ -194,18 +237,29 @@ class Agent:
         return None if now == current else now
 
     async def _heartbeat(
-        self, http: httpx.AsyncClient, status: str, models: list[str], specs: Specs | None = None
+        self,
+        http: httpx.AsyncClient,
+        status: str,
+        models: list[str],
+        specs: Specs | None = None,
+        *,
+        up: bool = True,
+        backend: ServerInfo | None = None,
     ) -> None:
         load = gpu.load()
+        queued = await self.backend.queue_depth() if up else None
         body: dict[str, Any] = {
             "status": status,
-            "queue_depth": self.front.inflight,
-            "models": models,
+            "queue_depth": max(self.front.inflight, queued or 0),
+            "models": models if up else [],
             "gpu_utilization": load[0] if load else None,
             "free_vram_gb": load[1] if load else None,
+            "backend_up": up,
         }
         if specs is not None:
             body["specs"] = dataclasses.asdict(specs)
+        if backend is not None:
+            body["backend"] = backend.as_json()
         url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
         try:
             resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})
@@ -214,12 +268,15 @@ class Agent:
         except httpx.HTTPError as err:  # the gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
 
-    async def _models_or_none(self, http: httpx.AsyncClient, previous: list[str]) -> list[str]:
+    async def _models_or(self, previous: list[str]) -> list[str]:
+        """The server's models now, under catalog names; the previous list if it cannot say."""
         try:
-            return await probe_backend(http, self.config.backend_url)
-        except AgentError as err:
-            log.warning("%s; reporting no warm models until it is back", err)
-            return []
+            served = await self.backend.models()
+        except BackendError as err:
+            log.warning("%s; keeping the models reported before", err)
+            return previous
+        # Only models that have answered are warm: a newly served one waits for the next warm-up.
+        return [m for m in (self.config.model_aliases.get(s, s) for s in served) if m in previous]
 
     async def _drain(self, http: httpx.AsyncClient, models: list[str]) -> None:
         """Take no new work, finish what is running, then go offline."""

@@ -18,7 +18,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
-from neuralgrid.agent.front import FrontState
+from neuralgrid.agent.front import BackendUnreachable, FrontState
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +87,20 @@ class TunnelClient:
             )
             await send({"t": "end", "id": request_id})
             return
-        self.front.inflight += 1
         try:
-            url = self.front.backend_url.rstrip("/") + frame["path"]
-            async with self.front.http.stream(
-                "POST", url, content=frame["body"].encode(), headers={"content-type": "application/json"}
-            ) as resp:
-                kind = resp.headers.get("content-type", "application/json")
-                await send({"t": "start", "id": request_id, "status": resp.status_code, "type": kind})
-                decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                async for chunk in resp.aiter_raw():
+            answer = await self.front.forward(frame["path"], frame["body"].encode())
+            await send({"t": "start", "id": request_id, "status": answer.status, "type": answer.media_type})
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            try:
+                async for chunk in answer.chunks:
                     if text := decoder.decode(chunk):
                         await send({"t": "data", "id": request_id, "b": text})
-                await send({"t": "end", "id": request_id})
-            self.front.served += 1
-        except (httpx.HTTPError, OSError) as err:
+            finally:  # cancelled (the gateway's client left) or not: the server's request ends here
+                await answer.chunks.aclose()
+            await send({"t": "end", "id": request_id})
+        except (BackendUnreachable, httpx.HTTPError, OSError) as err:
             with contextlib.suppress(WebSocketException):
                 await send({"t": "err", "id": request_id, "message": f"the backend failed: {err!r}"})
-        finally:
-            self.front.inflight -= 1
 
 
 def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: asyncio.Task[None]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|none|literal)\b|[\[(]")
 
 
 class GatewayError(Exception):
@@ -32,9 +35,10 @@ class BadRequest(GatewayError):
 
 
 def invalid(errors: Sequence[Any]) -> BadRequest:
-    """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter."""
+    """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter
+    (its path, e.g. messages.0.role, without pydantic's names for the members of a union)."""
     first = errors[0]
-    param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+    param = ".".join(str(p) for p in first["loc"] if p != "body" and not _UNION_MEMBER.match(str(p))) or None
     return BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 FAILOVER = "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])"
 HANDOFF = "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::uuid[])"
-CATALOG = "select id, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
+CONTINUING = "select public.continuing_nodes(%s::uuid[])"
+REJECT = "select public.reject_job(%s, %s, %s)"
+CATALOG = "select id, kind, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models"
 
 
 @dataclass(frozen=True)
@@ -70,21 +72,46 @@ class _Retryable(Exception):
         self.status = status
         self.timeout = timeout
 
+    def same_as(self, other: _Retryable | None) -> bool:
+        """The same answer (status and body) from a server: what the request, not a node, causes."""
+        return (
+            other is not None
+            and self.status is not None
+            and (self.status, str(self))
+            == (
+                other.status,
+                str(other),
+            )
+        )
+
 
 class Catalog:
-    """Catalog prices, for the budget hold each request places; reloaded every minute."""
+    """The catalog's prices and model kinds, for the budget hold each request places and for
+    refusing a request its model cannot serve; reloaded every minute."""
 
     def __init__(self) -> None:
-        self.prices: dict[str, tuple[float | None, float | None]] = {}
+        self.models: dict[str, tuple[str, float | None, float | None]] = {}
         self.loaded_at = float("-inf")
 
-    async def estimate(self, pool: AsyncConnectionPool, model: str, prompt_bytes: int, max_out: int) -> float:
+    async def _load(self, pool: AsyncConnectionPool) -> None:
         if time.monotonic() - self.loaded_at > 60:
             async with pool.connection() as conn:
                 rows = await (await conn.execute(CATALOG)).fetchall()
-            self.prices = {r[0]: (r[1], r[2]) for r in rows}
+            self.models = {r[0]: (r[1], r[2], r[3]) for r in rows}
             self.loaded_at = time.monotonic()
-        price_in, price_out = self.prices.get(model, (None, None))
+
+    async def check(self, pool: AsyncConnectionPool, call_kind: str, model: str) -> None:
+        """BadRequest when the catalog says the model does not do this (a chat model's embeddings):
+        a server would fail it (HTTP 500 or 501), which is no node's fault."""
+        await self._load(pool)
+        kind = self.models.get(model, ("",))[0]
+        if kind and (kind == "embedding") != (call_kind == "embedding"):
+            what = "embeddings" if call_kind == "embedding" else "chat or completions"
+            raise errors.BadRequest(f"{model} is a {kind} model: it does not serve {what}", param="model")
+
+    async def estimate(self, pool: AsyncConnectionPool, model: str, prompt_bytes: int, max_out: int) -> float:
+        await self._load(pool)
+        _, price_in, price_out = self.models.get(model, ("", None, None))
         # About four bytes a token; the answer at its max_tokens: an upper bound, as a hold should be.
         return ((prompt_bytes / 4) * (price_in or 0) + max_out * (price_out or 0)) / 1e6
 
@@ -112,6 +139,7 @@ class Router:
         self._finishing: set[asyncio.Task[None]] = set()
 
     async def handle(self, call: Call) -> Response:
+        await self.catalog.check(self.pool, call.kind, call.body["model"])
         await self.limiter.admit(call.key)
         stream = bool(call.body.get("stream")) and call.kind != "embedding"
         upstream_body = dict(call.body)
@@ -145,6 +173,12 @@ class Router:
             self._count(meter.node_id, "failed")
             kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
             raise kind(f"no node could serve the request; last error: {gone.failure}") from None
+        except _Rejected as rejected:
+            self._count(meter.node_id, "cancelled")
+            raise errors.BadRequest(
+                "two nodes failed this request the same way, so the request itself is at fault:"
+                f" {rejected.failure}"
+            ) from None
         except _ClientError as refusal:  # passed through; neutral for the node's reputation
             meter.first_byte = time.perf_counter()
             self._finish_later(call, meter, "cancelled", str(refusal))
@@ -208,7 +242,11 @@ class Router:
         try:
             resp = await self._open(node, path, payload)
             try:
-                if resp.status == 429 or resp.status >= 500 or 300 <= resp.status < 400:
+                if (
+                    resp.status == 429
+                    or (resp.status >= 500 and resp.status != 501)
+                    or 300 <= resp.status < 400
+                ):
                     body = (await resp.read())[:200].decode(errors="replace")
                     raise _Retryable(f"HTTP {resp.status}: {body}", status=resp.status)
                 chunks = resp.chunks()
@@ -239,11 +277,22 @@ class Router:
         return resp
 
     async def _deliver(
-        self, route: _Route, meter: _Meter, node: _Node, payload: bytes, stream: bool, move: _Move
+        self,
+        route: _Route,
+        meter: _Meter,
+        node: _Node,
+        payload: bytes,
+        stream: bool,
+        move: _Move,
+        candidates: list[UUID] | None = None,
     ) -> _Delivery:
         """Send to `node`; each time a node fails before its first byte, `move` the job on to the
-        next candidate and send there. The meter follows the job from node to node."""
+        next candidate and send there. The meter follows the job from node to node. When a second
+        node fails a new request exactly as the one before it did, the request is at fault: the job
+        is rejected (no node to blame) and _Rejected raised."""
+        candidates = route.candidates if candidates is None else candidates
         waited = 0.0  # time spent on nodes that failed, which is not the gateway's overhead
+        earlier: _Retryable | None = None
         while True:
             meter.node_id, meter.sent = node.id, time.perf_counter()
             try:
@@ -251,7 +300,11 @@ class Router:
                 return _Delivery(node, upstream, chunks, first, waited)
             except _Retryable as failure:
                 waited += time.perf_counter() - meter.sent
-                nxt = await move(meter.job_id, failure, route.candidates)
+                if move == self._failover and failure.same_as(earlier):
+                    await self._reject(meter.job_id, failure)
+                    raise _Rejected(failure) from None
+                earlier = failure
+                nxt = await move(meter.job_id, failure, candidates)
                 if nxt is None:  # counted by whoever ends the job
                     raise _NoNodeLeft(failure) from None
                 self._count(node.id, "failed")
@@ -265,6 +318,15 @@ class Router:
     async def _handoff(self, job_id: UUID, failure: _Retryable, candidates: list[UUID]) -> _Node | None:
         """The next node, or None: then handoff_job() has left the job as it was."""
         return await self._move(HANDOFF, (job_id, str(failure), candidates))
+
+    async def _continuing(self, candidates: list[UUID]) -> list[UUID]:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(CONTINUING, (candidates,))).fetchone()
+        return list(row[0]) if row else []
+
+    async def _reject(self, job_id: UUID, failure: _Retryable) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(REJECT, (job_id, str(failure), failure.status))
 
     async def _move(self, query: str, params: tuple[object, ...]) -> _Node | None:
         async with self.pool.connection() as conn:
@@ -295,7 +357,12 @@ class Router:
                 try:
                     for event in events.feed(delivery.first):
                         yield event
-                    async for raw in delivery.chunks:
+                    # Until [DONE]: the answer is then whole, whenever the node hangs up (a tunnel's
+                    # end frame may come later than a client that has read [DONE] and left).
+                    while not events.done:
+                        raw = await anext(delivery.chunks, None)
+                        if raw is None:
+                            break
                         for event in events.feed(raw):
                             yield event
                     if not events.done:
@@ -314,8 +381,9 @@ class Router:
             }
             yield f"data: {json.dumps(body)}\n\n".encode()
             yield b"data: [DONE]\n\n"
-        except BaseException:  # the client went away (cancelled): keep what was used
-            outcome, error = "cancelled", "the client disconnected"
+        except BaseException:
+            if not events.done:  # the client went away before the end (cancelled): keep what was used
+                outcome, error = "cancelled", "the client disconnected"
             raise
         finally:
             # Recorded before anything is awaited: a client that left cancels every await here.
@@ -333,11 +401,14 @@ class Router:
             return None
         failure, dropped = _Retryable(f"the node dropped the stream: {err}"), meter.node_id
         try:
-            node = await self._handoff(meter.job_id, failure, route.candidates)
+            candidates = route.candidates
+            if route.call.kind == "chat":  # only a server verified to go on with an open message
+                candidates = await self._continuing(candidates)
+            node = await self._handoff(meter.job_id, failure, candidates)
             if node is None:
                 return None
             self._count(dropped, "failed")
-            delivery = await self._deliver(route, meter, node, payload, True, self._handoff)
+            delivery = await self._deliver(route, meter, node, payload, True, self._handoff, candidates)
         except (_NoNodeLeft, _ClientError) as refused:
             log.warning("job %s: no node went on with the stream: %s", meter.job_id, refused)
             return None
@@ -428,6 +499,14 @@ class _Delivery:
     chunks: AsyncIterator[bytes]
     first: bytes
     waited: float
+
+
+class _Rejected(Exception):
+    """Two nodes failed the request the same way: the request is at fault, and reject_job() ended it."""
+
+    def __init__(self, failure: _Retryable) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 class _NoNodeLeft(Exception):

@@ -29,6 +29,19 @@ class Forbidden(GatewayError):
     status, type, code = 403, "invalid_request_error", "forbidden"
 
 
+class BackendInfo(BaseModel):
+    """What the agent found of its inference server (see neuralgrid.agent.backend.ServerInfo)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str = Field(min_length=1, max_length=32)
+    version: str | None = Field(None, max_length=64)
+    parallel: int | None = Field(None, ge=1, le=1024)
+    usage_in_streams: bool = False
+    continues: bool = False
+    tokenize: bool = False
+    interrupts: bool = False
+
+
 class NodeRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=100)
@@ -44,6 +57,7 @@ class NodeRegistration(BaseModel):
     max_concurrency: int = Field(4, ge=1, le=1024)
     models: list[str] = Field(default_factory=list, max_length=1000)
     agent_version: str | None = Field(None, max_length=64)
+    backend: BackendInfo | None = None
 
 
 class Specs(BaseModel):
@@ -62,15 +76,19 @@ class Heartbeat(BaseModel):
     free_vram_gb: float | None = Field(None, ge=0)
     models: list[str] = Field(default_factory=list, max_length=1000)
     specs: Specs | None = None  # only when they changed since registration
+    backend_up: bool = True  # false: the agent is alive but its inference server does not answer
+    backend: BackendInfo | None = None  # only when it changed
 
 
 REGISTER = """
 select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu_model)s, %(gpu_count)s,
   %(vram_gb)s::real, %(tflops)s::real, %(hourly_rate)s::numeric, %(region)s, %(latitude)s::float8,
   %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s, %(models)s::text[], %(agent_version)s,
-  %(key)s)
+  %(key)s, %(backend)s::jsonb)
 """
-HEARTBEAT = "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb)"
+HEARTBEAT = """
+select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb, %s, %s::jsonb)
+"""
 INTERVAL = "select heartbeat_interval_s from public.platform_settings"
 
 
@@ -83,7 +101,7 @@ async def register(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> dic
             "endpoint_url points at a private or loopback address; use --tunnel behind NAT",
             param="endpoint_url",
         )
-    params = {**node.model_dump(), "owner": key.owner_id, "key": key.id}
+    params = {**node.model_dump(), "owner": key.owner_id, "key": key.id, "backend": _jsonb(node.backend)}
     try:
         async with gateway.pool.connection() as conn:
             row = await (await conn.execute(REGISTER, params)).fetchone()
@@ -105,7 +123,6 @@ async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dic
     except BodyTooLarge:
         raise BodyTooLarge(f"a heartbeat is at most {HEARTBEAT_MAX_BYTES} bytes") from None
     beat = _validated(Heartbeat, body)
-    specs = None if beat.specs is None else Jsonb(beat.specs.model_dump())
     params = (
         node_id,
         signing.node_key(header[7:].strip()),
@@ -114,24 +131,21 @@ async def heartbeat(node_id: UUID, request: Request, gateway: GatewayDep) -> dic
         beat.gpu_utilization,
         beat.free_vram_gb,
         beat.models,
-        specs,
+        _jsonb(beat.specs),
+        beat.backend_up,
+        _jsonb(beat.backend),
     )
     try:
         async with gateway.pool.connection() as conn:
             row = await (await conn.execute(HEARTBEAT, params)).fetchone()
-            if (
-                row is not None
-                and row[0] == "offline"
-                and beat.status == "online"
-                and gateway.tunnels.get(node_id)
-            ):
-                # Swept offline while its tunnel here stayed up (heartbeats ran late): it is reachable.
-                await conn.execute(TUNNEL_UP, (node_id,))
-                row = ("online",)
     except psycopg.Error as err:
         raise _translated(err) from err
     assert row is not None
     return {"node_id": node_id, "status": row[0]}
+
+
+def _jsonb(model: BaseModel | None) -> Jsonb | None:
+    return None if model is None else Jsonb(model.model_dump())
 
 
 def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
@@ -184,18 +198,14 @@ async def tunnel(websocket: WebSocket, node_id: UUID) -> None:
     link = Tunnel(node_id, websocket)
     gateway.tunnels.by_node[node_id] = link
     async with gateway.pool.connection() as conn:
-        await conn.execute(TUNNEL_UP, (node_id,))
+        await conn.execute(SET_TUNNEL, (node_id, True))
     try:
         await link.read()
     finally:
         if gateway.tunnels.by_node.get(node_id) is link:
             del gateway.tunnels.by_node[node_id]
             async with gateway.pool.connection() as conn:
-                await conn.execute(TUNNEL_DOWN, (node_id,))
+                await conn.execute(SET_TUNNEL, (node_id, False))
 
 
-TUNNEL_UP = """
-update public.nodes set status = 'online', last_heartbeat_at = now(), missed_heartbeats = 0
-where id = %s and status = 'offline'
-"""
-TUNNEL_DOWN = "update public.nodes set status = 'offline' where id = %s and status <> 'offline'"
+SET_TUNNEL = "select public.set_tunnel(%s, %s)"

@@ -7,34 +7,15 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from neuralgrid.gateway.deps import ApiKeyDep, GatewayDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, invalid
 from neuralgrid.gateway.proxy import Call
+from neuralgrid.gateway.schema import SCHEMAS
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-class _Request(BaseModel):
-    # Everything else passes through to the node untouched.
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
-    stream: bool = False
-    max_tokens: int | None = Field(None, ge=1)
-
-
-class ChatRequest(_Request):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[Any]
-
-
-class EmbeddingRequest(_Request):
-    input: str | list[Any]
 
 
 MODELS = """
@@ -75,17 +56,17 @@ async def list_models(key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "chat", ChatRequest)
+    return await _proxy(request, key, gateway, "chat")
 
 
 @router.post("/completions")
 async def completions(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "completion", CompletionRequest)
+    return await _proxy(request, key, gateway, "completion")
 
 
 @router.post("/embeddings")
 async def embeddings(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "embedding", EmbeddingRequest)
+    return await _proxy(request, key, gateway, "embedding")
 
 
 @router.get("/usage")
@@ -116,12 +97,10 @@ async def usage(key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
     }
 
 
-async def _proxy(
-    request: Request, key: ApiKeyDep, gateway: GatewayDep, kind: str, schema: type[_Request]
-) -> Response:
+async def _proxy(request: Request, key: ApiKeyDep, gateway: GatewayDep, kind: str) -> Response:
     body = await read_json(request, gateway.settings.max_body_bytes)
     try:
-        schema.model_validate(body)
+        SCHEMAS[kind].model_validate(body)
     except ValidationError as err:
         raise invalid(err.errors()) from err
     max_price = request.headers.get("x-neuralgrid-max-price")

@@ -98,10 +98,10 @@ class SseEvents:
             self.plain_text = False  # something we cannot read: no telling what a resume would repeat
             return event
         choices = payload.get("choices") or []
-        self._note(choices)
+        carried = self._note(choices)
         usage = Usage.parse(payload)
         if usage is None:
-            self.chunks += 1
+            self.chunks += carried  # a token; not a role-only or finish-only event
         elif self.resumes:  # what the client would have been told had the first node gone on
             replayed = self.carried
             usage = Usage(max(usage.prompt_tokens - replayed, 0), usage.completion_tokens + replayed)
@@ -116,22 +116,26 @@ class SseEvents:
             return b"data: " + json.dumps({**payload, **self.identity}).encode()
         return event
 
-    def _note(self, choices: list[Any]) -> None:
+    def _note(self, choices: list[Any]) -> bool:
+        """Notes choice 0's text and whether the answer is over; True when the event carries output."""
+        carried = False
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                self.plain_text = False
+                self.plain_text, carried = False, True  # n > 1, or unreadable: no one answer to resume
                 continue
             delta = choice.get("delta")
             if isinstance(delta, dict):  # chat
                 if any(value for key, value in delta.items() if key not in ("role", "content")):
-                    self.plain_text = False  # tool calls, reasoning: not text one can replay
+                    self.plain_text, carried = False, True  # tool calls, reasoning: not text one can replay
                 piece = delta.get("content")
             else:  # completions
                 piece = choice.get("text")
             if isinstance(piece, str):
                 self.text.append(piece)
+                carried = carried or bool(piece)
             if choice.get("finish_reason"):
                 self.finished = True
+        return carried
 
 
 def _usage_fields(usage: Usage) -> dict[str, int]:

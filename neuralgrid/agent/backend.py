@@ -1,0 +1,402 @@
+"""The inference server an agent fronts: what kind it is, what it can do, whether it answers.
+
+Detection reads what each server documents about itself, with GET requests that never touch a
+running generation. What no endpoint states is verified by small generations before the node
+takes any work (at start, and again after the server comes back): that the model answers (only then
+is it reported warm), whether the server puts usage in streams, and whether it goes on with an open
+assistant message (`continue_final_message`). A dropped stream is resumed only on a node whose
+server passed that test, so a server that starts a new answer instead can never splice two.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 3.0  # GETs: a server too slow to answer these is not healthy
+WARMUP_TIMEOUT_S = 120.0  # the first generation may load weights
+# A prompt small models answer with confidence: greedy decoding then gives the same words whether
+# the answer is generated in one go or continued from a prefix (floating-point noise between the
+# two paths cannot flip a confident choice), which is what the continuation check compares.
+PROBE_PROMPT = [
+    {
+        "role": "user",
+        "content": "Repeat exactly these words: one two three four five six seven eight nine ten",
+    }
+]
+
+
+class BackendError(Exception):
+    """The server cannot be used; the message says what is wrong, for the owner."""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the agent knows of its server; sent to the platform at registration and on change."""
+
+    kind: str  # llama.cpp, llama-cpp-python, vllm, sglang, tgi, ollama, or openai (unknown kind)
+    version: str | None = None
+    parallel: int | None = None  # requests it runs at once, when the server says
+    usage_in_streams: bool = False  # verified: a stream asked for usage gets it
+    continues: bool = False  # verified: continue_final_message goes on with the open message
+    tokenize: bool = False  # the agent can count tokens with the server's own tokenizer
+    interrupts: bool = False  # any new request cuts a running stream: probe only while idle
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How to recognise one kind of server and where its facts are."""
+
+    name: str
+    identify: str  # a GET whose JSON answer says "this is me"
+    recognise: Callable[[Any], bool]
+    version: Callable[[Any], str | None]
+    parallel: Callable[[Any], int | None]
+    health: str  # a GET that answers 2xx while the server can serve, and disturbs nothing
+    interrupts: bool = False
+
+
+def _get(data: Any, *path: str) -> Any:
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
+def _str(value: Any) -> str | None:
+    return str(value)[:64] if isinstance(value, str | int | float) and value != "" else None
+
+
+def _sglang_parallel(d: Any) -> int | None:
+    """--max-running-requests when given; else what each data-parallel rank settled on, times ranks."""
+    states = _get(d, "internal_states")
+    per_rank = _int(_get(states[0], "effective_max_running_requests_per_dp")) if states else None
+    if _int(_get(d, "max_running_requests")) is not None or per_rank is None:
+        return _int(_get(d, "max_running_requests"))
+    return per_rank * (_int(_get(d, "dp_size")) or 1)
+
+
+# In the order tried: each identifying path is one the others answer 404 (or without the field).
+KINDS = (
+    _Kind(
+        "llama.cpp",
+        "/props",
+        lambda d: _int(_get(d, "total_slots")) is not None,
+        lambda d: _str(_get(d, "build_info")),
+        lambda d: _int(_get(d, "total_slots")),
+        "/health",
+    ),
+    _Kind(
+        # Its server takes one request at a time, and by default a new request ends a running
+        # stream early (interrupt_requests), even a GET /v1/models.
+        "llama-cpp-python",
+        "/openapi.json",
+        lambda d: "llama.cpp Python" in str(_get(d, "info", "title")),
+        lambda d: _str(_get(d, "info", "version")),
+        lambda d: 1,
+        "/openapi.json",
+        interrupts=True,
+    ),
+    _Kind(
+        "sglang",
+        "/get_server_info",
+        lambda d: isinstance(d, dict) and "model_path" in d,
+        lambda d: _str(_get(d, "version")),
+        _sglang_parallel,
+        "/health",
+    ),
+    _Kind(
+        "tgi",
+        "/info",
+        lambda d: _int(_get(d, "max_concurrent_requests")) is not None and "model_id" in d,
+        lambda d: _str(_get(d, "version")),
+        lambda d: _int(_get(d, "max_concurrent_requests")),
+        "/health",
+    ),
+    _Kind(
+        "ollama",
+        "/api/version",
+        lambda d: isinstance(_get(d, "version"), str),
+        lambda d: _str(_get(d, "version")),
+        lambda d: None,  # OLLAMA_NUM_PARALLEL is not published: the owner says
+        "/api/version",
+    ),
+    _Kind(
+        "vllm",
+        "/version",
+        lambda d: isinstance(_get(d, "version"), str),
+        lambda d: _str(_get(d, "version")),
+        lambda d: None,  # max_num_seqs is not published: the owner says
+        "/health",
+    ),
+)
+GENERIC = _Kind("openai", "/v1/models", lambda d: True, lambda d: None, lambda d: None, "/v1/models")
+
+
+class Backend:
+    """One inference server, reached over HTTP. Holds the client every request to it goes through."""
+
+    def __init__(self, url: str, http: httpx.AsyncClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.http = http or httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5))
+        self.kind = GENERIC
+        self.info = ServerInfo(GENERIC.name)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    # Reading (GET only: safe while requests run) -------------------------------------------------
+
+    async def _json(self, path: str) -> Any:
+        resp = await self.http.get(self.url + path, timeout=PROBE_TIMEOUT_S)
+        if resp.status_code != 200:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return None
+
+    async def detect(self) -> ServerInfo:
+        """The server's kind, version and parallelism, from the endpoints it documents."""
+        for kind in KINDS:
+            try:
+                data = await self._json(kind.identify)
+            except httpx.HTTPError as err:
+                raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
+            if data is not None and kind.recognise(data):
+                self.kind = kind
+                self.info = replace(
+                    self.info,
+                    kind=kind.name,
+                    version=kind.version(data),
+                    parallel=kind.parallel(data),
+                    interrupts=kind.interrupts,
+                )
+                return self.info
+        self.kind, self.info = GENERIC, replace(self.info, kind=GENERIC.name, version=None, parallel=None)
+        return self.info
+
+    async def models(self) -> list[str]:
+        """The models the server serves (its /v1/models), or BackendError saying what is wrong."""
+        try:
+            resp = await self.http.get(self.url + "/v1/models", timeout=PROBE_TIMEOUT_S * 3)
+        except httpx.HTTPError as err:
+            raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
+        try:
+            return [str(m["id"]) for m in resp.json()["data"]]
+        except (ValueError, KeyError, TypeError) as err:
+            status = resp.status_code
+            raise BackendError(
+                f"the backend at {self.url} is not OpenAI-compatible: GET /v1/models gave HTTP {status}"
+            ) from err
+
+    async def healthy(self) -> bool:
+        """Whether the server answers its health check now (never a generation)."""
+        try:
+            resp = await self.http.get(self.url + self.kind.health, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return resp.is_success
+
+    async def queue_depth(self) -> int | None:
+        """Requests the server is running or holding, when it says (llama.cpp's /slots)."""
+        if self.kind.name != "llama.cpp":
+            return None
+        try:
+            slots = await self._json("/slots")
+        except httpx.HTTPError:
+            return None
+        if not isinstance(slots, list):
+            return None
+        return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+
+    # Verifying (generations: only while the node takes no work) ----------------------------------
+
+    async def verify(self, models: list[str]) -> tuple[ServerInfo, list[str]]:
+        """Warm each model up with a real request and verify what the server does; returns the new
+        info and the models that answered (the warm ones)."""
+        warm, usage_in_streams, continues = [], False, False
+        for model in models:
+            try:
+                answered = await self._warm_up(model)
+            except (httpx.HTTPError, ValueError) as err:
+                log.warning("model %s did not answer its warm-up (%r): not reported warm", model, err)
+                continue
+            if answered is None:
+                log.warning("model %s did not answer its warm-up: not reported warm", model)
+                continue
+            warm.append(model)
+            text, streamed_usage = answered
+            if text is not None:  # a chat model: what its server does with streams and prefills
+                usage_in_streams = usage_in_streams or streamed_usage
+                continues = continues or await self._continues(model, text)
+        tokenize = bool(warm) and await self._can_tokenize(warm[0])
+        self.info = replace(
+            self.info, usage_in_streams=usage_in_streams, continues=continues, tokenize=tokenize
+        )
+        return self.info, warm
+
+    async def _warm_up(self, model: str) -> tuple[str | None, bool] | None:
+        """A first request to the model: a streamed chat (its text and whether usage came), else a
+        completion, else an embedding (no text). None when the model answers none of them."""
+        chat = {"model": model, "messages": PROBE_PROMPT, "max_tokens": 24, "temperature": 0}
+        streamed = await self._stream(chat)
+        if streamed is not None:
+            return streamed
+        for path, body in (
+            ("/v1/completions", {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}),
+            ("/v1/embeddings", {"model": model, "input": "warm-up"}),
+        ):
+            resp = await self.http.post(self.url + path, json=body, timeout=WARMUP_TIMEOUT_S)
+            if resp.is_success:
+                return None, False
+        return None
+
+    async def _continues(self, model: str, text: str) -> bool:
+        """Whether the server goes on with an open assistant message, in a stream as a resume asks:
+        cut its own greedy answer after two words and ask it to continue; a server that does streams
+        the rest of that answer (not the cut part again, not a new answer)."""
+        words = text.split(" ")
+        if len(words) < 4:
+            return False
+        head, rest = " ".join(words[:2]), " " + " ".join(words[2:])
+        body = {
+            "model": model,
+            "messages": [*PROBE_PROMPT, {"role": "assistant", "content": head}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        for _ in range(2):  # a second look, so that one unlucky answer does not cost the capability
+            try:
+                streamed = await self._stream(body)
+            except (httpx.HTTPError, ValueError):
+                return False
+            said = " ".join((streamed or ("", False))[0].split())
+            verified = bool(said) and " ".join(rest.split()).startswith(said)
+            log.info("continue_final_message: %s (asked to go on after %r, said %r)", verified, head, said)
+            if verified:
+                return True
+        return False
+
+    async def _stream(self, chat: dict[str, Any]) -> tuple[str, bool] | None:
+        """A streamed chat request asking for usage: its text and whether usage came; None when refused."""
+        body = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+        url = self.url + "/v1/chat/completions"
+        async with self.http.stream("POST", url, json=body, timeout=WARMUP_TIMEOUT_S) as resp:
+            if not resp.is_success:
+                return None
+            text, usage = [], False
+            async for line in resp.aiter_lines():
+                payload = _sse_json(line)
+                if payload is None:
+                    continue
+                usage = usage or isinstance(payload.get("usage"), dict)
+                for choice in payload.get("choices") or []:
+                    piece = _get(choice, "delta", "content")
+                    text.append(piece if isinstance(piece, str) else "")
+            return "".join(text), usage
+
+    # Counting tokens (when a stream carried no usage) --------------------------------------------
+
+    async def _can_tokenize(self, model: str) -> bool:
+        try:
+            return await self._count(model, "hello world") is not None
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def _count(self, model: str, text: str) -> int | None:
+        """Tokens in `text` by the server's own tokenizer, special tokens not added."""
+        if self.kind.name == "llama.cpp":
+            resp = await self.http.post(self.url + "/tokenize", json={"content": text, "add_special": False})
+            tokens = resp.json().get("tokens") if resp.is_success else None
+            return len(tokens) if isinstance(tokens, list) else None
+        if self.kind.name == "llama-cpp-python":
+            # It always adds the model's special tokens (a BOS, say): count them once and take them off.
+            counts: list[int] = []
+            for piece in (text, ""):
+                resp = await self.http.post(
+                    self.url + "/extras/tokenize/count", json={"input": piece, "model": model}
+                )
+                count = resp.json().get("count") if resp.is_success else None
+                if type(count) is not int:
+                    return None
+                counts.append(count)
+            return max(counts[0] - counts[1], 0)
+        if self.kind.name == "tgi":  # a list of tokens, the start-of-text one (empty, at 0) first
+            resp = await self.http.post(self.url + "/tokenize", json={"inputs": text})
+            tokens = resp.json() if resp.is_success else None
+            if not isinstance(tokens, list):
+                return None
+            return sum(
+                1 for t in tokens if not (isinstance(t, dict) and t.get("text") == "" and not t.get("stop"))
+            )
+        if self.kind.name in ("vllm", "sglang"):
+            body = {"model": model, "prompt": text, "add_special_tokens": False}
+            resp = await self.http.post(self.url + "/tokenize", json=body)
+            count = resp.json().get("count") if resp.is_success else None
+            return count if type(count) is int else None
+        return None
+
+    async def usage(self, kind: str, request: dict[str, Any], answer: str) -> dict[str, int] | None:
+        """Exact usage of a streamed answer the server gave no usage for: the answer counted by the
+        server's tokenizer, the prompt by the server itself (the same request, not streamed, one
+        token long: the server has the prompt cached). None when the server cannot say."""
+        model = str(request.get("model") or "")
+        try:
+            completion = await self._count(model, answer)
+            if completion is None:
+                return None
+            once = {k: v for k, v in request.items() if k not in ("stream", "stream_options", "n")}
+            once.update(max_tokens=1, stream=False)
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            resp = await self.http.post(self.url + path, json=once, timeout=WARMUP_TIMEOUT_S)
+            prompt = _get(resp.json(), "usage", "prompt_tokens") if resp.is_success else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if type(prompt) is not int:
+            return None
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse_json(line: str) -> dict[str, Any] | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+_ALIAS = re.compile(r"^(?P<served>[^=\s]+)=(?P<catalog>[^=\s]+)$")
+
+
+def parse_aliases(pairs: list[str]) -> dict[str, str]:
+    """`served=catalog` pairs (the name the server reports = the platform's catalog id), as a map
+    from served name to catalog id; BackendError naming the first malformed one."""
+    aliases: dict[str, str] = {}
+    for pair in pairs:
+        match = _ALIAS.match(pair.strip())
+        if match is None:
+            raise BackendError(f"--model-alias {pair!r}: write SERVED=CATALOG, e.g. my-model.gguf=Org/Model")
+        aliases[match["served"]] = match["catalog"]
+    return aliases
