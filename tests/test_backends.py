@@ -427,6 +427,18 @@ def test_the_agents_probes_never_cut_a_stream(stack: Stack) -> None:
         assert time.monotonic() - started > HEARTBEAT_S * 6 or stack.server.kind != "llama-cpp-python"
 
 
+def test_requests_right_after_streams_all_reach_the_server(stack: Stack) -> None:
+    """llama.cpp's server sometimes drops a kept-alive connection after a stream as the next request
+    goes out on it (3 in 40 measured): the agent opens a connection per request instead."""
+    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 2}
+    with stack.sdk() as sdk:
+        for _ in range(15):
+            assert finish_of(stream(stack, body)) is not None
+            assert sdk.with_options(max_retries=3).chat.completions.create(**body).choices
+    wait_for(lambda: stack.node("inflight") == (0,))
+    assert stack.node("failures") == (0,)
+
+
 def test_more_requests_than_the_server_runs_at_once_wait_or_are_told_to_retry(stack: Stack) -> None:
     """Never more at once than the server runs: the rest get 503 with Retry-After (queueing at the
     gateway is issue 16's), and none is cut or recorded failed."""
