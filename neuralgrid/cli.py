@@ -516,15 +516,24 @@ def fake_node(
     failure_rate: Annotated[
         float, typer.Option(envvar="NEURALGRID_FAKE_FAILURE_RATE", help="Share of requests answered 500.")
     ] = 0.0,
+    like: Annotated[
+        str,
+        typer.Option(
+            envvar="NEURALGRID_FAKE_LIKE",
+            help="Behave like vllm, llama.cpp or llama-cpp-python, as the conformance suite measured them.",
+        ),
+    ] = "vllm",
 ) -> None:
     """Serve a fake OpenAI-compatible inference server (for trying the platform without a GPU)."""
     import uvicorn
 
     from neuralgrid.demo import DEMO_MODELS
-    from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
+    from neuralgrid.fakenode import LIKE, FakeNodeConfig, create_fake_node
 
-    config = FakeNodeConfig(
-        models=DEMO_MODELS, tokens_per_s=tokens_per_s, latency_s=latency_s, failure_rate=failure_rate
+    if like not in LIKE:
+        raise fail(f"--like {like!r}: choose one of {', '.join(LIKE)}")
+    config = FakeNodeConfig.like(
+        like, models=DEMO_MODELS, tokens_per_s=tokens_per_s, latency_s=latency_s, failure_rate=failure_rate
     )
     uvicorn.run(create_fake_node(config), host="127.0.0.1", port=port, log_level="warning")
 
@@ -578,7 +587,8 @@ async def _serve(settings: Settings, url: str, demo: int) -> None:
             backend_url = await resources.enter_async_context(demo_fleet.backend())
             with psycopg.connect(url, autocommit=True) as conn:
                 specs = fleet.read_fleet(DEMO_FLEET)[:demo]
-                fleet.import_fleet(conn, [s.model_copy(update={"endpoint_url": backend_url}) for s in specs])
+                served = {"endpoint_url": backend_url, "backend": demo_fleet.FAKE_BACKEND}
+                fleet.import_fleet(conn, [s.model_copy(update=served) for s in specs])
             tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
         tasks.append(asyncio.create_task(gateway.serve()))
         while not gateway.started and not tasks[-1].done():

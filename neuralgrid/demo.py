@@ -19,6 +19,10 @@ DEMO_MODELS = (
     "BAAI/bge-large-en-v1.5",
 )
 
+# What an agent would find of the demo's fake node: vLLM-like, usage in streams, and it goes on with
+# its own answers when asked to continue (so demo streams resume on another node).
+FAKE_BACKEND = {"kind": "vllm", "version": "fake", "usage_in_streams": True, "continues": True}
+
 
 @contextlib.asynccontextmanager
 async def backend() -> AsyncIterator[str]:

