@@ -505,21 +505,27 @@ def test_a_dead_server_behind_a_live_agent_is_offline_within_one_heartbeat(
             assert sdk.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2).choices
 
 
-def kill_mid_stream(s: Stack, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Stream through the gateway and kill the first node's server after a few events."""
+@contextmanager
+def mid_stream(s: Stack, body: dict[str, Any], after: int = 1) -> Iterator[list[dict[str, Any]]]:
+    """A stream through the gateway. The block runs once `after` events have come, and the list
+    holds them; after the block it holds every event ([DONE] as {"done": True})."""
     headers = {"authorization": f"Bearer {s.key}"}
     events: list[dict[str, Any]] = []
     with httpx.stream(
         "POST", f"{s.gateway}/v1/chat/completions", json=body, headers=headers, timeout=60
     ) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            events.append({"done": True} if data == "[DONE]" else json.loads(data))
-            if len(events) == 4:
-                s.server.kill()
+        data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+        parsed = ({"done": True} if d == "[DONE]" else json.loads(d) for d in data)
+        events.extend(event for _, event in zip(range(after), parsed, strict=False))
+        yield events
+        events.extend(parsed)
+
+
+def kill_mid_stream(s: Stack, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Stream through the gateway and kill the first node's server after a few events."""
+    with mid_stream(s, body, after=4) as events:
+        s.server.kill()
     return events
 
 
@@ -597,24 +603,13 @@ def test_a_short_request_goes_to_the_idle_node_not_behind_a_stream(
         cleanup.callback(other.kill)
         agent, other_id = join(s.gateway, s.key, s.conn, other, "node-b", "direct")
         cleanup.callback(agent.stop)
-        s.conn.execute(
-            "update nodes set hourly_rate = 5 where id = %s", (other_id,)
-        )  # the first is first choice
-        headers = {"authorization": f"Bearer {s.key}"}
+        s.conn.execute("update nodes set hourly_rate = 5 where id = %s", (other_id,))  # the second choice
         long = {"model": SMOLLM2, "messages": STORY, "max_tokens": 300, "temperature": 0, "stream": True}
-        with httpx.stream(
-            "POST", f"{s.gateway}/v1/chat/completions", json=long, headers=headers, timeout=60
-        ) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            with s.sdk() as sdk:
-                started = time.monotonic()
-                raw = sdk.chat.completions.with_raw_response.create(
-                    model=SMOLLM2, messages=STORY, max_tokens=3
-                )
-                took = time.monotonic() - started
+        with mid_stream(s, long) as rest, s.sdk() as sdk:
+            started = time.monotonic()
+            raw = sdk.chat.completions.with_raw_response.create(model=SMOLLM2, messages=STORY, max_tokens=3)
+            took = time.monotonic() - started
             assert raw.headers["x-neuralgrid-node"] == str(other_id)
-            rest = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
         assert finish_of(rest) is not None  # the long stream was not cut by the short request
         assert took < 10
 
@@ -623,15 +618,9 @@ def test_sigterm_drains_a_real_stream_then_goes_offline(
     pg_server: Any, template_db: str, tmp_path: Path
 ) -> None:
     with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s:
-        headers = {"authorization": f"Bearer {s.key}"}
         body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 200, "temperature": 0, "stream": True}
-        with httpx.stream(
-            "POST", f"{s.gateway}/v1/chat/completions", json=body, headers=headers, timeout=60
-        ) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
+        with mid_stream(s, body) as rest:
             s.agent.process.send_signal(signal.SIGTERM)
-            rest = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
         assert finish_of(rest) == "length"
         wait_for(lambda: s.node("status") == ("offline",), timeout=10)
         assert s.agent.process.wait(timeout=10) == 0
