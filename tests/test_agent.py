@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import respx
 from neuralgrid import signing
 from neuralgrid.agent import gpu
 from neuralgrid.agent.backend import Backend, BackendError, parse_aliases
+from neuralgrid.agent.front import FrontState
 from neuralgrid.agent.run import AgentConfig, AgentError, resolve_specs
 from neuralgrid.config import Settings
 from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
@@ -133,7 +135,7 @@ async def test_the_agent_tells_recorded_servers_apart(kind: str, parallel: int |
         assert await backend.models() == [
             m["id"] for m in RECORDED[kind]["responses"]["GET /v1/models"]["json"]["data"]
         ]
-        assert await backend.healthy()
+        assert await backend.health() == "up"
         if kind in ("vllm", "tgi"):  # the server's own tokenizer, special tokens not counted
             assert await backend._count(RECORDED[kind]["model"], "Hello world") == 2
     finally:
@@ -154,7 +156,7 @@ async def test_the_agent_says_what_is_wrong_with_a_backend() -> None:
             await web.models()
         with pytest.raises(BackendError, match="unreachable"):
             await Backend("http://down:1", http).detect()
-        assert not await Backend("http://down:1", http).healthy()
+        assert await Backend("http://down:1", http).health() == "down"
 
 
 def test_model_aliases_are_parsed_or_refused_in_one_line() -> None:
@@ -447,6 +449,31 @@ def test_a_client_leaving_cancels_the_request_on_the_node(
             wait_for(lambda: conn.execute(depth).fetchone() == (1,))
         # The agent hears the cancel and lets go long before the 10 s answer would have ended.
         wait_for(lambda: conn.execute(depth).fetchone() == (0,), timeout=3)
+
+
+async def test_the_agent_frees_its_slot_however_a_request_ends() -> None:
+    """Cancelled while the server has not answered yet (the gateway's client left), or answered but
+    never read: the agent's count of requests in flight (its queue depth) comes back down."""
+    config = FakeNodeConfig(models=(LLAMA8,), latency_s=5)
+    body = json.dumps({"model": LLAMA8, "messages": MESSAGES, "stream": True}).encode()
+    with ThreadedServer(create_fake_node(config)) as server:
+        front = FrontState(Backend(server.url))
+        try:
+            waiting = asyncio.create_task(front.forward("/v1/chat/completions", body))
+            await asyncio.sleep(0.3)
+            assert front.inflight == 1
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            assert front.inflight == 0
+            config.latency_s = 0
+            answer = await front.forward("/v1/chat/completions", body)
+            assert front.inflight == 1
+            await answer.aclose()  # never read
+            await answer.aclose()  # and closing twice counts once
+            assert front.inflight == 0
+        finally:
+            await front.backend.aclose()
 
 
 def test_a_tunnel_reconnects_after_the_gateway_restarts(

@@ -295,6 +295,20 @@ def test_all_nodes_failing_is_a_502_and_a_failed_job(
     assert conn.execute("select status from jobs").fetchone() == ("failed",)
 
 
+@pytest.mark.parametrize("status", [503, 502, 429])
+def test_the_same_unavailable_answer_from_two_nodes_is_still_the_nodes_fault(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, status: int
+) -> None:
+    """Draining, loading, unreachable or overloaded servers answer alike: that says nothing against
+    the request (only the same 500 twice does, see test_backends.py)."""
+    fake_nodes("a", failure_rate=1.0, fail_status=status)
+    fake_nodes("b", failure_rate=1.0, fail_status=status)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=LLAMA8, messages=MESSAGES)
+    assert err.value.status_code == 502
+    assert conn.execute("select failures from nodes order by name").fetchall() == [(1,), (1,)]
+
+
 @pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_FIRST_BYTE_TIMEOUT_S": 0.3}])
 def test_a_slow_node_times_out_with_504(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
@@ -332,6 +346,7 @@ def test_errors_are_openai_shaped(
             ),
             400,
         ),
+        (httpx.post(url, content=b'{"model": "m", "messages": [], "temperature": NaN}', headers=auth), 400),
     ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text

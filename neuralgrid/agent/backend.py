@@ -10,12 +10,13 @@ server passed that test, so a server that starts a new answer instead can never 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 3.0  # GETs: a server too slow to answer these is not healthy
 WARMUP_TIMEOUT_S = 120.0  # the first generation may load weights
+USAGE_TIMEOUT_S = 10.0  # counting a stream's usage holds its [DONE]: well inside the gateway's read timeout
+# Fields the one-token prompt count must not carry: they would make the server generate or echo more.
+ONE_TOKEN_DROPS = ("stream", "stream_options", "n", "max_completion_tokens", "best_of", "logprobs", "echo")
 # A prompt small models answer with confidence: greedy decoding then gives the same words whether
 # the answer is generated in one go or continued from a prefix (floating-point noise between the
 # two paths cannot flip a confident choice), which is what the continuation check compares.
@@ -32,6 +36,9 @@ PROBE_PROMPT = [
         "content": "Repeat exactly these words: one two three four five six seven eight nine ten",
     }
 ]
+
+
+Health = Literal["up", "down", "slow"]
 
 
 class BackendError(Exception):
@@ -84,7 +91,8 @@ def _str(value: Any) -> str | None:
 def _sglang_parallel(d: Any) -> int | None:
     """--max-running-requests when given; else what each data-parallel rank settled on, times ranks."""
     states = _get(d, "internal_states")
-    per_rank = _int(_get(states[0], "effective_max_running_requests_per_dp")) if states else None
+    first = states[0] if isinstance(states, list) and states else None
+    per_rank = _int(_get(first, "effective_max_running_requests_per_dp"))
     if _int(_get(d, "max_running_requests")) is not None or per_rank is None:
         return _int(_get(d, "max_running_requests"))
     return per_rank * (_int(_get(d, "dp_size")) or 1)
@@ -210,13 +218,16 @@ class Backend:
                 f"the backend at {self.url} is not OpenAI-compatible: GET /v1/models gave HTTP {status}"
             ) from err
 
-    async def healthy(self) -> bool:
-        """Whether the server answers its health check now (never a generation)."""
+    async def health(self) -> Health:
+        """The server's health check now (never a generation): up; down (refused, or an error
+        status: certain); or slow (no answer in time: a busy server may just be late)."""
         try:
             resp = await self.http.get(self.url + self.kind.health, timeout=PROBE_TIMEOUT_S)
+        except httpx.TimeoutException:
+            return "slow"
         except httpx.HTTPError:
-            return False
-        return resp.is_success
+            return "down"
+        return "up" if resp.is_success else "down"
 
     async def queue_depth(self) -> int | None:
         """Requests the server is running or holding, when it says (llama.cpp's /slots)."""
@@ -239,7 +250,7 @@ class Backend:
         for model in models:
             try:
                 answered = await self._warm_up(model)
-            except (httpx.HTTPError, ValueError) as err:
+            except Exception as err:  # whatever the server sent, it is not a warm model
                 log.warning("model %s did not answer its warm-up (%r): not reported warm", model, err)
                 continue
             if answered is None:
@@ -318,7 +329,8 @@ class Backend:
                 if payload is None:
                     continue
                 usage = usage or isinstance(payload.get("usage"), dict)
-                for choice in payload.get("choices") or []:
+                choices = payload.get("choices")
+                for choice in choices if isinstance(choices, list) else []:
                     piece = _get(choice, "delta", "content")
                     text.append(piece if isinstance(piece, str) else "")
             return "".join(text), usage
@@ -328,14 +340,14 @@ class Backend:
     async def _can_tokenize(self, model: str) -> bool:
         try:
             return await self._count(model, "hello world") is not None
-        except (httpx.HTTPError, ValueError):
+        except Exception:  # an answer of another shape: no tokenizer to use
             return False
 
     async def _count(self, model: str, text: str) -> int | None:
         """Tokens in `text` by the server's own tokenizer, special tokens not added."""
         if self.kind.name == "llama.cpp":
             resp = await self.http.post(self.url + "/tokenize", json={"content": text, "add_special": False})
-            tokens = resp.json().get("tokens") if resp.is_success else None
+            tokens = _get(resp.json(), "tokens") if resp.is_success else None
             return len(tokens) if isinstance(tokens, list) else None
         if self.kind.name == "llama-cpp-python":
             # It always adds the model's special tokens (a BOS, say): count them once and take them off.
@@ -344,7 +356,7 @@ class Backend:
                 resp = await self.http.post(
                     self.url + "/extras/tokenize/count", json={"input": piece, "model": model}
                 )
-                count = resp.json().get("count") if resp.is_success else None
+                count = _get(resp.json(), "count") if resp.is_success else None
                 if type(count) is not int:
                     return None
                 counts.append(count)
@@ -360,26 +372,32 @@ class Backend:
         if self.kind.name in ("vllm", "sglang"):
             body = {"model": model, "prompt": text, "add_special_tokens": False}
             resp = await self.http.post(self.url + "/tokenize", json=body)
-            count = resp.json().get("count") if resp.is_success else None
+            count = _get(resp.json(), "count") if resp.is_success else None
             return count if type(count) is int else None
         return None
 
     async def usage(self, kind: str, request: dict[str, Any], answer: str) -> dict[str, int] | None:
         """Exact usage of a streamed answer the server gave no usage for: the answer counted by the
         server's tokenizer, the prompt by the server itself (the same request, not streamed, one
-        token long: the server has the prompt cached). None when the server cannot say."""
-        model = str(request.get("model") or "")
+        token long: the server has the prompt cached). None when the server cannot say in time: the
+        stream then ends as it came, and the gateway counts what it can."""
         try:
-            completion = await self._count(model, answer)
-            if completion is None:
-                return None
-            once = {k: v for k, v in request.items() if k not in ("stream", "stream_options", "n")}
-            once.update(max_tokens=1, stream=False)
-            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-            resp = await self.http.post(self.url + path, json=once, timeout=WARMUP_TIMEOUT_S)
-            prompt = _get(resp.json(), "usage", "prompt_tokens") if resp.is_success else None
-        except (httpx.HTTPError, ValueError):
+            async with asyncio.timeout(USAGE_TIMEOUT_S):
+                return await self._usage(kind, request, answer)
+        except Exception as err:  # never let counting break an answer that is already whole
+            log.warning("could not count a stream's usage: %r", err)
             return None
+
+    async def _usage(self, kind: str, request: dict[str, Any], answer: str) -> dict[str, int] | None:
+        model = str(request.get("model") or "")
+        completion = await self._count(model, answer)
+        if completion is None:
+            return None
+        once = {k: v for k, v in request.items() if k not in ONE_TOKEN_DROPS}
+        once.update(max_tokens=1, stream=False)
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        resp = await self.http.post(self.url + path, json=once)
+        prompt = _get(resp.json(), "usage", "prompt_tokens") if resp.is_success else None
         if type(prompt) is not int:
             return None
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -9,7 +9,7 @@ Backend.usage): the gateway bills tokens, never events.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from neuralgrid import signing
 from neuralgrid.agent.backend import Backend
@@ -30,13 +31,22 @@ class BackendUnreachable(Exception):
     """The server did not take the request (refused, reset, timed out before answering)."""
 
 
-@dataclass
 class Answer:
-    """The server's answer as it starts: status, media type, and its body's chunks."""
+    """The server's answer as it starts: status, media type, and its body's chunks. Whoever takes it
+    must aclose() it, read or not: that ends the request (its slot here, its connection there)."""
 
-    status: int
-    media_type: str
-    chunks: AsyncGenerator[bytes, None]
+    def __init__(self, state: FrontState, upstream: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+        self.state, self.upstream = state, upstream
+        self.status = upstream.status_code
+        self.media_type = upstream.headers.get("content-type", "application/json")
+        self.chunks = chunks
+        self.closed = False
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.state.inflight -= 1
+            await self.upstream.aclose()
 
 
 @dataclass
@@ -49,13 +59,14 @@ class FrontState:
     served: int = 0
 
     async def forward(self, path: str, body: bytes) -> Answer:
-        """Send a gateway's request to the server; the answer's chunks end the request when consumed."""
+        """Send a gateway's request to the server. The caller must aclose() the answer."""
         try:
             request: Any = json.loads(body)
         except ValueError:
             request = None
-        if isinstance(request, dict) and request.get("model") in self.served_names:
-            request = {**request, "model": self.served_names[request["model"]]}
+        catalog_id = request.get("model") if isinstance(request, dict) else None
+        if isinstance(catalog_id, str) and catalog_id in self.served_names:
+            request = {**request, "model": self.served_names[catalog_id]}
             body = json.dumps(request).encode()
         self.inflight += 1
         try:
@@ -63,44 +74,56 @@ class FrontState:
             upstream = await self.backend.http.send(
                 self.backend.http.build_request("POST", url, content=body, headers=headers), stream=True
             )
-        except httpx.HTTPError as err:
+        except BaseException as err:  # cancelled too: the request never started here
             self.inflight -= 1
-            raise BackendUnreachable(f"the backend is unreachable: {err!r}") from err
+            if isinstance(err, httpx.HTTPError):
+                raise BackendUnreachable(f"the backend is unreachable: {err!r}") from err
+            raise
         self.served += 1
-        media = upstream.headers.get("content-type", "application/json")
-        chunks: AsyncIterator[bytes] = upstream.aiter_raw()
+        answer = Answer(self, upstream, upstream.aiter_raw())
         wants_usage = isinstance(request, dict) and _get(request, "stream_options", "include_usage") is True
-        sse = upstream.status_code == 200 and media.startswith("text/event-stream")
-        if path in KINDS and sse and wants_usage:
-            chunks = self._with_usage(KINDS[path], request, chunks)
-        return Answer(upstream.status_code, media, self._finishing(upstream, chunks))
-
-    async def _finishing(
-        self, upstream: httpx.Response, chunks: AsyncIterator[bytes]
-    ) -> AsyncGenerator[bytes, None]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await upstream.aclose()
-            self.inflight -= 1
+        sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
+        if path in KINDS and sse and wants_usage and _one_text_answer(request):
+            answer.chunks = self._with_usage(KINDS[path], request, catalog_id, answer.chunks)
+        return answer
 
     async def _with_usage(
-        self, kind: str, request: dict[str, Any], chunks: AsyncIterator[bytes]
+        self, kind: str, request: dict[str, Any], model: Any, chunks: AsyncIterator[bytes]
     ) -> AsyncIterator[bytes]:
-        """The stream as the server sent it, plus a usage event before [DONE] if it had none."""
+        """The stream as the server sent it, plus a usage event before [DONE] if it had none.
+        Fails open: if anything cannot be read or counted, the stream passes on as it came."""
         events = SseEvents(keep_usage_event=True)
         async for raw in chunks:
             for event in events.feed(raw):
                 if events.done and events.usage is None and event.strip().endswith(b"[DONE]"):
-                    usage = await self.backend.usage(kind, request, "".join(events.text))
-                    if usage is not None:
-                        tail = {**events.identity, "object": _OBJECT[kind], "model": request.get("model")}
-                        tail.update(choices=[], usage=usage)
+                    counted = await self.backend.usage(kind, request, "".join(events.text))
+                    if counted is not None:
+                        tail = {**events.identity, "object": _OBJECT[kind], "model": model}
+                        tail.update(choices=[], usage=counted)
                         yield b"data: " + json.dumps(tail).encode() + b"\n\n"
                 yield event
         if events.buffer:
             yield events.buffer
+
+
+def _one_text_answer(request: dict[str, Any]) -> bool:
+    """One plain text answer, the kind whose tokens the server's tokenizer can count afterwards."""
+    return request.get("n") in (None, 1) and not request.get("tools") and not request.get("echo")
+
+
+class RelayedAnswer(StreamingResponse):
+    """Streams an Answer to the gateway and closes it however the response ends (a gateway that
+    hangs up before the first chunk included: Starlette may then never start the iterator)."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer.chunks, status_code=answer.status, media_type=answer.media_type)
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.answer.aclose()
 
 
 _OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
@@ -130,7 +153,7 @@ async def _forward(request: Request) -> Response:
         answer = await state.forward(path, body)
     except BackendUnreachable as err:
         return _error(502, str(err))
-    return StreamingResponse(answer.chunks, status_code=answer.status, media_type=answer.media_type)
+    return RelayedAnswer(answer)
 
 
 async def _health(request: Request) -> Response:

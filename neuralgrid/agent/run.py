@@ -93,7 +93,7 @@ class Agent:
         async with httpx.AsyncClient(timeout=10) as http:
             try:
                 models = await self._ready()
-            except BackendError as err:
+            except (BackendError, httpx.HTTPError, ValueError) as err:
                 await self.backend.aclose()
                 raise AgentError(str(err)) from err
             specs = resolve_specs(self.config)
@@ -128,27 +128,32 @@ class Agent:
     async def _beat(
         self, http: httpx.AsyncClient, stop: asyncio.Event, models: list[str], specs: Specs
     ) -> None:
-        """Heartbeat until told to stop. Each beat checks the server's health first, so a dead server
-        takes the node out within one beat; back up, it is detected and warmed up again first."""
-        beats, up, reported = 0, True, self.backend.info
+        """Heartbeat until told to stop. Each beat checks the server's health first: a server that
+        refuses or errs takes the node out within that beat, one that stays silent within two. Back
+        up, it is detected and warmed up again (once nothing of ours runs on it) before it takes work.
+        Nothing the server answers can stop the beats."""
+        beats, up, slow, reported = 0, True, False, None
         while not stop.is_set():
             changed = None
-            if not await self.backend.healthy():
-                if up:
-                    log.warning("the backend stopped answering: the node takes no work until it is back")
-                up = False
-            elif not up:
-                try:
+            try:
+                health = await self.backend.health()
+                if health == "down" or (health == "slow" and slow):
+                    if up:
+                        log.warning("the backend stopped answering: the node takes no work until it is back")
+                    up = False
+                elif health == "up" and not up and not self.front.inflight:
                     models, up = await self._ready(), True
-                except (BackendError, httpx.HTTPError) as err:
-                    log.warning("the backend answers again but is not ready: %s", err)
-            elif beats % REPROBE_EVERY == 0 and beats and not self._busy_and_fragile():
-                models = await self._models_or(models)
-                changed = self._specs_if_changed(specs)
-                specs = changed or specs
+                elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self._busy_and_fragile():
+                    models = await self._models_or(models)
+                    changed = self._specs_if_changed(specs)
+                    specs = changed or specs
+                slow = health == "slow"
+            except Exception as err:  # a server answering nonsense is a server that is not ready
+                log.warning("the backend is not ready: %r", err)
+                up = False
             backend = self.backend.info if self.backend.info != reported else None
-            reported = self.backend.info
-            await self._heartbeat(http, "online", models, changed, up=up, backend=backend)
+            if await self._heartbeat(http, "online", models, changed, up=up, backend=backend):
+                reported = self.backend.info  # said once the gateway has it, so a lost beat says it again
             beats += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
@@ -245,7 +250,8 @@ class Agent:
         *,
         up: bool = True,
         backend: ServerInfo | None = None,
-    ) -> None:
+    ) -> bool:
+        """Send one heartbeat; True when the gateway took it."""
         load = gpu.load()
         queued = await self.backend.queue_depth() if up else None
         body: dict[str, Any] = {
@@ -263,10 +269,12 @@ class Agent:
         url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
         try:
             resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})
-            if resp.status_code != 200:
-                log.warning("heartbeat refused: %s", _message(resp))
         except httpx.HTTPError as err:  # the gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
+            return False
+        if resp.status_code != 200:
+            log.warning("heartbeat refused: %s", _message(resp))
+        return resp.status_code == 200
 
     async def _models_or(self, previous: list[str]) -> list[str]:
         """The server's models now, under catalog names; the previous list if it cannot say."""

@@ -89,16 +89,20 @@ class TunnelClient:
             return
         try:
             answer = await self.front.forward(frame["path"], frame["body"].encode())
-            await send({"t": "start", "id": request_id, "status": answer.status, "type": answer.media_type})
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
             try:
+                await send(
+                    {"t": "start", "id": request_id, "status": answer.status, "type": answer.media_type}
+                )
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
                 async for chunk in answer.chunks:
                     if text := decoder.decode(chunk):
                         await send({"t": "data", "id": request_id, "b": text})
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
-                await answer.chunks.aclose()
+                await answer.aclose()
             await send({"t": "end", "id": request_id})
-        except (BackendUnreachable, httpx.HTTPError, OSError) as err:
+        except Exception as err:  # whatever went wrong, the gateway hears of it, never silence
+            if not isinstance(err, BackendUnreachable | httpx.HTTPError | OSError):
+                log.exception("request %s failed in the agent", request_id)
             with contextlib.suppress(WebSocketException):
                 await send({"t": "err", "id": request_id, "message": f"the backend failed: {err!r}"})
 

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from uuid import UUID
@@ -73,16 +73,12 @@ class _Retryable(Exception):
         self.timeout = timeout
 
     def same_as(self, other: _Retryable | None) -> bool:
-        """The same answer (status and body) from a server: what the request, not a node, causes."""
-        return (
-            other is not None
-            and self.status is not None
-            and (self.status, str(self))
-            == (
-                other.status,
-                str(other),
-            )
-        )
+        """The same HTTP 500 (status and body) as the node before: what the request, not a node,
+        causes. Not 502, 503, 504 or 429: unreachable, loading, draining or overloaded servers (and
+        agents) answer those alike with nothing wrong in the request."""
+        if other is None or self.status != 500:
+            return False
+        return (self.status, str(self)) == (other.status, str(other))
 
 
 class Catalog:
@@ -389,7 +385,10 @@ class Router:
             # Recorded before anything is awaited: a client that left cancels every await here.
             meter.usage = events.used()
             self._finish_later(route.call, meter, outcome, error)
-            await delivery.response.close()
+            if events.done:  # read the node's answer to its end, so its connection can be kept
+                self._later(_read_to_end(delivery))
+            else:
+                await delivery.response.close()
 
     async def _resume(
         self, route: _Route, events: SseEvents, meter: _Meter, err: NodeError
@@ -427,7 +426,10 @@ class Router:
     def _finish_later(self, call: Call, meter: _Meter, outcome: str, error: str | None) -> None:
         """Record the end off the request's path (not a BackgroundTask: that would hold the
         keep-alive connection until the database answered). A client that leaves cannot cancel it."""
-        task = asyncio.get_running_loop().create_task(self._finish(call, meter, outcome, error))
+        self._later(self._finish(call, meter, outcome, error))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
@@ -516,6 +518,19 @@ class _NoNodeLeft(Exception):
 
 
 _Move = Callable[[UUID, _Retryable, list[UUID]], Awaitable[_Node | None]]
+
+
+async def _read_to_end(delivery: _Delivery) -> None:
+    """What a node sends after [DONE] (its end of stream, at once), read so that its connection goes
+    back to the pool; one that lingers is closed."""
+    try:
+        async with asyncio.timeout(1.0):
+            async for _ in delivery.chunks:
+                pass
+    except (TimeoutError, NodeError):
+        pass
+    finally:
+        await delivery.response.close()
 
 
 def _node_headers(key: bytes | None, path: str, payload: bytes) -> dict[str, str]:

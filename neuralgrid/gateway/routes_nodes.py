@@ -197,9 +197,9 @@ async def tunnel(websocket: WebSocket, node_id: UUID) -> None:
     await websocket.accept()
     link = Tunnel(node_id, websocket)
     gateway.tunnels.by_node[node_id] = link
-    async with gateway.pool.connection() as conn:
-        await conn.execute(SET_TUNNEL, (node_id, True))
     try:
+        async with gateway.pool.connection() as conn:
+            await conn.execute(SET_TUNNEL, (node_id, True))
         await link.read()
     finally:
         if gateway.tunnels.by_node.get(node_id) is link:

@@ -133,9 +133,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
             raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
         chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks), parse_constant=_not_json)
     except ValueError as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from err
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def _not_json(constant: str) -> Any:
+    """NaN and Infinity: Python reads them, JSON has no such numbers, and nodes would choke on them."""
+    raise ValueError(f"{constant} is not a JSON number")

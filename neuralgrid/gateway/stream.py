@@ -52,7 +52,8 @@ class SseEvents:
         self.chunks_carried = 0  # events streamed before the last resume
 
     def feed(self, raw: bytes) -> list[bytes]:
-        self.buffer += raw
+        # Events end with a blank line; servers that write CRLF lines are read the same way.
+        self.buffer = (self.buffer + raw).replace(b"\r\n", b"\n")
         out: list[bytes] = []
         while b"\n\n" in self.buffer:
             event, self.buffer = self.buffer.split(b"\n\n", 1)
@@ -97,7 +98,8 @@ class SseEvents:
             self.chunks += 1
             self.plain_text = False  # something we cannot read: no telling what a resume would repeat
             return event
-        choices = payload.get("choices") or []
+        choices = payload.get("choices")
+        choices = choices if isinstance(choices, list) else []
         carried = self._note(choices)
         usage = Usage.parse(payload)
         if usage is None:

@@ -15,6 +15,8 @@ comment on column public.nodes.backend is 'The inference server behind the node 
 comment on column public.nodes.backend_up is 'False while the agent reports its inference server dead: the node is offline however alive its agent is.';
 comment on column public.nodes.tunnel_connected is 'A tunnel node''s tunnel is connected to a gateway (set by set_tunnel()); it is reachable only then.';
 grant select (backend, backend_up) on table public.nodes to anon, authenticated;
+-- Tunnel nodes online now have their tunnel up (the heartbeat reads this from here on).
+update public.nodes set tunnel_connected = true where endpoint_url like 'tunnel:%' and status <> 'offline';
 
 create function public.register_node(
   p_owner_id uuid,
