@@ -116,16 +116,18 @@ def mock_server(base: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "parallel", "health"),
+    ("kind", "parallel", "health", "queued"),
     [
-        ("vllm", None, "/health"),
-        ("sglang", 2048, "/health"),
-        ("tgi", 128, "/health"),
-        ("ollama", None, "/api/version"),
+        ("vllm", None, "/health", 3 + 1),
+        ("sglang", 2048, "/health", 3 + 1),
+        ("tgi", 128, "/health", 1 + 4),
+        ("ollama", None, "/api/version", None),
     ],
 )
 @respx.mock
-async def test_the_agent_tells_recorded_servers_apart(kind: str, parallel: int | None, health: str) -> None:
+async def test_the_agent_tells_recorded_servers_apart(
+    kind: str, parallel: int | None, health: str, queued: int | None
+) -> None:
     mock_server("http://gpu:8000", kind)
     backend = Backend("http://gpu:8000")
     try:
@@ -136,6 +138,7 @@ async def test_the_agent_tells_recorded_servers_apart(kind: str, parallel: int |
             m["id"] for m in RECORDED[kind]["responses"]["GET /v1/models"]["json"]["data"]
         ]
         assert await backend.health() == "up"
+        assert await backend.queue_depth() == queued  # running and waiting, from its /metrics
         if kind in ("vllm", "tgi"):  # the server's own tokenizer, special tokens not counted
             assert await backend._count(RECORDED[kind]["model"], "Hello world") == 2
     finally:

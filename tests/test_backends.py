@@ -299,6 +299,7 @@ def test_chat_is_the_servers_own_answer_with_its_own_counts_and_the_catalog_pric
     with stack.sdk() as sdk:
         answer = sdk.chat.completions.create(**body)
     assert answer.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert answer.model == SMOLLM2  # never the owner's file path
     assert answer.usage is not None
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
         direct["usage"]["prompt_tokens"],
@@ -391,6 +392,7 @@ def test_streams_carry_exact_usage_and_end_succeeded(stack: Stack) -> None:
 
     events = stream(stack, {**body, "stream_options": {"include_usage": True}})
     assert text_of(events) == truth["choices"][0]["message"]["content"]
+    assert {e.get("model") for e in events if "model" in e} == {SMOLLM2}
     assert events[-1] == {"done": True} and finish_of(events) == "length"
     usage = events[-2]["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == counts

@@ -72,6 +72,7 @@ class _Kind:
     parallel: Callable[[Any], int | None]
     health: str  # a GET that answers 2xx while the server can serve, and disturbs nothing
     interrupts: bool = False
+    queue: tuple[str, ...] = ()  # the gauges in its /metrics that add up to requests running or waiting
 
 
 def _get(data: Any, *path: str) -> Any:
@@ -126,6 +127,7 @@ KINDS = (
         lambda d: _str(_get(d, "version")),
         _sglang_parallel,
         "/health",
+        queue=("sglang:num_running_reqs", "sglang:num_queue_reqs"),
     ),
     _Kind(
         "tgi",
@@ -134,6 +136,7 @@ KINDS = (
         lambda d: _str(_get(d, "version")),
         lambda d: _int(_get(d, "max_concurrent_requests")),
         "/health",
+        queue=("tgi_queue_size", "tgi_batch_current_size"),
     ),
     _Kind(
         "ollama",
@@ -150,6 +153,7 @@ KINDS = (
         lambda d: _str(_get(d, "version")),
         lambda d: None,  # max_num_seqs is not published: the owner says
         "/health",
+        queue=("vllm:num_requests_running", "vllm:num_requests_waiting"),
     ),
 )
 GENERIC = _Kind("openai", "/v1/models", lambda d: True, lambda d: None, lambda d: None, "/v1/models")
@@ -230,16 +234,20 @@ class Backend:
         return "up" if resp.is_success else "down"
 
     async def queue_depth(self) -> int | None:
-        """Requests the server is running or holding, when it says (llama.cpp's /slots)."""
-        if self.kind.name != "llama.cpp":
-            return None
+        """Requests the server is running or holding, when it says: llama.cpp's /slots, or the
+        gauges in vLLM's, SGLang's and TGI's /metrics."""
         try:
-            slots = await self._json("/slots")
-        except httpx.HTTPError:
-            return None
-        if not isinstance(slots, list):
-            return None
-        return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+            if self.kind.name == "llama.cpp":
+                slots = await self._json("/slots")
+                if isinstance(slots, list):
+                    return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+            elif self.kind.queue:
+                resp = await self.http.get(self.url + "/metrics", timeout=PROBE_TIMEOUT_S)
+                if resp.is_success:
+                    return _gauges(resp.text, self.kind.queue)
+        except (httpx.HTTPError, ValueError):
+            pass
+        return None
 
     # Verifying (generations: only while the node takes no work) ----------------------------------
 
@@ -401,6 +409,19 @@ class Backend:
         if type(prompt) is not int:
             return None
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _gauges(metrics: str, names: tuple[str, ...]) -> int | None:
+    """The sum of the named gauges in Prometheus text (over all their label sets); None if absent.
+    TGI publishes its gauges only once they have a value: absent then means nothing queued."""
+    total, seen = 0.0, False
+    for line in metrics.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            total, seen = total + float(line.rsplit(" ", 1)[1]), True
+    return round(total) if seen else None
 
 
 def _sse_json(line: str) -> dict[str, Any] | None:

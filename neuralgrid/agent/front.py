@@ -81,29 +81,65 @@ class FrontState:
             raise
         self.served += 1
         answer = Answer(self, upstream, upstream.aiter_raw())
-        wants_usage = isinstance(request, dict) and _get(request, "stream_options", "include_usage") is True
+        served = request.get("model") if isinstance(request, dict) else None
+        renamed = (served, catalog_id) if served != catalog_id else None
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
-        if path in KINDS and sse and wants_usage and _one_text_answer(request):
-            answer.chunks = self._with_usage(KINDS[path], request, catalog_id, answer.chunks)
+        wants_usage = isinstance(request, dict) and _get(request, "stream_options", "include_usage") is True
+        count = path in KINDS and sse and wants_usage and _one_text_answer(request)
+        if sse and (count or renamed):
+            answer.chunks = self._events(KINDS.get(path, ""), request, answer.chunks, count, renamed)
+        elif renamed and answer.media_type.startswith("application/json"):
+            answer.chunks = _renamed_body(answer.chunks, renamed)
         return answer
 
-    async def _with_usage(
-        self, kind: str, request: dict[str, Any], model: Any, chunks: AsyncIterator[bytes]
+    async def _events(
+        self,
+        kind: str,
+        request: dict[str, Any],
+        chunks: AsyncIterator[bytes],
+        count: bool,
+        renamed: tuple[Any, Any] | None,
     ) -> AsyncIterator[bytes]:
-        """The stream as the server sent it, plus a usage event before [DONE] if it had none.
-        Fails open: if anything cannot be read or counted, the stream passes on as it came."""
+        """The stream as the server sent it, event by event, with the catalog's model name in place
+        of the server's (the client never sees an owner's file path), and a usage event before
+        [DONE] when the server sent none. Fails open: what cannot be read or counted passes as it came."""
         events = SseEvents(keep_usage_event=True)
         async for raw in chunks:
             for event in events.feed(raw):
-                if events.done and events.usage is None and event.strip().endswith(b"[DONE]"):
+                if count and events.done and events.usage is None and event.strip().endswith(b"[DONE]"):
                     counted = await self.backend.usage(kind, request, "".join(events.text))
                     if counted is not None:
+                        model = renamed[1] if renamed else request.get("model")
                         tail = {**events.identity, "object": _OBJECT[kind], "model": model}
                         tail.update(choices=[], usage=counted)
                         yield b"data: " + json.dumps(tail).encode() + b"\n\n"
-                yield event
+                yield _renamed_event(event, renamed) if renamed else event
         if events.buffer:
             yield events.buffer
+
+
+def _renamed_event(event: bytes, renamed: tuple[Any, Any]) -> bytes:
+    """One SSE event whose JSON data names the served model, naming the catalog's instead."""
+    head, sep, data = event.partition(b"data:")
+    try:
+        payload = json.loads(data) if sep else None
+    except ValueError:
+        return event
+    if not isinstance(payload, dict) or payload.get("model") != renamed[0]:
+        return event
+    return head + b"data: " + json.dumps({**payload, "model": renamed[1]}).encode() + b"\n\n"
+
+
+async def _renamed_body(chunks: AsyncIterator[bytes], renamed: tuple[Any, Any]) -> AsyncIterator[bytes]:
+    """A JSON answer naming the served model, naming the catalog's instead (read whole: it is small)."""
+    body = b"".join([chunk async for chunk in chunks])
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and payload.get("model") == renamed[0]:
+        body = json.dumps({**payload, "model": renamed[1]}).encode()
+    yield body
 
 
 def _one_text_answer(request: dict[str, Any]) -> bool:
