@@ -63,6 +63,7 @@ class FakeNodeConfig:
     parallel: int = 0  # requests run at once; more wait their turn (0: no limit)
     interrupts: bool = False  # a new request ends a running stream early, without a finish_reason
     bad_request_status: int = 400  # the answer to a parameter of the wrong type
+    linger_after_done_s: float = 0.0  # keep a stream open this long after [DONE] before ending it
 
     @classmethod
     def like(cls, kind: str, **knobs: Any) -> FakeNodeConfig:
@@ -244,6 +245,8 @@ async def _events(
         tail = {"id": ident, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
         yield f"data: {json.dumps(tail)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+    if config.linger_after_done_s:
+        await asyncio.sleep(config.linger_after_done_s)
 
 
 def _embeddings(body: dict[str, object], model: str, prompt_tokens: int) -> dict[str, object]:

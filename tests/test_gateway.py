@@ -91,6 +91,21 @@ def test_streaming_passes_chunks_through_and_meters(
     assert [r[3] for r in rows] == [6, 5]
 
 
+def test_a_stream_read_to_done_is_a_success_however_late_the_node_hangs_up(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """The client reads [DONE] and leaves at once, while the node (or the tunnel's end frame) is
+    still to close the stream: the answer was whole, so the job succeeded; it was not cancelled."""
+    fake_nodes(linger_after_done_s=2.0)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with stream_chat(gateway, api_key, body) as resp:
+        assert next(line for line in resp.iter_lines() if line == "data: [DONE]")
+    status = wait_for(
+        lambda: conn.execute("select status from jobs where status <> 'running'").fetchone(), 1.5
+    )
+    assert status == ("succeeded",)
+
+
 def test_streaming_arrives_chunk_by_chunk(fake_nodes: Any, gateway: str, api_key: str) -> None:
     fake_nodes(tokens_per_s=10)  # a chunk every 100 ms
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 5, "stream": True}
