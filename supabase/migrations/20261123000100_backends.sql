@@ -208,4 +208,4 @@ grant execute on function public.continuing_nodes(uuid[]) to service_role;
 
 insert into public.models (id, min_vram_gb, context_length, kind, input_usd_per_mtok, output_usd_per_mtok,
                            cold_start_s, tokens_per_s_per_tflop) values
-  ('HuggingFaceTB/SmolLM2-135M-Instruct', 0.5, 8192, 'chat', 0.01, 0.02, 2, 20.0);
+  ('HuggingFaceTB/SmolLM2-135M-Instruct', 0.5, 8192, 'chat', 0.01, 0.02, 2, 2.0);
