@@ -89,7 +89,7 @@ def make_user(conn: psycopg.Connection, email: str | None = None) -> uuid.UUID:
         (email or f"{uuid.uuid4().hex[:8]}@example.test",),
     ).fetchone()
     assert row is not None
-    return row[0]
+    return uuid.UUID(str(row[0]))
 
 
 NODE_DEFAULTS: dict[str, Any] = {
@@ -130,7 +130,7 @@ def make_node(
             "insert into public.node_models (node_id, model_id, state) values (%s, %s, %s)",
             (row[0], model, state),
         )
-    return row[0]
+    return uuid.UUID(str(row[0]))
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import psycopg
 import pynvml
 import pytest
 import respx
+from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid import signing
 from neuralgrid.agent import gpu
@@ -31,7 +32,7 @@ from neuralgrid.gateway.app import create_app
 from neuralgrid.serving import ThreadedServer
 from tests.conftest import LLAMA8, agent_command, make_node, node_row, running_agent, stream_chat, wait_for
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 # GPU detection ---------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import httpx
 import openai
 import psycopg
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.agent.backend import Backend
 from neuralgrid.config import Settings
@@ -38,7 +39,9 @@ from tests.servers import KINDS, SMOLLM2, RealServer, real_server
 
 BACKENDS = ("fake", *KINDS)
 MODES = ("direct", "tunnel")
-STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse."}]
+STORY: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me a short story about a lighthouse."}
+]
 HEARTBEAT_S = 0.3
 
 
@@ -233,7 +236,7 @@ def finish_of(events: list[dict[str, Any]]) -> str | None:
 
 def test_the_agent_registers_what_the_server_really_does(stack: Stack) -> None:
     backend, concurrency = stack.node("backend", "max_concurrency")
-    expected = {
+    found: dict[str, dict[str, Any]] = {
         "fake": {
             "kind": "vllm",
             "parallel": None,
@@ -255,7 +258,8 @@ def test_the_agent_registers_what_the_server_really_does(stack: Stack) -> None:
             "continues": False,
             "interrupts": True,
         },
-    }[stack.server.kind]
+    }
+    expected = found[stack.server.kind]
     assert {k: backend[k] for k in expected} == expected, stack.agent.output()
     # Slots as the server runs them (llama-cpp-python: one at a time), never an invented 4.
     assert concurrency == (expected["parallel"] or 4)
@@ -294,7 +298,7 @@ async def test_the_fake_mimics_each_real_server_as_the_agent_sees_it(kind: str, 
 
 
 def test_chat_is_the_servers_own_answer_with_its_own_counts_and_the_catalog_price(stack: Stack) -> None:
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 12, "temperature": 0}
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 12, "temperature": 0}
     direct = stack.direct("/v1/chat/completions", body)
     with stack.sdk() as sdk:
         answer = sdk.chat.completions.create(**body)
@@ -315,7 +319,12 @@ def test_chat_is_the_servers_own_answer_with_its_own_counts_and_the_catalog_pric
 
 
 def test_completions_are_the_servers_own(stack: Stack) -> None:
-    body = {"model": SMOLLM2, "prompt": "The lighthouse keeper", "max_tokens": 8, "temperature": 0}
+    body: dict[str, Any] = {
+        "model": SMOLLM2,
+        "prompt": "The lighthouse keeper",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     direct = stack.direct("/v1/completions", body)
     with stack.sdk() as sdk:
         answer = sdk.completions.create(**body)
@@ -331,7 +340,13 @@ def test_embeddings_of_a_chat_model_are_the_clients_400_and_no_nodes_fault(stack
 
 
 def test_a_seed_gives_the_same_answer_twice(stack: Stack) -> None:
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 10, "temperature": 1.0, "seed": 42}
+    body: dict[str, Any] = {
+        "model": SMOLLM2,
+        "messages": STORY,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 42,
+    }
     with stack.sdk() as sdk:
         first, second = (sdk.chat.completions.create(**body).choices[0].message.content for _ in range(2))
     assert first == second
@@ -346,7 +361,7 @@ def test_max_tokens_bounds_the_answer(stack: Stack) -> None:
 
 def test_tools_and_json_mode_are_answered_or_refused_never_held_against_the_node(stack: Stack) -> None:
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]},
         {
             "messages": [{"role": "user", "content": "A JSON object with a name."}],
@@ -385,7 +400,7 @@ def test_bad_parameters_are_the_clients_400_before_any_node_sees_them(stack: Sta
 def test_streams_carry_exact_usage_and_end_succeeded(stack: Stack) -> None:
     """Usage counted by the server's tokenizer when it sends none in streams (llama-cpp-python),
     never one token per event; and a stream read to [DONE] is a success, tunnel or not."""
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 20, "temperature": 0}
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 20, "temperature": 0}
     truth = stack.direct("/v1/chat/completions", body)
     counts = (truth["usage"]["prompt_tokens"], truth["usage"]["completion_tokens"])
     before = len(stack.jobs())
@@ -405,7 +420,12 @@ def test_streams_carry_exact_usage_and_end_succeeded(stack: Stack) -> None:
 
 
 def test_completion_streams_carry_exact_usage(stack: Stack) -> None:
-    body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    body: dict[str, Any] = {
+        "model": SMOLLM2,
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     truth = stack.direct("/v1/completions", body)
     events = stream(stack, {**body, "stream_options": {"include_usage": True}}, "/v1/completions")
     assert text_of(events) == truth["choices"][0]["text"]
@@ -419,7 +439,7 @@ def test_completion_streams_carry_exact_usage(stack: Stack) -> None:
 def test_the_agents_probes_never_cut_a_stream(stack: Stack) -> None:
     """llama-cpp-python ends a running stream when any request comes in, GET /v1/models included;
     the agent looks at such a server only while it is idle. Streams longer than a re-probe."""
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 250, "temperature": 0}
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 250, "temperature": 0}
     for _ in range(2):
         started = time.monotonic()
         events = stream(stack, body)
@@ -432,7 +452,7 @@ def test_the_agents_probes_never_cut_a_stream(stack: Stack) -> None:
 def test_requests_right_after_streams_all_reach_the_server(stack: Stack) -> None:
     """llama.cpp's server sometimes drops a kept-alive connection after a stream as the next request
     goes out on it (3 in 40 measured): the agent opens a connection per request instead."""
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 2}
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 2}
     with stack.sdk() as sdk:
         for _ in range(15):
             assert finish_of(stream(stack, body)) is not None
@@ -445,7 +465,13 @@ def test_more_requests_than_the_server_runs_at_once_wait_or_are_told_to_retry(st
     """Never more at once than the server runs: the rest get 503 with Retry-After (queueing at the
     gateway is issue 16's), and none is cut or recorded failed."""
     parallel = stack.node("max_concurrency")[0]
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 40, "temperature": 0, "stream": True}
+    body: dict[str, Any] = {
+        "model": SMOLLM2,
+        "messages": STORY,
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+    }
     peak = 0
 
     async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
@@ -539,7 +565,13 @@ def test_a_server_killed_mid_stream_without_a_fallback_ends_it_with_an_error(
     kind: str, pg_server: Any, template_db: str, tmp_path: Path
 ) -> None:
     with a_stack(pg_server, template_db, tmp_path, kind, "direct") as s:
-        body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 300, "temperature": 0, "stream": True}
+        body: dict[str, Any] = {
+            "model": SMOLLM2,
+            "messages": STORY,
+            "max_tokens": 300,
+            "temperature": 0,
+            "stream": True,
+        }
         events = kill_mid_stream(s, body)
         assert events[-2]["error"]["code"] == "upstream_dropped" and events[-1] == {"done": True}
         status, _, completion, _, _ = wait_for(lambda: [j for j in s.jobs() if j[0] != "running"])[-1]
@@ -553,7 +585,7 @@ def test_a_stream_resumes_only_on_a_server_verified_to_continue(
     """llama.cpp's server goes on with the open answer: the client reads one whole answer.
     llama-cpp-python ignores continue_final_message and would start a new answer: the stream ends
     with an error event instead of two answers spliced into one."""
-    body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 40, "temperature": 0}
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 40, "temperature": 0}
     with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s, ExitStack() as cleanup:
         truth = s.direct("/v1/chat/completions", body)["choices"][0]["message"]["content"]
         # The second node is dearer: the matcher picks the first one first.
@@ -624,7 +656,13 @@ def test_sigterm_drains_a_real_stream_then_goes_offline(
     pg_server: Any, template_db: str, tmp_path: Path
 ) -> None:
     with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s:
-        body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 200, "temperature": 0, "stream": True}
+        body: dict[str, Any] = {
+            "model": SMOLLM2,
+            "messages": STORY,
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+        }
         with mid_stream(s, body) as rest:
             s.agent.process.send_signal(signal.SIGTERM)
         assert finish_of(rest) == "length"

@@ -63,7 +63,7 @@ async def test_a_bad_ending_does_not_lose_the_rest_of_its_batch(db_url: str) -> 
     assert isinstance(results[3], psycopg.errors.InvalidParameterValue)
     assert all(isinstance(r, float) for i, r in enumerate(results) if i not in (0, 3))
     with psycopg.connect(db_url) as conn:
-        statuses = dict(conn.execute("select id, status from jobs").fetchall())
+        statuses: dict[uuid.UUID, str] = dict(conn.execute("select id, status from jobs").fetchall())
     assert [statuses[job] for job in jobs] == ["succeeded"] * 3 + ["running"] + ["succeeded"] * 2
 
 

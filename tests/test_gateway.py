@@ -11,6 +11,7 @@ import httpx
 import openai
 import psycopg
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from neuralgrid.serving import ThreadedServer
 from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 
-MESSAGES = [{"role": "user", "content": "Say hello to the grid."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]
 
 
 def job_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
@@ -214,7 +215,7 @@ def test_a_stream_dropped_mid_way_goes_on_on_another_node(
 ) -> None:
     flaky = fake_nodes("flaky", vram_gb=24, drop_after_chunks=4)  # ranks first: right-sized
     steady = fake_nodes("steady", vram_gb=48)
-    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10}
+    body: dict[str, Any] = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 10}
     chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _direct_answer(steady, "/v1/chat/completions", body)["message"]["content"]
@@ -244,7 +245,7 @@ def test_a_dropped_completion_stream_goes_on_with_the_prompt_plus_the_text_so_fa
 ) -> None:
     fake_nodes("flaky", vram_gb=24, drop_after_chunks=3)
     steady = fake_nodes("steady", vram_gb=48)
-    body = {"model": LLAMA8, "prompt": "Once upon a time", "max_tokens": 8}
+    body: dict[str, Any] = {"model": LLAMA8, "prompt": "Once upon a time", "max_tokens": 8}
     chunks = list(client.completions.create(**body, stream=True))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == _direct_answer(steady, "/v1/completions", body)["text"]

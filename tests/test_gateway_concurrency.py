@@ -16,10 +16,11 @@ import jwt
 import openai
 import psycopg
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import LLAMA8, free_port, make_user, stream_chat, wait_for
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def test_a_nearly_spent_budget_is_never_overspent_by_more_than_one_request(

@@ -16,7 +16,7 @@ def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection)
     conn.execute("update nodes set last_heartbeat_at = now() - interval '16 seconds' where name = 'silent'")
     swept = conn.execute("select name from sweep_stale_nodes()").fetchall()
     assert swept == [("silent",)]
-    rows = dict(conn.execute("select name, status from nodes").fetchall())
+    rows: dict[str, str] = dict(conn.execute("select name, status from nodes").fetchall())
     assert rows == {"fresh": "online", "late": "online", "silent": "offline"}
     missed = conn.execute("select missed_heartbeats from nodes where name = 'silent'").fetchone()
     assert missed == (3,)
@@ -34,7 +34,9 @@ def test_heartbeat_brings_a_node_back_and_syncs_warm_models(conn: psycopg.Connec
     node = make_node(conn, "n", status="offline", models={"a": "loaded", "b": "available"})
     status = conn.execute("select node_heartbeat(%s, %s)", (node, ["b", "c"])).fetchone()
     assert status == ("online",)
-    models = dict(conn.execute("select model_id, state from node_models order by 1").fetchall())
+    models: dict[str, str] = dict(
+        conn.execute("select model_id, state from node_models order by 1").fetchall()
+    )
     assert models == {"a": "available", "b": "loaded", "c": "loaded"}
     conn.execute("update nodes set status = 'draining' where id = %s", (node,))
     assert conn.execute("select node_heartbeat(%s)", (node,)).fetchone() == ("draining",)

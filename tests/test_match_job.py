@@ -44,7 +44,7 @@ def make_key(conn: psycopg.Connection, owner: uuid.UUID | None = None) -> uuid.U
     row = conn.execute("select id from create_api_key('test')").fetchone()
     conn.execute("select set_config('request.jwt.claims', '', false)")
     assert row is not None
-    return row[0]
+    return uuid.UUID(str(row[0]))
 
 
 def test_match_claims_the_best_node_and_returns_ordered_fallbacks(conn: psycopg.Connection) -> None:

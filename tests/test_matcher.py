@@ -61,7 +61,7 @@ def test_balanced_applies_every_hard_filter_and_explains(conn: psycopg.Connectio
     conn.execute("update nodes set last_heartbeat_at = now() - interval '16 seconds' where name = 'stale'")
 
     rows = score_nodes(conn, MatchRequest(model=LLAMA8, max_hourly_rate=1.0), explain=True)
-    reasons = {r.name: r.reject_reason for r in rows}
+    reasons = {r.name: r.reject_reason or "" for r in rows}
     assert [r.name for r in rows if r.rank] == ["ok"]
     assert reasons["offline"] == "status is offline"
     assert reasons["draining"] == "status is draining"

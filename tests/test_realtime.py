@@ -12,7 +12,12 @@ from typing import Any
 import psycopg
 import pytest
 import websockets
-from realtime import AsyncRealtimeChannel, AsyncRealtimeClient, RealtimeSubscribeStates
+from realtime import (
+    AsyncRealtimeChannel,
+    AsyncRealtimeClient,
+    RealtimePostgresChangesListenEvent,
+    RealtimeSubscribeStates,
+)
 
 from neuralgrid.config import PLACEHOLDER_SECRET
 from neuralgrid.stack import api_key, user_token
@@ -167,18 +172,18 @@ async def test_private_topics_need_rls_rights(connect: Callable[..., Any], conn:
     node = make_node(conn, "rt-p", owner_id=owner)
     mine: list[dict[str, Any]] = []
     owner_client = await connect(user_token(PLACEHOLDER_SECRET, owner, None))
-    channel = owner_client.channel(f"owner:{owner}", {"config": {"private": True}})  # type: ignore[typeddict-item]
+    channel = owner_client.channel(f"owner:{owner}", {"config": {"private": True}})
     channel.on_broadcast("*", mine.append)
     await subscribed(channel)
 
     states: list[Any] = []
     stranger_client = await connect(user_token(PLACEHOLDER_SECRET, stranger, None))
-    spy = stranger_client.channel(f"owner:{owner}", {"config": {"private": True}})  # type: ignore[typeddict-item]
+    spy = stranger_client.channel(f"owner:{owner}", {"config": {"private": True}})
     await spy.subscribe(lambda state, err: states.append((state, err)))
     assert states[-1][0] == RealtimeSubscribeStates.CHANNEL_ERROR
     assert "Unauthorized" in str(states[-1][1])
     anon_states: list[Any] = []
-    anon = (await connect()).channel(f"owner:{owner}", {"config": {"private": True}})  # type: ignore[typeddict-item]
+    anon = (await connect()).channel(f"owner:{owner}", {"config": {"private": True}})
     await anon.subscribe(lambda state, err: anon_states.append((state, err)))
     assert anon_states[-1][0] == RealtimeSubscribeStates.CHANNEL_ERROR
 
@@ -189,17 +194,17 @@ async def test_private_topics_need_rls_rights(connect: Callable[..., Any], conn:
 
 async def test_presence_track_state_and_diff(connect: Callable[..., Any]) -> None:
     first, second = await connect(), await connect()
-    a = first.channel("lobby", {"config": {"presence": {"key": "alice", "enabled": True}}})  # type: ignore[typeddict-item]
+    a = first.channel("lobby", {"config": {"presence": {"key": "alice", "enabled": True}}})
     a.on_presence_sync(lambda: None)
     await subscribed(a)
     await a.track({"status": "watching"})
-    b = second.channel("lobby", {"config": {"presence": {"key": "bob", "enabled": True}}})  # type: ignore[typeddict-item]
+    b = second.channel("lobby", {"config": {"presence": {"key": "bob", "enabled": True}}})
     b.on_presence_sync(lambda: None)
     await subscribed(b)
     await until(lambda: "alice" in b.presence_state())  # presence_state on join
     await b.track({"status": "typing"})
     await until(lambda: "bob" in a.presence_state())  # presence_diff
-    assert a.presence_state()["bob"][0]["status"] == "typing"  # type: ignore[typeddict-item]
+    assert a.presence_state()["bob"][0]["status"] == "typing"
     await second.close()
     await until(lambda: "bob" not in a.presence_state())  # a closed socket leaves
 
@@ -361,15 +366,15 @@ async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psy
     with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as first:
         a = AsyncRealtimeClient(realtime_url(first.url), token=ANON, auto_reconnect=False)
         await a.connect()
-        lobby_a = a.channel("lobby", {"config": {"presence": {"key": "on-a", "enabled": True}}})  # type: ignore[typeddict-item]
+        lobby_a = a.channel("lobby", {"config": {"presence": {"key": "on-a", "enabled": True}}})  # type: ignore[arg-type]
         lobby_a.on_presence_sync(lambda: None)
         await subscribed(lobby_a)
         await lobby_a.track({"where": "a"})
         with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as second:
             b = AsyncRealtimeClient(realtime_url(second.url), token=ANON, auto_reconnect=False)
             await b.connect()
-            got: list[dict[str, Any]] = []
-            lobby_b = b.channel("lobby", {"config": {"presence": {"key": "on-b", "enabled": True}}})  # type: ignore[typeddict-item]
+            got: list[Any] = []
+            lobby_b = b.channel("lobby", {"config": {"presence": {"key": "on-b", "enabled": True}}})  # type: ignore[arg-type]
             lobby_b.on_presence_sync(lambda: None)
             lobby_b.on_broadcast("*", got.append)
             await subscribed(lobby_b)
@@ -380,9 +385,11 @@ async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psy
             await lobby_a.send_broadcast("ping", {"from": "a"})
             await until(lambda: any(m["event"] == "ping" for m in got))
 
-            changes: list[dict[str, Any]] = []
+            changes: list[Any] = []
             feed = b.channel("nodes")
-            feed.on_postgres_changes("UPDATE", changes.append, table="nodes", schema="public")
+            feed.on_postgres_changes(
+                RealtimePostgresChangesListenEvent.Update, changes.append, table="nodes", schema="public"
+            )
             await subscribed(feed)
             await asyncio.to_thread(set_status, db_url, node, "offline")
             await until(lambda: changes)

@@ -103,7 +103,7 @@ def test_supabase_js_subscribes_receives_broadcasts_and_presence(
                 f"{gateway.replace('http', 'ws')}/realtime/v1", token=ANON, auto_reconnect=False
             )
             await py.connect()
-            lobby = py.channel("lobby", {"config": {"presence": {"key": "py", "enabled": True}}})  # type: ignore[typeddict-item]
+            lobby = py.channel("lobby", {"config": {"presence": {"key": "py", "enabled": True}}})  # type: ignore[arg-type]
             lobby.on_presence_sync(lambda: None)
             await lobby.subscribe()
             await lobby.track({"via": "python"})
@@ -116,7 +116,7 @@ def test_supabase_js_subscribes_receives_broadcasts_and_presence(
             return state
 
         state = asyncio.run(python_side())
-        assert state["js"][0]["via"] == "supabase-js"  # type: ignore[typeddict-item]
+        assert state["js"][0]["via"] == "supabase-js"
         client.read_until("presence", lambda s: "py" in s)
 
         conn.execute("update public.nodes set status = 'online' where id = %s", (node,))

@@ -17,7 +17,12 @@ def _chat_chunk(content: str | None, finish: str | None = None, **delta: Any) ->
     return {"id": "chatcmpl-1", "created": 7, "choices": [choice]}
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
+CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 10,
+    "stream": True,
+}
 
 
 def test_events_are_split_whole_across_reads_and_text_is_kept() -> None:

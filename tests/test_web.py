@@ -96,17 +96,24 @@ def open_page(browser: Browser) -> Iterator[Opener]:
 
         page.on("request", lambda r: check_host(r.url))
         page.on("websocket", lambda ws: check_host(ws.url))
+
         # ERR_ABORTED is the browser dropping a request because the page navigated (sign-in redirects,
         # reloads), not a request that failed.
-        page.on(
-            "requestfailed",
-            lambda r: (
-                r.failure != "net::ERR_ABORTED"
-                and watch.problems.append(f"request failed: {r.url} ({r.failure})")
-            ),
-        )
-        page.on("response", lambda r: r.status >= 400 and watch.problems.append(f"HTTP {r.status}: {r.url}"))
-        page.on("console", lambda m: m.type == "error" and watch.problems.append(f"console error: {m.text}"))
+        def failed(r: Any) -> None:
+            if r.failure != "net::ERR_ABORTED":
+                watch.problems.append(f"request failed: {r.url} ({r.failure})")
+
+        def answered(r: Any) -> None:
+            if r.status >= 400:
+                watch.problems.append(f"HTTP {r.status}: {r.url}")
+
+        def console(m: Any) -> None:
+            if m.type == "error":
+                watch.problems.append(f"console error: {m.text}")
+
+        page.on("requestfailed", failed)
+        page.on("response", answered)
+        page.on("console", console)
         page.on("pageerror", lambda err: watch.problems.append(f"page error: {err}"))
         page.goto(url)
         return page, watch
@@ -391,7 +398,7 @@ def test_signin_tokens_expire_and_are_stored_hashed(tmp_path: Path, monkeypatch:
     token = signin.issue_signin_token(settings)
     assert token not in signin.tokens_file(settings).read_text()
     later = time.time() + signin.TOKEN_TTL_S + 1
-    monkeypatch.setattr(signin.time, "time", lambda: later)
+    monkeypatch.setattr(time, "time", lambda: later)  # the clock signin reads
     assert not signin.consume_signin_token(settings, token)
     monkeypatch.undo()
     fresh = signin.issue_signin_token(settings)
@@ -408,7 +415,12 @@ def test_a_key_created_on_the_keys_page_works_with_the_sdk_and_can_be_revoked(
     fake_nodes("web-node")
     page, watch = sign_in(open_page, gateway, gateway_settings)
     posts: list[str] = []
-    page.on("request", lambda r: r.method == "POST" and posts.append(r.url))
+
+    def posted(r: Any) -> None:
+        if r.method == "POST":
+            posts.append(r.url)
+
+    page.on("request", posted)
 
     # Bad input is explained next to each field, and nothing is sent.
     page.fill("#key-rpm", "0")
