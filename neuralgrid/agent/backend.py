@@ -11,7 +11,6 @@ server passed that test, so a server that starts a new answer instead can never 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import httpx
+
+from neuralgrid.gateway.stream import SseEvents
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class _Kind:
     queue: tuple[str, ...] = ()  # the gauges in its /metrics that add up to requests running or waiting
 
 
-def _get(data: Any, *path: str) -> Any:
+def dig(data: Any, *path: str) -> Any:
+    """data[path[0]][path[1]]…, or None where a level is missing or not an object."""
     for key in path:
         data = data.get(key) if isinstance(data, dict) else None
     return data
@@ -91,12 +93,12 @@ def _str(value: Any) -> str | None:
 
 def _sglang_parallel(d: Any) -> int | None:
     """--max-running-requests when given; else what each data-parallel rank settled on, times ranks."""
-    states = _get(d, "internal_states")
+    states = dig(d, "internal_states")
     first = states[0] if isinstance(states, list) and states else None
-    per_rank = _int(_get(first, "effective_max_running_requests_per_dp"))
-    if _int(_get(d, "max_running_requests")) is not None or per_rank is None:
-        return _int(_get(d, "max_running_requests"))
-    return per_rank * (_int(_get(d, "dp_size")) or 1)
+    per_rank = _int(dig(first, "effective_max_running_requests_per_dp"))
+    if _int(dig(d, "max_running_requests")) is not None or per_rank is None:
+        return _int(dig(d, "max_running_requests"))
+    return per_rank * (_int(dig(d, "dp_size")) or 1)
 
 
 # In the order tried: each identifying path is one the others answer 404 (or without the field).
@@ -104,9 +106,9 @@ KINDS = (
     _Kind(
         "llama.cpp",
         "/props",
-        lambda d: _int(_get(d, "total_slots")) is not None,
-        lambda d: _str(_get(d, "build_info")),
-        lambda d: _int(_get(d, "total_slots")),
+        lambda d: _int(dig(d, "total_slots")) is not None,
+        lambda d: _str(dig(d, "build_info")),
+        lambda d: _int(dig(d, "total_slots")),
         "/health",
     ),
     _Kind(
@@ -114,8 +116,8 @@ KINDS = (
         # stream early (interrupt_requests), even a GET /v1/models.
         "llama-cpp-python",
         "/openapi.json",
-        lambda d: "llama.cpp Python" in str(_get(d, "info", "title")),
-        lambda d: _str(_get(d, "info", "version")),
+        lambda d: "llama.cpp Python" in str(dig(d, "info", "title")),
+        lambda d: _str(dig(d, "info", "version")),
         lambda d: 1,
         "/openapi.json",
         interrupts=True,
@@ -124,7 +126,7 @@ KINDS = (
         "sglang",
         "/get_server_info",
         lambda d: isinstance(d, dict) and "model_path" in d,
-        lambda d: _str(_get(d, "version")),
+        lambda d: _str(dig(d, "version")),
         _sglang_parallel,
         "/health",
         queue=("sglang:num_running_reqs", "sglang:num_queue_reqs"),
@@ -132,25 +134,25 @@ KINDS = (
     _Kind(
         "tgi",
         "/info",
-        lambda d: _int(_get(d, "max_concurrent_requests")) is not None and "model_id" in d,
-        lambda d: _str(_get(d, "version")),
-        lambda d: _int(_get(d, "max_concurrent_requests")),
+        lambda d: _int(dig(d, "max_concurrent_requests")) is not None and "model_id" in d,
+        lambda d: _str(dig(d, "version")),
+        lambda d: _int(dig(d, "max_concurrent_requests")),
         "/health",
         queue=("tgi_queue_size", "tgi_batch_current_size"),
     ),
     _Kind(
         "ollama",
         "/api/version",
-        lambda d: isinstance(_get(d, "version"), str),
-        lambda d: _str(_get(d, "version")),
+        lambda d: isinstance(dig(d, "version"), str),
+        lambda d: _str(dig(d, "version")),
         lambda d: None,  # OLLAMA_NUM_PARALLEL is not published: the owner says
         "/api/version",
     ),
     _Kind(
         "vllm",
         "/version",
-        lambda d: isinstance(_get(d, "version"), str),
-        lambda d: _str(_get(d, "version")),
+        lambda d: isinstance(dig(d, "version"), str),
+        lambda d: _str(dig(d, "version")),
         lambda d: None,  # max_num_seqs is not published: the owner says
         "/health",
         queue=("vllm:num_requests_running", "vllm:num_requests_waiting"),
@@ -331,17 +333,10 @@ class Backend:
                 await resp.aread()
                 log.info("a streamed chat was refused: HTTP %s %s", resp.status_code, resp.text[:200])
                 return None
-            text, usage = [], False
-            async for line in resp.aiter_lines():
-                payload = _sse_json(line)
-                if payload is None:
-                    continue
-                usage = usage or isinstance(payload.get("usage"), dict)
-                choices = payload.get("choices")
-                for choice in choices if isinstance(choices, list) else []:
-                    piece = _get(choice, "delta", "content")
-                    text.append(piece if isinstance(piece, str) else "")
-            return "".join(text), usage
+            events = SseEvents(keep_usage_event=True)  # read as the gateway reads a node's stream
+            async for raw in resp.aiter_raw():
+                events.feed(raw)
+            return "".join(events.text), events.usage is not None
 
     # Counting tokens (when a stream carried no usage) --------------------------------------------
 
@@ -355,7 +350,7 @@ class Backend:
         """Tokens in `text` by the server's own tokenizer, special tokens not added."""
         if self.kind.name == "llama.cpp":
             resp = await self.http.post(self.url + "/tokenize", json={"content": text, "add_special": False})
-            tokens = _get(resp.json(), "tokens") if resp.is_success else None
+            tokens = dig(resp.json(), "tokens") if resp.is_success else None
             return len(tokens) if isinstance(tokens, list) else None
         if self.kind.name == "llama-cpp-python":
             # It always adds the model's special tokens (a BOS, say): count them once and take them off.
@@ -364,7 +359,7 @@ class Backend:
                 resp = await self.http.post(
                     self.url + "/extras/tokenize/count", json={"input": piece, "model": model}
                 )
-                count = _get(resp.json(), "count") if resp.is_success else None
+                count = dig(resp.json(), "count") if resp.is_success else None
                 if type(count) is not int:
                     return None
                 counts.append(count)
@@ -380,7 +375,7 @@ class Backend:
         if self.kind.name in ("vllm", "sglang"):
             body = {"model": model, "prompt": text, "add_special_tokens": False}
             resp = await self.http.post(self.url + "/tokenize", json=body)
-            count = _get(resp.json(), "count") if resp.is_success else None
+            count = dig(resp.json(), "count") if resp.is_success else None
             return count if type(count) is int else None
         return None
 
@@ -405,7 +400,7 @@ class Backend:
         once.update(max_tokens=1, stream=False)
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         resp = await self.http.post(self.url + path, json=once)
-        prompt = _get(resp.json(), "usage", "prompt_tokens") if resp.is_success else None
+        prompt = dig(resp.json(), "usage", "prompt_tokens") if resp.is_success else None
         if type(prompt) is not int:
             return None
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -422,19 +417,6 @@ def _gauges(metrics: str, names: tuple[str, ...]) -> int | None:
         if name in names:
             total, seen = total + float(line.rsplit(" ", 1)[1]), True
     return round(total) if seen else None
-
-
-def _sse_json(line: str) -> dict[str, Any] | None:
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return None
-    try:
-        payload = json.loads(data)
-    except ValueError:
-        return None
-    return payload if isinstance(payload, dict) else None
 
 
 _ALIAS = re.compile(r"^(?P<served>[^=\s]+)=(?P<catalog>[^=\s]+)$")

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from neuralgrid import signing
-from neuralgrid.agent.backend import Backend
+from neuralgrid.agent.backend import Backend, dig
 from neuralgrid.gateway.stream import SseEvents
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -84,7 +84,7 @@ class FrontState:
         served = request.get("model") if isinstance(request, dict) else None
         renamed = (served, catalog_id) if served != catalog_id else None
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
-        wants_usage = isinstance(request, dict) and _get(request, "stream_options", "include_usage") is True
+        wants_usage = isinstance(request, dict) and dig(request, "stream_options", "include_usage") is True
         count = path in KINDS and sse and wants_usage and _one_text_answer(request)
         if sse and (count or renamed):
             answer.chunks = self._events(KINDS.get(path, ""), request, answer.chunks, count, renamed)
@@ -163,12 +163,6 @@ class RelayedAnswer(StreamingResponse):
 
 
 _OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
-
-
-def _get(data: Any, *path: str) -> Any:
-    for key in path:
-        data = data.get(key) if isinstance(data, dict) else None
-    return data
 
 
 def _error(status: int, message: str) -> JSONResponse:
