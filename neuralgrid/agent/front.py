@@ -121,25 +121,25 @@ class FrontState:
 def _renamed_event(event: bytes, renamed: tuple[Any, Any]) -> bytes:
     """One SSE event whose JSON data names the served model, naming the catalog's instead."""
     head, sep, data = event.partition(b"data:")
-    try:
-        payload = json.loads(data) if sep else None
-    except ValueError:
-        return event
-    if not isinstance(payload, dict) or payload.get("model") != renamed[0]:
-        return event
-    return head + b"data: " + json.dumps({**payload, "model": renamed[1]}).encode() + b"\n\n"
+    payload = _renamed(data, renamed) if sep else None
+    return event if payload is None else head + b"data: " + payload + b"\n\n"
 
 
 async def _renamed_body(chunks: AsyncIterator[bytes], renamed: tuple[Any, Any]) -> AsyncIterator[bytes]:
     """A JSON answer naming the served model, naming the catalog's instead (read whole: it is small)."""
     body = b"".join([chunk async for chunk in chunks])
+    yield _renamed(body, renamed) or body
+
+
+def _renamed(data: bytes, renamed: tuple[Any, Any]) -> bytes | None:
+    """A JSON object naming the served model, re-encoded naming the catalog's; None if it does not."""
     try:
-        payload = json.loads(body)
+        payload = json.loads(data)
     except ValueError:
-        payload = None
-    if isinstance(payload, dict) and payload.get("model") == renamed[0]:
-        body = json.dumps({**payload, "model": renamed[1]}).encode()
-    yield body
+        return None
+    if not isinstance(payload, dict) or payload.get("model") != renamed[0]:
+        return None
+    return json.dumps({**payload, "model": renamed[1]}).encode()
 
 
 def _one_text_answer(request: dict[str, Any]) -> bool:

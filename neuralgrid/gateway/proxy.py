@@ -316,18 +316,21 @@ class Router:
         return await self._move(HANDOFF, (job_id, str(failure), candidates))
 
     async def _continuing(self, candidates: list[UUID]) -> list[UUID]:
-        async with self.pool.connection() as conn:
-            row = await (await conn.execute(CONTINUING, (candidates,))).fetchone()
+        row = await self._row(CONTINUING, (candidates,))
         return list(row[0]) if row else []
 
     async def _reject(self, job_id: UUID, failure: _Retryable) -> None:
-        async with self.pool.connection() as conn:
-            await conn.execute(REJECT, (job_id, str(failure), failure.status))
+        await self._row(REJECT, (job_id, str(failure), failure.status))
 
     async def _move(self, query: str, params: tuple[object, ...]) -> _Node | None:
-        async with self.pool.connection() as conn:
-            row = await (await conn.execute(query, params)).fetchone()
+        row = await self._row(query, params)
         return _Node(row[0], row[1], row[2], row[3]) if row else None
+
+    async def _row(self, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
+        """One statement off the request pool; its first row, if it returns one."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query, params)
+            return await cur.fetchone() if cur.description else None
 
     def _complete_response(
         self, call: Call, delivery: _Delivery, meter: _Meter, headers: dict[str, str]
