@@ -179,8 +179,8 @@ class FakeNode:
 @pytest.fixture
 def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
     """Factory: start a fake node with the given knobs and register it as an online node."""
-    from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
-    from neuralgrid.serving import ThreadedServer
+    from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+    from neuralgrid.server.serving import ThreadedServer
 
     started: list[ThreadedServer] = []
 
@@ -213,9 +213,9 @@ def gateway_settings() -> dict[str, Any]:
 @pytest.fixture
 def gateway(db_url: str, gateway_settings: dict[str, Any]) -> Iterator[str]:
     """A running gateway (no sweeper: tests drive node health themselves); yields its base URL."""
-    from neuralgrid.config import Settings
-    from neuralgrid.gateway.app import create_app
-    from neuralgrid.serving import ThreadedServer
+    from neuralgrid.server.app import create_app
+    from neuralgrid.server.serving import ThreadedServer
+    from neuralgrid.server.settings import Settings
 
     app = create_app(Settings(**gateway_settings), db_url, sweep=False)
     with ThreadedServer(app) as server:
@@ -244,9 +244,9 @@ def client(gateway: str, api_key: str) -> Iterator[Any]:
 def platform(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
     """A gateway that sweeps, with 0.3 s heartbeats (offline after 0.9 s of silence)."""
     conn.execute("update platform_settings set heartbeat_interval_s = 0.3")
-    from neuralgrid.config import Settings
-    from neuralgrid.gateway.app import create_app
-    from neuralgrid.serving import ThreadedServer
+    from neuralgrid.server.app import create_app
+    from neuralgrid.server.serving import ThreadedServer
+    from neuralgrid.server.settings import Settings
 
     settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=5)
     with ThreadedServer(create_app(settings, db_url)) as gateway:

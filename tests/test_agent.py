@@ -21,15 +21,15 @@ import pytest
 import respx
 from openai.types.chat import ChatCompletionMessageParam
 
-from neuralgrid import signing
 from neuralgrid.agent import gpu
 from neuralgrid.agent.backend import Backend, BackendError, parse_aliases
 from neuralgrid.agent.front import FrontState
 from neuralgrid.agent.run import AgentConfig, AgentError, resolve_specs
-from neuralgrid.config import Settings
-from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.gateway.app import create_app
-from neuralgrid.serving import ThreadedServer
+from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.protocol import signing
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.settings import Settings
 from tests.conftest import LLAMA8, agent_command, make_node, node_row, running_agent, stream_chat, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]

@@ -30,10 +30,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.agent.backend import Backend
-from neuralgrid.config import Settings
-from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.gateway.app import create_app
-from neuralgrid.serving import ThreadedServer
+from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.settings import Settings
 from tests.conftest import agent_command, clone_database, free_port, wait_for
 from tests.servers import KINDS, SMOLLM2, RealServer, real_server
 

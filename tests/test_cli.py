@@ -17,8 +17,9 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from neuralgrid.cli import DEMO_FLEET, app
+from neuralgrid.cli import app
 from neuralgrid.db.embedded import EmbeddedPostgres
+from neuralgrid.dev.demo import DEMO_FLEET
 from tests.conftest import LLAMA8, free_port, make_node
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from neuralgrid.config import PLACEHOLDER_SECRET, Settings
+from neuralgrid.server.settings import PLACEHOLDER_SECRET, Settings
 
 
 def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:

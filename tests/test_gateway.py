@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from neuralgrid.serving import ThreadedServer
+from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]

@@ -259,9 +259,9 @@ def test_rate_limits_are_shared_through_redis(
     conn: psycopg.Connection, db_url: str, fake_nodes: Any, redis_url: str
 ) -> None:
     """Two gateway instances with REDIS_URL count one key's requests together."""
-    from neuralgrid.config import Settings
-    from neuralgrid.gateway.app import create_app
-    from neuralgrid.serving import ThreadedServer
+    from neuralgrid.server.app import create_app
+    from neuralgrid.server.serving import ThreadedServer
+    from neuralgrid.server.settings import Settings
 
     fake_nodes(max_concurrency=64)
     key = (conn.execute("select api_key from create_api_key('shared', 4)").fetchone() or ("",))[0]

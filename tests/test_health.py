@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg
 
-from neuralgrid.sweeper import sweep_once
+from neuralgrid.server.sweeper import sweep_once
 from tests.conftest import make_node
 
 

@@ -19,8 +19,8 @@ from realtime import (
     RealtimeSubscribeStates,
 )
 
-from neuralgrid.config import PLACEHOLDER_SECRET
-from neuralgrid.stack import api_key, user_token
+from neuralgrid.server.settings import PLACEHOLDER_SECRET
+from neuralgrid.server.stack import api_key, user_token
 from tests.conftest import make_node, make_user
 
 ANON = api_key(PLACEHOLDER_SECRET, "anon")
@@ -358,9 +358,9 @@ async def test_bad_bindings_are_reported_not_fatal(gateway: str) -> None:
 async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psycopg.Connection) -> None:
     """Two gateways on one database: a client broadcast, a database change and presence made on one
     reach a subscriber of the other, including presence tracked before the second one started."""
-    from neuralgrid.config import Settings
-    from neuralgrid.gateway.app import create_app
-    from neuralgrid.serving import ThreadedServer
+    from neuralgrid.server.app import create_app
+    from neuralgrid.server.serving import ThreadedServer
+    from neuralgrid.server.settings import Settings
 
     node = make_node(conn, "rt-multi")
     with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as first:
@@ -400,7 +400,7 @@ async def test_every_gateway_instance_delivers_everything(db_url: str, conn: psy
 
 async def test_large_payloads_and_retention(connect: Callable[..., Any], conn: psycopg.Connection) -> None:
     """A broadcast bigger than NOTIFY's 8000 bytes still arrives; the sweeper prunes old messages."""
-    from neuralgrid.sweeper import prune_realtime
+    from neuralgrid.server.sweeper import prune_realtime
 
     client = await connect()
     got: list[dict[str, Any]] = []

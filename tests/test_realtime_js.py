@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from realtime import AsyncRealtimeClient
 
-from neuralgrid.config import PLACEHOLDER_SECRET
-from neuralgrid.stack import api_key, user_token
+from neuralgrid.server.settings import PLACEHOLDER_SECRET
+from neuralgrid.server.stack import api_key, user_token
 from tests.conftest import make_node, make_user
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,10 +23,10 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from neuralgrid import stack
-from neuralgrid.config import PLACEHOLDER_SECRET, Settings
-from neuralgrid.gateway.app import create_app
-from neuralgrid.serving import ThreadedServer, free_port
+from neuralgrid.server import stack
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer, free_port
+from neuralgrid.server.settings import PLACEHOLDER_SECRET, Settings
 from neuralgrid.web import signin
 from tests.conftest import LLAMA8, make_node, make_user, wait_for
 
@@ -210,8 +210,8 @@ def test_the_map_shows_the_fleet_without_leaving_loopback(
 
 def test_the_map_shows_the_demo_fleet(conn: psycopg.Connection, gateway: str, open_page: Opener) -> None:
     """The 24 nodes a newcomer sees after `./dev up`, on the map and in the table."""
-    from neuralgrid import fleet as fleet_files
-    from neuralgrid.cli import DEMO_FLEET
+    from neuralgrid.admin import fleet as fleet_files
+    from neuralgrid.dev.demo import DEMO_FLEET
 
     specs = fleet_files.read_fleet(DEMO_FLEET)
     fleet_files.import_fleet(conn, specs)

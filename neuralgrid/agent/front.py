@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from neuralgrid import signing
 from neuralgrid.agent.backend import Backend, dig
 from neuralgrid.gateway.stream import SseEvents
+from neuralgrid.protocol import signing
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 

@@ -13,12 +13,13 @@ from typing import Any
 import httpx
 import pynvml
 
-from neuralgrid import __version__, signing
+from neuralgrid import __version__
 from neuralgrid.agent import gpu
 from neuralgrid.agent.backend import Backend, BackendError, ServerInfo
 from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
-from neuralgrid.serving import CannotListen, make_server, running
+from neuralgrid.protocol import signing
+from neuralgrid.server.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
 REPROBE_EVERY = 6  # heartbeats between looks at the backend's models

@@ -21,7 +21,7 @@ import aiohttp
 import psycopg
 
 from neuralgrid.bench import percentiles, scratch_database, served
-from neuralgrid.serving import free_port, run_fast
+from neuralgrid.server.serving import free_port, run_fast
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCRATCH_DB = "neuralgrid_bench_gateway"

@@ -25,7 +25,7 @@ import psycopg
 
 from neuralgrid.bench import percentiles, scratch_database, served
 from neuralgrid.bench.gateway import BODY, send_load
-from neuralgrid.serving import free_port, run_fast
+from neuralgrid.server.serving import free_port, run_fast
 
 SCRATCH_DB = "neuralgrid_bench_health"
 

@@ -29,8 +29,8 @@ from typing import Any
 import psycopg
 
 from neuralgrid.bench import percentiles, scratch_database, served
-from neuralgrid.serving import free_port, run_fast
-from neuralgrid.stack import api_key
+from neuralgrid.server.serving import free_port, run_fast
+from neuralgrid.server.stack import api_key
 
 SCRATCH_DB = "neuralgrid_bench_realtime"
 NODES = 1000

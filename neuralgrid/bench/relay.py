@@ -16,7 +16,7 @@ import uvicorn
 from starlette.types import Message, Receive, Scope, Send
 
 from neuralgrid.gateway.upstream import HttpNodes, NodeError
-from neuralgrid.serving import run_fast
+from neuralgrid.server.serving import run_fast
 
 
 class Relay:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import psycopg
 
-from neuralgrid.config import Settings
 from neuralgrid.db import migrate
 from neuralgrid.db.embedded import EmbeddedPostgres
+from neuralgrid.server.settings import Settings
 
 
 def embedded_server(settings: Settings) -> EmbeddedPostgres:

@@ -9,12 +9,12 @@ import jwt
 from fastapi import Depends, Request
 from psycopg_pool import AsyncConnectionPool
 
-from neuralgrid.config import Settings
+from neuralgrid.gateway.auth import ApiKey, KeyStore
 from neuralgrid.gateway.errors import Unauthorized
-from neuralgrid.gateway.keys import ApiKey, KeyStore
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
 from neuralgrid.gateway.tunnel import Tunnels
+from neuralgrid.server.settings import Settings
 
 
 @dataclass(frozen=True)

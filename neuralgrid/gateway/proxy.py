@@ -22,18 +22,18 @@ from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.responses import Response, StreamingResponse
 
-from neuralgrid import signing
-from neuralgrid.config import Settings
 from neuralgrid.db import errors as db_errors
 from neuralgrid.gateway import errors
+from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.completions import Completions
-from neuralgrid.gateway.keys import ApiKey
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.stream import SseEvents, Usage, continuation
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes, NodeError, NodeResponse, NodeTimeout
 from neuralgrid.matching import MATCH_JOB, JobEnd, Match, MatchRequest, match_params
+from neuralgrid.protocol import signing
+from neuralgrid.server.settings import Settings
 
 log = logging.getLogger(__name__)
 

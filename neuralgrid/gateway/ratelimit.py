@@ -10,8 +10,8 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 
+from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.errors import RateLimited
-from neuralgrid.gateway.keys import ApiKey
 
 
 class RateLimiter:

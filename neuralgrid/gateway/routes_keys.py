@@ -12,11 +12,11 @@ from fastapi import APIRouter
 from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
+from neuralgrid.admin.keys import CREATE_KEY
 from neuralgrid.db.errors import DatabaseError, translate
 from neuralgrid.db.roles import act_as
 from neuralgrid.gateway.deps import GatewayDep, UserDep
 from neuralgrid.gateway.errors import BadRequest, NotFound
-from neuralgrid.keys import CREATE_KEY
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

@@ -13,12 +13,12 @@ from fastapi import APIRouter, Request, WebSocket
 from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from neuralgrid import signing
 from neuralgrid.db import errors as db_errors
 from neuralgrid.gateway.deps import ApiKeyDep, Gateway, GatewayDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, NotFound, Unauthorized, invalid
 from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
+from neuralgrid.protocol import signing
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -134,7 +134,7 @@ def make_fleet(scenario: Scenario, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def fleet_from_specs(specs: list[Any]) -> dict[str, Any]:
-    """A fleet from a fleet file's nodes (neuralgrid.fleet.NodeSpec), instead of a generated one."""
+    """A fleet from a fleet file's nodes (neuralgrid.admin.fleet.NodeSpec), instead of a generated one."""
     known = {region: i for i, region in enumerate(REGIONS)}
     unknown = sorted({s.region for s in specs} - known.keys())
     if unknown:

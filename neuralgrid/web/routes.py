@@ -20,12 +20,12 @@ from fastapi.responses import FileResponse
 from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
-from neuralgrid.config import Settings
 from neuralgrid.db.roles import act_as
 from neuralgrid.gateway.deps import Gateway, GatewayDep, UserDep
 from neuralgrid.gateway.errors import BadRequest, GatewayError, Unauthorized
 from neuralgrid.gateway.routes_keys import as_user
-from neuralgrid.stack import api_key, user_token
+from neuralgrid.server.settings import Settings
+from neuralgrid.server.stack import api_key, user_token
 from neuralgrid.web.signin import LOCAL_OWNER_EMAIL, SESSION_TTL_S, consume_signin_token, ensure_local_owner
 
 log = logging.getLogger(__name__)

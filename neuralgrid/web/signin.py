@@ -22,7 +22,7 @@ from uuid import UUID
 
 import psycopg
 
-from neuralgrid.config import Settings
+from neuralgrid.server.settings import Settings
 
 LOCAL_OWNER_EMAIL = "owner@localhost"
 TOKEN_TTL_S = 10 * 60

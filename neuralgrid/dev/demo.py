@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import psycopg
 
-from neuralgrid.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.serving import free_port, make_server, running
+from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.server.serving import free_port, make_server, running
 
+DEMO_FLEET = Path(__file__).parent.parent / "data" / "demo_fleet.json"
+DEMO_NODES = 24  # the demo fleet's size
 LIVE_DEMO_NODE_IDS = "select id from public.nodes where owner_id is null and status <> 'offline'"
 DEMO_MODELS = (
     "meta-llama/Llama-3.1-8B-Instruct",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import jwt
 
-from neuralgrid.config import PLACEHOLDER_SECRET, Settings
+from neuralgrid.server.settings import PLACEHOLDER_SECRET, Settings
 
 TEN_YEARS_S = 10 * 365 * 24 * 3600
 

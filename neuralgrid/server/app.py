@@ -18,12 +18,11 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
-from neuralgrid.config import Settings
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
+from neuralgrid.gateway.auth import KeyStore
 from neuralgrid.gateway.deps import Gateway, GatewayDep
 from neuralgrid.gateway.errors import BadRequest, GatewayError, invalid
-from neuralgrid.gateway.keys import KeyStore
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.proxy import Router
 from neuralgrid.gateway.ratelimit import RateLimiter
@@ -31,7 +30,8 @@ from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
-from neuralgrid.sweeper import run_sweeper
+from neuralgrid.server.settings import Settings
+from neuralgrid.server.sweeper import run_sweeper
 from neuralgrid.web import routes as web_routes
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""What an operator does as the service: load fleets, issue and revoke keys."""

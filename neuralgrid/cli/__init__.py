@@ -1,0 +1,48 @@
+"""The `neuralgrid` command: one group per part of the platform, assembled here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from neuralgrid.cli import bench, dev, fleet, keys, node, platform, sim
+from neuralgrid.cli.common import Options
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
+)
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    home: Annotated[
+        Path | None, typer.Option(envvar="NEURALGRID_HOME", help="State directory (embedded DB).")
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(envvar="DATABASE_URL", help="Use this Postgres instead of the embedded one."),
+    ] = None,
+    db_port: Annotated[
+        int | None, typer.Option(envvar="NEURALGRID_DB_PORT", help="Embedded Postgres TCP port.")
+    ] = None,
+) -> None:
+    """NeuralGrid: route OpenAI-compatible inference to other people's GPUs."""
+    chosen: dict[str, Any] = {
+        "NEURALGRID_HOME": home,
+        "DATABASE_URL": database_url,
+        "NEURALGRID_DB_PORT": db_port,
+    }
+    ctx.obj = Options({k: v for k, v in chosen.items() if v is not None})
+
+
+platform.register(app)
+app.command("match")(fleet.match)
+app.command("simulate")(sim.simulate)
+app.command("fake-node")(dev.fake_node)
+app.add_typer(fleet.nodes_app, name="nodes")
+app.add_typer(node.app, name="node")
+app.add_typer(keys.app, name="keys")
+app.add_typer(bench.app, name="bench")

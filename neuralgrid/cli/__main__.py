@@ -1,0 +1,7 @@
+"""`python -m neuralgrid.cli`."""
+
+import sys
+
+from neuralgrid.cli import app
+
+sys.exit(app())

@@ -1,0 +1,160 @@
+"""`neuralgrid bench …`: benchmarks that print numbers and write JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from neuralgrid.cli.common import database_url, friendly_errors, integers, progress, report
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
+
+
+OutFile = Annotated[
+    Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+]
+
+
+@app.command("matching")
+@friendly_errors
+def matching(
+    ctx: typer.Context,
+    sizes: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_SIZES", help="Fleet sizes, comma-separated.")
+    ] = "1000,10000,100000",
+    callers: Annotated[
+        str,
+        typer.Option(envvar="NEURALGRID_BENCH_CALLERS", help="Concurrent callers, comma-separated."),
+    ] = "1,16",
+    calls: Annotated[int, typer.Option(envvar="NEURALGRID_BENCH_CALLS", help="Calls per case.", min=1)] = 400,
+    out_file: OutFile = Path("bench-results/matching.json"),
+) -> None:
+    """p50/p99 of match_job() and score_nodes() at 1k/10k/100k online nodes, 1 and 16 callers."""
+    from neuralgrid.bench import matching as bench
+
+    fleet_sizes, caller_counts = integers(sizes, "--sizes"), integers(callers, "--callers")
+    results = bench.run(database_url(ctx), fleet_sizes, caller_counts, calls, progress=progress)
+    table = Table("nodes", "function", "callers", "p50 ms", "p99 ms", "calls/s")
+    for r in results:
+        table.add_row(
+            f"{r['nodes']:,}",
+            r["function"],
+            str(r["callers"]),
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['calls_per_s']:,.0f}",
+        )
+    report(table, out_file, "matching", results, target="match_job p99 <= 5 ms at 10,000 nodes")
+
+
+@app.command("gateway")
+@friendly_errors
+def gateway(
+    ctx: typer.Context,
+    callers: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_CALLERS", help="Concurrent callers, comma-separated.")
+    ] = "1,16,64",
+    requests: Annotated[
+        int,
+        typer.Option(
+            envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per sequential case (x4 concurrent).", min=1
+        ),
+    ] = 500,
+    out_file: OutFile = Path("bench-results/gateway.json"),
+) -> None:
+    """Added latency and requests/s of the gateway against the node it fronts and a bare relay."""
+    from neuralgrid.bench import gateway as bench
+
+    results = bench.run(database_url(ctx), integers(callers, "--callers"), requests, progress=progress)
+    table = Table(
+        "mode",
+        "callers",
+        "direct p50",
+        "relay +p50",
+        "gateway +p50",
+        "gateway +p99",
+        "direct req/s",
+        "relay req/s",
+        "gateway req/s",
+        "errors d/r/g",
+        caption="ms; +: added to the direct path",
+    )
+    for r in results:
+        table.add_row(
+            "stream" if r["stream"] else "plain",
+            str(r["callers"]),
+            f"{r['direct']['p50_ms']:.2f}",
+            f"{r['relay_added_p50_ms']:.2f}",
+            f"{r['added_p50_ms']:.2f}",
+            f"{r['added_p99_ms']:.2f}",
+            f"{r['direct']['rps']:,.0f}",
+            f"{r['relay']['rps']:,.0f}",
+            f"{r['gateway']['rps']:,.0f}",
+            "/".join(str(r[t]["errors"]) for t in ("direct", "relay", "gateway")),
+        )
+    target = "added <= 1 ms p50 and <= 5 ms p99 sequential; >= 1000 rps non-streaming"
+    report(table, out_file, "gateway", results, units="ms", target=target)
+
+
+@app.command("realtime")
+@friendly_errors
+def realtime(
+    ctx: typer.Context,
+    subscribers: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_SUBSCRIBERS", help="Subscriber counts, comma-separated.")
+    ] = "1,100,1000",
+    rate: Annotated[int, typer.Option(help="Status changes per second.", min=1)] = 100,
+    seconds: Annotated[float, typer.Option(help="Seconds of changes per case.", min=1)] = 10,
+    out_file: OutFile = Path("bench-results/realtime.json"),
+) -> None:
+    """Delivery latency from a committed node status change to N Realtime subscribers."""
+    from neuralgrid.bench import realtime as bench
+
+    counts = integers(subscribers, "--subscribers")
+    results = bench.run(database_url(ctx), counts, rate, seconds, progress=progress)
+    table = Table("subscribers", "changes/s", "delivered", "lost", "p50 ms", "p99 ms", "max ms")
+    for r in results:
+        table.add_row(
+            str(r["subscribers"]),
+            f"{r['changes_per_s']:.0f}",
+            f"{r['delivered']:,}",
+            str(r["lost"]),
+            f"{r.get('p50_ms', float('nan')):.1f}",
+            f"{r.get('p99_ms', float('nan')):.1f}",
+            f"{r['max_ms'] or float('nan'):.1f}",
+        )
+    target = "p99 <= 200 ms at 1,000 subscribers, 100 changes/s"
+    report(table, out_file, "realtime", results, units="ms", target=target)
+
+
+@app.command("health")
+@friendly_errors
+def health(
+    ctx: typer.Context,
+    requests: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per tunnel/direct case.", min=1)
+    ] = 300,
+    out_file: OutFile = Path("bench-results/health.json"),
+) -> None:
+    """Time from a node's death to offline and to requests avoiding it; tunnel overhead vs direct."""
+    from neuralgrid.bench import health as bench
+
+    result = bench.run(database_url(ctx), requests, progress=progress)
+    t = result["tunnel_vs_direct"]
+    tunnel_p50, direct_p50 = t["tunnel"]["sequential"]["p50_ms"], t["direct"]["sequential"]["p50_ms"]
+    table = Table(
+        "death",
+        "to offline s",
+        "first served elsewhere s",
+        "first request avoiding it s",
+        caption=f"tunnel vs direct: p50 {tunnel_p50:.2f} vs {direct_p50:.2f} ms"
+        f" (added {t['added_p50_ms']:.2f} ms); streams x16:"
+        f" {t['tunnel']['stream_x16_rps']:,.0f} vs {t['direct']['stream_x16_rps']:,.0f} req/s",
+    )
+    for scenario, r in result["deaths"].items():
+        table.add_row(scenario, *(f"{v:.2f}" if v is not None else "never" for v in r.values()))
+    targets = "silent node offline <= 15 s; dropped tunnel <= 1 s"
+    report(table, out_file, "health", [result], targets=targets)

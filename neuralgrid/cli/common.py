@@ -1,0 +1,127 @@
+"""What every command shares: the console, one-line errors, settings, the database, logging.
+
+Server-side imports happen inside functions, so a node owner's install (the agent alone) runs
+`neuralgrid node run` without the server's dependencies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from neuralgrid.server.settings import Settings
+
+out = Console()
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def fail(message: str) -> typer.Exit:
+    """One line on stderr and a non-zero exit, for every error a person can cause."""
+    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+def progress(message: str) -> None:
+    Console(stderr=True).print(f"[dim]{message}[/]")
+
+
+def friendly_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Database and embedded-server errors as one line each."""
+
+    @wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import psycopg
+
+        from neuralgrid.db.embedded import EmbeddedPostgresError
+        from neuralgrid.db.errors import DatabaseError
+
+        try:
+            return command(*args, **kwargs)
+        except (DatabaseError, EmbeddedPostgresError) as err:
+            raise fail(str(err).splitlines()[0]) from err
+        except psycopg.OperationalError as err:
+            raise fail(f"cannot reach the database: {str(err).strip().splitlines()[0]}") from err
+
+    return wrapper
+
+
+@dataclass
+class Options:
+    """The global options; the settings are read only by the commands that need them."""
+
+    overrides: dict[str, Any]
+    _settings: Settings | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            from pydantic import ValidationError
+
+            from neuralgrid.server.settings import Settings
+            from neuralgrid.server.stack import with_stack_secret
+
+            try:
+                self._settings = with_stack_secret(Settings(**self.overrides))
+            except ValidationError as err:
+                raise fail(err.errors()[0]["msg"]) from err
+        return self._settings
+
+
+def settings(ctx: typer.Context) -> Settings:
+    options: Options = ctx.obj  # set by the main callback, inherited by every group
+    return options.settings
+
+
+def database_url(ctx: typer.Context) -> str:
+    """The database's URL, the embedded one started and migrated when it is the one."""
+    from neuralgrid.db import connect
+
+    return connect.prepare(settings(ctx))
+
+
+@contextmanager
+def database(ctx: typer.Context) -> Iterator[psycopg.Connection]:
+    """The platform's database (the embedded one started and migrated if it is the one)."""
+    import psycopg
+
+    with psycopg.connect(database_url(ctx), autocommit=True) as conn:
+        yield conn
+
+
+def integers(text: str, option: str) -> list[int]:
+    """A comma-separated list of positive integers, or a one-line error naming the option."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError as err:
+        raise fail(f"{option} takes comma-separated integers ({err})") from err
+    if min(values) < 1:
+        raise fail(f"{option}: every value must be positive")
+    return values
+
+
+def log_to_stderr() -> None:
+    """Log lines for the long-running commands (up, node run); a line per HTTP request is noise."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def report(table: Table, path: Path, name: str, results: list[dict[str, Any]], **meta: Any) -> None:
+    """A benchmark's end: its table on the console (whole headers in a log too) and its JSON."""
+    from neuralgrid.bench import write_report
+
+    (out if out.is_terminal else Console(width=160)).print(table)
+    write_report(path, name, results, **meta)
+    out.print(f"wrote {path}")

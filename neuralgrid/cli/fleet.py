@@ -1,0 +1,117 @@
+"""`neuralgrid nodes …` and `neuralgrid match`: the fleet as the operator sees it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from neuralgrid.cli.common import database, friendly_errors, out
+
+nodes_app = typer.Typer(no_args_is_help=True, help="Import and list the fleet of GPU nodes.")
+JsonOption = Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")]
+
+
+@nodes_app.command("import")
+@friendly_errors
+def nodes_import(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="JSON list of nodes (fields of the nodes table + models).")],
+) -> None:
+    """Insert or update (by name) the nodes of a fleet file, all or nothing."""
+    from neuralgrid.admin import fleet
+
+    specs = fleet.read_fleet(file)
+    with database(ctx) as conn:
+        ids = fleet.import_fleet(conn, specs)
+    out.print(f"imported {len(ids)} nodes from {file}")
+
+
+@nodes_app.command("ls")
+@friendly_errors
+def nodes_ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
+    """List nodes with status, last heartbeat, load, warm models and reputation."""
+    from neuralgrid.admin import fleet
+
+    with database(ctx) as conn:
+        rows = fleet.list_nodes(conn)
+    if as_json:
+        print(fleet.to_json(rows))
+        return
+    table = Table(
+        "name",
+        "gpu",
+        "vram",
+        "tflops",
+        "$/h",
+        "region",
+        "status",
+        "load",
+        "heartbeat",
+        "ok/fail",
+        "warm models",
+    )
+    for r in rows:
+        beat = r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
+        table.add_row(
+            r["name"],
+            f"{r['gpu_count']}x {r['gpu_model']}",
+            f"{r['vram_gb']:g}",
+            f"{r['tflops']:g}",
+            f"{r['hourly_rate']:.2f}",
+            r["region"],
+            r["status"],
+            f"{r['inflight']}/{r['max_concurrency']}",
+            beat,
+            f"{r['successes']}/{r['failures']}",
+            ", ".join(r["warm_models"]),
+        )
+    out.print(table)
+
+
+@friendly_errors
+def match(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(envvar="NEURALGRID_MODEL", help="Model id to serve.")],
+    min_vram: Annotated[
+        float | None,
+        typer.Option(envvar="NEURALGRID_MIN_VRAM", help="VRAM needed (GB); default: catalog."),
+    ] = None,
+    policy: Annotated[str, typer.Option(envvar="NEURALGRID_POLICY", help="seed or balanced.")] = "balanced",
+    region: Annotated[str | None, typer.Option(envvar="NEURALGRID_REGION", help="Caller's region.")] = None,
+    max_rate: Annotated[
+        float | None, typer.Option(envvar="NEURALGRID_MAX_RATE", help="Price cap, USD per hour.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(envvar="NEURALGRID_LIMIT", help="Show the best N.")] = None,
+    explain: Annotated[
+        bool, typer.Option(envvar="NEURALGRID_EXPLAIN", help="Also list rejected nodes and why.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Rank the nodes for a request (score_nodes), best first, without claiming any."""
+    from neuralgrid import matching
+
+    request = matching.MatchRequest(
+        model=model, min_vram_gb=min_vram, policy=policy, region=region, max_hourly_rate=max_rate
+    )
+    with database(ctx) as conn:
+        rows = matching.score_nodes(conn, request, explain=explain, limit=limit)
+    if as_json:
+        print(json.dumps([asdict(r) for r in rows], default=str, indent=2))
+        return
+    components = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity")
+    table = Table("#", "node", "score", *components, "rejected because")
+    for r in rows:
+        cells = [getattr(r, c) for c in components]
+        table.add_row(
+            str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(c) for c in cells), r.reject_reason or ""
+        )
+    out.print(table)
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"

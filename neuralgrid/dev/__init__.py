@@ -1,0 +1,1 @@
+"""Development tools: a fake inference server and the demo fleet."""

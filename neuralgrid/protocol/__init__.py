@@ -1,0 +1,1 @@
+"""What node agents and gateways say to each other: shapes and signatures both sides import."""

@@ -1,0 +1,1 @@
+"""The platform process: settings, assembly of gateway, Realtime and web, serving, the sweeper."""

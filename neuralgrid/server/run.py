@@ -1,0 +1,58 @@
+"""The platform as one process: gateway (with Realtime and the web map), sweeper, demo fleet.
+
+`neuralgrid up` calls serve(); it returns once SIGINT or SIGTERM has drained the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+
+import psycopg
+
+from neuralgrid.admin import fleet
+from neuralgrid.dev import demo as demo_fleet
+from neuralgrid.server import stack
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import make_server
+from neuralgrid.server.settings import Settings
+from neuralgrid.web.signin import signin_link
+
+
+async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], None]) -> None:
+    """Serve until a signal; `demo` nodes of the demo fleet are served by one fake node."""
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+    gateway = make_server(create_app(settings, url), settings.host, settings.port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(gateway, "should_exit", True))
+    # Entered resources (the demo node) stop after the gateway has drained.
+    async with contextlib.AsyncExitStack() as resources:
+        if demo:
+            backend_url = await resources.enter_async_context(demo_fleet.backend())
+            with psycopg.connect(url, autocommit=True) as conn:
+                specs = fleet.read_fleet(demo_fleet.DEMO_FLEET)[:demo]
+                served = {"endpoint_url": backend_url, "backend": demo_fleet.FAKE_BACKEND}
+                fleet.import_fleet(conn, [s.model_copy(update=served) for s in specs])
+            tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
+        tasks.append(asyncio.create_task(gateway.serve()))
+        while not gateway.started and not tasks[-1].done():
+            await asyncio.sleep(0.05)
+        gateway_url = stack.public_base_url(settings)
+        realtime_url = gateway_url.replace("http", "ws", 1)
+        say(f"database  {url}")
+        say(f"gateway   {gateway_url}/v1  (OpenAI-compatible; docs at {gateway_url}/docs)")
+        say(f"map       {gateway_url}/  (live; Realtime at {realtime_url}/realtime/v1)")
+        say(f"sweeper   every {settings.sweep_interval_s:g}s")
+        if demo:
+            say(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
+        if link := signin_link(settings, gateway_url):  # one use, 10 minutes
+            say(f"sign in   {link}")
+        await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
+        stop.set()
+        for task in tasks[:-1]:
+            task.cancel()
+        await asyncio.gather(*tasks[:-1], return_exceptions=True)
