@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db.errors import InvalidRequest
-from neuralgrid.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
+from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
 from tests.conftest import make_node
 from tests.test_match_job import make_key
 

@@ -9,8 +9,10 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+from neuralgrid.db.errors import InvalidRequest
+from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, match_job
+from neuralgrid.db.store import Store
 from neuralgrid.gateway.completions import Completions
-from neuralgrid.matching import JobEnd, MatchRequest, complete_job, match_job
 from tests.conftest import make_node
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
@@ -35,7 +37,7 @@ def _jobs(db_url: str, count: int) -> list[uuid.UUID]:
 async def test_endings_arriving_together_share_statements_and_all_land(db_url: str) -> None:
     jobs = _jobs(db_url, 40)
     async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
-        completions = CountingCompletions(pool)
+        completions = CountingCompletions(Store(pool))
         costs = await asyncio.gather(
             *(
                 completions.record(JobEnd(job, prompt_tokens=10, completion_tokens=5, latency_ms=50))
@@ -57,10 +59,10 @@ async def test_a_bad_ending_does_not_lose_the_rest_of_its_batch(db_url: str) -> 
     ends = [JobEnd(job) for job in jobs]
     ends[3] = JobEnd(jobs[3], completion_tokens=-1)  # refused by complete_jobs(): fails its batch
     async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
-        completions = CountingCompletions(pool)
+        completions = CountingCompletions(Store(pool))
         results = await asyncio.gather(*(completions.record(end) for end in ends), return_exceptions=True)
     assert results[0] is None
-    assert isinstance(results[3], psycopg.errors.InvalidParameterValue)
+    assert isinstance(results[3], InvalidRequest)
     assert all(isinstance(r, float) for i, r in enumerate(results) if i not in (0, 3))
     with psycopg.connect(db_url) as conn:
         statuses: dict[uuid.UUID, str] = dict(conn.execute("select id, status from jobs").fetchall())
@@ -71,7 +73,7 @@ async def test_a_bad_ending_does_not_lose_the_rest_of_its_batch(db_url: str) -> 
 async def test_a_quiet_gateway_writes_each_ending_at_once(db_url: str, endings: int) -> None:
     jobs = _jobs(db_url, endings)
     async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
-        completions = CountingCompletions(pool)
+        completions = CountingCompletions(Store(pool))
         for job in jobs:  # one at a time: nothing waits for company
             assert await completions.record(JobEnd(job)) is not None
     assert completions.batches == [1] * endings

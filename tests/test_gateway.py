@@ -456,7 +456,7 @@ def test_a_node_refusing_a_stream_passes_the_refusal_through_without_blame(
 
 
 def test_implausible_usage_from_a_node_is_not_believed() -> None:
-    from neuralgrid.gateway.stream import Usage
+    from neuralgrid.protocol.sse import Usage
 
     assert Usage.parse({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
     for bad in (-1, 10**12, [1], "7", 1.5, True):

@@ -52,7 +52,7 @@ async def test_sweeper_loop_reports_what_it_swept(db_url: str) -> None:
 
 
 def test_abandoned_jobs_give_back_their_slot_and_budget_hold(conn: psycopg.Connection) -> None:
-    from neuralgrid.matching import MatchRequest, match_job
+    from neuralgrid.db.matching import MatchRequest, match_job
 
     node = make_node(conn)
     key = conn.execute("select id from create_api_key('k', null, null, 10)").fetchone()

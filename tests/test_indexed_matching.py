@@ -7,7 +7,14 @@ import random
 import psycopg
 import pytest
 
-from neuralgrid.matching import MatchRequest, RankedNode, complete_job, failover_job, match_job, score_nodes
+from neuralgrid.db.matching import (
+    MatchRequest,
+    RankedNode,
+    complete_job,
+    failover_job,
+    match_job,
+    score_nodes,
+)
 from tests.conftest import make_node
 
 MODELS = [

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db.errors import BudgetExhausted, ConflictError, InvalidRequest
-from neuralgrid.matching import MatchRequest, complete_job, failover_job, match_job, score_nodes
+from neuralgrid.db.matching import MatchRequest, complete_job, failover_job, match_job, score_nodes
 from tests.conftest import make_node, make_user
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from neuralgrid.db.errors import InvalidRequest, UnknownModel
-from neuralgrid.matching import MatchRequest, score_nodes
+from neuralgrid.db.errors import InvalidRequest, NotFound
+from neuralgrid.db.matching import MatchRequest, score_nodes
 from tests.conftest import make_node
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"  # catalog: 18 GB
@@ -149,7 +149,7 @@ def test_limit_and_ties_are_deterministic(conn: psycopg.Connection) -> None:
 
 
 def test_bad_requests_get_clear_errors(conn: psycopg.Connection) -> None:
-    with pytest.raises(UnknownModel, match='unknown model "no/such-model"'):
+    with pytest.raises(NotFound, match='unknown model "no/such-model"'):
         score_nodes(conn, MatchRequest(model="no/such-model"))
     with pytest.raises(InvalidRequest, match='unknown matching policy "fancy"'):
         score_nodes(conn, MatchRequest(model=LLAMA8, policy="fancy"))

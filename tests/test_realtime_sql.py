@@ -7,7 +7,7 @@ import uuid
 
 import psycopg
 
-from neuralgrid.matching import MatchRequest, complete_job, match_job
+from neuralgrid.db.matching import MatchRequest, complete_job, match_job
 from tests.conftest import LLAMA8, make_node, make_user
 
 

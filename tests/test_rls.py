@@ -217,7 +217,7 @@ def test_derived_scores_are_the_services_alone(conn: psycopg.Connection, world: 
             assert denied(c, "select * from node_scores")
             assert denied(c, "select * from node_base_scores")
             assert denied(c, "update node_scores set base_score = 1")
-            assert denied(c, "select refresh_node_scores()")
+            assert denied(c, "select private.refresh_node_scores()")
     with acting_as(conn, "service_role") as c:
         assert count(c, "select * from node_scores") == 3
         assert count(c, "select * from node_base_scores") == 3

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from neuralgrid.cli import app
-from neuralgrid.matching import MatchRequest, score_nodes
+from neuralgrid.db.matching import MatchRequest, score_nodes
 from neuralgrid.sim.engine import REGIONS, Scenario, Simulation
 from neuralgrid.sim.policies import FleetArrays, score
 from neuralgrid.sim.report import load_catalog

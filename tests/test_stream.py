@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from neuralgrid.gateway.stream import SseEvents, Usage, continuation
+from neuralgrid.gateway.pipeline.relay import continuation
+from neuralgrid.protocol.sse import SseEvents, Usage
 
 
 def _sse(*payloads: Any) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import httpx
 
-from neuralgrid.gateway.stream import SseEvents
+from neuralgrid.protocol.sse import SseEvents
 
 log = logging.getLogger(__name__)
 

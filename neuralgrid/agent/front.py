@@ -21,8 +21,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from neuralgrid.agent.backend import Backend, dig
-from neuralgrid.gateway.stream import SseEvents
 from neuralgrid.protocol import signing
+from neuralgrid.protocol.sse import SseEvents
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 

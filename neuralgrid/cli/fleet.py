@@ -93,7 +93,7 @@ def match(
     as_json: JsonOption = False,
 ) -> None:
     """Rank the nodes for a request (score_nodes), best first, without claiming any."""
-    from neuralgrid import matching
+    from neuralgrid.db import matching
 
     request = matching.MatchRequest(
         model=model, min_vram_gb=min_vram, policy=policy, region=region, max_hourly_rate=max_rate

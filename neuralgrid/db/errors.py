@@ -4,15 +4,24 @@ from __future__ import annotations
 
 
 class DatabaseError(Exception):
-    """Base of the platform's database errors; the message is meant for a person."""
+    """Base of the platform's database errors; the message is meant for a person, `param` names the
+    request parameter at fault where the query knows it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class MigrationError(DatabaseError):
     """A migration could not be discovered or applied."""
 
 
-class UnknownModel(DatabaseError):
-    """No catalog entry and no node knows the requested model."""
+class NotFound(DatabaseError):
+    """What the statement is about does not exist (a model nobody serves, a node)."""
+
+
+class Forbidden(DatabaseError):
+    """The caller may not do this (a node secret that is not this node's)."""
 
 
 class InvalidRequest(DatabaseError):
@@ -29,7 +38,8 @@ class ConflictError(DatabaseError):
 
 # SQLSTATEs our SQL functions and constraints raise, and the domain error each one means.
 _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
-    "P0002": UnknownModel,  # no_data_found
+    "P0002": NotFound,  # no_data_found
+    "42501": Forbidden,  # insufficient_privilege
     "22023": InvalidRequest,  # invalid_parameter_value
     "22P02": InvalidRequest,  # invalid_text_representation
     "22003": InvalidRequest,  # numeric_value_out_of_range
@@ -42,12 +52,13 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
 }
 
 
-def translate(err: Exception) -> Exception:
-    """The domain error for a psycopg error we know, or the error itself."""
+def translate(err: Exception, subject: str | None = None) -> Exception:
+    """The domain error for a psycopg error we know, or the error itself. A NotFound is about
+    `subject`, the parameter the statement looks up."""
     sqlstate = getattr(err, "sqlstate", None)
     kind = _BY_SQLSTATE.get(sqlstate or "")
     if kind is None:
         return err
     diag = getattr(err, "diag", None)
     message = getattr(diag, "message_primary", None) or str(err)
-    return kind(message)
+    return kind(message, subject if kind is NotFound else None)

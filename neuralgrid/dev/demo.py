@@ -9,12 +9,13 @@ from pathlib import Path
 
 import psycopg
 
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.server.serving import free_port, make_server, running
 
 DEMO_FLEET = Path(__file__).parent.parent / "data" / "demo_fleet.json"
 DEMO_NODES = 24  # the demo fleet's size
-LIVE_DEMO_NODE_IDS = "select id from public.nodes where owner_id is null and status <> 'offline'"
 DEMO_MODELS = (
     "meta-llama/Llama-3.1-8B-Instruct",
     "mistralai/Mistral-7B-Instruct-v0.3",
@@ -39,11 +40,11 @@ async def backend() -> AsyncIterator[str]:
 async def keep_alive(url: str, stop: asyncio.Event) -> None:
     """Heartbeat every demo node (owner-less, not offline) at the platform's interval until stop."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        ids = [row[0] for row in await (await conn.execute(LIVE_DEMO_NODE_IDS)).fetchall()]
-        cur = await conn.execute("select heartbeat_interval_s from public.platform_settings")
-        interval_s = float((await cur.fetchone() or (5.0,))[0])
+        store = Store(conn)
+        ids = await store.all(q.LIVE_DEMO_NODES)
+        interval_s = float(await store.get(q.HEARTBEAT_INTERVAL))
         while not stop.is_set():
             for node_id in ids:
-                await conn.execute("select public.node_heartbeat(%s)", (node_id,))
+                await store.one(q.NODE_HEARTBEAT, (node_id,))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)

@@ -10,20 +10,20 @@ import logging
 import time
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Annotated, Any
 from uuid import UUID
 
+import jwt
 import psycopg
-from psycopg_pool import AsyncConnectionPool
+from fastapi import Depends, Request
 
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
 from neuralgrid.gateway.errors import Unauthorized
+from neuralgrid.server.services import ServicesDep
 
 log = logging.getLogger(__name__)
 CHANNEL = "neuralgrid_api_keys"
-
-LOOKUP = """
-select id, owner_id, name, key_hash, rpm_limit, tpm_limit, budget_usd, revoked_at is not null
-from public.api_keys where key_hash = %s
-"""
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ def digest(raw_key: str) -> bytes:
 class KeyStore:
     """Authenticates bearer keys. A cached key lives at most ttl_s; a NOTIFY drops it at once."""
 
-    def __init__(self, pool: AsyncConnectionPool, ttl_s: float) -> None:
-        self.pool = pool
+    def __init__(self, store: Store, ttl_s: float) -> None:
+        self.store = store
         self.ttl_s = ttl_s
         self._cache: dict[bytes, tuple[ApiKey, float]] = {}
 
@@ -55,14 +55,13 @@ class KeyStore:
         cached = self._cache.get(key_digest)
         if cached and cached[1] > time.monotonic():
             return cached[0]
-        async with self.pool.connection() as conn:
-            row = await (await conn.execute(LOOKUP, (key_digest,))).fetchone()
+        row = await self.store.one(q.KEY_BY_HASH, (key_digest,))
         # The lookup is by digest; compare_digest keeps the final check constant-time as well.
-        if row is None or not hmac.compare_digest(bytes(row[3]), key_digest):
+        if row is None or not hmac.compare_digest(bytes(row.key_hash), key_digest):
             raise Unauthorized("unknown API key")
-        if row[7]:
+        if row.revoked:
             raise Unauthorized("this API key has been revoked")
-        key = ApiKey(row[0], row[1], row[2], row[4], row[5], row[6])
+        key = ApiKey(row.id, row.owner_id, row.name, row.rpm_limit, row.tpm_limit, row.budget_usd)
         if self.ttl_s:
             self._cache[key_digest] = (key, time.monotonic() + self.ttl_s)
         return key
@@ -94,3 +93,30 @@ class KeyStore:
                 self._cache.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=1)
+
+
+async def api_key(request: Request, services: ServicesDep) -> ApiKey:
+    """The caller's API key (developers, and operators registering nodes)."""
+    return await services.keys.authenticate(request.headers.get("authorization"))
+
+
+ApiKeyDep = Annotated[ApiKey, Depends(api_key)]
+
+
+async def user_claims(request: Request, services: ServicesDep) -> dict[str, Any]:
+    """A Supabase user's JWT (HS256, the project's JWT secret), as Supabase Auth issues it."""
+    header = request.headers.get("authorization") or ""
+    if not header.lower().startswith("bearer "):
+        raise Unauthorized("sign in: send 'Authorization: Bearer <Supabase access token>'")
+    try:
+        claims: dict[str, Any] = jwt.decode(
+            header[7:].strip(), services.settings.jwt_secret, algorithms=["HS256"], audience="authenticated"
+        )
+    except jwt.PyJWTError as err:
+        raise Unauthorized(f"invalid access token: {err}") from err
+    if claims.get("role") != "authenticated" or not claims.get("sub"):
+        raise Unauthorized("the access token is not a signed-in user's")
+    return claims
+
+
+UserDep = Annotated[dict[str, Any], Depends(user_claims)]

@@ -12,16 +12,18 @@ import logging
 from uuid import UUID
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
-from neuralgrid.matching import COMPLETE_JOBS, JobEnd, complete_jobs_params
+from neuralgrid.db import queries as q
+from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.queries import JobEnd
+from neuralgrid.db.store import Store
 
 log = logging.getLogger(__name__)
 
 
 class Completions:
-    def __init__(self, pool: AsyncConnectionPool, max_batch: int = 256) -> None:
-        self.pool = pool
+    def __init__(self, store: Store, max_batch: int = 256) -> None:
+        self.store = store
         self.max_batch = max_batch
         self._waiting: list[tuple[JobEnd, asyncio.Future[float | None]]] = []
         self._writer: asyncio.Task[None] | None = None
@@ -46,7 +48,7 @@ class Completions:
     async def _write_batch(self, batch: list[tuple[JobEnd, asyncio.Future[float | None]]]) -> None:
         try:
             costs = await self._complete([end for end, _ in batch])
-        except psycopg.Error as err:
+        except (psycopg.Error, DatabaseError) as err:
             if len(batch) == 1 or not _one_ending_may_be_to_blame(err):
                 for _, future in batch:
                     _settle(future, error=err)
@@ -64,9 +66,8 @@ class Completions:
             _settle(future, costs.get(end.job_id))
 
     async def _complete(self, ends: list[JobEnd]) -> dict[UUID, float]:
-        async with self.pool.connection() as conn:
-            rows = await (await conn.execute(COMPLETE_JOBS, complete_jobs_params(ends))).fetchall()
-        return {row[0]: row[1] for row in rows}
+        rows = await self.store.all(q.COMPLETE_JOBS, q.complete_jobs_params(ends))
+        return {row.job_id: row.cost_usd for row in rows}
 
     async def drain(self) -> None:
         """Wait for the endings already handed in (on shutdown)."""
@@ -74,7 +75,7 @@ class Completions:
             await asyncio.shield(self._writer)
 
 
-def _one_ending_may_be_to_blame(err: psycopg.Error) -> bool:
+def _one_ending_may_be_to_blame(err: Exception) -> bool:
     """Bad data or a lost deadlock, as opposed to a database that is down or a pool that is full
     (writing the endings one by one would then only wait longer for the same failure)."""
     return not isinstance(err, psycopg.OperationalError) or isinstance(

@@ -8,6 +8,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from neuralgrid.db import errors as db
+
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|none|literal)\b|[\[(]")
 
 
@@ -46,6 +48,10 @@ class Unauthorized(GatewayError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class Forbidden(GatewayError):
+    status, type, code = 403, "invalid_request_error", "forbidden"
+
+
 class NotFound(GatewayError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
@@ -72,3 +78,15 @@ class NoCapacity(GatewayError):
 
 class UpstreamTimeout(GatewayError):
     status, type, code = 504, "server_error", "upstream_timeout"
+
+
+def from_database(err: db.DatabaseError) -> GatewayError:
+    """The one map from the database's domain errors to the API's."""
+    message, param = str(err), err.param
+    if isinstance(err, db.NotFound):
+        return NotFound(message, param=param)
+    if isinstance(err, db.Forbidden):
+        return Forbidden(message, param=param)
+    if isinstance(err, db.BudgetExhausted):
+        return BudgetExceeded(message, retry_after=60)
+    return BadRequest(message, param=param)

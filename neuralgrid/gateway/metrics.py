@@ -51,3 +51,8 @@ class Metrics:
             ["node", "outcome"],
             registry=self.registry,
         )
+
+    def count(self, node_id: object, outcome: str) -> None:
+        """One attempt's outcome, overall and for its node."""
+        self.attempts.labels(outcome).inc()
+        self.node_outcomes.labels(str(node_id), outcome).inc()

@@ -10,95 +10,71 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from neuralgrid.gateway.deps import ApiKeyDep, GatewayDep
+from neuralgrid.db import queries as q
+from neuralgrid.gateway.auth import ApiKeyDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, invalid
-from neuralgrid.gateway.proxy import Call
+from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.schema import SCHEMAS
+from neuralgrid.server.services import ServicesDep
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-MODELS = """
-select m.id, count(n.id) as online_nodes, bool_or(c.id is not null) as in_catalog
-from (select id from public.models union select model_id from public.node_models) m (id)
-left join public.models c on c.id = m.id
-left join public.node_models nm on nm.model_id = m.id
-left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
-group by m.id order by m.id
-"""
-
-USAGE = """
-select count(*), count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed'),
-       coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0),
-       coalesce(sum(cost_usd), 0)::float8
-from public.jobs where api_key_id = %s
-"""
-
-
 @router.get("/models")
-async def list_models(key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
+async def list_models(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     """Models servable now (held by online nodes) and the catalog's."""
-    async with gateway.pool.connection() as conn:
-        rows = await (await conn.execute(MODELS)).fetchall()
     data = [
         {
-            "id": r[0],
+            "id": m.id,
             "object": "model",
             "created": 0,
             "owned_by": "neuralgrid",
-            "online_nodes": r[1],
-            "in_catalog": r[2],
+            "online_nodes": m.online_nodes,
+            "in_catalog": m.in_catalog,
         }
-        for r in rows
+        for m in await services.store.all(q.MODELS)
     ]
     return {"object": "list", "data": data}
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "chat")
+async def chat_completions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    return await _proxy(request, key, services, "chat")
 
 
 @router.post("/completions")
-async def completions(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "completion")
+async def completions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    return await _proxy(request, key, services, "completion")
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request, key: ApiKeyDep, gateway: GatewayDep) -> Response:
-    return await _proxy(request, key, gateway, "embedding")
+async def embeddings(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    return await _proxy(request, key, services, "embedding")
 
 
 @router.get("/usage")
-async def usage(key: ApiKeyDep, gateway: GatewayDep) -> dict[str, Any]:
+async def usage(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     """This key's totals: requests, tokens, cost, and what is left of its budget."""
-    async with gateway.pool.connection() as conn:
-        row = await (await conn.execute(USAGE, (key.id,))).fetchone()
-        spent = await (
-            await conn.execute(
-                "select spent_usd::float8, reserved_usd::float8 from public.api_keys where id = %s", (key.id,)
-            )
-        ).fetchone()
-    assert row is not None and spent is not None
+    row = await services.store.get(q.KEY_USAGE, (key.id,))
     budget = float(key.budget_usd) if key.budget_usd is not None else None
     return {
         "object": "usage",
         "key": {"id": str(key.id), "name": key.name, "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit},
-        "requests": row[0],
-        "succeeded": row[1],
-        "failed": row[2],
-        "prompt_tokens": row[3],
-        "completion_tokens": row[4],
-        "cost_usd": row[5],
+        "requests": row.requests,
+        "succeeded": row.succeeded,
+        "failed": row.failed,
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "cost_usd": row.cost_usd,
         "budget_usd": budget,
-        "spent_usd": spent[0],
-        "held_usd": spent[1],
-        "remaining_usd": None if budget is None else max(budget - spent[0], 0.0),
+        "spent_usd": row.spent_usd,
+        "held_usd": row.held_usd,
+        "remaining_usd": None if budget is None else max(budget - row.spent_usd, 0.0),
     }
 
 
-async def _proxy(request: Request, key: ApiKeyDep, gateway: GatewayDep, kind: str) -> Response:
-    body = await read_json(request, gateway.settings.max_body_bytes)
+async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: str) -> Response:
+    body = await read_json(request, services.settings.max_body_bytes)
     try:
         SCHEMAS[kind].model_validate(body)
     except ValidationError as err:
@@ -119,7 +95,7 @@ async def _proxy(request: Request, key: ApiKeyDep, gateway: GatewayDep, kind: st
         policy=request.headers.get("x-neuralgrid-policy") or "balanced",
         received=request.scope.get("state", {}).get("received", time.perf_counter()),
     )
-    return await gateway.router.handle(call)
+    return await services.pipeline.handle(call)
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:

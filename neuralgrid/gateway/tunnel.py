@@ -64,6 +64,10 @@ class Tunnel:
             for queue in self.pending.values():
                 queue.put_nowait({"t": "err", "message": "the tunnel closed"})
 
+    def forget(self, request_id: int) -> None:
+        """A request is answered: its id gets no more frames."""
+        self.pending.pop(request_id, None)
+
     async def cancel(self, request_id: int) -> None:
         if self.pending.pop(request_id, None) is not None:
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
@@ -115,13 +119,13 @@ class TunnelResponse:
     def _done(self) -> None:
         """The answer is complete: forget the request (its id gets no more frames)."""
         self.finished = True
-        self.tunnel.pending.pop(self.request_id, None)
+        self.tunnel.forget(self.request_id)
 
     async def close(self) -> None:
         if not self.finished:
             self.finished = True
             await self.tunnel.cancel(self.request_id)
-        self.tunnel.pending.pop(self.request_id, None)
+        self.tunnel.forget(self.request_id)
 
 
 class Tunnels:
@@ -132,3 +136,14 @@ class Tunnels:
 
     def get(self, node_id: UUID) -> Tunnel | None:
         return self.by_node.get(node_id)
+
+    def attach(self, link: Tunnel) -> None:
+        """The node's newest socket carries its requests from now on."""
+        self.by_node[link.node_id] = link
+
+    def detach(self, link: Tunnel) -> bool:
+        """Forget a closed socket; False when a newer one of the same node has replaced it."""
+        if self.by_node.get(link.node_id) is not link:
+            return False
+        del self.by_node[link.node_id]
+        return True

@@ -19,6 +19,7 @@ from neuralgrid.realtime.bindings import Binding, BindingError, parse_binding
 from neuralgrid.realtime.fastpath import EXTENSION, FrameWriter
 from neuralgrid.realtime.hub import PREFIX, Channel, Hub
 from neuralgrid.realtime.protocol import V1, VERSIONS, Message, Outgoing, ProtocolError, decode, outgoing
+from neuralgrid.server.services import ServicesDep
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +309,8 @@ class Connection:
 
 
 @router.websocket("/realtime/v1/websocket")
-async def realtime_websocket(ws: WebSocket) -> None:
-    hub: Hub = ws.app.state.realtime
-    secret: str = ws.app.state.gateway.settings.jwt_secret
+async def realtime_websocket(ws: WebSocket, services: ServicesDep) -> None:
+    hub, secret = services.realtime, services.settings.jwt_secret
     apikey = ws.query_params.get("apikey") or ws.headers.get("apikey") or ""
     vsn = ws.query_params.get("vsn") or V1
     try:

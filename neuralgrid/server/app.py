@@ -1,4 +1,5 @@
-"""The gateway application: lifespan (pool, HTTP client, key listener, sweeper) and error bodies."""
+"""The platform's one assembly point: the gateway's API, Realtime and the web pages mounted as peers
+on one FastAPI app, the shared services built in its lifespan, and the error bodies."""
 
 from __future__ import annotations
 
@@ -19,20 +20,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
 from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.queries import HEARTBEAT_INTERVAL
+from neuralgrid.db.store import Store
 from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
-from neuralgrid.gateway.deps import Gateway, GatewayDep
-from neuralgrid.gateway.errors import BadRequest, GatewayError, invalid
+from neuralgrid.gateway.completions import Completions
+from neuralgrid.gateway.errors import GatewayError, from_database, invalid
 from neuralgrid.gateway.metrics import Metrics
-from neuralgrid.gateway.proxy import Router
+from neuralgrid.gateway.pipeline import Pipeline
+from neuralgrid.gateway.pipeline.admit import Admission, Catalog
+from neuralgrid.gateway.pipeline.meter import Metering
+from neuralgrid.gateway.pipeline.place import Placement
+from neuralgrid.gateway.pipeline.relay import Relay
+from neuralgrid.gateway.pipeline.send import Sender
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
+from neuralgrid.server.services import Services, ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
 from neuralgrid.web import routes as web_routes
+from neuralgrid.web.stats import StatsCache
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +98,14 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         nodes = HttpNodes(settings.connect_timeout_s, settings.first_byte_timeout_s)
         metrics = Metrics()
         metrics_holder.append(metrics)
-        keys = KeyStore(pool, settings.key_cache_ttl_s)
+        keys = KeyStore(Store(pool), settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
         tunnels = Tunnels()
-        router = Router(jobs_pool, nodes, settings, limiter, metrics, tunnels)
-        app.state.gateway = Gateway(settings, pool, keys, router, metrics, tunnels)
-        app.state.realtime = hub = Hub(pool, database_url)
+        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels)
+        hub = Hub(pool, database_url)
+        app.state.services = Services(
+            settings, Store(pool), keys, pipeline, metrics, tunnels, hub, StatsCache()
+        )
         stop = asyncio.Event()
         tasks = [asyncio.create_task(keys.listen(database_url, stop)), asyncio.create_task(hub.run(stop))]
         # Serve only once the Realtime feed listens, so no change committed after startup is missed.
@@ -106,7 +118,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await router.drain()
+            await pipeline.drain()
             limiter.close()
             await nodes.close()
             await jobs_pool.close()
@@ -135,23 +147,40 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, err: DatabaseError) -> JSONResponse:
-        return BadRequest(str(err)).response()
+        return from_database(err).response()
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"])
-    async def readyz(gateway: GatewayDep) -> JSONResponse:
+    async def readyz(services: ServicesDep) -> JSONResponse:
         try:
-            async with asyncio.timeout(2), gateway.pool.connection() as conn:
-                await conn.execute("select 1")
+            async with asyncio.timeout(2):
+                await services.store.get(HEARTBEAT_INTERVAL)
         except Exception as err:  # any failure means not ready
             return JSONResponse({"status": "unavailable", "database": str(err)}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", tags=["health"])
-    async def metrics(gateway: GatewayDep) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(services: ServicesDep) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _pipeline(
+    settings: Settings,
+    store: Store,
+    nodes: HttpNodes,
+    limiter: RateLimiter,
+    metrics: Metrics,
+    tunnels: Tunnels,
+) -> Pipeline:
+    """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
+    placement = Placement(store, metrics, settings.max_attempts)
+    sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
+    metering = Metering(Completions(store), limiter, metrics)
+    relay = Relay(sender, placement, metering, metrics, settings.resume_streams)
+    admission = Admission(Catalog(store), limiter, settings.default_max_tokens)
+    return Pipeline(admission, placement, sender, relay, metering, metrics)

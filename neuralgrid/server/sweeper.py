@@ -12,15 +12,22 @@ import logging
 
 import psycopg
 
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
+
 log = logging.getLogger(__name__)
 
 
 async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
     """One sweep; returns the names of nodes it set offline. Abandoned jobs are ended too."""
-    cur = await conn.execute("select name from public.sweep_stale_nodes()")
-    names = [name for (name,) in await cur.fetchall()]
-    for (job_id,) in await (await conn.execute("select job_id from public.sweep_stale_jobs()")).fetchall():
-        log.warning("job %s never completed: ended as failed, its node slot and budget hold released", job_id)
+    names = []
+    for swept in await Store(conn).all(q.SWEEP):
+        if swept.kind == "node_offline":
+            names.append(str(swept.name))
+        else:
+            log.warning(
+                "job %s never completed: ended as failed, its slot and budget hold released", swept.id
+            )
     return names
 
 
@@ -29,13 +36,10 @@ PRUNE_EVERY_S = 60.0
 
 async def prune_realtime(conn: psycopg.AsyncConnection) -> int:
     """Old realtime.messages and feed overflow, where the embedded Realtime feed is installed."""
-    row = await (
-        await conn.execute("select to_regprocedure('realtime.prune_feed(interval)') is not null")
-    ).fetchone()
-    if not (row and row[0]):
+    store = Store(conn)
+    if not await store.get(q.FEED_INSTALLED):
         return 0
-    pruned = await (await conn.execute("select realtime.prune_feed()")).fetchone()
-    return int(pruned[0]) if pruned else 0
+    return int(await store.get(q.PRUNE_FEED))
 
 
 async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:

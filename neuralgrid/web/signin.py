@@ -17,11 +17,10 @@ import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from uuid import UUID
 
-import psycopg
-
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
 from neuralgrid.server.settings import Settings
 
 LOCAL_OWNER_EMAIL = "owner@localhost"
@@ -84,17 +83,8 @@ def signin_link(settings: Settings, base_url: str) -> str | None:
     return f"{base_url.rstrip('/')}/signin#token={issue_signin_token(settings)}"
 
 
-async def ensure_local_owner(conn: psycopg.AsyncConnection[Any]) -> UUID:
+async def ensure_local_owner(store: Store) -> UUID:
     """The local owner's user id, creating the auth.users row on first sign-in."""
-    # `on conflict do nothing` covers a concurrent first sign-in (auth.users.email is unique).
-    await conn.execute(
-        "insert into auth.users (id, email) select gen_random_uuid(), %s"
-        " where not exists (select from auth.users where email = %s) on conflict do nothing",
-        (LOCAL_OWNER_EMAIL, LOCAL_OWNER_EMAIL),
-    )
-    row = await (
-        await conn.execute("select id from auth.users where email = %s", (LOCAL_OWNER_EMAIL,))
-    ).fetchone()
-    assert row is not None
-    user_id: UUID = row[0]
+    await store.one(q.ADD_USER, {"email": LOCAL_OWNER_EMAIL})
+    user_id: UUID = await store.get(q.USER_ID, (LOCAL_OWNER_EMAIL,))
     return user_id

@@ -1,8 +1,9 @@
-"""A node's SSE stream as the gateway relays it: whole events, usage, and the answer so far.
+"""A server's SSE stream as the agent and the gateway read it: whole events, usage, and the answer
+so far.
 
 The answer so far is what lets a stream that a node dropped go on on another node: that node is
-sent the conversation plus the text already streamed (`continuation`), and its events are relayed
-as if the first node had gone on (same id, usage counted across both).
+sent the conversation plus the text already streamed (gateway/pipeline/relay.py), and its events
+are relayed as if the first node had gone on (same id, usage counted across both).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_REPORTED_TOKENS = 10_000_000
-# vLLM's request fields for guided decoding (OpenAI's is response_format).
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 @dataclass
@@ -143,40 +142,3 @@ class SseEvents:
 def _usage_fields(usage: Usage) -> dict[str, int]:
     prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def continuation(kind: str, body: dict[str, Any], events: SseEvents) -> bytes | None:
-    """The request that has another node go on with a dropped stream, or None when it cannot.
-
-    Chat: the conversation plus the answer so far as an open assistant message, with vLLM's
-    `continue_final_message` (the node goes on with that message instead of starting a new one).
-    Completions: the prompt plus the text so far. The token limit shrinks by what was streamed."""
-    if events.finished or not events.plain_text or body.get("n") not in (None, 1) or body.get("echo"):
-        return None
-    form = body.get("response_format")
-    if any(body.get(key) for key in GUIDED) or (isinstance(form, dict) and form.get("type") != "text"):
-        return None  # a grammar restarted mid-answer would not hold: JSON mode, schemas, guided output
-    text = "".join(events.text)
-    if not text:  # nothing but a role so far: ask again
-        return json.dumps(body).encode()
-    body = dict(body)
-    for limit in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(limit), int):
-            body[limit] -= events.tokens()
-            if body[limit] < 1:
-                return None
-    if kind == "chat":
-        messages = list(body.get("messages") or [])
-        last = messages[-1] if messages else None
-        if body.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant":
-            if not isinstance(last.get("content"), str):
-                return None
-            messages[-1] = {**last, "content": last["content"] + text}  # the client's own prefill
-        else:
-            messages.append({"role": "assistant", "content": text})
-        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
-    elif kind == "completion" and isinstance(body.get("prompt"), str):
-        body["prompt"] += text
-    else:
-        return None
-    return json.dumps(body).encode()

@@ -1,0 +1,486 @@
+"""Every statement the platform runs, named once, with the shape of its rows.
+
+The rules live in SQL functions (supabase/migrations/); these are the calls to them and the few
+plain reads the pages and the CLI show. `Store` (db/store.py) runs them. Two parts keep their own
+SQL because it is about Postgres itself rather than the platform's data: the migration runner
+(db/migrate.py) and the Realtime server's feed and authorization (realtime/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Generic, TypeVar
+from uuid import UUID
+
+from psycopg.rows import BaseRowFactory, class_row, dict_row, scalar_row
+
+R = TypeVar("R", covariant=True)
+
+
+@dataclass(frozen=True)
+class Query(Generic[R]):
+    """A named statement, the row factory that types its rows, and the parameter a NotFound from it
+    is about (for the API's error)."""
+
+    name: str
+    sql: str
+    rows: BaseRowFactory[R]
+    subject: str | None = None
+
+
+def _scalar() -> BaseRowFactory[Any]:
+    return scalar_row
+
+
+# --- what callers pass ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    """What a caller asks of the matcher."""
+
+    model: str
+    min_vram_gb: float | None = None
+    policy: str = "balanced"
+    region: str | None = None
+    latitude: float | None = None
+    longitude: float | None = None
+    max_hourly_rate: float | None = None
+
+    def params(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "min_vram": self.min_vram_gb,
+            "policy": self.policy,
+            "region": self.region,
+            "lat": self.latitude,
+            "lon": self.longitude,
+            "max_rate": self.max_hourly_rate,
+        }
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How one job ended, as complete_jobs() takes it."""
+
+    job_id: UUID
+    status: str = "succeeded"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    error: str | None = None
+
+
+def match_params(
+    request: MatchRequest, api_key_id: UUID | None, stream: bool, fallbacks: int, reserve_usd: float
+) -> dict[str, object]:
+    return {
+        **request.params(),
+        "key": api_key_id,
+        "stream": stream,
+        "fallbacks": fallbacks,
+        "reserve": reserve_usd,
+    }
+
+
+def placement_params(
+    request: MatchRequest,
+    api_key_id: UUID | None,
+    stream: bool,
+    fallbacks: int,
+    prompt_bytes: int,
+    max_out: int,
+) -> dict[str, object]:
+    return {
+        **request.params(),
+        "key": api_key_id,
+        "stream": stream,
+        "fallbacks": fallbacks,
+        "prompt_bytes": prompt_bytes,
+        "max_out": max_out,
+    }
+
+
+def complete_jobs_params(ends: list[JobEnd]) -> tuple[list[object], ...]:
+    """A batch of endings as complete_jobs() takes it: one array per field."""
+    columns = ("job_id", "status", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "error")
+    return tuple([getattr(end, column) for end in ends] for column in columns)
+
+
+# --- rows --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankedNode:
+    """One row of score_nodes(): a ranked candidate, or (rank None) a rejected node and why."""
+
+    node_id: UUID
+    name: str
+    rank: int | None
+    score: float | None
+    fit: float | None
+    compute: float | None
+    price: float | None
+    warm: float | None
+    capacity: float | None
+    reputation: float | None
+    proximity: float | None
+    reject_reason: str | None
+
+
+@dataclass(frozen=True)
+class Match:
+    """match_job()'s answer: the job, the claimed node (None if none could take it), fallbacks."""
+
+    job_id: UUID
+    node_id: UUID | None
+    endpoint_url: str | None
+    node_key: bytes | None
+    attempt: int
+    fallback_ids: list[UUID] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A node a job runs on: the first (from a Match) or the next (failover_job, handoff_job)."""
+
+    node_id: UUID
+    endpoint_url: str | None
+    node_key: bytes | None
+    attempt: int
+
+
+@dataclass(frozen=True)
+class JobCost:
+    job_id: UUID
+    cost_usd: float
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    id: str
+    kind: str
+    input_usd_per_mtok: float | None
+    output_usd_per_mtok: float | None
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """An API key as authentication reads it (never the key itself: its SHA-256)."""
+
+    id: UUID
+    owner_id: UUID | None
+    name: str
+    key_hash: bytes
+    rpm_limit: int | None
+    tpm_limit: int | None
+    budget_usd: Decimal | None
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    id: UUID
+    api_key: str
+    prefix: str
+
+
+@dataclass(frozen=True)
+class ActiveKey:
+    id: UUID
+    prefix: str
+
+
+@dataclass(frozen=True)
+class RegisteredNode:
+    node_id: UUID
+    node_secret: str
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One thing a sweep ended: a silent node set offline, or an abandoned job."""
+
+    kind: str  # node_offline or job_abandoned
+    id: UUID
+    name: str | None
+
+
+# --- matching: score, claim, move, end (see 20261121000500_matcher.sql and later) ---------------
+
+SCORE_NODES = Query(
+    "score_nodes",
+    "select * from public.score_nodes(%(model)s, %(min_vram)s::real, %(policy)s, %(region)s,"
+    " %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(explain)s, %(limit)s::int)",
+    class_row(RankedNode),
+    subject="model",
+)
+MATCH_JOB = Query(
+    "match_job",
+    "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
+    " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
+    " %(fallbacks)s, %(reserve)s::numeric)",
+    class_row(Match),
+    subject="model",
+)
+# The gateway's call: the budget hold is priced in SQL from the catalog (the request's size and its
+# answer at max_tokens), by the same prices complete_jobs() charges.
+PLACE_JOB = Query(
+    "place_job",
+    "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
+    " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
+    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int)",
+    class_row(Match),
+    subject="model",
+)
+FAILOVER_JOB = Query(
+    "failover_job",
+    "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])",
+    class_row(Assignment),
+)
+HANDOFF_JOB = Query(
+    "handoff_job",
+    "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::uuid[])",
+    class_row(Assignment),
+)
+CONTINUING_NODES = Query("continuing_nodes", "select unnest(public.continuing_nodes(%s::uuid[]))", _scalar())
+REJECT_JOB = Query("reject_job", "select public.reject_job(%s, %s, %s)", _scalar())
+COMPLETE_JOB = Query(
+    "complete_job",
+    "select cost_usd::float8 from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)",
+    _scalar(),
+)
+COMPLETE_JOBS = Query(
+    "complete_jobs",
+    "select job_id, cost_usd::float8 as cost_usd from public.complete_jobs("
+    "%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
+    class_row(JobCost),
+)
+CATALOG = Query(
+    "catalog",
+    "select id, kind, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models",
+    class_row(CatalogModel),
+)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    id: str
+    online_nodes: int
+    in_catalog: bool
+
+
+@dataclass(frozen=True)
+class KeyUsage:
+    requests: int
+    succeeded: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    spent_usd: float
+    held_usd: float
+
+
+MODELS = Query(
+    "models",
+    """
+select m.id, count(n.id) as online_nodes, bool_or(c.id is not null) as in_catalog
+from (select id from public.models union select model_id from public.node_models) m (id)
+left join public.models c on c.id = m.id
+left join public.node_models nm on nm.model_id = m.id
+left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
+group by m.id order by m.id
+""",
+    class_row(ServedModel),
+)
+KEY_USAGE = Query(
+    "key_usage",
+    """
+select count(j.id) as requests, count(j.id) filter (where j.status = 'succeeded') as succeeded,
+  count(j.id) filter (where j.status = 'failed') as failed,
+  coalesce(sum(j.prompt_tokens), 0)::int8 as prompt_tokens,
+  coalesce(sum(j.completion_tokens), 0)::int8 as completion_tokens,
+  coalesce(sum(j.cost_usd), 0)::float8 as cost_usd,
+  k.spent_usd::float8 as spent_usd, k.reserved_usd::float8 as held_usd
+from public.api_keys k left join public.jobs j on j.api_key_id = k.id
+where k.id = %s
+group by k.id
+""",
+    class_row(KeyUsage),
+)
+
+# --- API keys ----------------------------------------------------------------------------------
+
+KEY_BY_HASH = Query(
+    "key_by_hash",
+    "select id, owner_id, name, key_hash, rpm_limit, tpm_limit, budget_usd, revoked_at is not null as revoked"
+    " from public.api_keys where key_hash = %s",
+    class_row(KeyRecord),
+)
+CREATE_KEY = Query(
+    "create_key",
+    "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)",
+    class_row(CreatedKey),
+)
+# As the service this lists every key; as a signed-in user, RLS leaves their own.
+LIST_KEYS = Query(
+    "list_keys",
+    "select id, name, prefix, rpm_limit, tpm_limit, budget_usd::float8 as budget_usd,"
+    " spent_usd::float8 as spent_usd, created_at, last_used_at, revoked_at"
+    " from public.api_keys order by created_at",
+    dict_row,
+)
+ACTIVE_KEYS_MATCHING = Query(
+    "active_keys_matching",
+    "select id, prefix from public.api_keys where revoked_at is null and (id::text = %s or prefix = %s)",
+    class_row(ActiveKey),
+)
+REVOKE_KEY = Query(
+    "revoke_key",
+    "update public.api_keys set revoked_at = now() where id = %s and revoked_at is null returning id",
+    _scalar(),
+)
+
+# --- nodes: agents, tunnels, fleets, the sweeper ------------------------------------------------
+
+REGISTER_NODE = Query(
+    "register_node",
+    "select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu_model)s,"
+    " %(gpu_count)s, %(vram_gb)s::real, %(tflops)s::real, %(hourly_rate)s::numeric, %(region)s,"
+    " %(latitude)s::float8, %(longitude)s::float8, %(endpoint_url)s, %(max_concurrency)s,"
+    " %(models)s::text[], %(agent_version)s, %(key)s, %(backend)s::jsonb)",
+    class_row(RegisteredNode),
+)
+AGENT_HEARTBEAT = Query(
+    "agent_heartbeat",
+    "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb, %s, %s::jsonb)",
+    _scalar(),
+    subject="node_id",
+)
+NODE_HEARTBEAT = Query("node_heartbeat", "select public.node_heartbeat(%s)", _scalar())
+HEARTBEAT_INTERVAL = Query(
+    "heartbeat_interval", "select heartbeat_interval_s from public.platform_settings", _scalar()
+)
+NODE_SECRET_HASH = Query("node_secret_hash", "select secret_hash from public.nodes where id = %s", _scalar())
+SET_TUNNEL = Query("set_tunnel", "select public.set_tunnel(%s, %s)", _scalar())
+UPSERT_NODE = Query(
+    "upsert_node",
+    """
+insert into public.nodes as n (name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate, region,
+  latitude, longitude, endpoint_url, status, max_concurrency, last_heartbeat_at, backend)
+values (%(name)s, %(gpu_model)s, %(gpu_count)s, %(vram_gb)s, %(tflops)s, %(hourly_rate)s, %(region)s,
+  %(latitude)s, %(longitude)s, %(endpoint_url)s, %(status)s, %(max_concurrency)s,
+  case when %(status)s = 'offline' then null else now() end, %(backend)s)
+on conflict (owner_id, name) do update set
+  gpu_model = excluded.gpu_model, gpu_count = excluded.gpu_count, vram_gb = excluded.vram_gb,
+  tflops = excluded.tflops, hourly_rate = excluded.hourly_rate, region = excluded.region,
+  latitude = excluded.latitude, longitude = excluded.longitude, endpoint_url = excluded.endpoint_url,
+  status = excluded.status, max_concurrency = excluded.max_concurrency,
+  last_heartbeat_at = excluded.last_heartbeat_at, backend = excluded.backend
+returning n.id
+""",
+    _scalar(),
+)
+REPLACE_NODE_MODELS = Query(
+    "replace_node_models",
+    """
+with wanted as (
+  select m, 'loaded' as state from unnest(%(loaded)s::text[]) m
+  union all
+  select m, 'available' from unnest(%(available)s::text[]) m where m <> all (%(loaded)s::text[])
+), gone as (
+  delete from public.node_models nm
+  where nm.node_id = %(id)s and nm.model_id not in (select m from wanted)
+)
+insert into public.node_models (node_id, model_id, state)
+select %(id)s, m, state from wanted
+on conflict (node_id, model_id) do update set state = excluded.state
+""",
+    _scalar(),
+)
+FLEET = Query(
+    "fleet",
+    """
+select m.id, m.name, m.gpu_model, m.gpu_count, m.vram_gb, m.tflops, m.hourly_rate::float8 as hourly_rate,
+  m.region, m.latitude, m.longitude, m.status, m.inflight, m.max_concurrency, m.last_heartbeat_at,
+  m.successes, m.failures, m.ewma_latency_ms, m.ewma_tokens_per_s, m.cooldown_until,
+  m.warm_models, m.available_models
+from public.node_map m
+order by m.region, m.name
+""",
+    dict_row,
+)
+LIVE_DEMO_NODES = Query(
+    "live_demo_nodes",
+    "select id from public.nodes where owner_id is null and status <> 'offline'",
+    _scalar(),
+)
+SWEEP = Query("sweep", "select kind, id, name from public.sweep()", class_row(Swept))
+# The embedded Realtime feed's pruning, where that feed is installed (not on Supabase).
+FEED_INSTALLED = Query(
+    "feed_installed", "select to_regprocedure('realtime.prune_feed(interval)') is not null", _scalar()
+)
+PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", _scalar())
+
+# --- the web pages -----------------------------------------------------------------------------
+
+# Read as anon: node_map holds the public columns and the models; the load columns come from nodes.
+MAP_NODES = Query(
+    "map_nodes",
+    """
+select m.id, m.name, m.gpu_model, m.gpu_count, m.vram_gb, m.tflops, m.hourly_rate::float8 as hourly_rate,
+  m.region, m.latitude, m.longitude, m.status, m.max_concurrency, m.inflight, m.last_heartbeat_at,
+  m.successes, m.failures, m.ewma_latency_ms, m.ewma_tokens_per_s, m.cooldown_until, m.warm_models,
+  m.available_models, n.missed_heartbeats, n.gpu_utilization, n.free_vram_gb, n.queue_depth
+from public.node_map m join public.nodes n on n.id = m.id
+order by m.name, m.id
+""",
+    dict_row,
+)
+# Online means able to serve: 'busy' nodes are online with every slot taken. Jobs are private:
+# this runs as the gateway and the page gets aggregates only.
+FLEET_STATS = Query(
+    "fleet_stats",
+    """
+with live as (
+  select gpu_model, vram_gb, tflops, hourly_rate from public.nodes where status in ('online', 'busy')
+)
+select
+  (select count(*) from live) as online_nodes,
+  (select coalesce(sum(vram_gb), 0)::float8 from live) as online_vram_gb,
+  (select coalesce(sum(tflops), 0)::float8 from live) as online_tflops,
+  (select count(*) from public.jobs where created_at > now() - interval '1 minute') as jobs_last_minute,
+  (select percentile_cont(0.5) within group (order by latency_ms) from public.jobs
+    where finished_at > now() - interval '5 minutes' and latency_ms is not null) as p50_latency_ms,
+  (select coalesce(jsonb_agg(jsonb_build_object('gpu_model', gpu_model, 'hourly_rate', rate)
+                             order by rate, gpu_model), '[]')
+     from (select gpu_model, min(hourly_rate)::float8 as rate from live group by gpu_model) c
+  ) as cheapest
+""",
+    dict_row,
+)
+# Read as the signed-in user: RLS and column grants leave their own nodes.
+MY_NODES = Query(
+    "my_nodes",
+    """
+select id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate::float8 as hourly_rate, region, status,
+  max_concurrency, inflight, queue_depth, gpu_utilization, last_heartbeat_at, successes, failures,
+  agent_version, created_at
+from public.nodes where owner_id = auth.uid()
+order by name, id
+""",
+    dict_row,
+)
+# `on conflict do nothing` covers a concurrent first sign-in (auth.users.email is unique); the id is
+# read by a second statement, which sees a row another sign-in committed meanwhile.
+ADD_USER = Query(
+    "add_user",
+    "insert into auth.users (id, email) select gen_random_uuid(), %(email)s"
+    " where not exists (select from auth.users where email = %(email)s) on conflict do nothing",
+    _scalar(),
+)
+USER_ID = Query("user_id", "select id from auth.users where email = %s", _scalar())

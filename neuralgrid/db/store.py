@@ -1,0 +1,100 @@
+"""The one seam between Python and Postgres: run a named query (db/queries.py), get typed rows.
+
+Every Postgres error leaves here already translated into the domain's (db/errors.py). `Store` is
+the async face the gateway, web and server use; `SyncStore` the thin sync face of the CLI and tests.
+Both take a pool or one connection; `as_role()` runs a block as a Supabase role with its claims,
+exactly as PostgREST does, so grants and row-level security decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from neuralgrid.db.errors import translate
+from neuralgrid.db.queries import Query
+from neuralgrid.db.roles import act_as, act_as_sync
+
+R = TypeVar("R")
+Params = Mapping[str, Any] | Sequence[Any] | None
+
+
+class Store:
+    """Async: each call takes a connection from the pool (or uses the one it was given)."""
+
+    def __init__(self, source: AsyncConnectionPool | psycopg.AsyncConnection[Any]) -> None:
+        self._source = source
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if isinstance(self._source, AsyncConnectionPool):
+            async with self._source.connection() as conn:
+                yield conn
+        else:
+            yield self._source
+
+    async def all(self, query: Query[R], params: Params = None) -> list[R]:
+        try:
+            async with self._connection() as conn:
+                cur = conn.cursor(row_factory=query.rows)
+                await cur.execute(query.sql, params)
+                return await cur.fetchall() if cur.description else []
+        except psycopg.Error as err:
+            raise translate(err, query.subject) from err
+
+    async def one(self, query: Query[R], params: Params = None) -> R | None:
+        """The first row, or None when there is none."""
+        rows = await self.all(query, params)
+        return rows[0] if rows else None
+
+    async def get(self, query: Query[R], params: Params = None) -> R:
+        """The row a query always returns (a function's result)."""
+        rows = await self.all(query, params)
+        assert rows, f"{query.name} returned no row"
+        return rows[0]
+
+    @asynccontextmanager
+    async def as_role(self, claims: Mapping[str, Any]) -> AsyncIterator[Store]:
+        """One transaction acting as claims['role'] with these JWT claims."""
+        async with self._connection() as conn, conn.transaction():
+            await act_as(conn, claims)
+            yield Store(conn)
+
+
+class SyncStore:
+    """The sync face over one connection (the CLI, scripts, tests)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def all(self, query: Query[R], params: Params = None) -> list[R]:
+        try:
+            with self.conn.cursor(row_factory=query.rows) as cur:
+                cur.execute(query.sql, params)
+                return cur.fetchall() if cur.description else []
+        except psycopg.Error as err:
+            raise translate(err, query.subject) from err
+
+    def one(self, query: Query[R], params: Params = None) -> R | None:
+        rows = self.all(query, params)
+        return rows[0] if rows else None
+
+    def get(self, query: Query[R], params: Params = None) -> R:
+        rows = self.all(query, params)
+        assert rows, f"{query.name} returned no row"
+        return rows[0]
+
+    @contextmanager
+    def transaction(self) -> Iterator[SyncStore]:
+        with self.conn.transaction():
+            yield self
+
+    @contextmanager
+    def as_role(self, claims: Mapping[str, Any]) -> Iterator[SyncStore]:
+        with self.conn.transaction():
+            act_as_sync(self.conn, claims)
+            yield self

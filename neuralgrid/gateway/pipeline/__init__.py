@@ -1,0 +1,110 @@
+"""One request's way through the platform, as five stages with one job each:
+
+admit   catalog check, rate limit, the body nodes get, the budget hold      (admit.py)
+place   match_job() in SQL claims a node and names fallbacks                (place.py)
+send    ask the node; failover_job() moves the job on if it fails first     (send.py)
+relay   pass a stream on; handoff_job() resumes it if the node drops it     (relay.py)
+meter   complete_jobs() in SQL ends the job off the request's path          (meter.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.responses import Response, StreamingResponse
+
+from neuralgrid.gateway import errors
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.pipeline.admit import Admission, Admitted, Call
+from neuralgrid.gateway.pipeline.meter import Meter, Metering
+from neuralgrid.gateway.pipeline.place import Placement
+from neuralgrid.gateway.pipeline.relay import Relay
+from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Rejected, Sender
+from neuralgrid.protocol.sse import Usage
+
+__all__ = ["Call", "Pipeline"]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        admission: Admission,
+        placement: Placement,
+        sender: Sender,
+        relay: Relay,
+        metering: Metering,
+        metrics: Metrics,
+    ) -> None:
+        self.admission = admission
+        self.placement = placement
+        self.sender = sender
+        self.relay = relay
+        self.metering = metering
+        self.metrics = metrics
+
+    async def handle(self, call: Call) -> Response:
+        admitted = await self.admission.admit(call)
+        placed = await self.placement.place(admitted)
+        meter = Meter(placed.job_id, placed.node.id, sent=time.perf_counter())
+        try:
+            delivery = await self.sender.deliver(
+                call.kind, admitted.payload, admitted.stream, meter, placed.node, placed.candidates
+            )
+        except Rejected as rejected:
+            self.metrics.count(meter.node_id, "cancelled")
+            raise errors.BadRequest(
+                "two nodes failed this request the same way, so the request itself is at fault:"
+                f" {rejected.failure}"
+            ) from None
+        except NoNodeLeft as gone:  # failover_job() has ended the job as failed
+            self.metrics.count(meter.node_id, "failed")
+            kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
+            raise kind(f"no node could serve the request; last error: {gone.failure}") from None
+        except ClientError as refusal:  # passed through; neutral for the node's reputation
+            meter.first_byte = time.perf_counter()
+            self.metering.finish(call.key, meter, "cancelled", str(refusal))
+            headers = {"x-neuralgrid-node": str(meter.node_id), "x-neuralgrid-job": str(meter.job_id)}
+            return Response(refusal.body, refusal.status, headers, media_type=refusal.media_type)
+        except BaseException as err:
+            # The client left while a node was thinking (cancelled), or something broke: the job
+            # still ends, and the node's slot is given back.
+            outcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
+            reason = "the client disconnected" if outcome == "cancelled" else f"gateway error: {err!r}"
+            meter.first_byte = time.perf_counter()
+            self.metering.finish(call.key, meter, outcome, reason)
+            raise
+
+        meter.first_byte = time.perf_counter()
+        overhead = meter.sent - call.received - delivery.waited
+        self.metrics.overhead.observe(overhead)
+        headers = {
+            "x-neuralgrid-node": str(meter.node_id),
+            "x-neuralgrid-attempts": str(delivery.node.attempt),
+            "x-neuralgrid-job": str(meter.job_id),
+            "x-neuralgrid-overhead-ms": f"{overhead * 1000:.3f}",
+        }
+        if admitted.stream:
+            events = self.relay.events(admitted, delivery, meter, placed.candidates)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return self._answer(admitted, delivery, meter, headers)
+
+    def _answer(
+        self, admitted: Admitted, delivery: Delivery, meter: Meter, headers: dict[str, str]
+    ) -> Response:
+        """A whole (non-streamed) answer, metered from the usage it reports."""
+        resp, content = delivery.response, delivery.first
+        outcome, error = "succeeded", None
+        if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
+            outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
+        try:
+            usage = Usage.parse(json.loads(content)) if outcome == "succeeded" else None
+        except ValueError:
+            usage = None
+        meter.usage = usage or Usage()
+        self.metering.finish(admitted.call.key, meter, outcome, error)
+        return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)
+
+    async def drain(self) -> None:
+        await self.metering.drain()

@@ -1,0 +1,169 @@
+"""Stage 4, relay: a node's stream passed on event by event, and, when the node drops it, resumed
+on another node that goes on with the answer so far (or ended with an OpenAI-style error event)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+
+from neuralgrid.db.errors import DatabaseError
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.pipeline.admit import Admitted
+from neuralgrid.gateway.pipeline.meter import Meter, Metering
+from neuralgrid.gateway.pipeline.place import Placement
+from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Sender
+from neuralgrid.gateway.upstream import NodeError
+from neuralgrid.protocol.sse import SseEvents
+
+log = logging.getLogger(__name__)
+# vLLM's request fields for guided decoding (OpenAI's is response_format).
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+class Relay:
+    def __init__(
+        self, sender: Sender, placement: Placement, metering: Metering, metrics: Metrics, resume_streams: bool
+    ) -> None:
+        self.sender = sender
+        self.placement = placement
+        self.metering = metering
+        self.metrics = metrics
+        self.resume_streams = resume_streams
+
+    async def events(
+        self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[Any]
+    ) -> AsyncIterator[bytes]:
+        """The client's stream; the job ends (metered) however the stream does."""
+        wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
+        events = SseEvents(keep_usage_event=wants_usage)
+        outcome, error = "succeeded", None
+        try:
+            while True:
+                try:
+                    for event in events.feed(delivery.first):
+                        yield event
+                    # Until [DONE]: the answer is then whole, whenever the node hangs up (a tunnel's
+                    # end frame may come later than a client that has read [DONE] and left).
+                    while not events.done:
+                        raw = await anext(delivery.chunks, None)
+                        if raw is None:
+                            break
+                        for event in events.feed(raw):
+                            yield event
+                    if not events.done:
+                        raise NodeError("the node ended the stream without [DONE]")
+                    break
+                except NodeError as err:
+                    await delivery.response.close()
+                    resumed = await self._resume(admitted, events, meter, candidates, err)
+                    if resumed is None:
+                        raise
+                    delivery = resumed
+        except NodeError as err:
+            outcome, error = "failed", f"the node dropped the stream: {err}"
+            body = {
+                "error": {"message": error, "type": "server_error", "param": None, "code": "upstream_dropped"}
+            }
+            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except BaseException:
+            if not events.done:  # the client went away before the end (cancelled): keep what was used
+                outcome, error = "cancelled", "the client disconnected"
+            raise
+        finally:
+            # Recorded before anything is awaited: a client that left cancels every await here.
+            meter.usage = events.used()
+            self.metering.finish(admitted.call.key, meter, outcome, error)
+            if events.done:  # read the node's answer to its end, so its connection can be kept
+                self.metering.later(_read_to_end(delivery))
+            else:
+                await delivery.response.close()
+
+    async def _resume(
+        self, admitted: Admitted, events: SseEvents, meter: Meter, candidates: list[Any], err: NodeError
+    ) -> Delivery | None:
+        """Go on with a dropped stream on another node, or None when it cannot (then the job ends
+        failed, with the tokens already streamed)."""
+        kind = admitted.call.kind
+        payload = continuation(kind, admitted.body, events) if self.resume_streams else None
+        if payload is None:
+            return None
+        failure, dropped = f"the node dropped the stream: {err}", meter.node_id
+        try:
+            if kind == "chat":  # only a server verified to go on with an open message
+                candidates = await self.placement.continuing(candidates)
+            node = await self.placement.handoff(meter.job_id, failure, None, candidates)
+            if node is None:
+                return None
+            self.metrics.count(dropped, "failed")
+            delivery = await self.sender.deliver(kind, payload, True, meter, node, candidates, resuming=True)
+        except (NoNodeLeft, ClientError) as refused:
+            log.warning("job %s: no node went on with the stream: %s", meter.job_id, refused)
+            return None
+        except (psycopg.Error, DatabaseError):
+            log.exception("could not hand job %s to another node", meter.job_id)
+            return None
+        finally:
+            if meter.node_id != dropped:  # the job's end describes the node it ends on
+                meter.first_byte = time.perf_counter()
+        log.info("job %s: stream resumed on node %s after: %s", meter.job_id, meter.node_id, err)
+        self.metrics.failovers.inc()
+        self.metrics.resumes.inc()
+        events.resumed()
+        return delivery
+
+
+async def _read_to_end(delivery: Delivery) -> None:
+    """What a node sends after [DONE] (its end of stream, at once), read so that its connection goes
+    back to the pool; one that lingers is closed."""
+    try:
+        async with asyncio.timeout(1.0):
+            async for _ in delivery.chunks:
+                pass
+    except (TimeoutError, NodeError):
+        pass
+    finally:
+        await delivery.response.close()
+
+
+def continuation(kind: str, body: dict[str, Any], events: SseEvents) -> bytes | None:
+    """The request that has another node go on with a dropped stream, or None when it cannot.
+
+    Chat: the conversation plus the answer so far as an open assistant message, with vLLM's
+    `continue_final_message` (the node goes on with that message instead of starting a new one).
+    Completions: the prompt plus the text so far. The token limit shrinks by what was streamed."""
+    if events.finished or not events.plain_text or body.get("n") not in (None, 1) or body.get("echo"):
+        return None
+    form = body.get("response_format")
+    if any(body.get(key) for key in GUIDED) or (isinstance(form, dict) and form.get("type") != "text"):
+        return None  # a grammar restarted mid-answer would not hold: JSON mode, schemas, guided output
+    text = "".join(events.text)
+    if not text:  # nothing but a role so far: ask again
+        return json.dumps(body).encode()
+    body = dict(body)
+    for limit in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(limit), int):
+            body[limit] -= events.tokens()
+            if body[limit] < 1:
+                return None
+    if kind == "chat":
+        messages = list(body.get("messages") or [])
+        last = messages[-1] if messages else None
+        if body.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant":
+            if not isinstance(last.get("content"), str):
+                return None
+            messages[-1] = {**last, "content": last["content"] + text}  # the client's own prefill
+        else:
+            messages.append({"role": "assistant", "content": text})
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+    elif kind == "completion" and isinstance(body.get("prompt"), str):
+        body["prompt"] += text
+    else:
+        return None
+    return json.dumps(body).encode()

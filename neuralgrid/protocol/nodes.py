@@ -1,0 +1,69 @@
+"""Registration and heartbeats: the bodies an agent sends and the gateway validates, one model each."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# What an agent may say of its node: serving, finishing what it has (SIGTERM), or gone.
+AgentStatus = Literal["online", "draining", "offline"]
+
+
+class BackendInfo(BaseModel):
+    """What the agent found of its inference server (see neuralgrid.agent.backend.ServerInfo)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str = Field(min_length=1, max_length=32)
+    version: str | None = Field(None, max_length=64)
+    parallel: int | None = Field(None, ge=1, le=1024)
+    usage_in_streams: bool = False
+    continues: bool = False
+    tokenize: bool = False
+    interrupts: bool = False
+
+
+class NodeRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100)
+    gpu_model: str = Field(min_length=1, max_length=100)
+    gpu_count: int = Field(1, ge=1, le=64)
+    vram_gb: float = Field(gt=0)
+    tflops: float = Field(gt=0)
+    hourly_rate: float = Field(ge=0)
+    region: str = Field(min_length=1, max_length=64)
+    latitude: float | None = Field(None, ge=-90, le=90)
+    longitude: float | None = Field(None, ge=-180, le=180)
+    endpoint_url: str = Field(pattern=r"^(https?://\S+|tunnel:\S*)$")
+    max_concurrency: int = Field(4, ge=1, le=1024)
+    models: list[str] = Field(default_factory=list, max_length=1000)
+    agent_version: str | None = Field(None, max_length=64)
+    backend: BackendInfo | None = None
+
+
+class Specs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_model: str = Field(min_length=1, max_length=100)
+    gpu_count: int = Field(ge=1, le=64)
+    vram_gb: float = Field(gt=0)
+    tflops: float = Field(gt=0)
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["online", "draining", "offline"] = "online"
+    queue_depth: int = Field(0, ge=0)
+    gpu_utilization: float | None = Field(None, ge=0, le=1)
+    free_vram_gb: float | None = Field(None, ge=0)
+    models: list[str] = Field(default_factory=list, max_length=1000)
+    specs: Specs | None = None  # only when they changed since registration
+    backend_up: bool = True  # false: the agent is alive but its inference server does not answer
+    backend: BackendInfo | None = None  # only when it changed
+
+
+class Registered(BaseModel):
+    """The gateway's answer to a registration: the node's id and its secret (shown once)."""
+
+    node_id: str
+    node_secret: str
+    heartbeat_interval_s: float

@@ -1,0 +1,41 @@
+"""The parts every route shares, built once per app by server/app.py and handed to routes as one
+typed dependency (`ServicesDep`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+if TYPE_CHECKING:
+    from neuralgrid.db.store import Store
+    from neuralgrid.gateway.auth import KeyStore
+    from neuralgrid.gateway.metrics import Metrics
+    from neuralgrid.gateway.pipeline import Pipeline
+    from neuralgrid.gateway.tunnel import Tunnels
+    from neuralgrid.realtime.hub import Hub
+    from neuralgrid.server.settings import Settings
+    from neuralgrid.web.stats import StatsCache
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    store: Store  # the general pool (the request path's own pool is the pipeline's)
+    keys: KeyStore
+    pipeline: Pipeline
+    metrics: Metrics
+    tunnels: Tunnels
+    realtime: Hub
+    stats: StatsCache
+
+
+def get_services(connection: HTTPConnection) -> Services:
+    """HTTP requests and websockets alike."""
+    services: Services = connection.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]

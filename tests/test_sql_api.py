@@ -1,0 +1,338 @@
+"""The SQL API surface: only the API in `public`, helpers in `private`, each rule written once.
+
+Everything here is SQL as the gateway and pg_cron send it (no Python bindings), so it pins the
+database's contract: which functions API roles can reach, that the one-off and batch endings agree,
+that a handoff needs no undo, that the budget hold is priced in SQL, and that one call sweeps."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import make_node
+
+LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+MIGRATION = Path(__file__).resolve().parents[1] / "supabase/migrations/20261123000200_api_surface.sql"
+
+# What Python, the web page, the Edge Functions and the node agents call, overloads counted.
+PUBLIC_API = sorted(
+    [
+        "agent_heartbeat",  # the agent's current heartbeat
+        "agent_heartbeat",  # agents of the earlier version
+        "complete_job",
+        "complete_jobs",
+        "continuing_nodes",
+        "create_api_key",
+        "failover_job",
+        "handoff_job",
+        "match_job",  # the hold given in USD
+        "match_job",  # the hold priced in SQL from the request's size
+        "node_heartbeat",
+        "register_node",
+        "register_node",
+        "reject_job",
+        "score_nodes",
+        "set_tunnel",
+        "sweep",
+        "sweep_stale_jobs",
+        "sweep_stale_nodes",
+    ]
+)
+
+PRIVATE_HELPERS = sorted(
+    [
+        "balanced_components",
+        "broadcast_job_change",
+        "broadcast_node_change",
+        "budget_hold",
+        "claim_node",
+        "cooldown_until",
+        "end_attempt",
+        "ewma_fold",
+        "great_circle_km",
+        "move_job",
+        "node_is_eligible",
+        "node_map_payload",
+        "node_scores_after_catalog_change",
+        "node_scores_after_node_models_change",
+        "node_scores_after_node_update",
+        "node_scores_after_nodes_insert",
+        "notify_api_key_change",
+        "proximity_component",
+        "refresh_node_scores",
+        "reject_reason",
+        "release_node",
+        "release_reservation",
+        "required_vram_gb",
+        "set_updated_at",
+        "top_by_base",
+    ]
+)
+
+OURS = "p.pronamespace in ('public'::regnamespace, 'private'::regnamespace)"
+
+
+def functions_in(conn: psycopg.Connection, schema: str) -> list[str]:
+    rows = conn.execute(
+        "select p.proname from pg_proc p join pg_namespace n on n.oid = p.pronamespace where n.nspname = %s",
+        (schema,),
+    ).fetchall()
+    return sorted(name for (name,) in rows)
+
+
+def bodies(conn: psycopg.Connection) -> dict[str, str]:
+    """Each of our functions' source, by its signature."""
+    rows = conn.execute(
+        "select p.oid::regprocedure::text, p.prosrc from pg_proc p join pg_namespace n on n.oid = p.pronamespace"
+        " where n.nspname in ('public', 'private')"
+    ).fetchall()
+    return {str(signature): str(source) for signature, source in rows}
+
+
+def make_key(conn: psycopg.Connection, budget_usd: float | None = None) -> uuid.UUID:
+    conn.execute("select set_config('request.jwt.claims', '', false)")
+    row = conn.execute(
+        "select id from create_api_key('api test', null, null, %s::numeric)", (budget_usd,)
+    ).fetchone()
+    assert row is not None
+    return uuid.UUID(str(row[0]))
+
+
+def match(conn: psycopg.Connection, key: uuid.UUID | None = None, model: str = LLAMA8) -> uuid.UUID:
+    row = conn.execute("select job_id, node_id from match_job(%s, %s)", (model, key)).fetchone()
+    assert row is not None and row[1] is not None, "no node took the job"
+    return uuid.UUID(str(row[0]))
+
+
+# Which functions are the API -------------------------------------------------------------------
+
+
+def test_public_holds_the_api_and_private_the_helpers(conn: psycopg.Connection) -> None:
+    assert functions_in(conn, "public") == PUBLIC_API
+    assert functions_in(conn, "private") == PRIVATE_HELPERS
+
+
+def test_api_roles_can_reach_no_private_function(conn: psycopg.Connection) -> None:
+    for role in ("anon", "authenticated"):
+        assert conn.execute("select has_schema_privilege(%s, 'private', 'usage')", (role,)).fetchone() == (
+            False,
+        )
+        reachable = conn.execute(
+            "select p.oid::regprocedure::text from pg_proc p"
+            " where p.pronamespace = 'private'::regnamespace and has_function_privilege(%s, p.oid, 'execute')",
+            (role,),
+        ).fetchall()
+        assert reachable == [], role
+    # As PostgREST would call it: refused outright, whatever the role's JWT says.
+    with conn.transaction(force_rollback=True):
+        conn.execute(
+            "select set_config('request.jwt.claims', %s, true)", (json.dumps({"role": "authenticated"}),)
+        )
+        conn.execute("set local role authenticated")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("select private.great_circle_km(0, 0, 1, 1)")
+    # The helpers are documented, and every security definer function pins its search_path.
+    assert (
+        conn.execute(
+            "select p.oid::regprocedure::text from pg_proc p"
+            " where p.pronamespace = 'private'::regnamespace and obj_description(p.oid, 'pg_proc') is null"
+        ).fetchall()
+        == []
+    )
+    assert (
+        conn.execute(
+            f"select p.oid::regprocedure::text from pg_proc p where {OURS} and p.prosecdef"
+            " and not coalesce(p.proconfig, '{{}}') @> array['search_path=\"\"']"
+        ).fetchall()
+        == []
+    )
+
+
+def test_no_body_names_a_helper_where_it_no_longer_is(conn: psycopg.Connection) -> None:
+    assert functions_in(conn, "private") == PRIVATE_HELPERS
+    stale = re.compile(r"public\.(" + "|".join(PRIVATE_HELPERS) + r")\b")
+    assert {sig: stale.findall(src) for sig, src in bodies(conn).items() if stale.search(src)} == {}
+
+
+# complete_job() is complete_jobs() with a batch of one -------------------------------------------
+
+
+NODE_AFTER = (
+    "select ewma_latency_ms, ewma_tokens_per_s, speed_ratio, successes, failures, consecutive_failures,"
+    " round(extract(epoch from cooldown_until - now())) from nodes where id = %s"
+)
+ONE = "select cost_usd from complete_job(%s, %s, 1000, 90, 100, 1000, %s)"
+BATCH = "select cost_usd from complete_jobs(array[%s]::uuid[], array[%s], '{1000}', '{90}', '{100}', '{1000}', array[%s])"
+
+
+def node_after(conn: psycopg.Connection, node: uuid.UUID) -> tuple[Any, ...]:
+    row = conn.execute(NODE_AFTER, (node,)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def spent(conn: psycopg.Connection, key: uuid.UUID) -> Decimal:
+    row = conn.execute("select spent_usd from api_keys where id = %s", (key,)).fetchone()
+    assert row is not None
+    return Decimal(row[0])
+
+
+def assert_each_ending_rule_is_written_once(conn: psycopg.Connection) -> None:
+    """The cooldown, the moving average and the price each live in one function's body, and
+    complete_job() is complete_jobs() with a batch of one."""
+    src = bodies(conn)
+
+    def holders(pattern: str) -> list[str]:
+        return sorted(sig.split("(")[0] for sig, body in src.items() if re.search(pattern, body))
+
+    assert holders(r"power\(2") == ["private.cooldown_until"]
+    assert holders(r"0\.8 \*") == ["private.ewma_fold"]
+    assert holders(r"tokens_per_s_per_tflop") == ["complete_jobs"]
+    assert holders(r"public\.complete_jobs\(") == ["complete_job"]
+
+
+@pytest.mark.parametrize(("status", "error"), [("succeeded", None), ("failed", "the node broke")])
+def test_complete_job_and_complete_jobs_end_a_job_alike(
+    conn: psycopg.Connection, status: str, error: str | None
+) -> None:
+    assert_each_ending_rule_is_written_once(conn)
+    one, batch, other = make_node(conn, "one"), make_node(conn, "batch"), make_node(conn, "other")
+    key = make_key(conn)
+    conn.execute("update nodes set ewma_latency_ms = 800, speed_ratio = 0.5 where true")
+    results: dict[uuid.UUID, tuple[Any, ...]] = {}
+    for node, query in ((one, ONE), (batch, BATCH)):
+        conn.execute("update nodes set status = case when id = %s then 'online' else 'offline' end", (node,))
+        job = match(conn, key)
+        before = spent(conn, key)
+        row = conn.execute(query, (job, status, error)).fetchone()
+        assert row is not None
+        results[node] = (row[0], spent(conn, key) - before, *node_after(conn, node))
+    assert results[one] == results[batch]
+    cost, charged, latency, tps, _, successes, failures, streak, cooldown = results[one]
+    assert cost == charged == Decimal("0.00005900")  # 1000 x $0.05 + 90 x $0.10 per million
+    if status == "succeeded":
+        assert (latency, tps, successes, cooldown) == (pytest.approx(840), pytest.approx(100), 1, None)
+    else:
+        assert (latency, failures, streak, cooldown) == (800, 1, 1, 5)
+        # A failover cools its node down exactly as a failed ending does.
+        conn.execute("update nodes set status = case when id = %s then 'online' else 'offline' end", (other,))
+        conn.execute("select failover_job(%s, 'boom')", (match(conn),))
+        assert node_after(conn, other)[4:] == (failures, streak, cooldown)
+
+
+# handoff_job(): moves a job as failover_job() does, or changes nothing -----------------------------
+
+
+def test_handoff_needs_no_undo(conn: psycopg.Connection) -> None:
+    src = bodies(conn)
+    for signature in ("handoff_job(uuid,text,uuid[])", "failover_job(uuid,text,integer,uuid[])"):
+        assert "exception" not in src[signature].lower(), signature
+    assert [sig for sig, body in src.items() if "NG404" in body] == []
+
+    first, second = make_node(conn, "first", vram_gb=24), make_node(conn, "second", vram_gb=48)
+    job = match(conn)
+    counts = (
+        "select j.attempts, j.node_id, j.status, n.failures, n.consecutive_failures, n.inflight,"
+        " (select array_agg(a.status order by a.attempt) from job_attempts a where a.job_id = j.id)"
+        " from jobs j join nodes n on n.id = j.node_id where j.id = %s"
+    )
+    before = conn.execute(counts, (job,)).fetchone()
+    assert before == (1, first, "running", 0, 0, 1, ["running"])
+    # Nowhere to go: nothing changes, not even the running node's failure count.
+    assert conn.execute("select * from handoff_job(%s, 'dropped', '{}')", (job,)).fetchall() == []
+    assert conn.execute(counts, (job,)).fetchone() == before
+    # Somewhere to go: the job moves, and the node it left counts a failure.
+    moved = conn.execute(
+        "select node_id, attempt from handoff_job(%s, 'dropped', %s)", (job, [second])
+    ).fetchall()
+    assert moved == [(second, 2)]
+    assert conn.execute(counts, (job,)).fetchone() == (2, second, "running", 0, 0, 1, ["failed", "running"])
+    assert conn.execute(
+        "select failures, consecutive_failures, inflight from nodes where id = %s", (first,)
+    ).fetchone() == (1, 1, 0)
+    # No running attempt: refused, as failover_job() refuses it.
+    conn.execute("select complete_job(%s)", (job,))
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="has no running attempt"):
+        conn.execute("select * from handoff_job(%s, 'dropped', %s)", (job, [first]))
+
+
+# match_job() prices the budget hold itself --------------------------------------------------------
+
+
+PRICED_MATCH = (
+    "select job_id, node_id, error from match_job(%s, %s, 'balanced', null, null, null, null, null, false, 3,"
+    " %s, %s)"
+)
+
+
+def held(conn: psycopg.Connection, key: uuid.UUID) -> Decimal:
+    row = conn.execute("select reserved_usd from api_keys where id = %s", (key,)).fetchone()
+    assert row is not None
+    return Decimal(row[0])
+
+
+def test_match_job_holds_the_price_of_the_request_size(conn: psycopg.Connection) -> None:
+    make_node(conn, models={LLAMA8: "loaded", "acme/uncatalogued-7b": "loaded"}, max_concurrency=8)
+    key = make_key(conn, budget_usd=1.0)
+    prices = conn.execute(
+        "select input_usd_per_mtok, output_usd_per_mtok from models where id = %s", (LLAMA8,)
+    ).fetchone()
+    assert prices is not None
+    # What the gateway priced in Python: about four bytes a token, and the answer at max_tokens.
+    expected = ((Decimal(1236) / 4) * prices[0] + 200 * prices[1]) / Decimal(10**6)
+    row = conn.execute(PRICED_MATCH, (LLAMA8, key, 1236, 200)).fetchone()
+    assert row is not None and row[1] is not None and row[2] is None
+    assert held(conn, key) == round(expected, 8) == Decimal("0.00003545")
+    job = conn.execute("select reserved_usd from jobs where id = %s", (row[0],)).fetchone()
+    assert job == (round(expected, 8),)
+    # A model the catalog does not know holds nothing; the job still runs on the node that has it.
+    row = conn.execute(PRICED_MATCH, ("acme/uncatalogued-7b", key, 10_000, 1000)).fetchone()
+    assert row is not None and row[1] is not None
+    assert held(conn, key) == round(expected, 8)
+    # Ending the job gives its hold back, as with a hold given in USD.
+    conn.execute("select complete_job(%s, 'succeeded', 0, 0)", (row[0],))
+    conn.execute("select complete_job(jobs.id, 'succeeded', 0, 0) from jobs where model_id = %s", (LLAMA8,))
+    assert held(conn, key) == 0
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="must not be negative"):
+        conn.execute(PRICED_MATCH, (LLAMA8, key, -1, 200))
+    # The earlier overload is still there for gateways that price the hold themselves.
+    row = conn.execute(
+        "select node_id from match_job(%s, %s, p_reserve_usd => 0.5)", (LLAMA8, key)
+    ).fetchone()
+    assert row is not None and row[0] is not None and held(conn, key) == Decimal("0.5")
+
+
+# One sweep ------------------------------------------------------------------------------------------
+
+
+def test_one_sweep_takes_silent_nodes_offline_and_ends_abandoned_jobs(conn: psycopg.Connection) -> None:
+    busy = make_node(conn, "busy")
+    key = make_key(conn, budget_usd=1.0)
+    job = match(conn, key)
+    conn.execute("update jobs set created_at = now() - interval '2 hours' where id = %s", (job,))
+    silent = make_node(conn, "silent")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute' where id = %s", (silent,))
+
+    swept = conn.execute("select kind, id, name from sweep() order by kind").fetchall()
+    assert swept == [("job_abandoned", job, None), ("node_offline", silent, "silent")]
+    assert conn.execute("select status from nodes where id = %s", (silent,)).fetchone() == ("offline",)
+    assert conn.execute("select status, inflight from nodes where id = %s", (busy,)).fetchone() == (
+        "online",
+        0,
+    )
+    assert conn.execute("select status from jobs where id = %s", (job,)).fetchone() == ("failed",)
+    assert conn.execute("select count(*) from sweep()").fetchone() == (0,)  # nothing left to sweep
+
+
+def test_pg_cron_runs_the_one_sweep() -> None:
+    """pg_cron is not installed here; the schedule the migration makes where it is, read as text."""
+    text = MIGRATION.read_text()
+    assert "cron.schedule('neuralgrid-sweep', '1 seconds', 'select public.sweep()')" in text
+    assert "cron.unschedule('neuralgrid-sweep-stale-nodes')" in text
