@@ -8,7 +8,6 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pynvml
@@ -19,6 +18,7 @@ from neuralgrid.agent.backend import Backend, BackendError, ServerInfo
 from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
+from neuralgrid.protocol.nodes import AgentStatus, BackendInfo, Heartbeat, NodeRegistration
 from neuralgrid.server.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
@@ -204,22 +204,23 @@ class Agent:
                 self.backend.info.kind,
                 parallel,
             )
-        body: dict[str, Any] = {
-            "name": self.config.name,
-            "gpu_model": specs.gpu_model,
-            "gpu_count": specs.gpu_count,
-            "vram_gb": specs.vram_gb,
-            "tflops": specs.tflops,
-            "hourly_rate": self.config.price_usd_per_hour,
-            "region": self.config.region,
-            "latitude": self.config.latitude,
-            "longitude": self.config.longitude,
-            "endpoint_url": self.endpoint_url,
-            "max_concurrency": self._concurrency(),
-            "models": models,
-            "agent_version": __version__,
-            "backend": self.backend.info.as_json(),
-        }
+        # The gateway's own model of a registration, unvalidated here: the gateway judges it.
+        body = NodeRegistration.model_construct(
+            name=self.config.name,
+            gpu_model=specs.gpu_model,
+            gpu_count=specs.gpu_count,
+            vram_gb=specs.vram_gb,
+            tflops=specs.tflops,
+            hourly_rate=self.config.price_usd_per_hour,
+            region=self.config.region,
+            latitude=self.config.latitude,
+            longitude=self.config.longitude,
+            endpoint_url=self.endpoint_url,
+            max_concurrency=self._concurrency(),
+            models=models,
+            agent_version=__version__,
+            backend=BackendInfo.model_construct(**self.backend.info.as_json()),
+        ).model_dump()
         try:
             resp = await http.post(
                 f"{self.config.gateway_url.rstrip('/')}/v1/nodes",
@@ -245,7 +246,7 @@ class Agent:
     async def _heartbeat(
         self,
         http: httpx.AsyncClient,
-        status: str,
+        status: AgentStatus,
         models: list[str],
         specs: Specs | None = None,
         *,
@@ -255,18 +256,19 @@ class Agent:
         """Send one heartbeat; True when the gateway took it."""
         load = gpu.load()
         queued = await self.backend.queue_depth() if up else None
-        body: dict[str, Any] = {
-            "status": status,
-            "queue_depth": max(self.front.inflight, queued or 0),
-            "models": models if up else [],
-            "gpu_utilization": load[0] if load else None,
-            "free_vram_gb": load[1] if load else None,
-            "backend_up": up,
-        }
-        if specs is not None:
+        beat = Heartbeat.model_construct(
+            status=status,
+            queue_depth=max(self.front.inflight, queued or 0),
+            models=models if up else [],
+            gpu_utilization=load[0] if load else None,
+            free_vram_gb=load[1] if load else None,
+            backend_up=up,
+        )
+        body = beat.model_dump(exclude={"specs", "backend"})
+        if specs is not None:  # only when they changed since registration
             body["specs"] = dataclasses.asdict(specs)
-        if backend is not None:
-            body["backend"] = backend.as_json()
+        if backend is not None:  # only when it changed
+            body["backend"] = BackendInfo.model_construct(**backend.as_json()).model_dump()
         url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
         try:
             resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})

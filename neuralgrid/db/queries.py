@@ -321,6 +321,8 @@ KEY_BY_HASH = Query(
     " from public.api_keys where key_hash = %s",
     class_row(KeyRecord),
 )
+# Every change to api_keys is announced here (notify_api_key_change): gateways drop cached keys.
+LISTEN_KEY_CHANGES = Query("listen_key_changes", "listen neuralgrid_api_keys", _scalar())
 CREATE_KEY = Query(
     "create_key",
     "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)",

@@ -23,7 +23,6 @@ from neuralgrid.gateway.errors import Unauthorized
 from neuralgrid.server.services import ServicesDep
 
 log = logging.getLogger(__name__)
-CHANNEL = "neuralgrid_api_keys"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class KeyStore:
         while not stop.is_set():
             try:
                 async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                    await conn.execute(f"listen {CHANNEL}")
+                    await Store(conn).all(q.LISTEN_KEY_CHANGES)
                     self._cache.clear()  # changes missed while we were not listening
                     gen = conn.notifies()
                     stopper = asyncio.ensure_future(stop.wait())

@@ -16,7 +16,7 @@ import pytest
 from neuralgrid.db.errors import InvalidRequest
 from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
 from tests.conftest import make_node
-from tests.test_match_job import make_key
+from tests.db.test_match_job import make_key
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
 TIME_PRICED = "custom:7b"  # not in the catalog: priced by node time

@@ -184,7 +184,7 @@ def test_simulate_takes_a_fleet_file_and_a_trace(db_url: str, tmp_path: Path) ->
         "time_s,model,region,prompt_tokens,output_tokens\n"
         f"0.5,{LLAMA8},eu-west,300,50\n1.0,BAAI/bge-large-en-v1.5,us-east,100,0\n"
     )
-    fleet_file = Path(__file__).resolve().parents[1] / "neuralgrid" / "data" / "demo_fleet.json"
+    fleet_file = Path(__file__).resolve().parents[2] / "neuralgrid" / "data" / "demo_fleet.json"
     args = [
         "simulate",
         "--fleet",

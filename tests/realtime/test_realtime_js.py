@@ -20,7 +20,7 @@ from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from neuralgrid.server.stack import api_key, user_token
 from tests.conftest import make_node, make_user
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "js" / "realtime_client.mjs"
 ANON = api_key(PLACEHOLDER_SECRET, "anon")
 

@@ -12,7 +12,7 @@ from neuralgrid.db import migrate
 from neuralgrid.db.embedded import POSTGRES_BIN_PATH, EmbeddedPostgres
 from neuralgrid.db.errors import MigrationError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPABASE_CLI = ROOT / "node_modules" / ".bin" / "supabase"
 HISTORY = "select version, name, statements from supabase_migrations.schema_migrations order by version"
 

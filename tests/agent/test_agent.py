@@ -99,7 +99,7 @@ def test_without_a_gpu_the_agent_never_invents_one() -> None:
 # What the agent finds behind it: recorded answers of servers that cannot run here (respx) -----
 
 
-RECORDED = json.loads((Path(__file__).parent / "data" / "recorded_backends.json").read_text())
+RECORDED = json.loads((Path(__file__).parents[1] / "data" / "recorded_backends.json").read_text())
 
 
 def mock_server(base: str, kind: str) -> None:

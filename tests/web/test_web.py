@@ -39,7 +39,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--no-first-run",
 ]
-ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or Path(__file__).parents[1] / "test-artifacts") / "web"
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR") or Path(__file__).parents[2] / "test-artifacts") / "web"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psycopg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DENO = ROOT / "node_modules" / ".bin" / "deno"
 
 

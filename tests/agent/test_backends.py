@@ -34,8 +34,8 @@ from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
+from tests.agent.servers import KINDS, SMOLLM2, RealServer, real_server
 from tests.conftest import agent_command, clone_database, free_port, wait_for
-from tests.servers import KINDS, SMOLLM2, RealServer, real_server
 
 BACKENDS = ("fake", *KINDS)
 MODES = ("direct", "tunnel")

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import make_node
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
-MIGRATION = Path(__file__).resolve().parents[1] / "supabase/migrations/20261123000200_api_surface.sql"
+MIGRATION = Path(__file__).resolve().parents[2] / "supabase/migrations/20261123000200_api_surface.sql"
 
 # What Python, the web page, the Edge Functions and the node agents call, overloads counted.
 PUBLIC_API = sorted(

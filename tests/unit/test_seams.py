@@ -1,0 +1,69 @@
+"""The architecture's seams, held: SQL only through the store, errors mapped once."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from neuralgrid.db import errors as db
+from neuralgrid.db import queries
+from neuralgrid.gateway import errors
+
+PACKAGE = Path(__file__).resolve().parents[2] / "neuralgrid"
+# The parts that run the platform's statements only through db/store.py. The migration runner, the
+# Realtime server's feed and the benchmarks' scratch databases speak to Postgres about Postgres.
+THROUGH_THE_STORE = ("gateway", "web", "server", "admin", "dev", "cli", "agent")
+
+
+def test_every_named_statement_has_its_own_name() -> None:
+    named = {k: v for k, v in vars(queries).items() if isinstance(v, queries.Query)}
+    assert len(named) > 30
+    for constant, query in named.items():
+        assert query.name == constant.lower(), constant
+
+
+@pytest.mark.parametrize("part", THROUGH_THE_STORE)
+def test_no_sql_outside_the_store(part: str) -> None:
+    offenders = []
+    for path in (PACKAGE / part).rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            # The request pool's session setting is the one statement the assembly runs itself.
+            if re.search(r"\.execute\(", line) and "synchronous_commit" not in line:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}")
+    assert offenders == []
+
+
+def _pg_error(sqlstate: str, message: str) -> Exception:
+    err = Exception(message)
+    err.sqlstate = sqlstate  # type: ignore[attr-defined]
+    err.diag = SimpleNamespace(message_primary=message)  # type: ignore[attr-defined]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "domain", "status"),
+    [
+        ("P0002", db.NotFound, 404),
+        ("42501", db.Forbidden, 403),
+        ("NG402", db.BudgetExhausted, 429),
+        ("22023", db.InvalidRequest, 400),
+        ("23505", db.ConflictError, 400),
+    ],
+)
+def test_postgres_errors_are_translated_once_and_mapped_once(
+    sqlstate: str, domain: type[db.DatabaseError], status: int
+) -> None:
+    translated = db.translate(_pg_error(sqlstate, "what happened"), "model")
+    assert type(translated) is domain and str(translated) == "what happened"
+    assert isinstance(translated, db.DatabaseError)
+    answer = errors.from_database(translated)
+    assert answer.status == status
+    assert answer.param == ("model" if domain is db.NotFound else None)
+
+
+def test_an_unknown_sqlstate_stays_what_it_was() -> None:
+    err = _pg_error("XX000", "internal")
+    assert db.translate(err) is err
