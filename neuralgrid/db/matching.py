@@ -40,7 +40,7 @@ def match_job(
     reserve_usd: float = 0.0,
 ) -> Match:
     return SyncStore(conn).get(
-        q.MATCH_JOB, q.match_params(request, api_key_id, stream, fallbacks, reserve_usd)
+        q.MATCH_JOB, q.match_params(request, api_key_id, stream, fallbacks, reserve=reserve_usd)
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 from uuid import UUID
 
 from psycopg.rows import BaseRowFactory, class_row, dict_row, scalar_row
@@ -27,10 +27,6 @@ class Query(Generic[R]):
     sql: str
     rows: BaseRowFactory[R]
     subject: str | None = None
-
-
-def _scalar() -> BaseRowFactory[Any]:
-    return scalar_row
 
 
 # --- what callers pass ---------------------------------------------------------------------------
@@ -74,33 +70,11 @@ class JobEnd:
 
 
 def match_params(
-    request: MatchRequest, api_key_id: UUID | None, stream: bool, fallbacks: int, reserve_usd: float
+    request: MatchRequest, api_key_id: UUID | None, stream: bool, fallbacks: int, **hold: float
 ) -> dict[str, object]:
-    return {
-        **request.params(),
-        "key": api_key_id,
-        "stream": stream,
-        "fallbacks": fallbacks,
-        "reserve": reserve_usd,
-    }
-
-
-def placement_params(
-    request: MatchRequest,
-    api_key_id: UUID | None,
-    stream: bool,
-    fallbacks: int,
-    prompt_bytes: int,
-    max_out: int,
-) -> dict[str, object]:
-    return {
-        **request.params(),
-        "key": api_key_id,
-        "stream": stream,
-        "fallbacks": fallbacks,
-        "prompt_bytes": prompt_bytes,
-        "max_out": max_out,
-    }
+    """match_job()'s parameters; the budget hold as `reserve` in USD (MATCH_JOB), or as
+    `prompt_bytes` and `max_out` for SQL to price (PLACE_JOB)."""
+    return {**request.params(), "key": api_key_id, "stream": stream, "fallbacks": fallbacks, **hold}
 
 
 def complete_jobs_params(ends: list[JobEnd]) -> tuple[list[object], ...]:
@@ -160,11 +134,11 @@ class JobCost:
 
 
 @dataclass(frozen=True)
-class CatalogModel:
+class ModelKind:
+    """A catalog model's kind (chat, completion, embedding…)."""
+
     id: str
     kind: str
-    input_usd_per_mtok: float | None
-    output_usd_per_mtok: float | None
 
 
 @dataclass(frozen=True)
@@ -246,12 +220,12 @@ HANDOFF_JOB = Query(
     "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::uuid[])",
     class_row(Assignment),
 )
-CONTINUING_NODES = Query("continuing_nodes", "select unnest(public.continuing_nodes(%s::uuid[]))", _scalar())
-REJECT_JOB = Query("reject_job", "select public.reject_job(%s, %s, %s)", _scalar())
+CONTINUING_NODES = Query("continuing_nodes", "select unnest(public.continuing_nodes(%s::uuid[]))", scalar_row)
+REJECT_JOB = Query("reject_job", "select public.reject_job(%s, %s, %s)", scalar_row)
 COMPLETE_JOB = Query(
     "complete_job",
     "select cost_usd::float8 from public.complete_job(%s, %s, %s, %s, %s::real, %s::real, %s)",
-    _scalar(),
+    scalar_row,
 )
 COMPLETE_JOBS = Query(
     "complete_jobs",
@@ -259,11 +233,7 @@ COMPLETE_JOBS = Query(
     "%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
     class_row(JobCost),
 )
-CATALOG = Query(
-    "catalog",
-    "select id, kind, input_usd_per_mtok::float8, output_usd_per_mtok::float8 from public.models",
-    class_row(CatalogModel),
-)
+MODEL_KINDS = Query("model_kinds", "select id, kind from public.models", class_row(ModelKind))
 
 
 @dataclass(frozen=True)
@@ -322,7 +292,7 @@ KEY_BY_HASH = Query(
     class_row(KeyRecord),
 )
 # Every change to api_keys is announced here (notify_api_key_change): gateways drop cached keys.
-LISTEN_KEY_CHANGES = Query("listen_key_changes", "listen neuralgrid_api_keys", _scalar())
+LISTEN_KEY_CHANGES = Query("listen_key_changes", "listen neuralgrid_api_keys", scalar_row)
 CREATE_KEY = Query(
     "create_key",
     "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)",
@@ -344,7 +314,7 @@ ACTIVE_KEYS_MATCHING = Query(
 REVOKE_KEY = Query(
     "revoke_key",
     "update public.api_keys set revoked_at = now() where id = %s and revoked_at is null returning id",
-    _scalar(),
+    scalar_row,
 )
 
 # --- nodes: agents, tunnels, fleets, the sweeper ------------------------------------------------
@@ -360,15 +330,16 @@ REGISTER_NODE = Query(
 AGENT_HEARTBEAT = Query(
     "agent_heartbeat",
     "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb, %s, %s::jsonb)",
-    _scalar(),
+    scalar_row,
     subject="node_id",
 )
-NODE_HEARTBEAT = Query("node_heartbeat", "select public.node_heartbeat(%s)", _scalar())
+NODE_HEARTBEAT = Query("node_heartbeat", "select public.node_heartbeat(%s)", scalar_row)
+PING = Query("ping", "select 1", scalar_row)  # readiness: the database answers
 HEARTBEAT_INTERVAL = Query(
-    "heartbeat_interval", "select heartbeat_interval_s from public.platform_settings", _scalar()
+    "heartbeat_interval", "select heartbeat_interval_s from public.platform_settings", scalar_row
 )
-NODE_SECRET_HASH = Query("node_secret_hash", "select secret_hash from public.nodes where id = %s", _scalar())
-SET_TUNNEL = Query("set_tunnel", "select public.set_tunnel(%s, %s)", _scalar())
+NODE_SECRET_HASH = Query("node_secret_hash", "select secret_hash from public.nodes where id = %s", scalar_row)
+SET_TUNNEL = Query("set_tunnel", "select public.set_tunnel(%s, %s)", scalar_row)
 UPSERT_NODE = Query(
     "upsert_node",
     """
@@ -385,7 +356,7 @@ on conflict (owner_id, name) do update set
   last_heartbeat_at = excluded.last_heartbeat_at, backend = excluded.backend
 returning n.id
 """,
-    _scalar(),
+    scalar_row,
 )
 REPLACE_NODE_MODELS = Query(
     "replace_node_models",
@@ -402,7 +373,7 @@ insert into public.node_models (node_id, model_id, state)
 select %(id)s, m, state from wanted
 on conflict (node_id, model_id) do update set state = excluded.state
 """,
-    _scalar(),
+    scalar_row,
 )
 FLEET = Query(
     "fleet",
@@ -419,14 +390,14 @@ order by m.region, m.name
 LIVE_DEMO_NODES = Query(
     "live_demo_nodes",
     "select id from public.nodes where owner_id is null and status <> 'offline'",
-    _scalar(),
+    scalar_row,
 )
 SWEEP = Query("sweep", "select kind, id, name from public.sweep()", class_row(Swept))
 # The embedded Realtime feed's pruning, where that feed is installed (not on Supabase).
 FEED_INSTALLED = Query(
-    "feed_installed", "select to_regprocedure('realtime.prune_feed(interval)') is not null", _scalar()
+    "feed_installed", "select to_regprocedure('realtime.prune_feed(interval)') is not null", scalar_row
 )
-PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", _scalar())
+PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", scalar_row)
 
 # --- the web pages -----------------------------------------------------------------------------
 
@@ -483,6 +454,6 @@ ADD_USER = Query(
     "add_user",
     "insert into auth.users (id, email) select gen_random_uuid(), %(email)s"
     " where not exists (select from auth.users where email = %(email)s) on conflict do nothing",
-    _scalar(),
+    scalar_row,
 )
-USER_ID = Query("user_id", "select id from auth.users where email = %s", _scalar())
+USER_ID = Query("user_id", "select id from auth.users where email = %s", scalar_row)

@@ -2,8 +2,8 @@
 
 Every Postgres error leaves here already translated into the domain's (db/errors.py). `Store` is
 the async face the gateway, web and server use; `SyncStore` the thin sync face of the CLI and tests.
-Both take a pool or one connection; `as_role()` runs a block as a Supabase role with its claims,
-exactly as PostgREST does, so grants and row-level security decide.
+`Store` takes a pool or one connection; its `as_role()` runs a block as a Supabase role with its
+claims, exactly as PostgREST does, so grants and row-level security decide.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from neuralgrid.db.errors import translate
 from neuralgrid.db.queries import Query
-from neuralgrid.db.roles import act_as, act_as_sync
+from neuralgrid.db.roles import act_as
 
 R = TypeVar("R")
 Params = Mapping[str, Any] | Sequence[Any] | None
@@ -91,10 +91,4 @@ class SyncStore:
     @contextmanager
     def transaction(self) -> Iterator[SyncStore]:
         with self.conn.transaction():
-            yield self
-
-    @contextmanager
-    def as_role(self, claims: Mapping[str, Any]) -> Iterator[SyncStore]:
-        with self.conn.transaction():
-            act_as_sync(self.conn, claims)
             yield self

@@ -59,11 +59,3 @@ class Heartbeat(BaseModel):
     specs: Specs | None = None  # only when they changed since registration
     backend_up: bool = True  # false: the agent is alive but its inference server does not answer
     backend: BackendInfo | None = None  # only when it changed
-
-
-class Registered(BaseModel):
-    """The gateway's answer to a registration: the node's id and its secret (shown once)."""
-
-    node_id: str
-    node_secret: str
-    heartbeat_interval_s: float

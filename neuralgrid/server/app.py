@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
 from neuralgrid.db.errors import DatabaseError
-from neuralgrid.db.queries import HEARTBEAT_INTERVAL
+from neuralgrid.db.queries import PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
@@ -98,14 +98,13 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         nodes = HttpNodes(settings.connect_timeout_s, settings.first_byte_timeout_s)
         metrics = Metrics()
         metrics_holder.append(metrics)
-        keys = KeyStore(Store(pool), settings.key_cache_ttl_s)
+        store = Store(pool)
+        keys = KeyStore(store, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
         tunnels = Tunnels()
         pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels)
         hub = Hub(pool, database_url)
-        app.state.services = Services(
-            settings, Store(pool), keys, pipeline, metrics, tunnels, hub, StatsCache()
-        )
+        app.state.services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache())
         stop = asyncio.Event()
         tasks = [asyncio.create_task(keys.listen(database_url, stop)), asyncio.create_task(hub.run(stop))]
         # Serve only once the Realtime feed listens, so no change committed after startup is missed.
@@ -157,7 +156,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     async def readyz(services: ServicesDep) -> JSONResponse:
         try:
             async with asyncio.timeout(2):
-                await services.store.get(HEARTBEAT_INTERVAL)
+                await services.store.get(PING)
         except Exception as err:  # any failure means not ready
             return JSONResponse({"status": "unavailable", "database": str(err)}, status_code=503)
         return JSONResponse({"status": "ready"})

@@ -51,12 +51,12 @@ class Catalog:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.models: dict[str, q.CatalogModel] = {}
+        self.models: dict[str, q.ModelKind] = {}
         self.loaded_at = float("-inf")
 
-    async def get(self, model: str) -> q.CatalogModel | None:
+    async def get(self, model: str) -> q.ModelKind | None:
         if time.monotonic() - self.loaded_at > CATALOG_TTL_S:
-            self.models = {row.id: row for row in await self.store.all(q.CATALOG)}
+            self.models = {row.id: row for row in await self.store.all(q.MODEL_KINDS)}
             self.loaded_at = time.monotonic()
         return self.models.get(model)
 

@@ -8,7 +8,6 @@ import time
 from typing import NamedTuple
 from uuid import UUID
 
-from neuralgrid.db import errors as db
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
@@ -43,19 +42,10 @@ class Placement:
             model=call.model, policy=call.policy, region=call.region, max_hourly_rate=call.max_hourly_rate
         )
         fallbacks = self.max_attempts - 1
-        params = q.placement_params(
-            request,
-            call.key.id,
-            admitted.stream,
-            fallbacks,
-            len(admitted.payload),
-            admitted.max_output_tokens,
-        )
+        hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
+        params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold)
         started = time.perf_counter()
-        try:
-            match = await self.store.get(q.PLACE_JOB, params)
-        except db.DatabaseError as err:
-            raise errors.from_database(err) from err
+        match = await self.store.get(q.PLACE_JOB, params)  # its domain errors: the app's one handler
         self.metrics.matcher.observe(time.perf_counter() - started)
         if match.node_id is None or match.endpoint_url is None:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
@@ -37,7 +38,7 @@ class Relay:
         self.resume_streams = resume_streams
 
     async def events(
-        self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[Any]
+        self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[UUID]
     ) -> AsyncIterator[bytes]:
         """The client's stream; the job ends (metered) however the stream does."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
@@ -86,7 +87,7 @@ class Relay:
                 await delivery.response.close()
 
     async def _resume(
-        self, admitted: Admitted, events: SseEvents, meter: Meter, candidates: list[Any], err: NodeError
+        self, admitted: Admitted, events: SseEvents, meter: Meter, candidates: list[UUID], err: NodeError
     ) -> Delivery | None:
         """Go on with a dropped stream on another node, or None when it cannot (then the job ends
         failed, with the tokens already streamed)."""
