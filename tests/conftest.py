@@ -108,6 +108,20 @@ NODE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def make_key(
+    conn: psycopg.Connection, owner: uuid.UUID | None = None, budget_usd: float | None = None
+) -> uuid.UUID:
+    """An API key made in SQL, as its owner (or as the operator when None) would make it."""
+    claims = f'{{"sub": "{owner}", "role": "authenticated"}}' if owner else ""
+    conn.execute("select set_config('request.jwt.claims', %s, false)", (claims,))
+    row = conn.execute(
+        "select id from create_api_key('test', null, null, %s::numeric)", (budget_usd,)
+    ).fetchone()
+    conn.execute("select set_config('request.jwt.claims', '', false)")
+    assert row is not None
+    return uuid.UUID(str(row[0]))
+
+
 def make_node(
     conn: psycopg.Connection,
     name: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError, InvalidRequest
+from neuralgrid.db.queries import NodeStatus
 from neuralgrid.db.store import SyncStore
 
 
@@ -32,7 +33,7 @@ class NodeSpec(BaseModel):
     latitude: float | None = None
     longitude: float | None = None
     endpoint_url: str | None = None
-    status: Literal["online", "busy", "offline", "draining"] = "online"
+    status: NodeStatus = "online"
     max_concurrency: int = 4
     models: list[str] = Field(default_factory=list)
     available_models: list[str] = Field(default_factory=list)

@@ -10,17 +10,19 @@ import asyncio
 import codecs
 import contextlib
 import functools
-import json
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from neuralgrid.agent.front import BackendUnreachable, FrontState
+from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, encode, gateway_frame
 
 log = logging.getLogger(__name__)
+
+Send = Callable[[Start | Data | End | Err], Awaitable[None]]
 
 
 class TunnelClient:
@@ -53,9 +55,9 @@ class TunnelClient:
         lock = asyncio.Lock()
         tasks: dict[int, asyncio.Task[None]] = {}
 
-        async def send(frame: dict[str, Any]) -> None:
+        async def send(frame: Start | Data | End | Err) -> None:
             async with lock:
-                await ws.send(json.dumps(frame))
+                await ws.send(encode(frame))
 
         closing = asyncio.create_task(self.close.wait())
         try:
@@ -65,46 +67,45 @@ class TunnelClient:
                 if receiving not in done:
                     receiving.cancel()
                     return
-                frame = json.loads(receiving.result())
-                if frame["t"] == "req":
-                    request_id = int(frame["id"])
+                try:
+                    frame = gateway_frame(receiving.result())
+                except ValueError as err:  # a gateway that speaks another version: skip, keep serving
+                    log.warning("unreadable frame from the gateway: %s", err)
+                    continue
+                if isinstance(frame, Req):
                     task = asyncio.create_task(self._handle(frame, send))
-                    tasks[request_id] = task
-                    task.add_done_callback(functools.partial(_forget, tasks, request_id))
-                elif frame["t"] == "cancel" and frame["id"] in tasks:
-                    tasks[frame["id"]].cancel()
+                    tasks[frame.id] = task
+                    task.add_done_callback(functools.partial(_forget, tasks, frame.id))
+                elif isinstance(frame, Cancel) and frame.id in tasks:
+                    tasks[frame.id].cancel()
         finally:
             closing.cancel()
             for task in tasks.values():
                 task.cancel()
 
-    async def _handle(self, frame: dict[str, Any], send: Any) -> None:
-        request_id = frame["id"]
+    async def _handle(self, frame: Req, send: Send) -> None:
+        request_id = frame.id
         if self.front.draining:
-            await send({"t": "start", "id": request_id, "status": 503, "type": "application/json"})
-            await send(
-                {"t": "data", "id": request_id, "b": '{"error": {"message": "this node is draining"}}'}
-            )
-            await send({"t": "end", "id": request_id})
+            await send(Start(id=request_id, status=503))
+            await send(Data(id=request_id, b='{"error": {"message": "this node is draining"}}'))
+            await send(End(id=request_id))
             return
         try:
-            answer = await self.front.forward(frame["path"], frame["body"].encode())
+            answer = await self.front.forward(frame.path, frame.body.encode())
             try:
-                await send(
-                    {"t": "start", "id": request_id, "status": answer.status, "type": answer.media_type}
-                )
+                await send(Start(id=request_id, status=answer.status, type=answer.media_type))
                 decoder = codecs.getincrementaldecoder("utf-8")("replace")
                 async for chunk in answer.chunks:
                     if text := decoder.decode(chunk):
-                        await send({"t": "data", "id": request_id, "b": text})
+                        await send(Data(id=request_id, b=text))
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
                 await answer.aclose()
-            await send({"t": "end", "id": request_id})
+            await send(End(id=request_id))
         except Exception as err:  # whatever went wrong, the gateway hears of it, never silence
             if not isinstance(err, BackendUnreachable | httpx.HTTPError | OSError):
                 log.exception("request %s failed in the agent", request_id)
             with contextlib.suppress(WebSocketException):
-                await send({"t": "err", "id": request_id, "message": f"the backend failed: {err!r}"})
+                await send(Err(id=request_id, message=f"the backend failed: {err!r}"))
 
 
 def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: asyncio.Task[None]) -> None:

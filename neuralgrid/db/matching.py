@@ -59,7 +59,7 @@ def complete_job(
     conn: psycopg.Connection[Any],
     job_id: UUID,
     *,
-    status: str = "succeeded",
+    status: q.JobOutcome = "succeeded",
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     ttft_ms: float | None = None,

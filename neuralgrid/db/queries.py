@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 from uuid import UUID
 
 from psycopg.rows import BaseRowFactory, class_row, dict_row, scalar_row
@@ -56,12 +56,19 @@ class MatchRequest:
         }
 
 
+# The states the tables' check constraints allow, typed for Python (tests/db/test_sql_api.py keeps
+# them equal). An agent may only report some of them: see neuralgrid.protocol.nodes.AgentStatus.
+NodeStatus = Literal["online", "busy", "offline", "draining"]
+JobStatus = Literal["running", "succeeded", "failed", "cancelled"]
+JobOutcome = Literal["succeeded", "failed", "cancelled"]  # how a job ends: a JobStatus but running
+
+
 @dataclass(frozen=True)
 class JobEnd:
     """How one job ended, as complete_jobs() takes it."""
 
     job_id: UUID
-    status: str = "succeeded"
+    status: JobOutcome = "succeeded"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_ms: float | None = None

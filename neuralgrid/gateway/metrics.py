@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from neuralgrid.db.queries import JobOutcome
+
 FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -52,7 +54,7 @@ class Metrics:
             registry=self.registry,
         )
 
-    def count(self, node_id: object, outcome: str) -> None:
+    def count(self, node_id: object, outcome: JobOutcome) -> None:
         """One attempt's outcome, overall and for its node."""
         self.attempts.labels(outcome).inc()
         self.node_outcomes.labels(str(node_id), outcome).inc()

@@ -1,10 +1,7 @@
 """Tunnels: agents behind NAT dial in over a WebSocket, and requests are multiplexed over it.
 
-Frames are JSON text: the gateway sends {"t": "req", "id", "path", "body"} and {"t": "cancel", "id"};
-the agent answers {"t": "start", "id", "status", "type"}, then {"t": "data", "id", "b"} chunks, then
-{"t": "end", "id"} or {"t": "err", "id", "message"}. Bodies are text (JSON and SSE are UTF-8).
-A TunnelResponse is a NodeResponse, so failover, streaming and metering work the same over a tunnel as
-over HTTP.
+The frames are neuralgrid.protocol.tunnel's models, shared with the agent. A TunnelResponse is a
+NodeResponse, so failover, streaming and metering work the same over a tunnel as over HTTP.
 """
 
 from __future__ import annotations
@@ -12,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 from collections.abc import AsyncIterator
-from typing import Any
 from uuid import UUID
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.gateway.upstream import NodeError, NodeTimeout
+from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, agent_frame, encode
+
+AgentFrame = Start | Data | End | Err
 
 
 class TunnelClosed(NodeError):
@@ -30,39 +28,40 @@ class Tunnel:
     def __init__(self, node_id: UUID, ws: WebSocket) -> None:
         self.node_id = node_id
         self.ws = ws
-        self.pending: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self.pending: dict[int, asyncio.Queue[AgentFrame]] = {}
         self.ids = itertools.count(1)
         self.send_lock = asyncio.Lock()
 
-    async def send(self, frame: dict[str, Any]) -> None:
+    async def send(self, frame: Req | Cancel) -> None:
         async with self.send_lock:
-            await self.ws.send_text(json.dumps(frame))
+            await self.ws.send_text(encode(frame))
 
     async def request(self, path: str, body: bytes) -> TunnelResponse:
         request_id = next(self.ids)
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[AgentFrame] = asyncio.Queue()
         self.pending[request_id] = queue
         try:
-            await self.send({"t": "req", "id": request_id, "path": path, "body": body.decode()})
+            await self.send(Req(id=request_id, path=path, body=body.decode()))
         except (WebSocketDisconnect, RuntimeError) as err:
             self.pending.pop(request_id, None)
             raise TunnelClosed(f"the tunnel to node {self.node_id} is closed") from err
         return TunnelResponse(self, request_id, queue)
 
     async def read(self) -> None:
-        """Route the agent's frames to the requests waiting for them until the socket closes."""
+        """Route the agent's frames to the requests waiting for them until the socket closes.
+
+        A frame that is not the protocol's closes the tunnel: the agent's requests fail over elsewhere.
+        """
         try:
             while True:
-                frame = json.loads(await self.ws.receive_text())
-                request_id = frame.get("id") if isinstance(frame, dict) else None
-                queue = self.pending.get(request_id) if isinstance(request_id, int) else None
-                if queue is not None:
+                frame = agent_frame(await self.ws.receive_text())
+                if (queue := self.pending.get(frame.id)) is not None:
                     queue.put_nowait(frame)
         except (WebSocketDisconnect, RuntimeError, ValueError):
             pass
         finally:
-            for queue in self.pending.values():
-                queue.put_nowait({"t": "err", "message": "the tunnel closed"})
+            for request_id, queue in self.pending.items():
+                queue.put_nowait(Err(id=request_id, message="the tunnel closed"))
 
     def forget(self, request_id: int) -> None:
         """A request is answered: its id gets no more frames."""
@@ -71,13 +70,13 @@ class Tunnel:
     async def cancel(self, request_id: int) -> None:
         if self.pending.pop(request_id, None) is not None:
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                await self.send({"t": "cancel", "id": request_id})
+                await self.send(Cancel(id=request_id))
 
 
 class TunnelResponse:
     """One request's answer arriving over a tunnel, as a NodeResponse."""
 
-    def __init__(self, tunnel: Tunnel, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
+    def __init__(self, tunnel: Tunnel, request_id: int, queue: asyncio.Queue[AgentFrame]) -> None:
         self.tunnel = tunnel
         self.request_id = request_id
         self.queue = queue
@@ -92,26 +91,23 @@ class TunnelResponse:
         except TimeoutError:
             await self.close()
             raise NodeTimeout("timeout: no answer through the tunnel") from None
-        if frame.get("t") != "start":
+        if not isinstance(frame, Start):
             self._done()
-            raise TunnelClosed(str(frame.get("message", "the agent failed the request")))
-        try:
-            self.status = int(frame["status"])
-        except (KeyError, TypeError, ValueError):
-            await self.close()
-            raise TunnelClosed("the agent sent a malformed start frame") from None
-        self.content_type = str(frame.get("type", "application/json"))
+            raise TunnelClosed(frame.message if isinstance(frame, Err) else "the agent sent no status line")
+        self.status = frame.status
+        self.content_type = frame.type
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while not self.finished:
             frame = await self.queue.get()
-            if frame.get("t") == "data":
-                yield str(frame.get("b", "")).encode()
-            elif frame.get("t") == "end":
+            if isinstance(frame, Data):
+                yield frame.b.encode()
+            elif isinstance(frame, End):
                 self._done()
             else:
                 self._done()
-                raise TunnelClosed(str(frame.get("message", "the agent dropped the request")))
+                message = frame.message if isinstance(frame, Err) else "the agent sent a second status line"
+                raise TunnelClosed(message)
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])

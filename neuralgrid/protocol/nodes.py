@@ -51,7 +51,7 @@ class Specs(BaseModel):
 
 class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    status: Literal["online", "draining", "offline"] = "online"
+    status: AgentStatus = "online"
     queue_depth: int = Field(0, ge=0)
     gpu_utilization: float | None = Field(None, ge=0, le=1)
     free_vram_gb: float | None = Field(None, ge=0)

@@ -13,9 +13,7 @@ from neuralgrid.db.errors import InvalidRequest
 from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, match_job
 from neuralgrid.db.store import Store
 from neuralgrid.gateway.completions import Completions
-from tests.conftest import make_node
-
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+from tests.conftest import LLAMA8, make_node
 
 
 class CountingCompletions(Completions):

@@ -10,9 +10,7 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from tests.conftest import make_node, make_user
-
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+from tests.conftest import LLAMA8, make_node, make_user
 
 
 @contextmanager

@@ -11,14 +11,14 @@ import re
 import uuid
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import psycopg
 import pytest
 
-from tests.conftest import make_node
+from neuralgrid.db.queries import JobOutcome, JobStatus, NodeStatus
+from tests.conftest import LLAMA8, make_key, make_node
 
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
 MIGRATION = Path(__file__).resolve().parents[2] / "supabase/migrations/20261123000200_api_surface.sql"
 
 # What Python, the web page, the Edge Functions and the node agents call, overloads counted.
@@ -94,15 +94,6 @@ def bodies(conn: psycopg.Connection) -> dict[str, str]:
         " where n.nspname in ('public', 'private')"
     ).fetchall()
     return {str(signature): str(source) for signature, source in rows}
-
-
-def make_key(conn: psycopg.Connection, budget_usd: float | None = None) -> uuid.UUID:
-    conn.execute("select set_config('request.jwt.claims', '', false)")
-    row = conn.execute(
-        "select id from create_api_key('api test', null, null, %s::numeric)", (budget_usd,)
-    ).fetchone()
-    assert row is not None
-    return uuid.UUID(str(row[0]))
 
 
 def match(conn: psycopg.Connection, key: uuid.UUID | None = None, model: str = LLAMA8) -> uuid.UUID:
@@ -336,3 +327,24 @@ def test_pg_cron_runs_the_one_sweep() -> None:
     text = MIGRATION.read_text()
     assert "cron.schedule('neuralgrid-sweep', '1 seconds', 'select public.sweep()')" in text
     assert "cron.unschedule('neuralgrid-sweep-stale-nodes')" in text
+
+
+@pytest.mark.parametrize(
+    ("table", "states"),
+    [
+        ("nodes", get_args(NodeStatus)),
+        ("jobs", get_args(JobStatus)),
+        ("job_attempts", get_args(JobStatus)),
+    ],
+)
+def test_python_states_are_the_ones_the_tables_allow(
+    conn: psycopg.Connection, table: str, states: tuple[str, ...]
+) -> None:
+    (definition,) = conn.execute(
+        "select pg_get_constraintdef(oid) from pg_constraint"
+        " where conrelid = %s::regclass and contype = 'c' and pg_get_constraintdef(oid) ~ '\\(status = ANY'",
+        (f"public.{table}",),
+    ).fetchone() or (None,)
+    assert definition is not None, f"no status constraint on {table}"
+    assert sorted(re.findall(r"'(\w+)'::text", definition)) == sorted(states)
+    assert set(get_args(JobOutcome)) == set(get_args(JobStatus)) - {"running"}

@@ -15,6 +15,7 @@ import time
 
 from starlette.responses import Response, StreamingResponse
 
+from neuralgrid.db.queries import JobOutcome
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admission, Admitted, Call
@@ -70,7 +71,7 @@ class Pipeline:
         except BaseException as err:
             # The client left while a node was thinking (cancelled), or something broke: the job
             # still ends, and the node's slot is given back.
-            outcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
+            outcome: JobOutcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
             reason = "the client disconnected" if outcome == "cancelled" else f"gateway error: {err!r}"
             meter.first_byte = time.perf_counter()
             self.metering.finish(call.key, meter, outcome, reason)
@@ -95,7 +96,8 @@ class Pipeline:
     ) -> Response:
         """A whole (non-streamed) answer, metered from the usage it reports."""
         resp, content = delivery.response, delivery.first
-        outcome, error = "succeeded", None
+        outcome: JobOutcome = "succeeded"
+        error: str | None = None
         if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
             outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
         try:

@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 
 from neuralgrid.db.errors import DatabaseError
-from neuralgrid.db.queries import JobEnd
+from neuralgrid.db.queries import JobEnd, JobOutcome
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.metrics import Metrics
@@ -45,7 +45,7 @@ class Metering:
         self.metrics = metrics
         self._pending: set[asyncio.Task[None]] = set()
 
-    def finish(self, key: ApiKey, meter: Meter, outcome: str, error: str | None) -> None:
+    def finish(self, key: ApiKey, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
         self.later(self._finish(key, meter, outcome, error))
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
@@ -53,7 +53,7 @@ class Metering:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _finish(self, key: ApiKey, meter: Meter, outcome: str, error: str | None) -> None:
+    async def _finish(self, key: ApiKey, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
         now = time.perf_counter()
         usage = meter.usage or Usage()
         end = JobEnd(

@@ -14,6 +14,7 @@ from uuid import UUID
 import psycopg
 
 from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.queries import JobOutcome
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.meter import Meter, Metering
@@ -43,7 +44,8 @@ class Relay:
         """The client's stream; the job ends (metered) however the stream does."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
         events = SseEvents(keep_usage_event=wants_usage)
-        outcome, error = "succeeded", None
+        outcome: JobOutcome = "succeeded"
+        error: str | None = None
         try:
             while True:
                 try:

@@ -15,10 +15,8 @@ import pytest
 
 from neuralgrid.db.errors import InvalidRequest
 from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
-from tests.conftest import make_node
-from tests.db.test_match_job import make_key
+from tests.conftest import LLAMA8, make_key, make_node
 
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
 TIME_PRICED = "custom:7b"  # not in the catalog: priced by node time
 
 NODES = "select id, status, inflight, successes, failures, consecutive_failures, extract(epoch from cooldown_until - now()), ewma_latency_ms, ewma_tokens_per_s, speed_ratio from nodes order by id"
@@ -126,7 +124,7 @@ def test_a_bad_batch_is_refused_and_changes_nothing(conn: psycopg.Connection) ->
     make_node(conn)
     job = match_job(conn, MatchRequest(model=LLAMA8)).job_id
     bad = [
-        [JobEnd(job, status="done")],
+        [JobEnd(job, status="done")],  # type: ignore[arg-type]  # SQL must refuse it
         [JobEnd(job, prompt_tokens=-1)],
         [JobEnd(job), JobEnd(job)],
     ]

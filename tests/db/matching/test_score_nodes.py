@@ -7,9 +7,7 @@ import pytest
 
 from neuralgrid.db.errors import InvalidRequest, NotFound
 from neuralgrid.db.matching import MatchRequest, score_nodes
-from tests.conftest import make_node
-
-LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"  # catalog: 18 GB
+from tests.conftest import LLAMA8, make_node
 
 
 def ranking(conn: psycopg.Connection, **kw: object) -> list[str]:

@@ -1,0 +1,84 @@
+"""The gateway's end of a tunnel, spoken to frame by frame as an agent would (or a broken one)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import psycopg
+from websockets.sync.client import connect
+from websockets.sync.connection import Connection
+
+from neuralgrid.protocol.tunnel import Data, End, Req, Start, encode, gateway_frame
+from tests.conftest import LLAMA8, node_row, wait_for
+
+BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+REGISTRATION = {
+    "name": "raw-agent",
+    "gpu_model": "NVIDIA GeForce RTX 4090",
+    "vram_gb": 24,
+    "tflops": 165,
+    "hourly_rate": 0.3,
+    "region": "eu-west",
+    "endpoint_url": "tunnel:raw-agent",
+    "models": [LLAMA8],
+}
+
+
+@contextmanager
+def raw_tunnel(conn: psycopg.Connection, gateway: str, api_key: str) -> Iterator[Connection]:
+    """A registered node whose tunnel is this test's socket, yielded once the node is online."""
+    auth = {"authorization": f"Bearer {api_key}"}
+    node = httpx.post(f"{gateway}/v1/nodes", json=REGISTRATION, headers=auth).json()
+    secret = {"authorization": f"Bearer {node['node_secret']}"}
+    beat = httpx.post(
+        f"{gateway}/v1/nodes/{node['node_id']}/heartbeat", json={"models": [LLAMA8]}, headers=secret
+    )
+    assert beat.status_code == 200, beat.text
+    url = gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
+    with connect(url, additional_headers=secret) as ws:
+        wait_for(lambda: node_row(conn, "raw-agent")[1] == "online")
+        yield ws
+
+
+def ask(gateway: str, api_key: str) -> Any:
+    return httpx.post(
+        f"{gateway}/v1/chat/completions",
+        json=BODY,
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=10,
+    )
+
+
+def test_an_answer_in_frames_reaches_the_client(conn: psycopg.Connection, gateway: str, api_key: str) -> None:
+    with raw_tunnel(conn, gateway, api_key) as ws, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, gateway, api_key)
+        request = gateway_frame(ws.recv(timeout=5))
+        assert isinstance(request, Req) and request.path == "/v1/chat/completions"
+        reply = '{"id": "x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}'
+        for frame in (
+            Start(id=request.id, status=200),
+            Data(id=request.id, b=reply[:20]),
+            Data(id=request.id, b=reply[20:]),
+            End(id=request.id),
+        ):
+            ws.send(encode(frame))
+        resp = answer.result(timeout=10)
+        assert resp.status_code == 200 and resp.json()["usage"]["total_tokens"] == 3
+
+
+def test_a_malformed_frame_closes_the_tunnel_and_the_client_gets_a_clear_error(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    with raw_tunnel(conn, gateway, api_key) as ws, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, gateway, api_key)
+        request = gateway_frame(ws.recv(timeout=5))
+        ws.send(json.dumps({"t": "start", "id": request.id, "status": "fine"}))
+        resp = answer.result(timeout=10)
+        # The only node failed before its first byte: the client hears so, as OpenAI-shaped JSON.
+        assert resp.status_code in (502, 503) and "message" in resp.json()["error"], resp.text
+        wait_for(lambda: node_row(conn, "raw-agent")[1] == "offline")
