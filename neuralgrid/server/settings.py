@@ -14,7 +14,8 @@ PLACEHOLDER_SECRET = "change-me-to-a-long-random-secret"
 class Settings(BaseSettings):
     """Every knob, with its environment variable. `.env.example` documents each one."""
 
-    model_config = SettingsConfigDict(env_file=".env", extra="ignore", populate_by_name=True)
+    # Only the aliases are read: a field's own name (`home`, `port`) would match HOME or PORT.
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore", populate_by_name=False)
 
     environment: Literal["development", "production"] = Field("development", alias="NEURALGRID_ENV")
     home: Path = Field(Path("~/.neuralgrid"), alias="NEURALGRID_HOME")

@@ -29,3 +29,23 @@ def test_bad_values_are_refused() -> None:
         Settings(NEURALGRID_PORT=0)
     with pytest.raises(ValidationError):
         Settings(NEURALGRID_MAX_ATTEMPTS=0)
+
+
+def test_generic_environment_variables_are_not_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only NEURALGRID_* names (and DATABASE_URL, REDIS_URL) are read: a shell's HOME, HOST, PORT or
+    ENVIRONMENT must not move the state directory, the gateway or break start-up."""
+    for name in ("NEURALGRID_HOME", "NEURALGRID_HOST", "NEURALGRID_PORT", "NEURALGRID_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {
+        "HOME": "/tmp/somebody-else",
+        "HOST": "0.0.0.0",
+        "PORT": "1",
+        "ENVIRONMENT": "staging",
+        "JWT_SECRET": "x" * 40,
+        "MAX_ATTEMPTS": "9",
+    }.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert str(settings.home) == "/tmp/somebody-else/.neuralgrid"  # ~/.neuralgrid, not ~ itself
+    assert (settings.host, settings.port, settings.environment) == ("127.0.0.1", 8080, "development")
+    assert (settings.jwt_secret, settings.max_attempts) == (PLACEHOLDER_SECRET, 3)
