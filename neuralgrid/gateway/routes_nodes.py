@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 from uuid import UUID
 
 from fastapi import APIRouter, Request, WebSocket
@@ -14,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
+from neuralgrid.gateway.endpoints import PrivateEndpoint, check_endpoint
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, Unauthorized, invalid
 from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
@@ -30,11 +29,14 @@ HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat is small; anything larger is a mi
 async def register(request: Request, key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     """Registers the caller's node (or re-registers it by name) and returns its secret, once."""
     node = _validated(NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES))
-    if not services.settings.private_endpoints_allowed and _is_private(node.endpoint_url):
-        raise BadRequest(
-            "endpoint_url points at a private or loopback address; use --tunnel behind NAT",
-            param="endpoint_url",
-        )
+    if not services.settings.private_endpoints_allowed:
+        try:
+            await check_endpoint(node.endpoint_url)
+        except PrivateEndpoint as err:
+            raise BadRequest(
+                f"endpoint_url must be a public address ({err}); behind NAT, use --tunnel",
+                param="endpoint_url",
+            ) from None
     params = {**node.model_dump(), "owner": key.owner_id, "key": key.id, "backend": _jsonb(node.backend)}
     row = await services.store.get(q.REGISTER_NODE, params)
     interval = await services.store.get(q.HEARTBEAT_INTERVAL)
@@ -77,20 +79,6 @@ def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
         return schema.model_validate(body)
     except ValidationError as err:
         raise invalid(err.errors()) from err
-
-
-def _is_private(endpoint_url: str) -> bool:
-    """True for loopback, private and link-local hosts (literal addresses and localhost)."""
-    if endpoint_url.startswith("tunnel:"):
-        return False
-    host = (urlsplit(endpoint_url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False  # a name: resolved by the gateway at request time (see README, limits)
-    return address.is_private or address.is_loopback or address.is_link_local or address.is_unspecified
 
 
 @router.websocket("/{node_id}/tunnel")

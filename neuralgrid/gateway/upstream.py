@@ -13,6 +13,8 @@ from typing import Protocol
 
 import aiohttp
 
+from neuralgrid.gateway.endpoints import PrivateEndpoint, PublicResolver, check_literal
+
 
 class NodeError(Exception):
     """A node failed to answer: refused, reset, or dropped its answer half-way."""
@@ -72,16 +74,31 @@ class HttpResponse:
 class HttpNodes:
     """Keep-alive connections to nodes. Timeouts: to connect, and between bytes once connected."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int = 1000) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int = 1000,
+        public_only: bool = False,
+    ) -> None:
         # sock_connect bounds the node's own connect; connect (which also counts the wait for a free
         # slot in this pool) only guards against waiting forever.
         timeout = aiohttp.ClientTimeout(
             total=None, connect=30.0, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
-        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
+        # public_only (production): node addresses are checked as written and as resolved, at connect
+        # time, so neither a registration nor a later change to a node's address reaches inside.
+        self.public_only = public_only
+        resolver = PublicResolver() if public_only else None
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, resolver=resolver)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     async def post(self, url: str, payload: bytes, headers: dict[str, str]) -> HttpResponse:
+        if self.public_only:
+            try:
+                check_literal(url)  # literal addresses never reach the resolver
+            except PrivateEndpoint as err:
+                raise NodeError(f"refused to connect: {err}") from None
         try:
             # Never follow a node's redirect: it could point the gateway at an internal address.
             resp = await self.session.post(url, data=payload, headers=headers, allow_redirects=False)

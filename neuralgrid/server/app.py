@@ -95,7 +95,11 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             open=False,
         )
         await jobs_pool.open(wait=True, timeout=30)
-        nodes = HttpNodes(settings.connect_timeout_s, settings.first_byte_timeout_s)
+        nodes = HttpNodes(
+            settings.connect_timeout_s,
+            settings.first_byte_timeout_s,
+            public_only=not settings.private_endpoints_allowed,
+        )
         metrics = Metrics()
         metrics_holder.append(metrics)
         store = Store(pool)
