@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 
 class Timing:
-    """Pure ASGI middleware: stamps arrival time (for the overhead header) and counts responses."""
+    """Pure ASGI middleware: stamps arrival time (for the overhead header) and counts responses by
+    route template (`/v1/nodes/{node_id}/heartbeat`), never by raw path: a scanner's paths must not
+    each become a series."""
 
     def __init__(self, app: ASGIApp, metrics: list[Metrics]) -> None:
         self.app = app
@@ -60,12 +62,13 @@ class Timing:
             return
         received = time.perf_counter()
         scope.setdefault("state", {})["received"] = received
-        path = scope["path"]
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start" and self.metrics:
-                self.metrics[0].requests.labels(path, str(message["status"])).inc()
-                self.metrics[0].latency.labels(path).observe(time.perf_counter() - received)
+                route = scope.get("route")  # set by the router once a route matched
+                endpoint = getattr(route, "path", None) or "unmatched"
+                self.metrics[0].requests.labels(endpoint, str(message["status"])).inc()
+                self.metrics[0].latency.labels(endpoint).observe(time.perf_counter() - received)
             await send(message)
 
         await self.app(scope, receive, counted)
@@ -167,7 +170,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @app.get("/metrics", tags=["health"])
     async def metrics(services: ServicesDep) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Rendered off the event loop: requests go on while a large registry is written out.
+        text = await asyncio.to_thread(generate_latest, services.metrics.registry)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -436,6 +438,20 @@ def test_health_ready_metrics_and_docs(fake_nodes: Any, client: openai.OpenAI, g
         assert name in metrics
     assert 'neuralgrid_attempts_total{outcome="succeeded"} 1.0' in metrics
     assert "/v1/chat/completions" in httpx.get(f"{gateway}/openapi.json").text
+
+
+def test_metrics_label_routes_not_paths(fake_nodes: Any, gateway: str, api_key: str) -> None:
+    """A scanner's random paths and every node's own URL count under a bounded set of route templates."""
+    node = fake_nodes()
+    with httpx.Client(base_url=gateway) as http:
+        for i in range(300):
+            http.get(f"/scan/{i}/wp-admin.php")
+            http.post(f"/v1/nodes/{uuid.uuid4()}/heartbeat", json={})
+        http.post(f"/v1/nodes/{node.node_id}/heartbeat", json={})
+        metrics = http.get("/metrics").text
+    endpoints = set(re.findall(r'neuralgrid_requests_total\{endpoint="([^"]*)"', metrics))
+    assert endpoints == {"unmatched", "/v1/nodes/{node_id}/heartbeat"}, endpoints
+    assert "wp-admin" not in metrics and str(node.node_id) not in metrics.split("neuralgrid_node_outcomes")[0]
 
 
 def test_a_node_refusing_a_stream_passes_the_refusal_through_without_blame(
