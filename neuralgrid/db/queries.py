@@ -122,6 +122,7 @@ class Match:
     attempt: int
     fallback_ids: list[UUID] = field(default_factory=list)
     error: str | None = None
+    max_output_tokens: int | None = None  # PLACE_JOB: the answer's cap, what the budget pays for
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,11 @@ class JobCost:
 
 @dataclass(frozen=True)
 class ModelKind:
-    """A catalog model's kind (chat, completion, embedding…)."""
+    """A catalog model's kind (chat, completion, embedding…) and context length in tokens."""
 
     id: str
     kind: str
+    context_length: int
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ COMPLETE_JOBS = Query(
     "%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
     class_row(JobCost),
 )
-MODEL_KINDS = Query("model_kinds", "select id, kind from public.models", class_row(ModelKind))
+MODEL_KINDS = Query("model_kinds", "select id, kind, context_length from public.models", class_row(ModelKind))
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class FakeNodeConfig:
     interrupts: bool = False  # a new request ends a running stream early, without a finish_reason
     bad_request_status: int = 400  # the answer to a parameter of the wrong type
     linger_after_done_s: float = 0.0  # keep a stream open this long after [DONE] before ending it
+    context_length: int = 8192  # an answer stops where the context is full, as a real server's does
 
     @classmethod
     def like(cls, kind: str, **knobs: Any) -> FakeNodeConfig:
@@ -121,6 +122,7 @@ async def _generate(request: Request, kind: str) -> Response:
         body = await request.json()
     except json.JSONDecodeError:
         return _error(400, "body is not JSON")
+    request.app.state.last_body = body  # what the gateway sent, for tests to read
     if config.failure_rate and random.random() < config.failure_rate:
         return _error(config.fail_status, f"{config.name} failed on purpose")
     for param in ("temperature", "top_p"):
@@ -147,7 +149,8 @@ async def _answer_request(
     if kind == "embedding":
         slot.release()
         return JSONResponse(_embeddings(body, model, prompt_tokens))
-    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
+    asked = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
+    n = max(0, min(asked, config.context_length - prompt_tokens))
     tokens = _text_tokens(body, n, config.continues)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"

@@ -112,6 +112,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(b"".join(chunks), parse_constant=_not_json)
     except ValueError as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body

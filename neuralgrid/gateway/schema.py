@@ -17,7 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 Temperature = Annotated[float, Field(ge=0, le=2)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
-Count = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A model id is a name: no control characters (Postgres text cannot even hold NUL).
+ModelId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 Tokens = list[Annotated[int, Field(ge=0)]]
 
 
@@ -30,7 +33,7 @@ class StreamOptions(_Strict):
 
 
 class _Generation(_Strict):
-    model: str = Field(min_length=1, max_length=256)
+    model: ModelId
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Count | None = None
@@ -40,7 +43,7 @@ class _Generation(_Strict):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
 
@@ -87,7 +90,7 @@ class CompletionRequest(_Generation):
 
 
 class EmbeddingRequest(_Strict):
-    model: str = Field(min_length=1, max_length=256)
+    model: ModelId
     input: str | list[str] | Tokens | list[Tokens]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Count | None = None

@@ -48,13 +48,16 @@ PUBLIC_API = sorted(
 
 PRIVATE_HELPERS = sorted(
     [
+        "address_is_public",
         "balanced_components",
         "broadcast_job_change",
         "broadcast_node_change",
         "budget_hold",
+        "check_owner_endpoint",
         "claim_node",
         "cooldown_until",
         "end_attempt",
+        "endpoint_is_private",
         "ewma_fold",
         "great_circle_km",
         "move_job",
@@ -65,6 +68,7 @@ PRIVATE_HELPERS = sorted(
         "node_scores_after_node_update",
         "node_scores_after_nodes_insert",
         "notify_api_key_change",
+        "parse_ipv4",
         "proximity_component",
         "refresh_node_scores",
         "reject_reason",
@@ -298,6 +302,46 @@ def test_match_job_holds_the_price_of_the_request_size(conn: psycopg.Connection)
         "select node_id from match_job(%s, %s, p_reserve_usd => 0.5)", (LLAMA8, key)
     ).fetchone()
     assert row is not None and row[0] is not None and held(conn, key) == Decimal("0.5")
+
+
+def test_a_single_request_can_never_cost_more_than_the_budget_left(conn: psycopg.Connection) -> None:
+    """The review's case: a fresh $0.01 key asking for 1,000,000 tokens was admitted and charged $0.10.
+    The answer is now capped at what the budget pays for, the hold is exactly that, and the node is
+    told (max_output_tokens comes back for the gateway to send as max_tokens)."""
+    make_node(conn, max_concurrency=8)
+    key = make_key(conn, budget_usd=0.01)
+    (price,) = conn.execute("select output_usd_per_mtok from models where id = %s", (LLAMA8,)).fetchone() or (
+        0,
+    )
+    capped = conn.execute(
+        "select node_id, max_output_tokens from match_job(%s, %s, 'balanced', null, null, null, null, null,"
+        " false, 3, 0, 1000000)",
+        (LLAMA8, key),
+    ).fetchone()
+    assert capped is not None and capped[0] is not None
+    assert capped[1] == int(Decimal("0.01") * 10**6 / price) < 1_000_000
+    assert held(conn, key) <= Decimal("0.01")
+    # Charged for every token it was allowed, the key is spent to the cent and no further.
+    (job,) = conn.execute("select id from jobs where api_key_id = %s", (key,)).fetchone() or (None,)
+    conn.execute("select complete_job(%s, 'succeeded', 0, %s)", (job, capped[1]))
+    (spent,) = conn.execute("select spent_usd from api_keys where id = %s", (key,)).fetchone() or (None,)
+    assert spent <= Decimal("0.01")
+    # Nothing left to pay for even one token: refused before any node is claimed.
+    with pytest.raises(psycopg.Error, match="cannot pay") as refused:
+        conn.execute(PRICED_MATCH, (LLAMA8, key, 0, 10))
+    assert refused.value.sqlstate == "NG402"
+    assert conn.execute("select count(*) from jobs where api_key_id = %s", (key,)).fetchone() == (1,)
+
+
+def test_requests_the_budget_pays_for_are_not_capped(conn: psycopg.Connection) -> None:
+    make_node(conn, max_concurrency=8)
+    for key in (make_key(conn, budget_usd=100.0), make_key(conn)):
+        row = conn.execute(
+            "select max_output_tokens from match_job(%s, %s, 'balanced', null, null, null, null, null,"
+            " false, 3, 400, 512)",
+            (LLAMA8, key),
+        ).fetchone()
+        assert row == (512,)
 
 
 # One sweep ------------------------------------------------------------------------------------------

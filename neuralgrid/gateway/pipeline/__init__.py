@@ -46,8 +46,8 @@ class Pipeline:
         self.metrics = metrics
 
     async def handle(self, call: Call) -> Response:
-        admitted = await self.admission.admit(call)
-        placed = await self.placement.place(admitted)
+        placed = await self.placement.place(await self.admission.admit(call))
+        admitted = placed.admitted
         meter = Meter(placed.job_id, placed.node.id, sent=time.perf_counter())
         try:
             delivery = await self.sender.deliver(

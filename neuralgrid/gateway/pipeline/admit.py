@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from neuralgrid.db import queries as q
@@ -15,6 +15,9 @@ from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.ratelimit import RateLimiter
 
 CATALOG_TTL_S = 60.0
+# The longest answer asked of a model the catalog does not know (its context length is unknown; the
+# catalog's longest is 131,072 tokens).
+UNCATALOGUED_MAX_TOKENS = 131_072
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,16 @@ class Admitted:
     body: dict[str, Any]  # as the nodes get it
     payload: bytes
     stream: bool
-    max_output_tokens: int
+    max_output_tokens: int  # over all choices (n)
+
+    def capped(self, max_output_tokens: int) -> Admitted:
+        """The same call told to answer in fewer tokens (what its key's budget pays for)."""
+        if max_output_tokens >= self.max_output_tokens:
+            return self
+        choices = max(1, int(self.body.get("n") or 1))
+        body = {**self.body, "max_tokens": max(1, max_output_tokens // choices)}
+        payload = json.dumps(body).encode()
+        return replace(self, body=body, payload=payload, max_output_tokens=max_output_tokens)
 
 
 class Catalog:
@@ -80,12 +92,26 @@ class Admission:
         body = dict(call.body)
         if stream:  # ask for usage to meter; stripped again if the client did not ask
             body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
-        max_out = int(
-            call.body.get("max_tokens") or call.body.get("max_completion_tokens") or self.default_max_tokens
-        )
-        if call.key.budget_usd is not None and call.kind != "embedding":
-            # The hold must bound the cost: the node is told the answer size the hold assumed.
-            body.setdefault("max_tokens", max_out)
+        if call.kind == "embedding":
+            return Admitted(call, body, json.dumps(body).encode(), stream, 0)
+        max_out = self._max_tokens(call, body, entry)
         max_out *= max(1, int(call.body.get("n") or 1))
-        payload = json.dumps(body).encode()
-        return Admitted(call, body, payload, stream, 0 if call.kind == "embedding" else max_out)
+        return Admitted(call, body, json.dumps(body).encode(), stream, max_out)
+
+    def _max_tokens(self, call: Call, body: dict[str, Any], entry: q.ModelKind | None) -> int:
+        """The answer's length per choice, at most the model's context. A key with a budget always
+        tells the node (its hold assumes that length, so the charge can never exceed it); a key
+        without one leaves the server's default when the client gave none."""
+        asked = body.pop("max_tokens", None) or body.pop("max_completion_tokens", None)
+        body.pop("max_completion_tokens", None)  # one field for every server; null never reaches one
+        limit = entry.context_length if entry else UNCATALOGUED_MAX_TOKENS
+        if asked is not None and asked > limit:
+            raise errors.BadRequest(
+                f"max_tokens is too large: {asked}. {call.model} supports at most {limit} tokens",
+                param="max_tokens",
+            )
+        if asked is None and call.key.budget_usd is None:
+            return limit
+        max_tokens = int(asked or min(self.default_max_tokens, limit))
+        body["max_tokens"] = max_tokens
+        return max_tokens

@@ -28,6 +28,7 @@ class Placed(NamedTuple):
     job_id: UUID
     node: Node
     candidates: list[UUID]  # the fallbacks the job may move on to
+    admitted: Admitted  # the call as admitted, its answer capped at what the key's budget pays for
 
 
 class Placement:
@@ -50,7 +51,9 @@ class Placement:
         if match.node_id is None or match.endpoint_url is None:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
-        return Placed(match.job_id, node, match.fallback_ids)
+        if match.max_output_tokens is not None:
+            admitted = admitted.capped(match.max_output_tokens)
+        return Placed(match.job_id, node, match.fallback_ids, admitted)
 
     async def failover(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]

@@ -1,0 +1,108 @@
+"""Hostile and malformed input: always an OpenAI-shaped 4xx, never a 500, never a node's fault, and
+never a bound larger than the budget or the model allows."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from tests.conftest import LLAMA8, wait_for
+
+CHAT = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}]}
+
+# (what is wrong, body or raw text). Each must be refused with a 4xx and an OpenAI-shaped error.
+HOSTILE: list[tuple[str, Any]] = [
+    ("nested 100,000 deep", "[" * 100_000 + "]" * 100_000),
+    ("nested object 50,000 deep", '{"a":' * 50_000 + "1" + "}" * 50_000),
+    ("NUL in the model", {**CHAT, "model": "llama\u0000"}),
+    ("a control character in the model", {**CHAT, "model": "llama\n"}),
+    ("max_tokens 2^63", {**CHAT, "max_tokens": 2**63}),
+    ("max_tokens beyond the context", {**CHAT, "max_tokens": 10_000_000}),
+    ("max_tokens a string", {**CHAT, "max_tokens": "12"}),
+    (
+        "max_completion_tokens Infinity",
+        json.dumps({**CHAT, "max_completion_tokens": "INF"}).replace('"INF"', "Infinity"),
+    ),
+    ("max_completion_tokens a float", {**CHAT, "max_completion_tokens": 1.5}),
+    ("n a string", {**CHAT, "n": "2"}),
+    ("n zero", {**CHAT, "n": 0}),
+    ("n huge", {**CHAT, "n": 10**20}),
+    ("seed beyond int64", {**CHAT, "seed": 2**64}),
+    ("stream_options a list", {**CHAT, "stream": True, "stream_options": [1]}),
+    ("stream a string", {**CHAT, "stream": "false"}),
+    (
+        "temperature NaN",
+        json.dumps({**CHAT, "temperature": "NAN"}).replace('"NAN"', "NaN"),
+    ),
+    ("messages not a list", {**CHAT, "messages": "hi"}),
+    ("a body that is a list", [CHAT]),
+    ("not JSON", "{"),
+    ("not UTF-8", b"\xff\xfe{}"),
+]
+
+
+@pytest.mark.parametrize(("case", "body"), HOSTILE, ids=[case for case, _ in HOSTILE])
+def test_hostile_bodies_get_a_4xx_in_openais_shape(
+    gateway: str, api_key: str, fake_nodes: Any, case: str, body: Any
+) -> None:
+    node = fake_nodes()
+    content = (
+        body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    )
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        content=content,
+        headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert 400 <= resp.status_code < 500, (case, resp.status_code, resp.text[:300])
+    error = resp.json()["error"]
+    assert error["message"] and error["type"], case
+    assert node.requests == 0, case  # no node was troubled with it
+
+
+def test_max_tokens_null_is_the_default_the_hold_assumed(
+    conn: psycopg.Connection, gateway: str, fake_nodes: Any
+) -> None:
+    """The review's case: `"max_tokens": null` held 512 tokens but the node got null (unbounded on vLLM)."""
+    node = fake_nodes()
+    key = conn.execute("select api_key from create_api_key('budgeted', null, null, 1.0)").fetchone()
+    assert key is not None
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        json={**CHAT, "max_tokens": None, "max_completion_tokens": None},
+        headers={"authorization": f"Bearer {key[0]}"},
+    )
+    assert resp.status_code == 200, resp.text
+    sent = node.server.app.state.last_body
+    assert sent["max_tokens"] == 512 and "max_completion_tokens" not in sent
+
+
+def test_one_request_cannot_spend_more_than_the_budget_left(
+    conn: psycopg.Connection, gateway: str, fake_nodes: Any
+) -> None:
+    """The review's case: a fresh $0.01 key asked for 1,000,000 tokens and was charged $0.10. Now the
+    node is told to stop at what the budget pays for, and the key is charged at most its budget."""
+    node = fake_nodes(context_length=2_000_000)
+    conn.execute("update models set context_length = 2000000 where id = %s", (LLAMA8,))
+    (secret,) = conn.execute("select api_key from create_api_key('k', null, null, 0.01)").fetchone() or ("",)
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        json={**CHAT, "max_tokens": 1_000_000},
+        headers={"authorization": f"Bearer {secret}"},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    (price,) = conn.execute("select output_usd_per_mtok from models where id = %s", (LLAMA8,)).fetchone() or (
+        0,
+    )
+    affordable = int(0.01 * 1e6 / float(price))  # less the prompt's share
+    assert 0.99 * affordable < node.server.app.state.last_body["max_tokens"] < affordable
+    spent = wait_for(
+        lambda: conn.execute("select spent_usd from api_keys where name = 'k' and spent_usd > 0").fetchone()
+    )
+    assert float(spent[0]) <= 0.01
