@@ -109,13 +109,26 @@ async def user_claims(request: Request, services: ServicesDep) -> dict[str, Any]
         raise Unauthorized("sign in: send 'Authorization: Bearer <Supabase access token>'")
     try:
         claims: dict[str, Any] = jwt.decode(
-            header[7:].strip(), services.settings.jwt_secret, algorithms=["HS256"], audience="authenticated"
+            header[7:].strip(),
+            services.settings.jwt_secret,
+            algorithms=["HS256"],
+            audience="authenticated",
+            options={"require": ["exp", "sub"]},  # a token that never expires is no session's
         )
     except jwt.PyJWTError as err:
         raise Unauthorized(f"invalid access token: {err}") from err
-    if claims.get("role") != "authenticated" or not claims.get("sub"):
+    if claims.get("role") != "authenticated" or not _is_uuid(claims.get("sub")):
         raise Unauthorized("the access token is not a signed-in user's")
     return claims
+
+
+def _is_uuid(value: object) -> bool:
+    """Supabase Auth's user ids are UUIDs; the policies compare auth.uid() with uuid columns."""
+    try:
+        UUID(str(value))
+    except ValueError:
+        return False
+    return isinstance(value, str)
 
 
 UserDep = Annotated[dict[str, Any], Depends(user_claims)]

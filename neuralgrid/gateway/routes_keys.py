@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
 class NewKey(BaseModel):
-    name: str = Field(min_length=1, max_length=100)
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters
     rpm_limit: int | None = Field(None, gt=0)
     tpm_limit: int | None = Field(None, gt=0)
     budget_usd: float | None = Field(None, ge=0)

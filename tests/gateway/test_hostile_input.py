@@ -4,13 +4,15 @@ never a bound larger than the budget or the model allows."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
+import jwt
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, wait_for
+from tests.conftest import LLAMA8, make_user, wait_for
 
 CHAT = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -106,3 +108,32 @@ def test_one_request_cannot_spend_more_than_the_budget_left(
         lambda: conn.execute("select spent_usd from api_keys where name = 'k' and spent_usd > 0").fetchone()
     )
     assert float(spent[0]) <= 0.01
+
+
+SECRET = "test-secret-of-the-project-0123456789abcdef"
+
+
+def bearer(claims: dict[str, Any]) -> dict[str, str]:
+    return {"authorization": f"Bearer {jwt.encode(claims, SECRET, algorithm='HS256')}"}
+
+
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_JWT_SECRET": SECRET}])
+def test_user_tokens_and_key_names_are_checked(conn: psycopg.Connection, gateway: str) -> None:
+    user = make_user(conn)
+    good = {"sub": str(user), "role": "authenticated", "aud": "authenticated", "exp": int(time.time()) + 60}
+    refused_tokens = [
+        {k: v for k, v in good.items() if k != "exp"},  # never expires: refused, as Realtime does
+        {**good, "sub": "not-a-uuid"},
+        {**good, "sub": 42},
+        {**good, "exp": int(time.time()) - 5},
+    ]
+    for claims in refused_tokens:
+        resp = httpx.get(f"{gateway}/v1/keys", headers=bearer(claims))
+        assert resp.status_code == 401 and resp.json()["error"]["message"], claims
+    for name in ("a\u0000b", "line\nbreak"):
+        resp = httpx.post(f"{gateway}/v1/keys", json={"name": name}, headers=bearer(good))
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "name", resp.text
+    assert (
+        httpx.post(f"{gateway}/v1/keys", json={"name": "laptop ☕"}, headers=bearer(good)).status_code == 201
+    )
+    assert httpx.get(f"{gateway}/v1/keys", headers=bearer(good)).json()["data"][0]["name"] == "laptop ☕"
