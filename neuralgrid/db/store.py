@@ -3,7 +3,8 @@
 Every Postgres error leaves here already translated into the domain's (db/errors.py). `Store` is
 the async face the gateway, web and server use; `SyncStore` the thin sync face of the CLI and tests.
 `Store` takes a pool or one connection; its `as_role()` runs a block as a Supabase role with its
-claims, exactly as PostgREST does, so grants and row-level security decide.
+claims, exactly as PostgREST does, so grants and row-level security decide. Text parameters go out
+without NUL characters (`without_nul()`), which Postgres text cannot hold.
 """
 
 from __future__ import annotations
@@ -21,6 +22,44 @@ from neuralgrid.db.roles import act_as
 
 R = TypeVar("R")
 Params = Mapping[str, Any] | Sequence[Any] | None
+
+NUL = "\x00"
+REPLACEMENT = "\ufffd"  # what a decoder puts in place of what it cannot read
+
+
+def without_nul(params: Params) -> Params:
+    """The parameters with each NUL in their text (strings, text arrays) replaced by U+FFFD.
+
+    Postgres text cannot hold NUL, and text from outside can (a node's error message): psycopg would
+    refuse the whole statement, a job's completion with it. Replaced rather than dropped, so that
+    distinct inputs stay distinct (a model name with a NUL matches no model). The parameters come
+    back unchanged, not copied, when there is none: the usual case costs one look at each value.
+    """
+    if params is None:
+        return None
+    values = params.values() if isinstance(params, Mapping) else params
+    if not any(map(_has_nul, values)):
+        return params
+    if isinstance(params, Mapping):
+        return {name: _replace_nul(value) for name, value in params.items()}
+    return [_replace_nul(value) for value in params]
+
+
+def _has_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return NUL in value
+    # An array holds one type: one that starts with a number, a UUID... holds no text.
+    if isinstance(value, list) and value and (value[0] is None or isinstance(value[0], str)):
+        return NUL in "".join(item for item in value if isinstance(item, str))
+    return False
+
+
+def _replace_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace(NUL, REPLACEMENT)
+    if isinstance(value, list):
+        return [_replace_nul(item) for item in value]
+    return value
 
 
 class Store:
@@ -41,7 +80,7 @@ class Store:
         try:
             async with self._connection() as conn:
                 cur = conn.cursor(row_factory=query.rows)
-                await cur.execute(query.sql, params)
+                await cur.execute(query.sql, without_nul(params))
                 return await cur.fetchall() if cur.description else []
         except psycopg.Error as err:
             raise translate(err, query.subject) from err
@@ -74,7 +113,7 @@ class SyncStore:
     def all(self, query: Query[R], params: Params = None) -> list[R]:
         try:
             with self.conn.cursor(row_factory=query.rows) as cur:
-                cur.execute(query.sql, params)
+                cur.execute(query.sql, without_nul(params))
                 return cur.fetchall() if cur.description else []
         except psycopg.Error as err:
             raise translate(err, query.subject) from err

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from uuid import UUID
 
 import psycopg
 
@@ -13,6 +15,8 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.server.serving import free_port, make_server, running
+
+log = logging.getLogger(__name__)
 
 DEMO_FLEET = Path(__file__).parent.parent / "data" / "demo_fleet.json"
 DEMO_NODES = 24  # the demo fleet's size
@@ -37,14 +41,43 @@ async def backend() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-async def keep_alive(url: str, stop: asyncio.Event) -> None:
-    """Heartbeat every demo node (owner-less, not offline) at the platform's interval until stop."""
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        store = Store(conn)
-        ids = await store.all(q.LIVE_DEMO_NODES)
-        interval_s = float(await store.get(q.HEARTBEAT_INTERVAL))
-        while not stop.is_set():
-            for node_id in ids:
-                await store.one(q.NODE_HEARTBEAT, (node_id,))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+async def keep_alive(
+    url: str, stop: asyncio.Event, first_retry_s: float = 0.5, max_retry_s: float = 5.0
+) -> None:
+    """Heartbeat every demo node (owner-less, not offline when this starts) at the platform's
+    interval until stop. A lost database (a restart) is waited out: reconnect with a pause that
+    doubles up to max_retry_s, said once per outage; the same nodes are kept alive after it, the
+    sweeper having set them offline meanwhile or not."""
+    nodes: list[UUID] | None = None
+    retry_s = first_retry_s
+    lost = False
+    while not stop.is_set():
+        try:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                store = Store(conn)
+                if nodes is None:
+                    nodes = await store.all(q.LIVE_DEMO_NODES)
+                interval_s = float(await store.get(q.HEARTBEAT_INTERVAL))
+                if lost:
+                    log.info("demo heartbeats: the database is back; %d nodes kept alive again", len(nodes))
+                lost, retry_s = False, first_retry_s
+                await _beat(store, nodes, interval_s, stop)
+        except psycopg.OperationalError as err:
+            if not lost:
+                log.warning("demo heartbeats: lost the database (%s); reconnecting", err)
+                lost = True
+            await _wait(stop, retry_s)
+            retry_s = min(retry_s * 2, max_retry_s)
+
+
+async def _beat(store: Store, nodes: list[UUID], interval_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for node_id in nodes:
+            await store.one(q.NODE_HEARTBEAT, (node_id,))
+        await _wait(stop, interval_s)
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep, cut short by stop."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)

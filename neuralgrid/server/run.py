@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import make_server
 from neuralgrid.server.settings import Settings
 from neuralgrid.web.signin import signin_link
+
+log = logging.getLogger(__name__)
 
 
 async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], None]) -> None:
@@ -37,7 +40,9 @@ async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], No
                 specs = fleet.read_fleet(demo_fleet.DEMO_FLEET)[:demo]
                 served = {"endpoint_url": backend_url, "backend": demo_fleet.FAKE_BACKEND}
                 fleet.import_fleet(conn, [s.model_copy(update=served) for s in specs])
-            tasks.append(asyncio.create_task(demo_fleet.keep_alive(url, stop)))
+            heartbeats = asyncio.create_task(demo_fleet.keep_alive(url, stop), name="demo heartbeats")
+            heartbeats.add_done_callback(_report_early_end)
+            tasks.append(heartbeats)
         tasks.append(asyncio.create_task(gateway.serve()))
         while not gateway.started and not tasks[-1].done():
             await asyncio.sleep(0.05)
@@ -56,3 +61,9 @@ async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], No
         for task in tasks[:-1]:
             task.cancel()
         await asyncio.gather(*tasks[:-1], return_exceptions=True)
+
+
+def _report_early_end(task: asyncio.Task[None]) -> None:
+    """A background task that fails says so when it does: the gather at shutdown keeps its error quiet."""
+    if not task.cancelled() and (err := task.exception()) is not None:
+        log.error("%s stopped: %s", task.get_name(), err, exc_info=err)

@@ -1,6 +1,7 @@
-"""The health sweeper: marks silent nodes offline by calling sweep_stale_nodes() every second.
+"""The sweeper: calls sweep() every second, which marks silent nodes offline and ends jobs still
+running past platform_settings.job_deadline_s (their completion was lost).
 
-On Supabase, pg_cron can run the same function instead; running both is harmless (the update is
+On Supabase, pg_cron runs the same function instead; running both is harmless (the updates are
 idempotent), so every gateway instance may run a sweeper.
 """
 
@@ -19,14 +20,16 @@ log = logging.getLogger(__name__)
 
 
 async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
-    """One sweep; returns the names of nodes it set offline. Abandoned jobs are ended too."""
+    """One sweep; returns the names of nodes it set offline. Jobs past the deadline are ended too."""
     names = []
     for swept in await Store(conn).all(q.SWEEP):
         if swept.kind == "node_offline":
             names.append(str(swept.name))
         else:
             log.warning(
-                "job %s never completed: ended as failed, its slot and budget hold released", swept.id
+                "job %s passed the job deadline without a completion: ended as failed, its slot and"
+                " budget hold released",
+                swept.id,
             )
     return names
 

@@ -16,7 +16,7 @@ import psycopg
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobEnd, JobOutcome
 from neuralgrid.gateway.auth import ApiKey
-from neuralgrid.gateway.completions import Completions
+from neuralgrid.gateway.completions import Completions, NotWritten
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.protocol.sse import Usage
@@ -68,13 +68,18 @@ class Metering:
         try:
             if await self.completions.record(end) is None:
                 log.warning("job %s had already ended (swept?) when its completion came", meter.job_id)
+        except NotWritten:
+            pass  # given up on shutdown: Completions counted these in one line
         except (psycopg.Error, DatabaseError):
             log.exception("could not complete job %s", meter.job_id)
         self.metrics.count(meter.node_id, outcome)
         await self.limiter.spend_tokens(key, usage.prompt_tokens + usage.completion_tokens)
 
     async def drain(self) -> None:
-        """Wait for the jobs still being recorded (on shutdown)."""
+        """Wait for the jobs still being recorded (on shutdown). Their endings are handed in first
+        (a task's first step hands its ending in), so that the completions' drain bounds how long
+        they are retried while the database is down; waiting for the tasks first would not."""
+        await asyncio.sleep(0)
+        await self.completions.drain()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
-        await self.completions.drain()

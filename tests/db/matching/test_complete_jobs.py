@@ -13,8 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from neuralgrid.db import queries as q
 from neuralgrid.db.errors import InvalidRequest
-from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, complete_jobs, match_job
+from neuralgrid.db.matching import JobEnd, MatchRequest, complete_job, complete_jobs, failover_job, match_job
+from neuralgrid.db.store import without_nul
 from tests.conftest import LLAMA8, make_key, make_node
 
 TIME_PRICED = "custom:7b"  # not in the catalog: priced by node time
@@ -138,3 +140,17 @@ def test_a_bad_batch_is_refused_and_changes_nothing(conn: psycopg.Connection) ->
         )
     assert conn.execute("select status from jobs").fetchone() == ("running",)
     assert conn.execute("select inflight from nodes").fetchone() == (1,)
+
+
+def test_text_from_outside_with_nul_bytes_is_written(conn: psycopg.Connection) -> None:
+    """Postgres text cannot hold NUL: a node's error message with one still ends its job, and still
+    fails it over, the NUL written as U+FFFD."""
+    make_node(conn, max_concurrency=8)
+    ended, moved = (match_job(conn, MatchRequest(model=LLAMA8)).job_id for _ in range(2))
+    assert list(complete_jobs(conn, [JobEnd(ended, status="failed", error="bad\x00byte")])) == [ended]
+    assert failover_job(conn, moved, "tunnel said \x00", candidates=[]) is None  # no node left: failed
+    errors: dict[uuid.UUID, str] = dict(conn.execute("select id, error from jobs").fetchall())
+    assert errors == {ended: "bad\ufffdbyte", moved: "tunnel said \ufffd"}
+    assert without_nul({"model": "a\x00", "limit": 3}) == {"model": "a\ufffd", "limit": 3}
+    params = q.complete_jobs_params([JobEnd(ended, error="clean")])
+    assert without_nul(params) is params  # nothing to replace: nothing copied
