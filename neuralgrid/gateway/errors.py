@@ -60,6 +60,10 @@ class BodyTooLarge(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(GatewayError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class RateLimited(GatewayError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 

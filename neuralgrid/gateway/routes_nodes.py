@@ -28,7 +28,9 @@ HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat is small; anything larger is a mi
 @router.post("", status_code=201)
 async def register(request: Request, key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     """Registers the caller's node (or re-registers it by name) and returns its secret, once."""
-    node = _validated(NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES))
+    node = _validated(
+        NodeRegistration, await read_json(request, HEARTBEAT_MAX_BYTES, services.settings.body_timeout_s)
+    )
     if not services.settings.private_endpoints_allowed:
         try:
             await check_endpoint(node.endpoint_url)
@@ -50,7 +52,7 @@ async def heartbeat(node_id: UUID, request: Request, services: ServicesDep) -> d
     if not header.lower().startswith("bearer "):
         raise Unauthorized("send the node's secret: 'Authorization: Bearer <node secret>'")
     try:
-        body = await read_json(request, HEARTBEAT_MAX_BYTES)
+        body = await read_json(request, HEARTBEAT_MAX_BYTES, services.settings.body_timeout_s)
     except BodyTooLarge:
         raise BodyTooLarge(f"a heartbeat is at most {HEARTBEAT_MAX_BYTES} bytes") from None
     beat = _validated(Heartbeat, body)

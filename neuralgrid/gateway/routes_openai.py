@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from starlette.responses import Response
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, invalid
+from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, RequestTimeout, invalid
 from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.schema import SCHEMAS
 from neuralgrid.server.services import ServicesDep
@@ -74,7 +75,8 @@ async def usage(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
 
 
 async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: str) -> Response:
-    body = await read_json(request, services.settings.max_body_bytes)
+    settings = services.settings
+    body = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
     try:
         SCHEMAS[kind].model_validate(body)
     except ValidationError as err:
@@ -98,16 +100,21 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
     return await services.pipeline.handle(call)
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object: at most `limit` bytes, all of it within `timeout_s`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     try:
         body = json.loads(b"".join(chunks), parse_constant=_not_json)
     except ValueError as err:

@@ -12,8 +12,51 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 T = TypeVar("T")
+
+# A client gets this long, from connecting (or starting its next request), to send a request's
+# headers. uvicorn has no such limit: a socket that sends nothing, or a byte now and then, is held
+# for ever (a slowloris). Bodies have their own deadline, in the app (gateway.routes_openai.read_json).
+HEADER_TIMEOUT_S = 10.0
+
+
+class HeaderDeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, closing connections whose request headers are late."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+    _headers_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._expect_headers()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._expect_headers()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_deadline()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _expect_headers(self) -> None:
+        if self._headers_due is None:
+            self._headers_due = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _cancel_deadline(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _headers_late(self) -> None:
+        self._headers_due = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 def run_fast(main: Coroutine[Any, Any, T]) -> T:
@@ -41,13 +84,16 @@ class Server(uvicorn.Server):
         yield
 
 
-def make_server(app: Any, host: str, port: int, **options: Any) -> Server:
+def make_server(
+    app: Any, host: str, port: int, header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any
+) -> Server:
     # Realtime fans small messages out to many sockets: frames built once and written straight to
     # each (see realtime/fastpath.py), and no permessage-deflate, whose per-socket compression
     # would cost more than it saves.
     from neuralgrid.realtime.fastpath import FanoutWebSocketProtocol
 
-    options = {"ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
+    http = type("HttpProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+    options = {"http": http, "ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
     return Server(config)
 
@@ -75,11 +121,11 @@ async def running(server: Server) -> AsyncIterator[None]:
 class ThreadedServer:
     """An app served on a loopback port from a background thread; a context manager."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None, **options: Any) -> None:
         self.app = app
         self.host = host
         self.port = port or free_port(host)
-        self.server = make_server(app, self.host, self.port)
+        self.server = make_server(app, self.host, self.port, **options)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     @property

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     # conversation plus the text streamed so far (see proxy.continuation).
     resume_streams: bool = Field(True, alias="NEURALGRID_RESUME_STREAMS")
     max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
+    # A request body must arrive within this (headers within 10 s: see server/serving.py), so that
+    # clients sending a byte now and then cannot hold sockets and memory.
+    body_timeout_s: float = Field(30.0, alias="NEURALGRID_BODY_TIMEOUT_S", gt=0)
     key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
     default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)
     # The request path's transactions (claims, completions: jobs, node load and reputation, budget

@@ -1,0 +1,74 @@
+"""Slow clients (a slowloris) cannot hold the gateway's sockets: late headers close the connection,
+a late body gets a 408."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.settings import Settings
+
+
+@pytest.fixture
+def impatient(db_url: str) -> Iterator[ThreadedServer]:
+    app = create_app(Settings(NEURALGRID_BODY_TIMEOUT_S=1), db_url, sweep=False)
+    with ThreadedServer(app, header_timeout_s=1) as server:
+        yield server
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the server closes the socket (reads EOF, or a reset) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while data := sock.recv(4096):
+            if b"408" in data:  # an answer, then the close
+                continue
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"])
+def test_headers_that_do_not_arrive_close_the_connection(impatient: ThreadedServer, sent: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        sock.sendall(sent)
+        started = time.monotonic()
+        for _ in range(3):  # a byte now and then does not buy more time
+            time.sleep(0.3)
+            sock.sendall(b"X" if sent else b"")
+        assert closed_within(sock, 3)
+        assert time.monotonic() - started < 3
+
+
+def test_a_body_that_does_not_arrive_is_a_408(impatient: ThreadedServer, api_key: str) -> None:
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api_key}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        sock.sendall(head.encode() + b'{"model": ')
+        sock.settimeout(5)
+        answer = b""
+        while b"request_timeout" not in answer and (chunk := sock.recv(4096)):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer[:300]
+
+
+def test_a_keep_alive_connection_still_serves_request_after_request(impatient: ThreadedServer) -> None:
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        sock.settimeout(5)
+        for _ in range(3):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                answer += sock.recv(4096) or b"(closed)"
+                assert not answer.endswith(b"(closed)"), answer
+            assert answer.startswith(b"HTTP/1.1 200")
+            time.sleep(0.6)  # idle between requests, under uvicorn's keep-alive (5 s)
