@@ -54,6 +54,7 @@ class FrontState:
     backend: Backend
     served_names: dict[str, str] = field(default_factory=dict)  # catalog id -> the server's name
     key: bytes | None = None  # set once registered
+    signatures: signing.Verifier = field(default_factory=signing.Verifier)  # remembers nonces
     inflight: int = 0
     draining: bool = False
     served: int = 0
@@ -175,7 +176,8 @@ async def _forward(request: Request) -> Response:
     state: FrontState = request.app.state.front
     body = await request.body()
     path = request.url.path
-    if state.key is None or not signing.verify(state.key, request.headers.get(signing.HEADER), path, body):
+    header = request.headers.get(signing.HEADER)
+    if state.key is None or not state.signatures.verify(state.key, header, path, body):
         return _error(401, "requests to this node must be signed by the NeuralGrid gateway")
     if state.draining:
         return _error(503, "this node is draining: it takes no new work")
