@@ -42,6 +42,7 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
     "42501": Forbidden,  # insufficient_privilege
     "22023": InvalidRequest,  # invalid_parameter_value
     "22P02": InvalidRequest,  # invalid_text_representation
+    "22P05": InvalidRequest,  # untranslatable_character (\u0000 in jsonb)
     "22003": InvalidRequest,  # numeric_value_out_of_range
     "23502": InvalidRequest,  # not_null_violation
     "23514": InvalidRequest,  # check_violation

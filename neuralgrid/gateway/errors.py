@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -94,3 +94,17 @@ def from_database(err: db.DatabaseError) -> GatewayError:
     if isinstance(err, db.BudgetExhausted):
         return BudgetExceeded(message, retry_after=60)
     return BadRequest(message, param=param)
+
+
+def from_http(status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's shape."""
+    messages = {404: "no such endpoint", 405: "this endpoint does not take that method"}
+    body = {
+        "error": {
+            "message": messages.get(status, detail),
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": detail.lower().replace(" ", "_") if status < 500 else None,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -115,15 +116,31 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    raw = b"".join(chunks)
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_not_json)
+        body = json.loads(raw, parse_constant=_not_json)
     except ValueError as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from err
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise BadRequest("the request body has a \\u escape that is half a character (a lone surrogate)")
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+# \ud800-\udfff: half of a UTF-16 pair. Pairs (emoji, escaped) are common and fine; one alone is no
+# character at all, and neither UTF-8 nor Postgres can hold it.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(body: Any) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _not_json(constant: str) -> Any:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Every number has a range a real machine fits in (64 GPUs of today's largest), so nothing
+# out of Postgres's range, or absurd, reaches the matcher.
+# Text is a name or a version: printable, no control characters (Postgres cannot even hold NUL).
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=PRINTABLE)]
+VramGb = Annotated[float, Field(gt=0, le=100_000)]  # all GPUs together
+Tflops = Annotated[float, Field(gt=0, le=1_000_000)]
 
 # What an agent may say of its node: serving, finishing what it has (SIGTERM), or gone.
 AgentStatus = Literal["online", "draining", "offline"]
@@ -14,8 +22,8 @@ class BackendInfo(BaseModel):
     """What the agent found of its inference server (see neuralgrid.agent.backend.ServerInfo)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(min_length=1, max_length=32)
-    version: str | None = Field(None, max_length=64)
+    kind: str = Field(min_length=1, max_length=32, pattern=PRINTABLE)
+    version: str | None = Field(None, max_length=64, pattern=PRINTABLE)
     parallel: int | None = Field(None, ge=1, le=1024)
     usage_in_streams: bool = False
     continues: bool = False
@@ -25,37 +33,37 @@ class BackendInfo(BaseModel):
 
 class NodeRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=100)
-    gpu_model: str = Field(min_length=1, max_length=100)
+    name: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
+    gpu_model: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
     gpu_count: int = Field(1, ge=1, le=64)
-    vram_gb: float = Field(gt=0)
-    tflops: float = Field(gt=0)
-    hourly_rate: float = Field(ge=0)
-    region: str = Field(min_length=1, max_length=64)
+    vram_gb: VramGb
+    tflops: Tflops
+    hourly_rate: float = Field(ge=0, le=10_000)  # USD per hour
+    region: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
     latitude: float | None = Field(None, ge=-90, le=90)
     longitude: float | None = Field(None, ge=-180, le=180)
     endpoint_url: str = Field(pattern=r"^(https?://\S+|tunnel:\S*)$")
     max_concurrency: int = Field(4, ge=1, le=1024)
-    models: list[str] = Field(default_factory=list, max_length=1000)
-    agent_version: str | None = Field(None, max_length=64)
+    models: list[ModelName] = Field(default_factory=list, max_length=1000)
+    agent_version: str | None = Field(None, max_length=64, pattern=PRINTABLE)
     backend: BackendInfo | None = None
 
 
 class Specs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    gpu_model: str = Field(min_length=1, max_length=100)
+    gpu_model: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
     gpu_count: int = Field(ge=1, le=64)
-    vram_gb: float = Field(gt=0)
-    tflops: float = Field(gt=0)
+    vram_gb: VramGb
+    tflops: Tflops
 
 
 class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: AgentStatus = "online"
-    queue_depth: int = Field(0, ge=0)
+    queue_depth: int = Field(0, ge=0, le=1_000_000)
     gpu_utilization: float | None = Field(None, ge=0, le=1)
-    free_vram_gb: float | None = Field(None, ge=0)
-    models: list[str] = Field(default_factory=list, max_length=1000)
+    free_vram_gb: float | None = Field(None, ge=0, le=100_000)
+    models: list[ModelName] = Field(default_factory=list, max_length=1000)
     specs: Specs | None = None  # only when they changed since registration
     backend_up: bool = True  # false: the agent is alive but its inference server does not answer
     backend: BackendInfo | None = None  # only when it changed

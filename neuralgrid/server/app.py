@@ -16,16 +16,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import PING
 from neuralgrid.db.store import Store
-from neuralgrid.gateway import routes_keys, routes_nodes, routes_openai
+from neuralgrid.gateway import openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
 from neuralgrid.gateway.completions import Completions
-from neuralgrid.gateway.errors import GatewayError, from_database, invalid
+from neuralgrid.gateway.errors import GatewayError, from_database, from_http, invalid
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
@@ -136,6 +137,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         description="OpenAI-compatible inference, routed to the best GPU node by a matcher in Postgres.",
         lifespan=lifespan,
     )
+    app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
     app.add_middleware(Timing, metrics=metrics_holder)
     app.include_router(routes_openai.router)
     app.include_router(routes_keys.router)
@@ -150,6 +152,10 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return invalid(err.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return from_http(err.status_code, str(err.detail), err.headers)
 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, err: DatabaseError) -> JSONResponse:
