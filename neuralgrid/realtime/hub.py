@@ -6,6 +6,11 @@ the sending instance's id, which skips its own), so subscribers on any instance 
 Deliveries of one feed message are encoded once per (protocol version, topic, payload view) and
 handed to each subscriber's socket, whose writes the Coalescer batches; a subscriber that stops
 reading is disconnected, not waited for.
+
+Client broadcasts and presence go to Postgres only for rooms another instance has subscribers in:
+each instance announces the rooms it holds (`room` when one opens or closes, `rooms` in answer to a
+`hello`), so a topic nobody else watches costs no NOTIFY and no overflow row, and presence lives only
+in the instances that have a subscriber to show it to.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -34,12 +40,29 @@ log = logging.getLogger(__name__)
 PREFIX = "realtime:"
 FEED_CHANNEL = "realtime"
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-WATCH_REFRESH_S = 30.0
+WATCH_REFRESH_S = 30.0  # also how often client overflow rows are pruned
+# After (re)connecting to the feed, client events go to every instance until the others have
+# answered our hello with the rooms they hold (they answer within milliseconds).
+PEER_ANSWER_S = 1.0
+ROOMS_PER_NOTIFY_CHARS = 6000  # a `rooms` announcement stays a plain NOTIFY, never an overflow row
+# realtime.feed_notify() parks payloads of 7,900 bytes and more (as jsonb prints them, which is not
+# quite as json.dumps does) in realtime.feed_overflow and keeps them an hour; client events matter
+# only until every instance has read them, so the hub prunes those itself once it may have parked one.
+MAY_OVERFLOW_CHARS = 3900
+CLIENT_OVERFLOW_KEEP_S = 120.0
+PRUNE_CLIENT_OVERFLOW = (
+    "delete from realtime.feed_overflow where created_at < now() - make_interval(secs => %s)"
+    " and payload->>'k' in ('broadcast', 'presence')"
+)
 WATCH = (
     "insert into realtime.feed_subscriptions (relid, instance) select unnest(%s::oid[]), %s"
     " on conflict (relid, instance) do update set seen_at = now()"
 )
 UNWATCH = "delete from realtime.feed_subscriptions where relid = any(%s::oid[]) and instance = %s"
+
+
+Room = tuple[str, bool]  # (sub-topic, private)
+Presence = dict[str, dict[str, tuple[dict[str, Any], str]]]  # key -> phx_ref -> (meta, owning instance)
 
 
 class Sink(Protocol):
@@ -85,7 +108,7 @@ class Channel:
         self.expiry: asyncio.TimerHandle | None = None
 
     @property
-    def room(self) -> tuple[str, bool]:
+    def room(self) -> Room:
         # Public and private channels of one name are apart, as on Supabase.
         return (self.sub_topic, self.private)
 
@@ -105,12 +128,16 @@ class Hub:
         self.database_url = database_url
         self.authz = Authorizer(pool)
         self.instance = uuid.uuid4().hex
-        self.rooms: dict[tuple[str, bool], set[Channel]] = defaultdict(set)
-        # room -> presence key -> phx_ref -> (meta with phx_ref, owning instance)
-        self.presence: dict[tuple[str, bool], dict[str, dict[str, tuple[dict[str, Any], str]]]] = defaultdict(
-            lambda: defaultdict(dict)
-        )
+        self.rooms: dict[Room, set[Channel]] = defaultdict(set)
+        # Only rooms with a local channel: metas with phx_ref, tracked here or on another instance.
+        self.presence: dict[Room, Presence] = {}
         self.watched: dict[int, int] = defaultdict(int)  # relid -> local channels watching it
+        self.peer_rooms: dict[str, set[Room]] = {}  # another instance -> rooms it has subscribers in
+        self.remote_interest: dict[Room, int] = {}  # room -> how many other instances hold it
+        self.announced: set[Room] = set()  # the rooms the others were told we hold
+        self._announcing = asyncio.Lock()  # announcements leave in the order the rooms changed
+        self.forward_all_until = 0.0  # time.monotonic() until which client events go everywhere
+        self.parked_at: float | None = None  # when a client event last may have overflowed
         self.coalescer = Coalescer()
         self.listening = asyncio.Event()
 
@@ -120,6 +147,7 @@ class Hub:
         """Registers a channel; its postgres_changes tables are watched before this returns, so a
         change committed after the join reply reaches it."""
         self.rooms[channel.room].add(channel)
+        await self._announce_room(channel.room)
         if channel.bindings:
             channel.relids = await self._published_relids(channel.bindings)
             fresh = [relid for relid in channel.relids if not self.watched[relid]]
@@ -132,22 +160,27 @@ class Hub:
     async def remove(self, channel: Channel) -> None:
         if channel.expiry:
             channel.expiry.cancel()
-        room = self.rooms.get(channel.room)
-        if room is not None and channel in room:
-            room.discard(channel)
-            if not room:
-                del self.rooms[channel.room]
-            unwatched = []
-            for relid in channel.relids:
-                self.watched[relid] -= 1
-                if not self.watched[relid]:
-                    del self.watched[relid]
-                    unwatched.append(relid)
-            if unwatched:
-                async with self.pool.connection() as conn:
-                    await conn.execute(UNWATCH, (unwatched, self.instance))
+        room = self.rooms.get(channel.room, set())
+        member = channel in room
+        room.discard(channel)
         if channel.presence_ref:
             await self.untrack(channel)
+        if not member:
+            return
+        if not room:
+            del self.rooms[channel.room]
+            self.presence.pop(channel.room, None)  # nobody here to show it to; the others resend on rejoin
+            with contextlib.suppress(psycopg.Error):  # a leaving socket must not stop on it
+                await self._announce_room(channel.room)
+        unwatched = []
+        for relid in channel.relids:
+            self.watched[relid] -= 1
+            if not self.watched[relid]:
+                del self.watched[relid]
+                unwatched.append(relid)
+        if unwatched:
+            async with self.pool.connection() as conn:
+                await conn.execute(UNWATCH, (unwatched, self.instance))
 
     async def _published_relids(self, bindings: list[Binding]) -> list[int]:
         async with self.pool.connection() as conn:
@@ -163,14 +196,24 @@ class Hub:
             if any(b.schema in ("*", schema) and b.table in ("*", table) for b in bindings)
         ]
 
-    async def _keep_watching(self) -> None:
-        """Refreshes this instance's watched tables (rows older than 90 s stop counting)."""
+    async def _upkeep(self) -> None:
+        """Refreshes this instance's watched tables (rows older than 90 s stop counting), and prunes
+        the client events it parked in realtime.feed_overflow once they are old enough."""
         while True:
             await asyncio.sleep(WATCH_REFRESH_S)
-            if self.watched:
-                with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error):
+                if self.watched:
                     async with self.pool.connection() as conn:
                         await conn.execute(WATCH, (list(self.watched), self.instance))
+                if self._parked_recently():
+                    async with self.pool.connection() as conn:
+                        await conn.execute(PRUNE_CLIENT_OVERFLOW, (CLIENT_OVERFLOW_KEEP_S,))
+
+    def _parked_recently(self) -> bool:
+        return (
+            self.parked_at is not None
+            and time.monotonic() - self.parked_at < CLIENT_OVERFLOW_KEEP_S + 2 * WATCH_REFRESH_S
+        )
 
     def channels(self) -> Iterable[Channel]:
         for room in self.rooms.values():
@@ -179,15 +222,15 @@ class Hub:
     # -- broadcast --------------------------------------------------------------------------------
 
     async def broadcast(self, sender: Channel, payload: dict[str, Any]) -> None:
-        """A client's broadcast: to this instance's subscribers now, to the others through Postgres."""
+        """A client's broadcast: to this instance's subscribers now, to the others through Postgres
+        when some other instance holds the room."""
         self._deliver_broadcast(sender.room, payload, skip=None if sender.broadcast_self else sender)
-        await self._notify(
-            {"k": "broadcast", "topic": sender.sub_topic, "private": sender.private, "payload": payload}
-        )
+        if self.wanted_elsewhere(sender.room):
+            await self._notify(
+                {"k": "broadcast", "topic": sender.sub_topic, "private": sender.private, "payload": payload}
+            )
 
-    def _deliver_broadcast(
-        self, room: tuple[str, bool], payload: dict[str, Any], skip: Channel | None = None
-    ) -> None:
+    def _deliver_broadcast(self, room: Room, payload: dict[str, Any], skip: Channel | None = None) -> None:
         cache: dict[tuple[str, str], Outgoing] = {}
         for channel in list(self.rooms.get(room, ())):
             if channel is skip or (channel.private and not channel.access.read):
@@ -202,7 +245,7 @@ class Hub:
 
     # -- presence ---------------------------------------------------------------------------------
 
-    def presence_state(self, room: tuple[str, bool]) -> dict[str, Any]:
+    def presence_state(self, room: Room) -> dict[str, Any]:
         return {
             key: {"metas": [meta for meta, _ in metas.values()]}
             for key, metas in self.presence.get(room, {}).items()
@@ -215,7 +258,10 @@ class Hub:
         entry = {**meta, "phx_ref": ref}
         if leaves:
             entry["phx_ref_prev"] = leaves[channel.presence_key]["metas"][0]["phx_ref"]
-        self.presence[channel.room][channel.presence_key][ref] = (entry, self.instance)
+        self.presence.setdefault(channel.room, {}).setdefault(channel.presence_key, {})[ref] = (
+            entry,
+            self.instance,
+        )
         channel.presence_ref = ref
         joins = {channel.presence_key: {"metas": [entry]}}
         self._deliver_presence_diff(channel.room, joins, leaves)
@@ -230,68 +276,144 @@ class Hub:
     def _drop_local(self, channel: Channel) -> dict[str, Any]:
         if channel.presence_ref is None:
             return {}
-        metas = self.presence[channel.room][channel.presence_key]
+        metas = self.presence.get(channel.room, {}).get(channel.presence_key, {})
         entry, _ = metas.pop(channel.presence_ref, ({}, ""))
-        if not metas:
-            del self.presence[channel.room][channel.presence_key]
+        self._prune_presence(channel.room, channel.presence_key)
         channel.presence_ref = None
         return {channel.presence_key: {"metas": [entry]}} if entry else {}
 
+    def _prune_presence(self, room: Room, key: str) -> None:
+        """Drops a key without metas, then a room without keys: nothing stays for a topic left empty."""
+        keys = self.presence.get(room)
+        if keys is None:
+            return
+        if not keys.get(key, True):
+            del keys[key]
+        if not keys:
+            del self.presence[room]
+
     def _apply_remote_presence(
-        self, room: tuple[str, bool], joins: dict[str, Any], leaves: dict[str, Any], origin: str
+        self, room: Room, joins: dict[str, Any], leaves: dict[str, Any], origin: str
     ) -> None:
+        if room not in self.rooms:
+            return  # no subscriber here: keep nothing (the others resend when one joins)
+        keys = self.presence.setdefault(room, {})
         for key, value in leaves.items():
-            for meta in value.get("metas", []):
-                self.presence[room][key].pop(meta.get("phx_ref"), None)
-            if not self.presence[room][key]:
-                del self.presence[room][key]
+            metas = keys.get(key)
+            if metas is not None:
+                for meta in value.get("metas", []):
+                    metas.pop(meta.get("phx_ref"), None)
+                if not metas:
+                    del keys[key]
         for key, value in joins.items():
             for meta in value.get("metas", []):
-                self.presence[room][key][meta["phx_ref"]] = (meta, origin)
+                keys.setdefault(key, {})[meta["phx_ref"]] = (meta, origin)
+        if not keys:
+            del self.presence[room]
         self._deliver_presence_diff(room, joins, leaves)
 
-    def _deliver_presence_diff(
-        self, room: tuple[str, bool], joins: dict[str, Any], leaves: dict[str, Any]
-    ) -> None:
+    def _deliver_presence_diff(self, room: Room, joins: dict[str, Any], leaves: dict[str, Any]) -> None:
         payload = {"joins": joins, "leaves": leaves}
         for channel in list(self.rooms.get(room, ())):
             if channel.presence_enabled and (not channel.private or channel.access.read):
                 channel.send("presence_diff", payload)
 
-    async def _announce_presence(self) -> None:
-        """Tell a newly started instance what this one tracks."""
-        for room, keys in list(self.presence.items()):
-            joins = {
-                key: {"metas": [m for m, origin in metas.values() if origin == self.instance]}
-                for key, metas in keys.items()
-            }
-            joins = {k: v for k, v in joins.items() if v["metas"]}
-            if joins:
-                await self._notify_presence(room, joins, {})
+    def _local_presence(self, room: Room) -> dict[str, Any]:
+        """What this instance tracks in a room, as presence joins."""
+        joins = {
+            key: {"metas": [meta for meta, origin in metas.values() if origin == self.instance]}
+            for key, metas in self.presence.get(room, {}).items()
+        }
+        return {key: value for key, value in joins.items() if value["metas"]}
 
     async def _notify_presence(
-        self, room: tuple[str, bool], joins: dict[str, Any], leaves: dict[str, Any]
+        self, room: Room, joins: dict[str, Any], leaves: dict[str, Any], to: str | None = None
     ) -> None:
+        """To the instance `to`, or to all when some other instance holds the room."""
+        if to is None and not self.wanted_elsewhere(room):
+            return
         topic, private = room
-        await self._notify(
-            {"k": "presence", "topic": topic, "private": private, "joins": joins, "leaves": leaves}
-        )
+        message = {"k": "presence", "topic": topic, "private": private, "joins": joins, "leaves": leaves}
+        if to is not None:
+            message["to"] = to
+        await self._notify(message)
+
+    # -- rooms held across instances ----------------------------------------------------------------
+
+    def wanted_elsewhere(self, room: Room) -> bool:
+        """Whether another instance may have a subscriber in `room` (O(1): a client event's check)."""
+        return room in self.remote_interest or time.monotonic() < self.forward_all_until
+
+    async def _announce_room(self, room: Room) -> None:
+        """Tells the others whether this instance holds `room` now. The state is read and sent under
+        a lock, so when a join and a leave race, the last announcement they get is the true one."""
+        async with self._announcing:
+            held = room in self.rooms
+            if held == (room in self.announced):
+                return
+            topic, private = room
+            await self._notify({"k": "room", "topic": topic, "private": private, "open": held})
+            if held:
+                self.announced.add(room)
+            else:
+                self.announced.discard(room)
+
+    async def _announce_rooms(self) -> None:
+        """Every room this instance holds, in NOTIFYs small enough never to overflow."""
+        async with self._announcing:
+            batch: list[list[Any]] = []
+            size = 0
+            for topic, private in list(self.announced):
+                batch.append([topic, private])
+                size += len(topic) + 16
+                if size >= ROOMS_PER_NOTIFY_CHARS:
+                    await self._notify({"k": "rooms", "rooms": batch})
+                    batch, size = [], 0
+            if batch:
+                await self._notify({"k": "rooms", "rooms": batch})
+
+    async def _peer_opened(self, origin: str, room: Room) -> None:
+        rooms = self.peer_rooms.setdefault(origin, set())
+        if room in rooms:
+            return
+        rooms.add(room)
+        self.remote_interest[room] = self.remote_interest.get(room, 0) + 1
+        if joins := self._local_presence(room):  # its new subscriber's presence_state lacks ours
+            await self._notify_presence(room, joins, {}, to=origin)
+
+    def _peer_closed(self, origin: str, room: Room) -> None:
+        rooms = self.peer_rooms.get(origin)
+        if rooms is None or room not in rooms:
+            return
+        rooms.discard(room)
+        self.remote_interest[room] -= 1
+        if not self.remote_interest[room]:
+            del self.remote_interest[room]
+
+    def _forget_peer(self, origin: str) -> None:
+        for room in list(self.peer_rooms.get(origin, ())):
+            self._peer_closed(origin, room)
+        self.peer_rooms.pop(origin, None)
 
     # -- the feed ---------------------------------------------------------------------------------
 
     async def _notify(self, message: dict[str, Any]) -> None:
         message["origin"] = self.instance
+        text = json.dumps(message)
+        if len(text) >= MAY_OVERFLOW_CHARS and message["k"] in ("broadcast", "presence"):
+            self.parked_at = time.monotonic()
         async with self.pool.connection() as conn:
-            await conn.execute("select realtime.feed_notify(%s::jsonb)", (json.dumps(message),))
+            await conn.execute("select realtime.feed_notify(%s::jsonb)", (text,))
 
     async def run(self, stop: asyncio.Event) -> None:
         """LISTEN until stopped, reconnecting with backoff (changes while disconnected are lost)."""
-        keeper = asyncio.create_task(self._keep_watching())
+        keeper = asyncio.create_task(self._upkeep())
         try:
             await self._listen(stop)
         finally:
             keeper.cancel()
             with contextlib.suppress(psycopg.Error):
+                await self._notify({"k": "bye"})  # the others stop sending us this instance's rooms
                 async with self.pool.connection() as conn:
                     await conn.execute(
                         "delete from realtime.feed_subscriptions where instance = %s", (self.instance,)
@@ -303,9 +425,11 @@ class Hub:
             try:
                 async with await psycopg.AsyncConnection.connect(self.database_url, autocommit=True) as conn:
                     await conn.execute(f"listen {FEED_CHANNEL}")
+                    self.forward_all_until = time.monotonic() + PEER_ANSWER_S
                     self.listening.set()
                     attempt = 0
                     await self._notify({"k": "hello"})
+                    await self._announce_rooms()  # announcements missed while disconnected
                     gen = conn.notifies()
                     stopper = asyncio.ensure_future(stop.wait())
                     try:
@@ -360,12 +484,26 @@ class Hub:
         elif kind == "broadcast":
             self._deliver_broadcast((message["topic"], bool(message["private"])), message["payload"])
         elif kind == "presence":
+            if message.get("to", self.instance) != self.instance:
+                return
             room = (message["topic"], bool(message["private"]))
             self._apply_remote_presence(
                 room, message.get("joins", {}), message.get("leaves", {}), message["origin"]
             )
-        elif kind == "hello":
-            await self._announce_presence()
+        elif kind == "room":
+            room = (message["topic"], bool(message["private"]))
+            if message.get("open"):
+                await self._peer_opened(message["origin"], room)
+            else:
+                self._peer_closed(message["origin"], room)
+        elif kind == "rooms":
+            for topic, private in message.get("rooms", []):
+                await self._peer_opened(message["origin"], (topic, bool(private)))
+        elif kind == "hello":  # a new (or reconnected) instance: its rooms follow; tell it ours
+            self._forget_peer(message["origin"])
+            await self._announce_rooms()
+        elif kind == "bye":
+            self._forget_peer(message["origin"])
 
     # -- postgres_changes ---------------------------------------------------------------------------
 

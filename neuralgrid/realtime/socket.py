@@ -18,6 +18,17 @@ from neuralgrid.realtime.authz import Access
 from neuralgrid.realtime.bindings import Binding, BindingError, parse_binding
 from neuralgrid.realtime.fastpath import EXTENSION, FrameWriter
 from neuralgrid.realtime.hub import PREFIX, Channel, Hub
+from neuralgrid.realtime.limits import (
+    MAX_NAME_CHARS,
+    NAME_TOO_LONG,
+    RATE_LIMITED,
+    TOO_MANY_CHANNELS,
+    Limits,
+    Throttle,
+    Verdict,
+    too_large,
+    too_many_presences,
+)
 from neuralgrid.realtime.protocol import V1, VERSIONS, Message, Outgoing, ProtocolError, decode, outgoing
 from neuralgrid.server.services import ServicesDep
 
@@ -27,7 +38,8 @@ router = APIRouter()
 
 HEARTBEAT_TIMEOUT_S = 60.0  # clients heartbeat every 25-30 s; Phoenix drops a socket silent for 60
 MAX_QUEUED = 10_000  # messages waiting for a socket that does not read; then it is dropped
-MAX_FRAME_BYTES = 1_048_576
+MAX_FRAME_BYTES = 1_048_576  # not even decoded; Limits.max_message_bytes refuses smaller ones
+POLICY_VIOLATION = 1008  # the WebSocket close code for a client that keeps breaking the limits
 
 
 def _object(value: Any) -> dict[str, Any]:
@@ -39,16 +51,24 @@ def unauthorized(sub_topic: str) -> str:
     return f"Unauthorized: You do not have permissions to read from this Channel topic: {sub_topic}"
 
 
+def unauthorized_write(sub_topic: str) -> str:
+    return f"Unauthorized: You do not have permissions to write to this Channel topic: {sub_topic}"
+
+
 class Connection:
     """A client's socket: reads and handles its messages, and sends through the hub's coalesced frame
     writes (or, under another ASGI server, a queue drained by a writer task)."""
 
-    def __init__(self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any]) -> None:
+    def __init__(
+        self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any], limits: Limits
+    ) -> None:
         self.ws = ws
         self.hub = hub
         self.secret = secret
         self.vsn = vsn
         self.claims = claims
+        self.limits = limits
+        self.throttle = Throttle(limits, time.monotonic())
         self.channels: dict[str, Channel] = {}
         # Served by our uvicorn protocol, frames go straight to the socket; under any other ASGI
         # server, through a queue and a writer task.
@@ -71,6 +91,8 @@ class Connection:
             self.outbox.put_nowait(message.text)
 
     def flush(self) -> None:
+        if not self.pending:
+            return
         frames = b"".join(self.pending)
         self.pending.clear()
         if self.frames is not None and not self.overflowed and not self.frames.write(frames):
@@ -102,7 +124,12 @@ class Connection:
                 data = frame.get("text") if frame.get("text") is not None else frame.get("bytes")
                 if data is None:
                     continue
-                if len(data) > MAX_FRAME_BYTES:
+                size = len(data)
+                verdict = self.throttle.admit(size, time.monotonic())
+                if verdict is Verdict.CLOSE:
+                    await self._close_for_abuse()
+                    break
+                if size > MAX_FRAME_BYTES:
                     self.queue(
                         outgoing(Message("phoenix", "phx_error", {"reason": "message too large"}), self.vsn)
                     )
@@ -112,8 +139,14 @@ class Connection:
                 except ProtocolError as err:
                     log.info("realtime: dropped a malformed message: %s", err)
                     continue
+                if verdict is Verdict.REFUSE:
+                    self.reply(msg, "error", {"reason": RATE_LIMITED})
+                    continue
+                if size > self.limits.max_message_bytes:
+                    self.reply(msg, "error", {"reason": too_large(size, self.limits.max_message_bytes)})
+                    continue
                 try:
-                    await self.handle(msg)
+                    await self.handle(msg, size)
                 except psycopg.Error as err:  # the database is down or refused: say so, keep the socket
                     log.warning("realtime: %s %s failed: %s", msg.event, msg.topic, err)
                     self.reply(msg, "error", {"reason": "DatabaseError: the database could not answer"})
@@ -130,6 +163,14 @@ class Connection:
                 with contextlib.suppress(Exception):
                     await self.ws.close()
 
+    async def _close_for_abuse(self) -> None:
+        """A client still sending a whole bucket past its limit: it gets what is queued (its
+        refusals), then a close, as Supabase shuts a channel that sends too many messages."""
+        log.warning("realtime: closing a socket that kept sending past its rate limit")
+        self.flush()
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=POLICY_VIOLATION, reason=RATE_LIMITED)
+
     async def _write(self) -> None:
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
             while True:
@@ -140,7 +181,7 @@ class Connection:
 
     # -- events -----------------------------------------------------------------------------------
 
-    async def handle(self, msg: Message) -> None:
+    async def handle(self, msg: Message, size: int) -> None:
         if msg.topic == "phoenix" and msg.event == "heartbeat":
             self.reply(msg, "ok", {})
             return
@@ -159,13 +200,19 @@ class Connection:
         elif msg.event == "broadcast":
             await self.client_broadcast(channel, msg)
         elif msg.event == "presence":
-            await self.client_presence(channel, msg)
+            await self.client_presence(channel, msg, size)
         else:
             self.reply(msg, "error", {"reason": f"unknown event {msg.event!r}"})
 
     async def join(self, msg: Message) -> None:
         if not msg.topic.startswith(PREFIX) or msg.topic == PREFIX:
             self.reply(msg, "error", {"reason": "TopicNameRequired: You must provide a topic name"})
+            return
+        if len(msg.topic) > len(PREFIX) + MAX_NAME_CHARS:
+            self.reply(msg, "error", {"reason": NAME_TOO_LONG})
+            return
+        if msg.topic not in self.channels and len(self.channels) >= self.limits.max_channels:
+            self.reply(msg, "error", {"reason": TOO_MANY_CHANNELS})
             return
         if (old := self.channels.pop(msg.topic, None)) is not None:
             await self.hub.remove(old)  # a rejoin replaces the channel, as in Phoenix
@@ -178,13 +225,18 @@ class Connection:
         config = _object(msg.payload.get("config"))
         private = bool(config.get("private", False))
         broadcast, presence = _object(config.get("broadcast")), _object(config.get("presence"))
+        presence_key = str(presence.get("key") or "") or str(uuid.uuid4())
+        if len(presence_key) > MAX_NAME_CHARS:
+            self.reply(msg, "error", {"reason": NAME_TOO_LONG})
+            return
         sub_topic = msg.topic.removeprefix(PREFIX)
-        access = Access(True, True)
         if private:
             access = await self.hub.authz.topic_access(claims, sub_topic)
             if not access.read:
                 self.reply(msg, "error", {"reason": unauthorized(sub_topic)})
                 return
+        else:
+            access = self._public_access(sub_topic, claims)
         bindings: list[Binding] = []
         binding_errors: list[str] = []
         for raw in config.get("postgres_changes") or []:
@@ -202,7 +254,7 @@ class Connection:
             broadcast_self=bool(broadcast.get("self", False)),
             broadcast_ack=bool(broadcast.get("ack", False)),
             presence_enabled=bool(presence.get("enabled", False)),
-            presence_key=str(presence.get("key") or "") or str(uuid.uuid4()),
+            presence_key=presence_key,
             bindings=bindings,
         )
         self.channels[msg.topic] = channel
@@ -213,6 +265,12 @@ class Connection:
             await self._report_bindings(channel, bindings, binding_errors)
         if channel.presence_enabled:
             channel.send("presence_state", self.hub.presence_state(channel.room))
+
+    def _public_access(self, sub_topic: str, claims: dict[str, Any]) -> Access:
+        """Anyone reads a public topic and writes to it, but for the platform's own (the map):
+        those only service_role writes, so no client can fake what the platform publishes."""
+        writable = sub_topic not in self.limits.read_only_topics or claims.get("role") == "service_role"
+        return Access(True, writable)
 
     async def _report_bindings(self, channel: Channel, bindings: list[Binding], errors: list[str]) -> None:
         for binding in bindings:
@@ -270,6 +328,8 @@ class Connection:
             if not channel.access.read:
                 await self.close_channel(channel, unauthorized(channel.sub_topic))
                 return
+        else:
+            channel.access = self._public_access(channel.sub_topic, claims)
         self._schedule_expiry(channel)
 
     async def client_broadcast(self, channel: Channel, msg: Message) -> None:
@@ -278,25 +338,30 @@ class Connection:
             if channel.broadcast_ack:
                 self.reply(msg, "error", {"error": "broadcast needs an event name"})
             return
-        if channel.private and not channel.access.write:
-            if channel.broadcast_ack:
-                self.reply(msg, "error", {"error": "unauthorized"})
-            return  # denied writes are silent, as on Supabase
+        if not channel.access.write:
+            # Denied writes on private topics are silent unless acked, as on Supabase; a read-only
+            # public topic always says why, or its clients could not tell a refusal from silence.
+            if channel.broadcast_ack or not channel.private:
+                self.reply(msg, "error", {"reason": unauthorized_write(channel.sub_topic)})
+            return
         await self.hub.broadcast(
             channel, {"type": "broadcast", "event": payload["event"], "payload": payload.get("payload", {})}
         )
         if channel.broadcast_ack:
             self.reply(msg, "ok", {})
 
-    async def client_presence(self, channel: Channel, msg: Message) -> None:
+    async def client_presence(self, channel: Channel, msg: Message, size: int) -> None:
         event = msg.payload.get("event")
-        if channel.private and not channel.access.write:
-            self.reply(msg, "error", {})
+        if not channel.access.write:
+            self.reply(msg, "error", {"reason": unauthorized_write(channel.sub_topic)})
             return
         if event == "track":
             meta = msg.payload.get("payload")
             if not isinstance(meta, dict):
                 self.reply(msg, "error", {"reason": "Presence track payload must be a map"})
+                return
+            if refusal := self._presence_refusal(channel, size):
+                self.reply(msg, "error", {"reason": refusal})
                 return
             channel.presence_enabled = True
             await self.hub.track(channel, meta)
@@ -306,6 +371,16 @@ class Connection:
             self.reply(msg, "error", {"reason": f"unknown presence event {event!r}"})
             return
         self.reply(msg, "ok", {})
+
+    def _presence_refusal(self, channel: Channel, size: int) -> str | None:
+        """Why a track cannot be kept (it stays in the memory of every instance that shows it)."""
+        if size > self.limits.max_presence_bytes:
+            return too_large(size, self.limits.max_presence_bytes)
+        if channel.presence_ref is None:  # a new presence, not a replacement of this channel's own
+            tracking = sum(1 for c in self.channels.values() if c.presence_ref is not None)
+            if tracking >= self.limits.max_presences:
+                return too_many_presences(self.limits.max_presences)
+        return None
 
 
 @router.websocket("/realtime/v1/websocket")
@@ -322,4 +397,4 @@ async def realtime_websocket(ws: WebSocket, services: ServicesDep) -> None:
         await ws.close(code=1008, reason=err.reason[:120])  # before accept: an HTTP 403
         return
     await ws.accept()
-    await Connection(ws, hub, secret, vsn, claims).run()
+    await Connection(ws, hub, secret, vsn, claims, Limits.from_settings(services.settings)).run()

@@ -58,6 +58,16 @@ class Settings(BaseSettings):
     # stack, where the gateway itself serves both.
     supabase_url: str | None = Field(None, alias="NEURALGRID_SUPABASE_URL")
     supabase_anon_key: str | None = Field(None, alias="NEURALGRID_SUPABASE_ANON_KEY")
+    # What one Realtime socket may send (see docs/realtime.md#limits): message sizes, a message and a
+    # byte rate (token buckets of two and four seconds' worth), channels and presences at once, and
+    # public topics only the platform (and service_role) writes to. A JSON list in the environment.
+    realtime_max_message_bytes: int = Field(65_536, alias="NEURALGRID_REALTIME_MAX_MESSAGE_BYTES", ge=1024)
+    realtime_max_presence_bytes: int = Field(8_192, alias="NEURALGRID_REALTIME_MAX_PRESENCE_BYTES", ge=256)
+    realtime_events_per_s: float = Field(100.0, alias="NEURALGRID_REALTIME_EVENTS_PER_S", gt=0)
+    realtime_bytes_per_s: float = Field(262_144.0, alias="NEURALGRID_REALTIME_BYTES_PER_S", gt=0)
+    realtime_max_channels: int = Field(100, alias="NEURALGRID_REALTIME_MAX_CHANNELS", ge=1)
+    realtime_max_presences: int = Field(10, alias="NEURALGRID_REALTIME_MAX_PRESENCES", ge=1)
+    realtime_read_only_topics: list[str] = Field(["node-map"], alias="NEURALGRID_REALTIME_READ_ONLY_TOPICS")
 
     @property
     def private_endpoints_allowed(self) -> bool:

@@ -154,7 +154,11 @@ async def test_broadcast_from_database_and_between_clients(
     listening = listener.channel("node-map")
     listening.on_broadcast("*", got.append)
     await subscribed(listening)
-    talking = await subscribed(sender.channel("node-map"))
+    chat: list[dict[str, Any]] = []
+    hearing = listener.channel("chat")
+    hearing.on_broadcast("*", chat.append)
+    await subscribed(hearing)
+    talking = await subscribed(sender.channel("chat"))  # node-map is the platform's: read-only
 
     await asyncio.to_thread(set_status, db_url, node, "offline")  # the node-map trigger
     await until(lambda: any(m["event"] == "node_update" for m in got))
@@ -163,8 +167,8 @@ async def test_broadcast_from_database_and_between_clients(
     assert "endpoint_url" not in update["payload"]["node"] and update["meta"]["id"]
 
     await talking.send_broadcast("hello", {"from": "sender"})
-    await until(lambda: any(m["event"] == "hello" for m in got))
-    assert next(m for m in got if m["event"] == "hello")["payload"] == {"from": "sender"}
+    await until(lambda: any(m["event"] == "hello" for m in chat))
+    assert next(m for m in chat if m["event"] == "hello")["payload"] == {"from": "sender"}
 
 
 async def test_private_topics_need_rls_rights(connect: Callable[..., Any], conn: psycopg.Connection) -> None:

@@ -75,6 +75,10 @@ class NodeClient:
             self.proc.stdin.close()
 
 
+# The script sends its broadcast on node-map, which is read-only by default (the platform's own
+# topic); this test opens it to clients to keep realtime-js's binary broadcast frames covered, and
+# test_supabase_js_cannot_write_to_the_map checks the default.
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_REALTIME_READ_ONLY_TOPICS": []}])
 def test_supabase_js_subscribes_receives_broadcasts_and_presence(
     gateway: str, conn: psycopg.Connection
 ) -> None:
@@ -124,5 +128,27 @@ def test_supabase_js_subscribes_receives_broadcasts_and_presence(
             "broadcast", lambda m: m["event"] == "node_update" and m["payload"]["node"]["status"] == "online"
         )
         assert not any("leaked" in item for item in client.seen)  # nothing from the owner's private topic
+    finally:
+        client.close()
+
+
+def test_supabase_js_cannot_write_to_the_map(gateway: str, conn: psycopg.Connection) -> None:
+    """realtime-js's binary broadcast on the platform's node-map topic is refused: it never comes
+    back (self: true), while the platform's own node_update after it does."""
+    owner, stranger = make_user(conn), make_user(conn)
+    node = make_node(conn, "js-readonly", owner_id=owner)
+    client = NodeClient(gateway, ANON, user_token(PLACEHOLDER_SECRET, stranger, None), str(owner))
+    try:
+        assert client.read_until("ready")["map"] == "SUBSCRIBED"
+        client.send({"broadcast": {"event": "node_update", "payload": {"node": {"status": "fake"}}}})
+        client.read_until("sent")
+        conn.execute("update public.nodes set status = 'offline' where id = %s", (node,))
+        client.read_until(
+            "broadcast", lambda m: m["event"] == "node_update" and m["payload"]["node"]["status"] == "offline"
+        )
+        statuses = [
+            item["broadcast"]["payload"]["node"]["status"] for item in client.seen if "broadcast" in item
+        ]
+        assert statuses == ["offline"]
     finally:
         client.close()
