@@ -211,14 +211,18 @@ MATCH_JOB = Query(
 )
 # The gateway's call: the budget hold is priced in SQL from the catalog (the request's size and its
 # answer at max_tokens), by the same prices complete_jobs() charges.
+# The gateway names itself for this statement only (set local; the lateral join runs match_job()
+# after it): the job records which gateway placed it, and ends soon if that gateway dies.
 PLACE_JOB = Query(
     "place_job",
-    "select * from public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
+    "select m.* from (select set_config('neuralgrid.gateway_id', %(gateway)s::text, true)) as g,"
+    " lateral public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
     " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
-    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int)",
+    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int) as m",
     class_row(Match),
     subject="model",
 )
+GATEWAY_ALIVE = Query("gateway_alive", "select public.gateway_alive(%s)", scalar_row)
 FAILOVER_JOB = Query(
     "failover_job",
     "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])",

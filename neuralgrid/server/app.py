@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
+from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import PING
 from neuralgrid.db.store import Store
@@ -39,6 +41,7 @@ from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
+from neuralgrid.server.liveness import keep_checking_in
 from neuralgrid.server.services import Services, ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
@@ -110,11 +113,17 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         keys = KeyStore(store, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
         tunnels = Tunnels()
-        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels)
+        gateway_id = uuid.uuid4()
+        await store.one(q.GATEWAY_ALIVE, (gateway_id,))  # known before it places a job
+        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, gateway_id)
         hub = Hub(pool, database_url)
         app.state.services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache())
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(keys.listen(database_url, stop)), asyncio.create_task(hub.run(stop))]
+        tasks = [
+            asyncio.create_task(keys.listen(database_url, stop)),
+            asyncio.create_task(hub.run(stop)),
+            asyncio.create_task(keep_checking_in(store, gateway_id, stop)),
+        ]
         # Serve only once the Realtime feed listens, so no change committed after startup is missed.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(hub.listening.wait(), 10)
@@ -190,9 +199,10 @@ def _pipeline(
     limiter: RateLimiter,
     metrics: Metrics,
     tunnels: Tunnels,
+    gateway_id: uuid.UUID,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
-    placement = Placement(store, metrics, settings.max_attempts)
+    placement = Placement(store, metrics, settings.max_attempts, gateway_id)
     sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
     metering = Metering(Completions(store), limiter, metrics)
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams)

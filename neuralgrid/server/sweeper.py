@@ -25,6 +25,8 @@ async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
     for swept in await Store(conn).all(q.SWEEP):
         if swept.kind == "node_offline":
             names.append(str(swept.name))
+        elif swept.kind == "job_orphaned":
+            log.warning("job %s: its gateway stopped; ended, its slot and budget hold released", swept.id)
         else:
             log.warning(
                 "job %s passed the job deadline without a completion: ended as failed, its slot and"

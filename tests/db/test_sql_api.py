@@ -31,6 +31,7 @@ PUBLIC_API = sorted(
         "continuing_nodes",
         "create_api_key",
         "failover_job",
+        "gateway_alive",
         "handoff_job",
         "match_job",  # the hold given in USD
         "match_job",  # the hold priced in SQL from the request's size
@@ -48,6 +49,7 @@ PUBLIC_API = sorted(
 
 PRIVATE_HELPERS = sorted(
     [
+        "abandon_job",
         "address_is_public",
         "balanced_components",
         "broadcast_job_change",
@@ -76,6 +78,8 @@ PRIVATE_HELPERS = sorted(
         "release_reservation",
         "required_vram_gb",
         "set_updated_at",
+        "stamp_job_gateway",
+        "sweep_orphaned_jobs",
         "top_by_base",
     ]
 )

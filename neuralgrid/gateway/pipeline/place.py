@@ -32,10 +32,11 @@ class Placed(NamedTuple):
 
 
 class Placement:
-    def __init__(self, store: Store, metrics: Metrics, max_attempts: int) -> None:
+    def __init__(self, store: Store, metrics: Metrics, max_attempts: int, gateway_id: UUID) -> None:
         self.store = store
         self.metrics = metrics
         self.max_attempts = max_attempts
+        self.gateway_id = str(gateway_id)  # recorded on each job (see server/liveness.py)
 
     async def place(self, admitted: Admitted) -> Placed:
         call = admitted.call
@@ -45,6 +46,7 @@ class Placement:
         fallbacks = self.max_attempts - 1
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
         params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold)
+        params["gateway"] = self.gateway_id
         started = time.perf_counter()
         match = await self.store.get(q.PLACE_JOB, params)  # its domain errors: the app's one handler
         self.metrics.matcher.observe(time.perf_counter() - started)

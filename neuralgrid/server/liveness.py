@@ -1,0 +1,37 @@
+"""A gateway checks in with the database every couple of seconds, under an id of its own.
+
+Each job records the gateway that placed it (PLACE_JOB), and the sweep ends the running jobs of a
+gateway silent for platform_settings.gateway_timeout_s (15 s): a gateway killed mid-request leaves
+no node slot or budget hold taken for longer than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from uuid import UUID
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
+
+log = logging.getLogger(__name__)
+
+CHECK_IN_EVERY_S = 2.0
+
+
+async def keep_checking_in(store: Store, gateway_id: UUID, stop: asyncio.Event) -> None:
+    """Check in until stop is set, through database outages (said once each)."""
+    down = False
+    while not stop.is_set():
+        try:
+            await store.one(q.GATEWAY_ALIVE, (gateway_id,))
+            if down:
+                log.info("gateway %s checks in again", gateway_id)
+            down = False
+        except Exception as err:  # the database is away (or refuses): try again
+            if not down:
+                log.warning("gateway %s cannot check in (%s); retrying", gateway_id, err)
+            down = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), CHECK_IN_EVERY_S)

@@ -1,0 +1,62 @@
+"""A gateway that dies mid-request leaves nothing held for long: its jobs end once it stops checking
+in, while a live gateway's jobs are left alone."""
+
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+import psycopg
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.queries import MatchRequest, match_params
+from neuralgrid.db.store import SyncStore
+from tests.conftest import LLAMA8, make_key, make_node
+
+
+def place(conn: psycopg.Connection, gateway: uuid.UUID, key: uuid.UUID) -> uuid.UUID:
+    """A job placed as a gateway places it (PLACE_JOB, naming itself)."""
+    params = match_params(MatchRequest(model=LLAMA8), key, False, 2, prompt_bytes=400, max_out=100)
+    match = SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(gateway)})
+    assert match.node_id is not None
+    return match.job_id
+
+
+def test_the_jobs_of_a_silent_gateway_end_and_a_live_ones_do_not(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=8)
+    key = make_key(conn, budget_usd=1.0)
+    dead, live = uuid.uuid4(), uuid.uuid4()
+    store = SyncStore(conn)
+    for gateway in (dead, live):
+        store.one(q.GATEWAY_ALIVE, (gateway,))
+    orphan, kept = place(conn, dead, key), place(conn, live, key)
+    assert conn.execute("select gateway_id from jobs where id = %s", (orphan,)).fetchone() == (dead,)
+    # The dead gateway last checked in a minute ago; the live one just now.
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (dead,))
+    conn.execute("update platform_settings set gateway_timeout_s = 0.5")  # the database started long ago
+
+    swept = store.all(q.SWEEP)
+
+    assert [(s.kind, s.id) for s in swept] == [("job_orphaned", orphan)]
+    assert conn.execute("select status, error from jobs where id = %s", (orphan,)).fetchone() == (
+        "failed",
+        "abandoned: its gateway stopped",
+    )
+    assert conn.execute("select status from jobs where id = %s", (kept,)).fetchone() == ("running",)
+    # One slot and one hold are back; the node is not blamed, nothing is charged.
+    assert conn.execute("select inflight, failures from nodes where id = %s", (node,)).fetchone() == (1, 0)
+    reserved, spent = conn.execute(
+        "select reserved_usd, spent_usd from api_keys where id = %s", (key,)
+    ).fetchone() or (0, 0)
+    assert reserved > 0 and spent == Decimal(0)
+    assert store.all(q.SWEEP) == []  # nothing twice
+
+
+def test_jobs_placed_outside_a_gateway_wait_for_the_deadline(conn: psycopg.Connection) -> None:
+    make_node(conn)
+    key = make_key(conn)
+    job = conn.execute("select job_id from match_job(%s, %s)", (LLAMA8, key)).fetchone()
+    assert job is not None
+    assert conn.execute("select gateway_id from jobs where id = %s", (job[0],)).fetchone() == (None,)
+    conn.execute("update platform_settings set gateway_timeout_s = 0.001")
+    assert SyncStore(conn).all(q.SWEEP) == []
