@@ -2,12 +2,17 @@
 answer is never a 500, and every error is OpenAI-shaped JSON.
 
 NEURALGRID_FUZZ_EXAMPLES sets the examples per operation (17 operations): 60 in the suite, 3,000 for
-the 50,000-case run in docs/security.md.
+the 50,000-case run in docs/security.md. NEURALGRID_FUZZ_REPORT names a JSON file that gets the
+cases sent and the statuses answered, per operation.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +20,17 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "60"))
+ANSWERS: defaultdict[str, Counter[int]] = defaultdict(Counter)  # operation -> status -> cases
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    yield
+    if path := os.environ.get("NEURALGRID_FUZZ_REPORT"):
+        total = sum(sum(statuses.values()) for statuses in ANSWERS.values())
+        by_operation = {op: dict(sorted(statuses.items())) for op, statuses in sorted(ANSWERS.items())}
+        Path(path).write_text(json.dumps({"cases": total, "operations": by_operation}, indent=2))
+        print(f"\nfuzz: {total} cases, {sum(s[500] for s in ANSWERS.values())} answered 500")
 
 
 @pytest.fixture
@@ -45,4 +61,5 @@ def openai_shaped_errors(ctx: Any, response: Any, case: Any) -> None:
 )
 def test_no_input_makes_a_server_error(case: Any, api_key: str) -> None:
     response = case.call(headers={"authorization": f"Bearer {api_key}"}, timeout=30)
+    ANSWERS[f"{case.method} {case.path}"][response.status_code] += 1
     case.validate_response(response, checks=[openai_shaped_errors])

@@ -25,22 +25,11 @@ from neuralgrid.realtime.limits import RATE_LIMITED
 from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from neuralgrid.server.stack import api_key
 from tests.conftest import make_node
+from tests.realtime.test_realtime import realtime_url, until
 
 ANON = api_key(PLACEHOLDER_SECRET, "anon")
 SERVICE = api_key(PLACEHOLDER_SECRET, "service_role")
 CLIENT_ROWS = "select count(*) from realtime.feed_overflow where payload->>'k' in ('broadcast', 'presence')"
-
-
-def realtime_url(gateway: str) -> str:
-    return f"{gateway.replace('http://', 'ws://')}/realtime/v1"
-
-
-async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        await asyncio.sleep(0.02)
 
 
 class Raw:
