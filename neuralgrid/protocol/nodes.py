@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Every number has a range a real machine fits in (64 GPUs of today's largest), so nothing
 # out of Postgres's range, or absurd, reaches the matcher.
 # Text is a name or a version: printable, no control characters (Postgres cannot even hold NUL).
 PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=PRINTABLE)]
+# A server may list a model twice (under two routes, say): the node holds it once.
+Models = Annotated[
+    list[ModelName],
+    Field(default_factory=list, max_length=1000),
+    AfterValidator(lambda m: list(dict.fromkeys(m))),
+]
 VramGb = Annotated[float, Field(gt=0, le=100_000)]  # all GPUs together
 Tflops = Annotated[float, Field(gt=0, le=1_000_000)]
 
@@ -44,7 +50,7 @@ class NodeRegistration(BaseModel):
     longitude: float | None = Field(None, ge=-180, le=180)
     endpoint_url: str = Field(pattern=r"^(https?://\S+|tunnel:\S*)$")
     max_concurrency: int = Field(4, ge=1, le=1024)
-    models: list[ModelName] = Field(default_factory=list, max_length=1000)
+    models: Models
     agent_version: str | None = Field(None, max_length=64, pattern=PRINTABLE)
     backend: BackendInfo | None = None
 
@@ -63,7 +69,7 @@ class Heartbeat(BaseModel):
     queue_depth: int = Field(0, ge=0, le=1_000_000)
     gpu_utilization: float | None = Field(None, ge=0, le=1)
     free_vram_gb: float | None = Field(None, ge=0, le=100_000)
-    models: list[ModelName] = Field(default_factory=list, max_length=1000)
+    models: Models
     specs: Specs | None = None  # only when they changed since registration
     backend_up: bool = True  # false: the agent is alive but its inference server does not answer
     backend: BackendInfo | None = None  # only when it changed

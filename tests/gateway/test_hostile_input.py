@@ -137,3 +137,24 @@ def test_user_tokens_and_key_names_are_checked(conn: psycopg.Connection, gateway
         httpx.post(f"{gateway}/v1/keys", json={"name": "laptop ☕"}, headers=bearer(good)).status_code == 201
     )
     assert httpx.get(f"{gateway}/v1/keys", headers=bearer(good)).json()["data"][0]["name"] == "laptop ☕"
+
+
+def test_a_node_listing_a_model_twice_holds_it_once(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """Found by the fuzz: a repeated model made registration a 500 (ON CONFLICT met its row twice)."""
+    spec = {
+        "name": "twice",
+        "gpu_model": "L4",
+        "vram_gb": 24,
+        "tflops": 121,
+        "hourly_rate": 0.4,
+        "region": "eu",
+    }
+    body = {**spec, "endpoint_url": "tunnel:twice", "models": [LLAMA8, LLAMA8]}
+    resp = httpx.post(f"{gateway}/v1/nodes", json=body, headers={"authorization": f"Bearer {api_key}"})
+    assert resp.status_code == 201, resp.text
+    held = conn.execute(
+        "select count(*) from node_models m join nodes n on n.id = m.node_id where n.name = 'twice'"
+    ).fetchone()
+    assert held == (1,)
