@@ -1,8 +1,8 @@
 """Schemathesis against the gateway's own OpenAPI document, over real HTTP: whatever it sends, the
 answer is never a 500, and every error is OpenAI-shaped JSON.
 
-NEURALGRID_FUZZ_EXAMPLES sets the examples per operation (17 operations): 60 in the suite, 3,000 for
-the 50,000-case run in docs/security.md. NEURALGRID_FUZZ_REPORT names a JSON file that gets the
+NEURALGRID_FUZZ_EXAMPLES sets the examples per operation (17 operations): 60 in the suite, 7,000 for
+the 57,000-case run in docs/benchmarks.md. NEURALGRID_FUZZ_REPORT names a JSON file that gets the
 cases sent and the statuses answered, per operation.
 """
 
