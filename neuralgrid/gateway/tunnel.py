@@ -57,7 +57,8 @@ class Tunnel:
                 frame = agent_frame(await self.ws.receive_text())
                 if (queue := self.pending.get(frame.id)) is not None:
                     queue.put_nowait(frame)
-        except (WebSocketDisconnect, RuntimeError, ValueError):
+        # KeyError: a binary frame (receive_text finds no text), which the protocol does not have.
+        except (WebSocketDisconnect, RuntimeError, ValueError, KeyError):
             pass
         finally:
             for request_id, queue in self.pending.items():
@@ -83,6 +84,7 @@ class TunnelResponse:
         self.status = 0
         self.content_type = "application/json"
         self.finished = False
+        self.timeout = 30.0  # between two frames of the body, as between two reads from an HTTP node
 
     async def start(self, timeout: float) -> None:
         """Wait for the status line; a timeout or an error frame is a failure before the first byte."""
@@ -96,10 +98,15 @@ class TunnelResponse:
             raise TunnelClosed(frame.message if isinstance(frame, Err) else "the agent sent no status line")
         self.status = frame.status
         self.content_type = frame.type
+        self.timeout = timeout
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while not self.finished:
-            frame = await self.queue.get()
+            try:
+                frame = await asyncio.wait_for(self.queue.get(), self.timeout)
+            except TimeoutError:
+                await self.close()
+                raise NodeTimeout("timeout: the agent stopped sending") from None
             if isinstance(frame, Data):
                 yield frame.b.encode()
             elif isinstance(frame, End):

@@ -35,8 +35,8 @@ class Start(_Frame):
     """Agent → gateway: the server's status line."""
 
     t: Literal["start"] = "start"
-    status: int = Field(ge=100, le=599)
-    type: str = "application/json"
+    status: int = Field(ge=200, le=599)  # a final status: 1xx is no answer to relay
+    type: str = Field("application/json", pattern=r"^[\x20-\x7e]*$")  # a header value: printable ASCII
 
 
 class Data(_Frame):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -38,9 +39,16 @@ def verify(token: str | None, secret: str, now: float | None = None) -> dict[str
         raise AuthError("MalformedJWT", "The token provided is not a valid JWT") from err
     if "role" not in claims or "exp" not in claims:
         raise AuthError("InvalidJWTToken", "Fields `role` and `exp` are required in JWT")
-    if claims["role"] not in API_ROLES:
+    if not isinstance(claims["role"], str) or claims["role"] not in API_ROLES:
         raise AuthError("Unauthorized", f"role {claims['role']!r} is not an API role")
-    left = float(claims["exp"]) - (time.time() if now is None else now)
+    exp = claims["exp"]
+    try:
+        finite = not isinstance(exp, bool) and isinstance(exp, int | float) and math.isfinite(float(exp))
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise AuthError("InvalidJWTToken", "Field `exp` must be a number")
+    left = float(exp) - (time.time() if now is None else now)
     if left <= 0:
         raise AuthError("InvalidJWTExpiration", f"Token has expired {int(-left)} seconds ago")
     return claims

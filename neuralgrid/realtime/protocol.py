@@ -80,12 +80,17 @@ def _str_or_none(value: Any, field: str) -> str | None:
     raise ProtocolError(f"{field} must be a string")
 
 
+def _no_constants(name: str) -> Any:
+    """NaN and Infinity: Python reads them, JSON has no such numbers, and realtime-js would choke."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode(data: str | bytes, vsn: str) -> Message:
     if isinstance(data, bytes):
         return decode_binary(data)
     try:
-        obj = json.loads(data)
-    except ValueError as err:
+        obj = json.loads(data, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as err:
         raise ProtocolError(f"not JSON: {err}") from err
     if vsn == V2:
         if not isinstance(obj, list) or len(obj) != 5:
@@ -115,14 +120,18 @@ def decode_binary(data: bytes) -> Message:
         offset += size
     if offset > len(data):
         raise ProtocolError("truncated binary frame")
-    join_ref, ref, topic, event, meta = (f.decode() for f in fields)
+    try:
+        join_ref, ref, topic, event, meta = (f.decode() for f in fields)
+    except UnicodeDecodeError as err:
+        raise ProtocolError("binary frame fields must be UTF-8") from err
     if encoding != JSON_ENCODING:
         raise ProtocolError("binary broadcast payloads are not supported; send JSON")
     try:
         user_payload = json.loads(data[offset:]) if offset < len(data) else {}
-    except ValueError as err:
+        meta_value = json.loads(meta) if meta else None
+    except (ValueError, RecursionError) as err:
         raise ProtocolError(f"broadcast payload is not JSON: {err}") from err
     payload: dict[str, Any] = {"type": "broadcast", "event": event, "payload": user_payload}
     if meta:
-        payload["meta"] = json.loads(meta)
+        payload["meta"] = meta_value
     return Message(topic, "broadcast", payload, ref or None, join_ref or None)

@@ -124,7 +124,7 @@ class Connection:
                 data = frame.get("text") if frame.get("text") is not None else frame.get("bytes")
                 if data is None:
                     continue
-                size = len(data)
+                size = len(data.encode(errors="surrogatepass")) if isinstance(data, str) else len(data)
                 verdict = self.throttle.admit(size, time.monotonic())
                 if verdict is Verdict.CLOSE:
                     await self._close_for_abuse()
@@ -147,7 +147,10 @@ class Connection:
                     continue
                 try:
                     await self.handle(msg, size)
-                except psycopg.Error as err:  # the database is down or refused: say so, keep the socket
+                except RecursionError:
+                    self.reply(msg, "error", {"reason": "the message is nested too deep"})
+                except (psycopg.Error, UnicodeEncodeError) as err:
+                    # The database is down or refused (or text it cannot hold): say so, keep the socket.
                     log.warning("realtime: %s %s failed: %s", msg.event, msg.topic, err)
                     self.reply(msg, "error", {"reason": "DatabaseError: the database could not answer"})
         except WebSocketDisconnect:
@@ -217,6 +220,9 @@ class Connection:
         if (old := self.channels.pop(msg.topic, None)) is not None:
             await self.hub.remove(old)  # a rejoin replaces the channel, as in Phoenix
         token = msg.payload.get("access_token")
+        if token is not None and not isinstance(token, str):
+            self.reply(msg, "error", {"reason": "MalformedJWT: The token provided is not a valid JWT"})
+            return
         try:
             claims = self.claims if not token or token.startswith("sb_") else verify(token, self.secret)
         except AuthError as err:
@@ -239,7 +245,8 @@ class Connection:
             access = self._public_access(sub_topic, claims)
         bindings: list[Binding] = []
         binding_errors: list[str] = []
-        for raw in config.get("postgres_changes") or []:
+        changes = config.get("postgres_changes") or []
+        for raw in changes if isinstance(changes, list) else [changes]:
             try:
                 bindings.append(parse_binding(raw))
             except BindingError as err:

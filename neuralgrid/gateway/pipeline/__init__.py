@@ -106,6 +106,8 @@ class Pipeline:
             usage = None
         meter.usage = usage or Usage()
         self.metering.finish(admitted.call.key, meter, outcome, error)
+        if resp.status in (204, 205, 304):
+            content = b""
         return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)
 
     async def drain(self) -> None:
