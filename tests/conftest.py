@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import socket
@@ -309,3 +310,21 @@ def node_row(conn: psycopg.Connection, name: str) -> Any:
         "select id, status, endpoint_url, secret_hash is not null, last_heartbeat_at from nodes where name = %s",
         (name,),
     ).fetchone()
+
+
+# Fuzzing: what the server logged while an example ran (see tests/fuzzing.py) ----------------------
+
+
+@pytest.fixture
+def server_errors(gateway: str) -> Iterator[list[logging.LogRecord]]:
+    """ERROR records of uvicorn (an exception in the app) and of neuralgrid, as the test runs."""
+    records: list[logging.LogRecord] = []
+    from tests.fuzzing import Collect
+
+    handler = Collect(records)
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "neuralgrid")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)

@@ -43,6 +43,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from neuralgrid.protocol.tunnel import Data, End, Err, Req, Start, agent_frame, gateway_frame
 from tests.conftest import LLAMA8
+from tests.fuzzing import server_error
 
 # The gateway runs in this process: its threads may use `random` while Hypothesis draws an example,
 # which Hypothesis takes for a strategy doing so.
@@ -87,45 +88,6 @@ def say(text: str) -> None:
 
 
 # -- what the server logged -----------------------------------------------------------------------
-
-
-class ServerError(AssertionError):
-    """The server logged an error (an exception in the app, most often) during an example."""
-
-
-_server_errors: dict[str, type[ServerError]] = {}
-
-
-def server_error(record: logging.LogRecord) -> ServerError:
-    """`Server<ExceptionName>`: one class per kind of server exception, so that Hypothesis, which
-    tells bugs apart by exception type and place, reports each kind on its own."""
-    name = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else "LoggedError"
-    if name not in _server_errors:
-        _server_errors[name] = cast(type[ServerError], type(f"Server{name}", (ServerError,), {}))
-    detail = logging.Formatter().format(record)
-    return _server_errors[name](f"the server logged an error:\n{detail[-3000:]}")
-
-
-class Collect(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]) -> None:
-        super().__init__(logging.ERROR)
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def server_errors(gateway: str) -> Iterator[list[logging.LogRecord]]:
-    """ERROR records of uvicorn (an exception in the app) and of neuralgrid, as the test runs."""
-    records: list[logging.LogRecord] = []
-    handler = Collect(records)
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "neuralgrid")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield records
-    for logger in loggers:
-        logger.removeHandler(handler)
 
 
 # -- frames ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlencode
 
 import httpx
@@ -50,6 +50,7 @@ from neuralgrid.realtime.limits import Limits
 from neuralgrid.realtime.protocol import V1, V2, Message, decode
 from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from neuralgrid.server.stack import api_key
+from tests.fuzzing import server_error
 
 # The gateway runs in this process: its threads may use `random` while Hypothesis draws an example,
 # which Hypothesis takes for a strategy doing so.
@@ -80,46 +81,6 @@ def say(text: str) -> None:
 
 
 # -- what the server says, and how it failed ------------------------------------------------------
-
-
-class ServerError(AssertionError):
-    """The server logged an error (an exception in the app, most often) during an example."""
-
-
-_server_errors: dict[str, type[ServerError]] = {}
-
-
-def server_error(record: logging.LogRecord) -> ServerError:
-    """`Server<ExceptionName>`: one class per kind of server exception, so that Hypothesis, which
-    tells bugs apart by exception type and place, reports each kind of crash on its own."""
-    name = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else "LoggedError"
-    if name not in _server_errors:
-        _server_errors[name] = cast(type[ServerError], type(f"Server{name}", (ServerError,), {}))
-    cls = _server_errors[name]
-    detail = logging.Formatter().format(record)
-    return cls(f"the server logged an error:\n{detail[-3000:]}")
-
-
-class Collect(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]) -> None:
-        super().__init__(logging.ERROR)
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def server_errors(gateway: str) -> Iterator[list[logging.LogRecord]]:
-    """ERROR records of uvicorn (an exception in the app) and of neuralgrid, as the test runs."""
-    records: list[logging.LogRecord] = []
-    handler = Collect(records)
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "neuralgrid")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield records
-    for logger in loggers:
-        logger.removeHandler(handler)
 
 
 def raise_logged(errors: list[logging.LogRecord], wait_s: float = 0.0, tolerated: str | None = None) -> None:
