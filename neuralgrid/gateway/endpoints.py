@@ -3,9 +3,10 @@ and again for the address actually connected to (so a name that resolves to a pr
 registration or later, is refused too).
 
 One reading of a host for the whole platform: IPv4 in every notation libc accepts (`127.1`,
-`0x7f000001`, `0177.0.0.1`, `2130706433`), IPv6 (with IPv4 inside: mapped, 6to4, NAT64, Teredo), and
-`localhost`. SQL refuses the same hosts for owners' writes to `nodes.endpoint_url`
-(private.endpoint_is_private), held equal to this module by tests/db/test_endpoints_sql.py.
+`0x7f000001`, `0177.0.0.1`, `2130706433`), IPv6 (IPv4-mapped and NAT64 read as the IPv4 address they
+carry; 6to4 and Teredo refused whole), and `localhost`. SQL refuses the same hosts for owners' writes
+to `nodes.endpoint_url` (private.endpoint_is_private), held equal to this module by
+tests/db/test_endpoints_sql.py.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ NON_PUBLIC = tuple(
         "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15",
         "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
         # IPv6: unspecified, loopback and IPv4-compatible, discard, IETF (Teredo included),
-        # documentation, local NAT64, unique local, link-local, site-local, multicast.
-        "::/96", "100::/64", "2001::/23", "2001:db8::/32", "64:ff9b:1::/48", "fc00::/7",
+        # documentation, 6to4, local NAT64, unique local, link-local, site-local, multicast.
+        "::/96", "100::/64", "2001::/23", "2001:db8::/32", "2002::/16", "64:ff9b:1::/48", "fc00::/7",
         "fe80::/10", "fec0::/10", "ff00::/8",
     )
 )  # fmt: skip
@@ -91,11 +92,10 @@ def parse_address(host: str) -> Address | None:
 
 
 def embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 one carries and routes to: IPv4-mapped, 6to4 or NAT64."""
+    """The IPv4 address an IPv6 one carries and routes to: IPv4-mapped or NAT64 (6to4 is refused
+    whole, as SQL does)."""
     if address.ipv4_mapped is not None:
         return address.ipv4_mapped
-    if address.sixtofour is not None:
-        return address.sixtofour
     if address in _NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None

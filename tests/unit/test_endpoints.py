@@ -37,6 +37,7 @@ ENDPOINTS: list[tuple[str, bool]] = [
     ("http://[::ffff:7f00:1]:80", True),
     ("http://[64:ff9b::7f00:1]", True),  # NAT64 of 127.0.0.1
     ("http://[2002:7f00:1::1]", True),  # 6to4
+    ("http://[2002:808:808::1]", True),  # 6to4, even of a public address: refused whole, in SQL too
     ("http://[fe80::1%25eth0]:1", True),
     ("http://[fd00::1]", True),
     ("https://8.8.8.8", False),
