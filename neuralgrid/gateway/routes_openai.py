@@ -17,6 +17,7 @@ from neuralgrid.gateway.auth import ApiKeyDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, RequestTimeout, invalid
 from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.schema import SCHEMAS
+from neuralgrid.protocol import wire_json
 from neuralgrid.server.services import ServicesDep
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -118,11 +119,9 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     raw = b"".join(chunks)
     try:
-        body = json.loads(raw, parse_constant=_not_json)
+        body = wire_json.loads(raw)
     except ValueError as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from err
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
         raise BadRequest("the request body has a \\u escape that is half a character (a lone surrogate)")
     if not isinstance(body, dict):
@@ -141,8 +140,3 @@ def _has_lone_surrogate(body: Any) -> bool:
     except UnicodeEncodeError:
         return True
     return False
-
-
-def _not_json(constant: str) -> Any:
-    """NaN and Infinity: Python reads them, JSON has no such numbers, and nodes would choke on them."""
-    raise ValueError(f"{constant} is not a JSON number")

@@ -105,7 +105,3 @@ def too_large(size: int, limit: int) -> str:
 
 def too_many_presences(limit: int) -> str:
     return f"PresenceRateLimitReached: a socket tracks presence on at most {limit} channels"
-
-
-def read_only(sub_topic: str) -> str:
-    return f"Unauthorized: You do not have permissions to write to this Channel topic: {sub_topic}"

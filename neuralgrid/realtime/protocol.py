@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from neuralgrid.protocol import wire_json
+
 V1 = "1.0.0"
 V2 = "2.0.0"
 VERSIONS = (V1, V2)
@@ -80,17 +82,12 @@ def _str_or_none(value: Any, field: str) -> str | None:
     raise ProtocolError(f"{field} must be a string")
 
 
-def _no_constants(name: str) -> Any:
-    """NaN and Infinity: Python reads them, JSON has no such numbers, and realtime-js would choke."""
-    raise ValueError(f"{name} is not JSON")
-
-
 def decode(data: str | bytes, vsn: str) -> Message:
     if isinstance(data, bytes):
         return decode_binary(data)
     try:
-        obj = json.loads(data, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as err:
+        obj = wire_json.loads(data)
+    except ValueError as err:
         raise ProtocolError(f"not JSON: {err}") from err
     if vsn == V2:
         if not isinstance(obj, list) or len(obj) != 5:
@@ -127,9 +124,9 @@ def decode_binary(data: bytes) -> Message:
     if encoding != JSON_ENCODING:
         raise ProtocolError("binary broadcast payloads are not supported; send JSON")
     try:
-        user_payload = json.loads(data[offset:]) if offset < len(data) else {}
-        meta_value = json.loads(meta) if meta else None
-    except (ValueError, RecursionError) as err:
+        user_payload = wire_json.loads(data[offset:]) if offset < len(data) else {}
+        meta_value = wire_json.loads(meta) if meta else None
+    except ValueError as err:
         raise ProtocolError(f"broadcast payload is not JSON: {err}") from err
     payload: dict[str, Any] = {"type": "broadcast", "event": event, "payload": user_payload}
     if meta:
