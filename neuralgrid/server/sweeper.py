@@ -1,5 +1,6 @@
-"""The sweeper: calls sweep() every second, which marks silent nodes offline and ends jobs still
-running past platform_settings.job_deadline_s (their completion was lost).
+"""The sweeper: calls sweep() every second, which marks silent nodes offline and ends the jobs whose
+completion will not come: those of a gateway silent for platform_settings.gateway_timeout_s (see
+server/liveness.py), and any still running past platform_settings.job_deadline_s.
 
 On Supabase, pg_cron runs the same function instead; running both is harmless (the updates are
 idempotent), so every gateway instance may run a sweeper.
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 async def sweep_once(conn: psycopg.AsyncConnection) -> list[str]:
-    """One sweep; returns the names of nodes it set offline. Jobs past the deadline are ended too."""
+    """One sweep; returns the names of nodes it set offline. Jobs it ended are logged."""
     names = []
     for swept in await Store(conn).all(q.SWEEP):
         if swept.kind == "node_offline":
