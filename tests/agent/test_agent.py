@@ -226,6 +226,10 @@ def _kill_mid_stream_then_fail_over(
     conn: psycopg.Connection, platform: str, operator_key: str, agent: subprocess.Popen[str]
 ) -> None:
     body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 40, "stream": True}
+    # Both nodes up (a busy machine can make a health check late enough to take one out for a beat):
+    # the request must start on the node that ranks first, the one about to be killed.
+    all_online = "select bool_and(status = 'online' and inflight = 0) from nodes"
+    wait_for(lambda: conn.execute(all_online).fetchone() == (True,), timeout=30)
     with stream_chat(platform, operator_key, body, timeout=20) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
