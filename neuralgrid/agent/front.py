@@ -4,27 +4,33 @@ port, where only requests signed by the gateway get through; tunnel mode: tunnel
 On the way in, a catalog model id is turned back into the name the server serves it under. On the
 way out, a stream whose server sent no usage gets its exact usage added before its end (see
 Backend.usage): the gateway bills tokens, never events.
+
+The hop is meant to cost next to nothing: the front is a bare ASGI app (Starlette's routing,
+middleware and streaming response cost more per request than the relaying itself), the server is
+reached through Backend.relay (kept-alive connections, a C parser), and bodies pass through as
+bytes: a request is parsed only when it may need renaming or counting, an answer's events only
+when they must be renamed or, once the server has not sent usage by its end, counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from neuralgrid.agent.backend import Backend, dig
+from neuralgrid.agent.backend import Backend, RelayError, RelayResponse, dig
 from neuralgrid.protocol import signing
-from neuralgrid.protocol.sse import SseEvents
+from neuralgrid.protocol.sse import SseEvents, Usage
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# Events held unread while waiting to see whether the server sends usage; past this, they are read
+# as they come (as long answers' are), so that memory stays bounded.
+HELD_BYTES = 1 << 16
 
 
 class BackendUnreachable(Exception):
@@ -32,21 +38,30 @@ class BackendUnreachable(Exception):
 
 
 class Answer:
-    """The server's answer as it starts: status, media type, and its body's chunks. Whoever takes it
-    must aclose() it, read or not: that ends the request (its slot here, its connection there)."""
+    """The server's answer as it starts: status, media type, length (None: not known ahead), and its
+    body's chunks. Whoever takes it must aclose() it, read or not: that ends the request (its slot
+    here, its connection there)."""
 
-    def __init__(self, state: FrontState, upstream: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, state: FrontState, upstream: RelayResponse) -> None:
         self.state, self.upstream = state, upstream
-        self.status = upstream.status_code
-        self.media_type = upstream.headers.get("content-type", "application/json")
-        self.chunks = chunks
+        self.status = upstream.status
+        self.media_type = upstream.content_type.decode("latin-1")
+        self.length = upstream.length
+        self.chunks: AsyncIterator[bytes] = upstream
         self.closed = False
+        self.given_up = False
+
+    def give_up(self, _: object = None) -> None:
+        """The gateway hung up: end the server's answer now (the server stops generating)."""
+        if not self.closed:
+            self.given_up = True
+            self.upstream.abort("the gateway hung up")
 
     async def aclose(self) -> None:
         if not self.closed:
             self.closed = True
             self.state.inflight -= 1
-            await self.upstream.aclose()
+            self.upstream.release()
 
 
 @dataclass
@@ -61,78 +76,195 @@ class FrontState:
 
     async def forward(self, path: str, body: bytes) -> Answer:
         """Send a gateway's request to the server. The caller must aclose() the answer."""
-        try:
-            request: Any = json.loads(body)
-        except ValueError:
-            request = None
-        catalog_id = request.get("model") if isinstance(request, dict) else None
-        if isinstance(catalog_id, str) and catalog_id in self.served_names:
-            request = {**request, "model": self.served_names[catalog_id]}
-            body = json.dumps(request).encode()
+        request: dict[str, Any] | None = None
+        renamed: tuple[str, str] | None = None
+        if self.served_names:  # a node without aliases never needs the request read
+            request = _object(body)
+            catalog_id = request.get("model") if request is not None else None
+            if request is not None and isinstance(catalog_id, str) and catalog_id in self.served_names:
+                served = self.served_names[catalog_id]
+                request = {**request, "model": served}
+                body = json.dumps(request).encode()
+                renamed = (served, catalog_id) if served != catalog_id else None
         self.inflight += 1
         try:
-            url, headers = self.backend.url + path, {"content-type": "application/json"}
-            upstream = await self.backend.http.send(
-                self.backend.http.build_request("POST", url, content=body, headers=headers), stream=True
-            )
+            upstream = await self.backend.relay.post(path, body)
         except BaseException as err:  # cancelled too: the request never started here
             self.inflight -= 1
-            if isinstance(err, httpx.HTTPError):
+            if isinstance(err, OSError | RelayError):
                 raise BackendUnreachable(f"the backend is unreachable: {err!r}") from err
             raise
         self.served += 1
-        answer = Answer(self, upstream, upstream.aiter_raw())
-        served = request.get("model") if isinstance(request, dict) else None
-        renamed = (served, catalog_id) if served != catalog_id else None
+        answer = Answer(self, upstream)
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
-        wants_usage = isinstance(request, dict) and dig(request, "stream_options", "include_usage") is True
-        count = path in KINDS and sse and wants_usage and _one_text_answer(request)
+        count = False
+        # Usage is counted only for streams that asked for it: the gateway writes its bodies with
+        # json.dumps, so a body without these bytes has no such field, and need not be read.
+        if sse and path in KINDS and b'"include_usage"' in body:
+            request = request if request is not None else _object(body)
+            count = (
+                request is not None
+                and dig(request, "stream_options", "include_usage") is True
+                and _one_text_answer(request)
+            )
         if sse and (count or renamed):
-            answer.chunks = self._events(KINDS.get(path, ""), request, answer.chunks, count, renamed)
+            answer.chunks = self._events(KINDS.get(path, ""), request or {}, upstream, count, renamed)
+            answer.length = None
         elif renamed and answer.media_type.startswith("application/json"):
-            answer.chunks = _renamed_body(answer.chunks, renamed)
+            answer.chunks = _renamed_body(upstream, _Renamer(*renamed))
+            answer.length = None
         return answer
 
     async def _events(
         self,
         kind: str,
         request: dict[str, Any],
-        chunks: AsyncIterator[bytes],
+        chunks: RelayResponse,
         count: bool,
-        renamed: tuple[Any, Any] | None,
+        renamed: tuple[str, str] | None,
     ) -> AsyncIterator[bytes]:
         """The stream as the server sent it, event by event, with the catalog's model name in place
         of the server's (the client never sees an owner's file path), and a usage event before
-        [DONE] when the server sent none. Fails open: what cannot be read or counted passes as it came."""
-        events = SseEvents(keep_usage_event=True)
+        [DONE] when the server sent none. Fails open: what cannot be read or counted passes as it came.
+
+        Events are not parsed while the server may still send usage (most do, at the end): they
+        are held, and read only if [DONE] comes without it."""
+        rename = _Renamer(*renamed) if renamed else None
+        looking = count  # for usage, until the server sends it or [DONE] comes
+        held: list[bytes] = []
+        held_bytes = 0
+        read: SseEvents | None = None  # the events read one by one, once too many were held
+        pending = b""
         async for raw in chunks:
-            for event in events.feed(raw):
-                if count and events.done and events.usage is None and event.strip().endswith(b"[DONE]"):
-                    counted = await self.backend.usage(kind, request, "".join(events.text))
-                    if counted is not None:
-                        model = renamed[1] if renamed else request.get("model")
-                        tail = {**events.identity, "object": _OBJECT[kind], "model": model}
-                        tail.update(choices=[], usage=counted)
-                        yield b"data: " + json.dumps(tail).encode() + b"\n\n"
-                yield _renamed_event(event, renamed) if renamed else event
-        if events.buffer:
-            yield events.buffer
+            # Events end with a blank line; servers that write CRLF lines are read the same way.
+            pending = pending + raw if pending else raw
+            if b"\r" in pending:
+                pending = pending.replace(b"\r\n", b"\n")
+            last = chunks.finished()
+            if b"\n\n" not in pending and not last:
+                continue
+            *events, pending = pending.split(b"\n\n")
+            out: list[bytes] = []
+            for bare in events:
+                event = bare + b"\n\n"
+                if looking:
+                    if _is_done(event):
+                        looking = False
+                        tail = await self._usage_event(kind, request, held, read, renamed)
+                        if tail is not None:
+                            out.append(tail)
+                    elif read is not None:
+                        read.feed(event)
+                        looking = read.usage is None
+                    elif _has_usage(event):
+                        looking = False
+                    else:
+                        held.append(event)
+                        held_bytes += len(event)
+                        if held_bytes > HELD_BYTES:
+                            read = SseEvents(keep_usage_event=True)
+                            read.feed(b"".join(held))
+                            looking = read.usage is None
+                    if not looking:
+                        held.clear()
+                out.append(rename.event(event) if rename else event)
+            if last:  # what follows the last event goes with it, as it came: this is the end
+                out.append(pending)
+                pending = b""
+            yield b"".join(out)
+        if pending:
+            yield pending
+
+    async def _usage_event(
+        self,
+        kind: str,
+        request: dict[str, Any],
+        held: list[bytes],
+        read: SseEvents | None,
+        renamed: tuple[str, str] | None,
+    ) -> bytes | None:
+        """The usage event for a stream that ended without one: its text counted by the server."""
+        if read is None:
+            read = SseEvents(keep_usage_event=True)
+            read.feed(b"".join(held))
+        if read.usage is not None:
+            return None
+        counted = await self.backend.usage(kind, request, "".join(read.text))
+        if counted is None:
+            return None
+        model = renamed[1] if renamed else request.get("model")
+        tail = {**read.identity, "object": _OBJECT[kind], "model": model}
+        tail.update(choices=[], usage=counted)
+        return b"data: " + json.dumps(tail).encode() + b"\n\n"
 
 
-def _renamed_event(event: bytes, renamed: tuple[Any, Any]) -> bytes:
-    """One SSE event whose JSON data names the served model, naming the catalog's instead."""
-    head, sep, data = event.partition(b"data:")
-    payload = _renamed(data, renamed) if sep else None
-    return event if payload is None else head + b"data: " + payload + b"\n\n"
+def _object(body: bytes) -> dict[str, Any] | None:
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    return request if isinstance(request, dict) else None
 
 
-async def _renamed_body(chunks: AsyncIterator[bytes], renamed: tuple[Any, Any]) -> AsyncIterator[bytes]:
-    """A JSON answer naming the served model, naming the catalog's instead (read whole: it is small)."""
+def _data(event: bytes) -> bytes:
+    """An event's data: its `data:` lines (a space after the colon is optional), joined."""
+    lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines).strip()
+
+
+def _is_done(event: bytes) -> bool:
+    return event.rstrip().endswith(b"[DONE]") and _data(event) == b"[DONE]"
+
+
+# A usage field with a value (servers send `"usage": null` in every chunk of a stream that asked
+# for usage): only such events are worth parsing to know whether the server gave its usage.
+_USAGE = re.compile(rb'"usage"\s*:\s*(?!null)')
+
+
+def _has_usage(event: bytes) -> bool:
+    if _USAGE.search(event) is None:
+        return False
+    try:
+        payload = json.loads(_data(event))
+    except ValueError:
+        return False
+    return Usage.parse(payload) is not None
+
+
+class _Renamer:
+    """The served model's name in JSON, replaced by the catalog's: where it is written as
+    `"model": "<served>"`, in place; otherwise (a name written with escapes) by parsing the JSON."""
+
+    def __init__(self, served: str, catalog: str) -> None:
+        self.renamed = (served, catalog)
+        self.pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(json.dumps(served).encode()))
+        self.to = json.dumps(catalog).encode()
+
+    def _sub(self, match: re.Match[bytes]) -> bytes:
+        return match.group(1) + self.to
+
+    def event(self, event: bytes) -> bytes:
+        """One SSE event whose JSON data names the served model, naming the catalog's instead."""
+        new, n = self.pattern.subn(self._sub, event)
+        if n or b'"model"' not in event:
+            return new
+        head, sep, data = event.partition(b"data:")
+        payload = _renamed(data, self.renamed) if sep else None
+        return event if payload is None else head + b"data: " + payload + b"\n\n"
+
+    def body(self, body: bytes) -> bytes:
+        """A JSON answer naming the served model, naming the catalog's instead."""
+        new, n = self.pattern.subn(self._sub, body)
+        return new if n else _renamed(body, self.renamed) or body
+
+
+async def _renamed_body(chunks: AsyncIterator[bytes], rename: _Renamer) -> AsyncIterator[bytes]:
+    """A JSON answer, renamed (read whole: it is small)."""
     body = b"".join([chunk async for chunk in chunks])
-    yield _renamed(body, renamed) or body
+    yield rename.body(body)
 
 
-def _renamed(data: bytes, renamed: tuple[Any, Any]) -> bytes | None:
+def _renamed(data: bytes, renamed: tuple[str, str]) -> bytes | None:
     """A JSON object naming the served model, re-encoded naming the catalog's; None if it does not."""
     try:
         payload = json.loads(data)
@@ -148,57 +280,136 @@ def _one_text_answer(request: dict[str, Any]) -> bool:
     return request.get("n") in (None, 1) and not request.get("tools") and not request.get("echo")
 
 
-class RelayedAnswer(StreamingResponse):
-    """Streams an Answer to the gateway and closes it however the response ends (a gateway that
-    hangs up before the first chunk included: Starlette may then never start the iterator)."""
+_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+_SIGNATURE = signing.HEADER.encode()
 
-    def __init__(self, answer: Answer) -> None:
-        super().__init__(answer.chunks, status_code=answer.status, media_type=answer.media_type)
-        self.answer = answer
+
+class Front:
+    """The signed front as a bare ASGI app: POST /v1/… relayed to the server once its signature
+    checks out; GET /healthz says whether the node drains and how many requests are in flight."""
+
+    def __init__(self, state: FrontState) -> None:
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path, method = scope["path"], scope["method"]
+            if path.startswith("/v1/"):
+                if method == "POST":
+                    await self._forward(scope, receive, send)
+                else:
+                    await _plain(send, 405, b"Method Not Allowed", (b"allow", b"POST"))
+            elif path == "/healthz":
+                if method in ("GET", "HEAD"):
+                    state = self.state
+                    health = {"status": "draining" if state.draining else "ok", "inflight": state.inflight}
+                    await _json(send, 200, health)
+                else:
+                    await _plain(send, 405, b"Method Not Allowed", (b"allow", b"GET, HEAD"))
+            else:
+                await _plain(send, 404, b"Not Found")
+        elif scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            self.state.backend.relay.close()  # the server is done: so are its connections
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1000})
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        message = await receive()
+        body = message.get("body", b"")
+        if message.get("more_body"):
+            parts = [body]
+            while message.get("more_body"):
+                message = await receive()
+                parts.append(message.get("body", b""))
+            body = b"".join(parts)
+        if message["type"] == "http.disconnect":
+            return
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == _SIGNATURE), None)
+        path = scope["path"]
+        if state.key is None or not state.signatures.verify(state.key, header, path, body):
+            return await _error(send, 401, "requests to this node must be signed by the NeuralGrid gateway")
+        if state.draining:
+            return await _error(send, 503, "this node is draining: it takes no new work")
         try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.answer.aclose()
+            answer = await state.forward(path, body)
+        except BackendUnreachable as err:
+            return await _error(send, 502, str(err))
+        await _relay(answer, receive, send)
 
 
-_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status
-    )
-
-
-async def _forward(request: Request) -> Response:
-    state: FrontState = request.app.state.front
-    body = await request.body()
-    path = request.url.path
-    header = request.headers.get(signing.HEADER)
-    if state.key is None or not state.signatures.verify(state.key, header, path, body):
-        return _error(401, "requests to this node must be signed by the NeuralGrid gateway")
-    if state.draining:
-        return _error(503, "this node is draining: it takes no new work")
+async def _relay(answer: Answer, receive: Receive, send: Send) -> None:
+    """Send the answer to the gateway as it comes, then end the request."""
+    headers = [(b"content-type", answer.media_type.encode("latin-1"))]
+    watching: asyncio.Future[Message] | None = None
     try:
-        answer = await state.forward(path, body)
-    except BackendUnreachable as err:
-        return _error(502, str(err))
-    return RelayedAnswer(answer)
+        if answer.length is not None:  # a whole answer, its size known: its last chunk ends it
+            headers.append((b"content-length", b"%d" % answer.length))
+            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            left = answer.length
+            if not left:
+                await send({"type": "http.response.body", "body": b""})
+            async for chunk in answer.chunks:
+                left -= len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+            return
+        # A stream: the gateway may hang up before its end (its client left), which must end
+        # the server's answer at once rather than at its next event.
+        watching = asyncio.ensure_future(receive())
+        watching.add_done_callback(answer.give_up)
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        async for chunk in answer.chunks:
+            if answer.upstream.finished():  # the last chunk: it ends the response (one write less)
+                watching.remove_done_callback(answer.give_up)
+                await send({"type": "http.response.body", "body": chunk})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        watching.remove_done_callback(answer.give_up)
+        await send({"type": "http.response.body", "body": b""})
+    except RelayError:
+        if not answer.given_up:
+            raise
+    finally:
+        if watching is not None:
+            watching.remove_done_callback(answer.give_up)
+            watching.cancel()
+        await answer.aclose()
 
 
-async def _health(request: Request) -> Response:
-    state: FrontState = request.app.state.front
-    return JSONResponse({"status": "draining" if state.draining else "ok", "inflight": state.inflight})
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
-def create_front(state: FrontState) -> Starlette:
-    app = Starlette(
-        routes=[
-            Route("/healthz", _health),
-            Route("/v1/{path:path}", _forward, methods=["POST"]),
-        ]
+async def _plain(send: Send, status: int, text: bytes, *extra: tuple[bytes, bytes]) -> None:
+    await _whole(send, status, text, b"text/plain; charset=utf-8", *extra)
+
+
+async def _json(send: Send, status: int, content: dict[str, Any]) -> None:
+    # As Starlette's JSONResponse wrote it.
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await _whole(send, status, body, b"application/json")
+
+
+async def _whole(
+    send: Send, status: int, body: bytes, media_type: bytes, *extra: tuple[bytes, bytes]
+) -> None:
+    headers = [(b"content-type", media_type), (b"content-length", b"%d" % len(body)), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    await _json(
+        send, status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}
     )
-    app.state.front = state
-    return app
+
+
+def create_front(state: FrontState) -> Front:
+    return Front(state)

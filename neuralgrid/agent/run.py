@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pynvml
@@ -32,7 +33,7 @@ class AgentError(Exception):
 
 @dataclass(frozen=True)
 class AgentConfig:
-    gateway_url: str
+    gateway_url: str  # one gateway's URL, or several separated by commas (tried in turn)
     token: str
     backend_url: str
     name: str
@@ -74,9 +75,19 @@ def resolve_specs(config: AgentConfig) -> Specs:
     return Specs(config.gpu_model or found.model, found.count, config.vram_gb or found.vram_total_gb, tflops)
 
 
+def gateway_urls(value: str) -> list[str]:
+    """The gateways an agent may talk to: `--gateway` holds one URL or several, comma-separated."""
+    urls = [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+    if not urls:
+        raise AgentError("--gateway names no gateway")
+    return urls
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        self.gateways = gateway_urls(config.gateway_url)
+        self._gateway = 0  # the gateway that answered last: asked first next time
         self.backend = Backend(config.backend_url)
         self.front = FrontState(self.backend, {v: k for k, v in config.model_aliases.items()})
         self.node_id: str | None = None
@@ -172,7 +183,7 @@ class Agent:
 
     def _start_tunnel(self) -> TunnelClient:
         assert self.node_id is not None and self.secret is not None
-        tunnel = TunnelClient(self.config.gateway_url, self.node_id, self.secret, self.front)
+        tunnel = TunnelClient(self.gateways, self.node_id, self.secret, self.front)
         self._tunnel_task = asyncio.create_task(tunnel.run())
         return tunnel
 
@@ -222,11 +233,7 @@ class Agent:
             backend=BackendInfo.model_construct(**self.backend.info.as_json()),
         ).model_dump()
         try:
-            resp = await http.post(
-                f"{self.config.gateway_url.rstrip('/')}/v1/nodes",
-                json=body,
-                headers={"authorization": f"Bearer {self.config.token}"},
-            )
+            resp = await self._post(http, "/v1/nodes", body, self.config.token)
         except httpx.HTTPError as err:
             raise AgentError(f"the gateway at {self.config.gateway_url} is unreachable: {err!r}") from err
         if resp.status_code != 201:
@@ -269,15 +276,35 @@ class Agent:
             body["specs"] = dataclasses.asdict(specs)
         if backend is not None:  # only when it changed
             body["backend"] = BackendInfo.model_construct(**backend.as_json()).model_dump()
-        url = f"{self.config.gateway_url.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
+        assert self.secret is not None
         try:
-            resp = await http.post(url, json=body, headers={"authorization": f"Bearer {self.secret}"})
-        except httpx.HTTPError as err:  # the gateway is away for a moment: try again next beat
+            resp = await self._post(http, f"/v1/nodes/{self.node_id}/heartbeat", body, self.secret)
+        except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
             return False
         if resp.status_code != 200:
             log.warning("heartbeat refused: %s", _message(resp))
         return resp.status_code == 200
+
+    async def _post(
+        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], token: str
+    ) -> httpx.Response:
+        """POST to the gateway that answered last, else to the next that answers (any gateway will
+        do: they share the database); raises the last one's error when none answers."""
+        count = len(self.gateways)
+        for turn in range(count):
+            index = (self._gateway + turn) % count
+            try:
+                resp = await http.post(
+                    self.gateways[index] + path, json=body, headers={"authorization": f"Bearer {token}"}
+                )
+            except httpx.HTTPError:
+                if turn < count - 1:
+                    continue
+                raise
+            self._gateway = index
+            return resp
+        raise AgentError("no gateway to ask")  # gateway_urls() gives at least one
 
     async def _models_or(self, previous: list[str]) -> list[str]:
         """The server's models now, under catalog names; the previous list if it cannot say."""

@@ -1,7 +1,9 @@
 """The agent's side of a tunnel: dial out to the gateway, serve the requests that come back over it.
 
 Many requests share the one socket (each in its own task, answered in frames tagged with its id);
-a `cancel` frame stops one; the socket reconnects with exponential backoff when it drops.
+a `cancel` frame stops one. When the socket drops, the agent dials the next of its gateways at once
+(any gateway can carry the node's requests: the others forward to it), and backs off exponentially
+only once every gateway has failed in a row.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import codecs
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
+from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState
 from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, encode, gateway_frame
 
@@ -26,30 +29,38 @@ Send = Callable[[Start | Data | End | Err], Awaitable[None]]
 
 
 class TunnelClient:
-    def __init__(self, gateway_url: str, node_id: str, secret: str, front: FrontState) -> None:
-        base = gateway_url.rstrip("/").replace("http", "ws", 1)
-        self.url = f"{base}/v1/nodes/{node_id}/tunnel"
+    def __init__(self, gateway_urls: Sequence[str], node_id: str, secret: str, front: FrontState) -> None:
+        if not gateway_urls:
+            raise ValueError("a tunnel needs at least one gateway to dial")
+        bases = [url.rstrip("/").replace("http", "ws", 1) for url in gateway_urls]
+        self.urls = [f"{base}/v1/nodes/{node_id}/tunnel" for base in bases]
         self.secret = secret
         self.front = front
         self.connected = asyncio.Event()
         self.close = asyncio.Event()  # set after a drain: hang up for good
 
     async def run(self) -> None:
-        backoff = 0.25
+        backoff, turn, failed = 0.25, 0, 0  # failed: gateways that refused or were away, in a row
         while not self.close.is_set():
+            url = self.urls[turn % len(self.urls)]
+            served = False
             try:
                 async with connect(
-                    self.url, additional_headers={"authorization": f"Bearer {self.secret}"}, max_size=None
+                    url, additional_headers={"authorization": f"Bearer {self.secret}"}, max_size=None
                 ) as ws:
                     self.connected.set()
-                    backoff = 0.25
+                    served, backoff = True, 0.25
                     await self._serve(ws)
             except (OSError, WebSocketException) as err:
-                log.warning("tunnel to the gateway lost (%s); reconnecting in %.2fs", err, backoff)
+                log.warning("tunnel to the gateway at %s lost (%s)", url, err)
             self.connected.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.close.wait(), timeout=backoff)
-            backoff = min(backoff * 2, 10.0)
+            # The next gateway: the one that dropped the socket may be going away.
+            turn += 1
+            failed = 0 if served else failed + 1
+            if len(self.urls) == 1 or (failed and failed % len(self.urls) == 0):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.close.wait(), timeout=backoff)
+                backoff = min(backoff * 2, 10.0)
 
     async def _serve(self, ws: ClientConnection) -> None:
         lock = asyncio.Lock()
@@ -102,7 +113,7 @@ class TunnelClient:
                 await answer.aclose()
             await send(End(id=request_id))
         except Exception as err:  # whatever went wrong, the gateway hears of it, never silence
-            if not isinstance(err, BackendUnreachable | httpx.HTTPError | OSError):
+            if not isinstance(err, BackendUnreachable | RelayError | httpx.HTTPError | OSError):
                 log.exception("request %s failed in the agent", request_id)
             with contextlib.suppress(WebSocketException):
                 await send(Err(id=request_id, message=f"the backend failed: {err!r}"))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from neuralgrid.cli.common import database_url, friendly_errors, integers, progress, report
+from neuralgrid.cli.common import database_url, fail, friendly_errors, integers, progress, report
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
 
@@ -63,39 +63,66 @@ def gateway(
             envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per sequential case (x4 concurrent).", min=1
         ),
     ] = 500,
+    paths: Annotated[
+        str,
+        typer.Option(
+            envvar="NEURALGRID_BENCH_PATHS",
+            help="Paths to measure besides direct, comma-separated: relay, agent, gateway, gateway_agent.",
+        ),
+    ] = "relay,agent,gateway,gateway_agent",
     out_file: OutFile = Path("bench-results/gateway.json"),
 ) -> None:
-    """Added latency and requests/s of the gateway against the node it fronts and a bare relay."""
+    """Added latency and requests/s of the gateway and of the node agent against the node they front
+    (and a bare relay); the agent's CPU per request."""
     from neuralgrid.bench import gateway as bench
 
-    results = bench.run(database_url(ctx), integers(callers, "--callers"), requests, progress=progress)
+    chosen = tuple(part.strip() for part in paths.split(",") if part.strip())
+    unknown = set(chosen) - set(bench.PATHS)
+    if unknown:
+        raise fail(f"--paths: unknown {', '.join(sorted(unknown))}; choose from {', '.join(bench.PATHS[1:])}")
+    results = bench.run(
+        database_url(ctx), integers(callers, "--callers"), requests, progress=progress, paths=chosen
+    )
     table = Table(
         "mode",
         "callers",
         "direct p50",
         "relay +p50",
+        "agent +p50",
+        "agent cpu",
         "gateway +p50",
         "gateway +p99",
-        "direct req/s",
-        "relay req/s",
+        "gw+agent +p50",
+        "gw+agent cpu",
         "gateway req/s",
-        "errors d/r/g",
-        caption="ms; +: added to the direct path",
+        "errors",
+        caption="ms; +: added to the direct path; cpu: the agent process's CPU time per request;"
+        f" errors: {'/'.join(bench.PATHS)}",
     )
+
+    def cell(r: dict[str, Any], key: str, path: str | None = None) -> str:
+        value = r.get(key) if path is None else r.get(path, {}).get(key)
+        return "-" if value is None else f"{value:.2f}"
+
     for r in results:
         table.add_row(
             "stream" if r["stream"] else "plain",
             str(r["callers"]),
-            f"{r['direct']['p50_ms']:.2f}",
-            f"{r['relay_added_p50_ms']:.2f}",
-            f"{r['added_p50_ms']:.2f}",
-            f"{r['added_p99_ms']:.2f}",
-            f"{r['direct']['rps']:,.0f}",
-            f"{r['relay']['rps']:,.0f}",
-            f"{r['gateway']['rps']:,.0f}",
-            "/".join(str(r[t]["errors"]) for t in ("direct", "relay", "gateway")),
+            cell(r, "p50_ms", "direct"),
+            cell(r, "relay_added_p50_ms"),
+            cell(r, "agent_added_p50_ms"),
+            cell(r, "agent_cpu_ms_per_request", "agent"),
+            cell(r, "added_p50_ms"),
+            cell(r, "added_p99_ms"),
+            cell(r, "gateway_agent_added_p50_ms"),
+            cell(r, "agent_cpu_ms_per_request", "gateway_agent"),
+            f"{r['gateway']['rps']:,.0f}" if "gateway" in r else "-",
+            "/".join(str(r[t]["errors"]) if t in r else "-" for t in bench.PATHS),
         )
-    target = "added <= 1 ms p50 and <= 5 ms p99 sequential; >= 1000 rps non-streaming"
+    target = (
+        "gateway: added <= 1 ms p50 and <= 5 ms p99 sequential; >= 1000 rps non-streaming;"
+        " agent: added <= 0.5 ms p50 and <= 0.3 ms CPU per request"
+    )
     report(table, out_file, "gateway", results, units="ms", target=target)
 
 

@@ -123,6 +123,9 @@ class Match:
     fallback_ids: list[UUID] = field(default_factory=list)
     error: str | None = None
     max_output_tokens: int | None = None  # PLACE_JOB: the answer's cap, what the budget pays for
+    busy: bool = False  # PLACE_JOB asked to wait: every capable node is busy, and no job was recorded
+    # PLACE_JOB: the decode speed of the node, then of each fallback (None: unknown), for timeouts
+    tokens_per_s: list[float | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,14 @@ class Swept:
     name: str | None
 
 
+@dataclass(frozen=True)
+class TunnelRoute:
+    """The live gateway holding a tunnel node's socket, and where the other gateways reach it."""
+
+    gateway_id: UUID
+    internal_url: str | None
+
+
 # --- matching: score, claim, move, end (see 20261121000500_matcher.sql and later) ---------------
 
 SCORE_NODES = Query(
@@ -210,15 +221,16 @@ MATCH_JOB = Query(
     subject="model",
 )
 # The gateway's call: the budget hold is priced in SQL from the catalog (the request's size and its
-# answer at max_tokens), by the same prices complete_jobs() charges.
-# The gateway names itself for this statement only (set local; the lateral join runs match_job()
+# answer at max_tokens), by the same prices complete_jobs() charges. With `wait`, a request that
+# finds every capable node busy comes back `busy`, unrecorded, to wait for a slot.
+# The gateway names itself for this statement only (set local; the lateral join runs place_job()
 # after it): the job records which gateway placed it, and ends soon if that gateway dies.
 PLACE_JOB = Query(
     "place_job",
     "select m.* from (select set_config('neuralgrid.gateway_id', %(gateway)s::text, true)) as g,"
-    " lateral public.match_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
+    " lateral public.place_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
     " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
-    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int) as m",
+    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int, %(wait)s) as m",
     class_row(Match),
     subject="model",
 )
@@ -306,6 +318,8 @@ KEY_BY_HASH = Query(
 )
 # Every change to api_keys is announced here (notify_api_key_change): gateways drop cached keys.
 LISTEN_KEY_CHANGES = Query("listen_key_changes", "listen neuralgrid_api_keys", scalar_row)
+# A node has a slot to give (announce_free_slot): gateways wake the requests waiting for one.
+LISTEN_FREE_SLOTS = Query("listen_free_slots", "listen neuralgrid_slots", scalar_row)
 CREATE_KEY = Query(
     "create_key",
     "select id, api_key, prefix from public.create_api_key(%s, %s::int, %s::int, %s::numeric)",
@@ -411,6 +425,14 @@ FEED_INSTALLED = Query(
     "feed_installed", "select to_regprocedure('realtime.prune_feed(interval)') is not null", scalar_row
 )
 PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", scalar_row)
+# Tunnels through any gateway (20261125000300_tunnel_routes.sql): each gateway says where the others
+# reach it, records the tunnels it holds, and asks which gateway holds the tunnels it does not.
+GATEWAY_ALIVE_AT = Query("gateway_alive_at", "select public.gateway_alive(%s, %s)", scalar_row)
+ATTACH_TUNNEL = Query("attach_tunnel", "select public.attach_tunnel(%s, %s, %s)", scalar_row)
+DETACH_TUNNEL = Query("detach_tunnel", "select public.detach_tunnel(%s, %s)", scalar_row)
+TUNNEL_ROUTE = Query(
+    "tunnel_route", "select gateway_id, internal_url from public.tunnel_route(%s)", class_row(TunnelRoute)
+)
 
 # --- the web pages -----------------------------------------------------------------------------
 

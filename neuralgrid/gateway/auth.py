@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
-import logging
 import time
 from dataclasses import dataclass
 from decimal import Decimal
@@ -14,15 +11,12 @@ from typing import Annotated, Any
 from uuid import UUID
 
 import jwt
-import psycopg
 from fastapi import Depends, Request
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway.errors import Unauthorized
 from neuralgrid.server.services import ServicesDep
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,28 +64,9 @@ class KeyStore:
             if str(key.id) == key_id:
                 del self._cache[cached_digest]
 
-    async def listen(self, url: str, stop: asyncio.Event) -> None:
-        """Drop keys as Postgres announces changes; on a lost connection, drop everything."""
-        while not stop.is_set():
-            try:
-                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                    await Store(conn).all(q.LISTEN_KEY_CHANGES)
-                    self._cache.clear()  # changes missed while we were not listening
-                    gen = conn.notifies()
-                    stopper = asyncio.ensure_future(stop.wait())
-                    while not stop.is_set():
-                        nxt = asyncio.ensure_future(anext(gen))
-                        done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                        if nxt in done:
-                            self.forget(nxt.result().payload)
-                        else:
-                            nxt.cancel()
-                    stopper.cancel()
-            except (psycopg.OperationalError, StopAsyncIteration) as err:
-                log.warning("key listener lost the database (%s); retrying", err)
-                self._cache.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=1)
+    def forget_all(self) -> None:
+        """Announcements may have been missed (the listener reconnected): drop every key."""
+        self._cache.clear()
 
 
 async def api_key(request: Request, services: ServicesDep) -> ApiKey:

@@ -36,6 +36,18 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "neuralgrid_queue_wait_seconds",
+            "Time a request waited for a free slot (0 when one was free).",
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=self.registry,
+        )
+        self.queue_refused = Counter(
+            "neuralgrid_queue_refused_total",
+            "Requests refused while every capable node was busy: the line was full, or the deadline passed.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.attempts = Counter(
             "neuralgrid_attempts_total", "Attempts by outcome.", ["outcome"], registry=self.registry
         )

@@ -85,8 +85,9 @@ def _validated(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
 
 @router.websocket("/{node_id}/tunnel")
 async def tunnel(websocket: WebSocket, node_id: UUID, services: ServicesDep) -> None:
-    """An agent behind NAT dials in; requests for its node then travel over this socket. The node is
-    online while the socket is up, and offline the moment it drops."""
+    """An agent behind NAT dials in; requests for its node then travel over this socket, whichever
+    gateway places them. The node is online while the socket is up, and offline the moment it drops
+    (unless the agent has dialled again meanwhile)."""
     header = websocket.headers.get("authorization") or ""
     key = signing.node_key(header[7:].strip()) if header.lower().startswith("bearer ") else b""
     secret_hash = await services.store.one(q.NODE_SECRET_HASH, (node_id,))
@@ -97,8 +98,10 @@ async def tunnel(websocket: WebSocket, node_id: UUID, services: ServicesDep) -> 
     link = Tunnel(node_id, websocket)
     services.tunnels.attach(link)
     try:
-        await services.store.one(q.SET_TUNNEL, (node_id, True))
+        # Recorded as this gateway's: the others forward the node's requests here (gateway/forward.py).
+        await services.store.one(q.ATTACH_TUNNEL, (node_id, services.tunnels.gateway_id, link.socket_id))
         await link.read()
     finally:
-        if services.tunnels.detach(link):  # not replaced by a newer socket of the same node
-            await services.store.one(q.SET_TUNNEL, (node_id, False))
+        services.tunnels.detach(link)
+        # Offline only if no newer socket (here or at another gateway) carries the node now.
+        await services.store.one(q.DETACH_TUNNEL, (node_id, link.socket_id))

@@ -1,7 +1,9 @@
 """Tunnels: agents behind NAT dial in over a WebSocket, and requests are multiplexed over it.
 
 The frames are neuralgrid.protocol.tunnel's models, shared with the agent. A TunnelResponse is a
-NodeResponse, so failover, streaming and metering work the same over a tunnel as over HTTP.
+NodeResponse, so failover, streaming and metering work the same over a tunnel as over HTTP. A tunnel
+held by another gateway is reached through it (gateway/forward.py); Postgres records which gateway
+holds each tunnel (attach_tunnel(), detach_tunnel()).
 """
 
 from __future__ import annotations
@@ -10,24 +12,38 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
-from uuid import UUID
+from typing import TYPE_CHECKING
+from uuid import UUID, uuid4
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from neuralgrid.gateway.upstream import NodeError, NodeTimeout
+from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
 from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, agent_frame, encode
 
+if TYPE_CHECKING:
+    from neuralgrid.gateway.forward import Peers
+
 AgentFrame = Start | Data | End | Err
+# The status a job moves on with when no gateway could reach its node's tunnel (Misdirected
+# Request): failover_job() then ends the attempt neutral for the node. A node's own 421 is a 4xx the
+# client gets, so it never reaches failover_job().
+MISDIRECTED = 421
 
 
 class TunnelClosed(NodeError):
     """The tunnel went away while a request was on it."""
 
 
+class TunnelUnreachable(NodeError):
+    """No gateway could take the request to the node's tunnel: none holds it, or the one holding it
+    did not answer. The platform's failure, not the node's."""
+
+
 class Tunnel:
     def __init__(self, node_id: UUID, ws: WebSocket) -> None:
         self.node_id = node_id
         self.ws = ws
+        self.socket_id = uuid4()  # names this socket in tunnel_routes: a late close forgets only its own
         self.pending: dict[int, asyncio.Queue[AgentFrame]] = {}
         self.ids = itertools.count(1)
         self.send_lock = asyncio.Lock()
@@ -132,13 +148,27 @@ class TunnelResponse:
 
 
 class Tunnels:
-    """The tunnels this gateway instance holds, by node."""
+    """The tunnels this gateway instance holds, by node, and the way to those other gateways hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, gateway_id: UUID, peers: Peers | None = None) -> None:
         self.by_node: dict[UUID, Tunnel] = {}
+        self.gateway_id = gateway_id  # recorded as the holder of the tunnels attached here
+        self.peers = peers  # None: tunnels held elsewhere are out of reach
 
     def get(self, node_id: UUID) -> Tunnel | None:
         return self.by_node.get(node_id)
+
+    async def open(self, node_id: UUID, path: str, body: bytes, first_byte_timeout_s: float) -> NodeResponse:
+        """Ask the node through its tunnel, here or at the gateway holding it; returns once its
+        status line is in. TunnelUnreachable when no gateway could take the request to the node."""
+        link = self.by_node.get(node_id)
+        if link is None:
+            if self.peers is None:
+                raise TunnelUnreachable("the node's tunnel is not connected to this gateway")
+            return await self.peers.open(node_id, path, body, first_byte_timeout_s)
+        resp = await link.request(path, body)
+        await resp.start(first_byte_timeout_s)
+        return resp
 
     def attach(self, link: Tunnel) -> None:
         """The node's newest socket carries its requests from now on."""

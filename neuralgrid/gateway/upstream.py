@@ -83,7 +83,7 @@ class HttpNodes:
     ) -> None:
         # sock_connect bounds the node's own connect; connect (which also counts the wait for a free
         # slot in this pool) only guards against waiting forever.
-        timeout = aiohttp.ClientTimeout(
+        self.timeout = aiohttp.ClientTimeout(
             total=None, connect=30.0, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
         # public_only (production): node addresses are checked as written and as resolved, at connect
@@ -91,9 +91,13 @@ class HttpNodes:
         self.public_only = public_only
         resolver = PublicResolver() if public_only else None
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, resolver=resolver)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
 
-    async def post(self, url: str, payload: bytes, headers: dict[str, str]) -> HttpResponse:
+    async def post(
+        self, url: str, payload: bytes, headers: dict[str, str], first_byte_timeout_s: float | None = None
+    ) -> HttpResponse:
+        """POST to a node. `first_byte_timeout_s`: how long it may take to start answering, when
+        that is not the session's read timeout (a whole answer takes as long as its tokens)."""
         if self.public_only:
             try:
                 check_literal(url)  # literal addresses never reach the resolver
@@ -101,7 +105,17 @@ class HttpNodes:
                 raise NodeError(f"refused to connect: {err}") from None
         try:
             # Never follow a node's redirect: it could point the gateway at an internal address.
-            resp = await self.session.post(url, data=payload, headers=headers, allow_redirects=False)
+            timeout = self.timeout
+            if first_byte_timeout_s is not None and first_byte_timeout_s != timeout.sock_read:
+                timeout = aiohttp.ClientTimeout(
+                    total=None,
+                    connect=30.0,
+                    sock_connect=timeout.sock_connect,
+                    sock_read=first_byte_timeout_s,
+                )
+            resp = await self.session.post(
+                url, data=payload, headers=headers, allow_redirects=False, timeout=timeout
+            )
         except (aiohttp.ClientError, TimeoutError) as err:
             raise _translate(err) from err
         return HttpResponse(resp)

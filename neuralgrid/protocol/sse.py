@@ -54,7 +54,7 @@ class SseEvents:
         # Events end with a blank line; servers that write CRLF lines are read the same way.
         self.buffer = (self.buffer + raw).replace(b"\r\n", b"\n")
         out: list[bytes] = []
-        while b"\n\n" in self.buffer:
+        while not self.done and b"\n\n" in self.buffer:  # nothing after [DONE] is an event
             event, self.buffer = self.buffer.split(b"\n\n", 1)
             kept = self._take(event)
             if kept is not None:

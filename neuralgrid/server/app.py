@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,9 +24,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from neuralgrid import __version__
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.listen import listen
 from neuralgrid.db.queries import PING
 from neuralgrid.db.store import Store
-from neuralgrid.gateway import openapi, routes_keys, routes_nodes, routes_openai
+from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
 from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.errors import GatewayError, from_database, from_http, invalid
@@ -39,9 +41,10 @@ from neuralgrid.gateway.pipeline.send import Sender
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
+from neuralgrid.gateway.waiting import WaitingRoom
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
-from neuralgrid.server.liveness import keep_checking_in
+from neuralgrid.server.liveness import check_in, keep_checking_in
 from neuralgrid.server.services import Services, ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
@@ -88,8 +91,15 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Behind a transaction-mode pooler a statement prepared on one server connection is missing on
+        # the next (pgbouncer before 1.21 keeps no track of them): prepare none. See docs/scaling.md.
+        connection: dict[str, Any] = {"autocommit": True}
+        if settings.transaction_pooler:
+            connection["prepare_threshold"] = None
+        session_url = settings.session_database_url or database_url  # LISTEN and the sweeper
+        async_commit = settings.async_commit and not settings.transaction_pooler
         pool = AsyncConnectionPool(
-            database_url, min_size=2, max_size=settings.db_pool_size, kwargs={"autocommit": True}, open=False
+            database_url, min_size=2, max_size=settings.db_pool_size, kwargs=connection, open=False
         )
         await pool.open(wait=True, timeout=30)
         # The request path's own connections: see Settings.async_commit.
@@ -97,8 +107,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             database_url,
             min_size=settings.request_pool_size,
             max_size=settings.request_pool_size,
-            kwargs={"autocommit": True},
-            configure=_commit_asynchronously if settings.async_commit else None,
+            kwargs=connection,
+            # A session setting: behind a transaction pooler it would land on others' connections.
+            configure=_commit_asynchronously if async_commit else None,
             open=False,
         )
         await jobs_pool.open(wait=True, timeout=30)
@@ -112,23 +123,33 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         store = Store(pool)
         keys = KeyStore(store, settings.key_cache_ttl_s)
         limiter = RateLimiter(settings.redis_url)
-        tunnels = Tunnels()
+        room = WaitingRoom(settings.queue_max_waiting)
         gateway_id = uuid.uuid4()
-        await store.one(q.GATEWAY_ALIVE, (gateway_id,))  # known before it places a job
-        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, gateway_id)
-        hub = Hub(pool, database_url)
+        peers = forward.Peers(store, gateway_id, forward.forwarding_key(settings), settings.connect_timeout_s)
+        tunnels = Tunnels(gateway_id, peers)
+        internal_url = forward.internal_url(settings)
+        await check_in(store, gateway_id, internal_url)  # known before it places a job or holds a tunnel
+        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id)
+        hub = Hub(pool, session_url)
         app.state.services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache())
         stop = asyncio.Event()
         tasks = [
-            asyncio.create_task(keys.listen(database_url, stop)),
+            asyncio.create_task(
+                listen(
+                    session_url,
+                    {q.LISTEN_KEY_CHANGES: keys.forget, q.LISTEN_FREE_SLOTS: room.slot_freed},
+                    stop,
+                    reconnected=lambda: _missed(keys, room),
+                )
+            ),
             asyncio.create_task(hub.run(stop)),
-            asyncio.create_task(keep_checking_in(store, gateway_id, stop)),
+            asyncio.create_task(keep_checking_in(store, gateway_id, stop, internal_url)),
         ]
         # Serve only once the Realtime feed listens, so no change committed after startup is missed.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(hub.listening.wait(), 10)
         if sweep:
-            tasks.append(asyncio.create_task(run_sweeper(database_url, settings.sweep_interval_s, stop)))
+            tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop)))
         try:
             yield
         finally:
@@ -137,6 +158,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             await pipeline.drain()
             limiter.close()
             await nodes.close()
+            await peers.close()
             await jobs_pool.close()
             await pool.close()
 
@@ -151,6 +173,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     app.include_router(routes_openai.router)
     app.include_router(routes_keys.router)
     app.include_router(routes_nodes.router)
+    app.include_router(forward.router)
     app.include_router(web_routes.router)
     app.include_router(realtime_socket.router)
 
@@ -192,6 +215,12 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     return app
 
 
+def _missed(keys: KeyStore, room: WaitingRoom) -> None:
+    """Announcements may have been missed: cached keys are dropped, waiting requests ask again."""
+    keys.forget_all()
+    room.slot_freed()
+
+
 def _pipeline(
     settings: Settings,
     store: Store,
@@ -199,10 +228,11 @@ def _pipeline(
     limiter: RateLimiter,
     metrics: Metrics,
     tunnels: Tunnels,
+    room: WaitingRoom,
     gateway_id: uuid.UUID,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
-    placement = Placement(store, metrics, settings.max_attempts, gateway_id)
+    placement = Placement(store, metrics, settings.max_attempts, gateway_id, room, settings.queue_timeout_s)
     sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
     metering = Metering(Completions(store), limiter, metrics)
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams)

@@ -2,7 +2,9 @@
 
 Each job records the gateway that placed it (PLACE_JOB), and the sweep ends the running jobs of a
 gateway silent for platform_settings.gateway_timeout_s (15 s): a gateway killed mid-request leaves
-no node slot or budget hold taken for longer than that.
+no node slot or budget hold taken for longer than that. A check-in also says where the other gateways
+reach this one (its internal URL), to forward requests for the tunnels it holds; those tunnels are
+forgotten, their nodes offline, when it falls silent.
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ log = logging.getLogger(__name__)
 CHECK_IN_EVERY_S = 2.0
 
 
-async def keep_checking_in(store: Store, gateway_id: UUID, stop: asyncio.Event) -> None:
+async def check_in(store: Store, gateway_id: UUID, internal_url: str | None = None) -> None:
+    """One check-in; with internal_url, where the other gateways reach this one."""
+    if internal_url is None:
+        await store.one(q.GATEWAY_ALIVE, (gateway_id,))
+    else:
+        await store.one(q.GATEWAY_ALIVE_AT, (gateway_id, internal_url))
+
+
+async def keep_checking_in(
+    store: Store, gateway_id: UUID, stop: asyncio.Event, internal_url: str | None = None
+) -> None:
     """Check in until stop is set, through database outages (said once each)."""
     down = False
     while not stop.is_set():
         try:
-            await store.one(q.GATEWAY_ALIVE, (gateway_id,))
+            await check_in(store, gateway_id, internal_url)
             if down:
                 log.info("gateway %s checks in again", gateway_id)
             down = False

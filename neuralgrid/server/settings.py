@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     jwt_secret: str = Field(PLACEHOLDER_SECRET, alias="NEURALGRID_JWT_SECRET")
     redis_url: str | None = Field(None, alias="REDIS_URL")
 
+    # A request that finds every capable node busy waits for a slot, in a line per model (fair
+    # across keys) of at most queue_max_waiting requests, for at most queue_timeout_s; then 503.
+    queue_timeout_s: float = Field(30.0, alias="NEURALGRID_QUEUE_TIMEOUT_S", ge=0)
+    queue_max_waiting: int = Field(256, alias="NEURALGRID_QUEUE_MAX_WAITING", ge=0)
     max_attempts: int = Field(3, alias="NEURALGRID_MAX_ATTEMPTS", ge=1, le=10)
     connect_timeout_s: float = Field(2.0, alias="NEURALGRID_CONNECT_TIMEOUT_S", gt=0)
     first_byte_timeout_s: float = Field(30.0, alias="NEURALGRID_FIRST_BYTE_TIMEOUT_S", gt=0)
@@ -69,6 +73,21 @@ class Settings(BaseSettings):
     realtime_max_presences: int = Field(10, alias="NEURALGRID_REALTIME_MAX_PRESENCES", ge=1)
     realtime_read_only_topics: list[str] = Field(["node-map"], alias="NEURALGRID_REALTIME_READ_ONLY_TOPICS")
 
+    # Several gateways on one database (docs/scaling.md). Where the other gateways reach this one to
+    # forward requests for the tunnels it holds; unset: http://<host>:<port> (the machine's name
+    # when the gateway listens on every address).
+    internal_url: str | None = Field(None, alias="NEURALGRID_INTERNAL_URL", pattern=r"^https?://\S+$")
+    # The secret every gateway signs forwarded requests with (all must share it); unset: a key
+    # derived from NEURALGRID_JWT_SECRET.
+    internal_secret: str | None = Field(None, alias="NEURALGRID_INTERNAL_SECRET")
+    # LISTEN (key changes, freed slots, the Realtime feed) and the sweeper need a session of their
+    # own: behind a transaction-mode pooler, point this at a session-mode one. Unset: DATABASE_URL.
+    session_database_url: str | None = Field(None, alias="NEURALGRID_SESSION_DATABASE_URL")
+    # DATABASE_URL is a transaction-mode pooler (pgbouncer pool_mode=transaction, Supavisor's
+    # transaction port): no server-side prepared statements, no session settings (so the request
+    # path commits durably whatever NEURALGRID_ASYNC_COMMIT says).
+    transaction_pooler: bool = Field(False, alias="NEURALGRID_DB_TRANSACTION_POOLER")
+
     @property
     def private_endpoints_allowed(self) -> bool:
         if self.allow_private_endpoints is None:
@@ -82,6 +101,8 @@ class Settings(BaseSettings):
                 raise ValueError("NEURALGRID_JWT_SECRET is still the placeholder: set a real secret")
             if len(self.jwt_secret) < 32:
                 raise ValueError("NEURALGRID_JWT_SECRET must be at least 32 characters")
+            if self.internal_secret is not None and len(self.internal_secret) < 32:
+                raise ValueError("NEURALGRID_INTERNAL_SECRET must be at least 32 characters")
         if (self.supabase_url is None) != (self.supabase_anon_key is None):
             raise ValueError("set NEURALGRID_SUPABASE_URL and NEURALGRID_SUPABASE_ANON_KEY together")
         self.home = self.home.expanduser()

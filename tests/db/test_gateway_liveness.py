@@ -16,7 +16,9 @@ from tests.conftest import LLAMA8, make_key, make_node
 
 def place(conn: psycopg.Connection, gateway: uuid.UUID, key: uuid.UUID) -> uuid.UUID:
     """A job placed as a gateway places it (PLACE_JOB, naming itself)."""
-    params = match_params(MatchRequest(model=LLAMA8), key, False, 2, prompt_bytes=400, max_out=100)
+    params = match_params(
+        MatchRequest(model=LLAMA8), key, False, 2, prompt_bytes=400, max_out=100, wait=False
+    )
     match = SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(gateway)})
     assert match.node_id is not None
     return match.job_id

@@ -26,16 +26,20 @@ PUBLIC_API = sorted(
     [
         "agent_heartbeat",  # the agent's current heartbeat
         "agent_heartbeat",  # agents of the earlier version
+        "attach_tunnel",
         "complete_job",
         "complete_jobs",
         "continuing_nodes",
         "create_api_key",
+        "detach_tunnel",
         "failover_job",
         "gateway_alive",
+        "gateway_alive",  # with the address other gateways reach it at
         "handoff_job",
         "match_job",  # the hold given in USD
         "match_job",  # the hold priced in SQL from the request's size
         "node_heartbeat",
+        "place_job",  # the gateway's: match_job() that may wait for a slot
         "register_node",
         "register_node",
         "reject_job",
@@ -44,6 +48,7 @@ PUBLIC_API = sorted(
         "sweep",
         "sweep_stale_jobs",
         "sweep_stale_nodes",
+        "tunnel_route",
     ]
 )
 
@@ -51,15 +56,18 @@ PRIVATE_HELPERS = sorted(
     [
         "abandon_job",
         "address_is_public",
+        "announce_free_slot",
         "balanced_components",
         "broadcast_job_change",
         "broadcast_node_change",
         "budget_hold",
+        "capacity_state",
         "check_owner_endpoint",
         "claim_node",
         "cooldown_until",
         "end_attempt",
         "endpoint_is_private",
+        "gateway_is_live",
         "ewma_fold",
         "great_circle_km",
         "move_job",
@@ -71,6 +79,7 @@ PRIVATE_HELPERS = sorted(
         "node_scores_after_nodes_insert",
         "notify_api_key_change",
         "parse_ipv4",
+        "place",
         "proximity_component",
         "refresh_node_scores",
         "reject_reason",
@@ -79,6 +88,7 @@ PRIVATE_HELPERS = sorted(
         "required_vram_gb",
         "set_updated_at",
         "stamp_job_gateway",
+        "sweep_dead_tunnels",
         "sweep_orphaned_jobs",
         "top_by_base",
     ]

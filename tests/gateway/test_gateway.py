@@ -331,9 +331,11 @@ def test_the_same_unavailable_answer_from_two_nodes_is_still_the_nodes_fault(
 def test_a_slow_node_times_out_with_504(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
 ) -> None:
-    fake_nodes(latency_s=2)
+    """A whole answer of 5 tokens from a node measured at 100 a second is given 0.3 + 3 x 0.05 s."""
+    node = fake_nodes(latency_s=2)
+    conn.execute("update nodes set ewma_tokens_per_s = 100 where id = %s", (node.node_id,))
     with pytest.raises(openai.APIStatusError) as err:
-        client.chat.completions.create(model=LLAMA8, messages=MESSAGES)
+        client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=5)
     assert err.value.status_code == 504
 
 

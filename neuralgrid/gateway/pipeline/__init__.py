@@ -1,10 +1,10 @@
 """One request's way through the platform, as five stages with one job each:
 
 admit   catalog check, rate limit, the body nodes get, the budget hold      (admit.py)
-place   match_job() in SQL claims a node and names fallbacks                (place.py)
+place   place_job() in SQL claims a node and names fallbacks, or waits a turn (place.py)
 send    ask the node; failover_job() moves the job on if it fails first     (send.py)
 relay   pass a stream on; handoff_job() resumes it if the node drops it     (relay.py)
-meter   complete_jobs() in SQL ends the job off the request's path          (meter.py)
+meter   complete_jobs() in SQL ends the job, its slot free before the answer ends (meter.py)
 """
 
 from __future__ import annotations
@@ -46,26 +46,40 @@ class Pipeline:
         self.metrics = metrics
 
     async def handle(self, call: Call) -> Response:
-        placed = await self.placement.place(await self.admission.admit(call))
+        admitted = await self.admission.admit(call)
+        try:
+            placed = await self.placement.place(admitted)
+        except BaseException:  # refused, or the client left while waiting in line: nothing was used
+            self.metering.later(self.metering.limiter.release(admitted.tpm_hold))
+            raise
         admitted = placed.admitted
-        meter = Meter(placed.job_id, placed.node.id, sent=time.perf_counter())
+        meter = Meter(placed.job_id, placed.node.id, sent=time.perf_counter(), tpm_hold=admitted.tpm_hold)
         try:
             delivery = await self.sender.deliver(
-                call.kind, admitted.payload, admitted.stream, meter, placed.node, placed.candidates
+                call.kind,
+                admitted.payload,
+                admitted.stream,
+                meter,
+                placed.node,
+                placed.candidates,
+                answer_tokens=admitted.max_output_tokens,
+                speeds=placed.speeds,
             )
-        except Rejected as rejected:
+        except Rejected as rejected:  # reject_job() has ended the job: no tokens were used
+            self.metering.later(self.metering.limiter.release(meter.tpm_hold))
             self.metrics.count(meter.node_id, "cancelled")
             raise errors.BadRequest(
                 "two nodes failed this request the same way, so the request itself is at fault:"
                 f" {rejected.failure}"
             ) from None
-        except NoNodeLeft as gone:  # failover_job() has ended the job as failed
+        except NoNodeLeft as gone:  # failover_job() has ended the job as failed, no tokens used
+            self.metering.later(self.metering.limiter.release(meter.tpm_hold))
             self.metrics.count(meter.node_id, "failed")
             kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
             raise kind(f"no node could serve the request; last error: {gone.failure}") from None
         except ClientError as refusal:  # passed through; neutral for the node's reputation
             meter.first_byte = time.perf_counter()
-            self.metering.finish(call.key, meter, "cancelled", str(refusal))
+            self.metering.finish(meter, "cancelled", str(refusal))
             headers = {"x-neuralgrid-node": str(meter.node_id), "x-neuralgrid-job": str(meter.job_id)}
             return Response(refusal.body, refusal.status, headers, media_type=refusal.media_type)
         except BaseException as err:
@@ -74,24 +88,25 @@ class Pipeline:
             outcome: JobOutcome = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
             reason = "the client disconnected" if outcome == "cancelled" else f"gateway error: {err!r}"
             meter.first_byte = time.perf_counter()
-            self.metering.finish(call.key, meter, outcome, reason)
+            self.metering.finish(meter, outcome, reason)
             raise
 
         meter.first_byte = time.perf_counter()
-        overhead = meter.sent - call.received - delivery.waited
+        overhead = meter.sent - call.received - delivery.waited - placed.waited
         self.metrics.overhead.observe(overhead)
         headers = {
             "x-neuralgrid-node": str(meter.node_id),
             "x-neuralgrid-attempts": str(delivery.node.attempt),
             "x-neuralgrid-job": str(meter.job_id),
             "x-neuralgrid-overhead-ms": f"{overhead * 1000:.3f}",
+            "x-neuralgrid-queue-ms": f"{placed.waited * 1000:.3f}",
         }
         if admitted.stream:
             events = self.relay.events(admitted, delivery, meter, placed.candidates)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return self._answer(admitted, delivery, meter, headers)
+        return await self._answer(admitted, delivery, meter, headers)
 
-    def _answer(
+    async def _answer(
         self, admitted: Admitted, delivery: Delivery, meter: Meter, headers: dict[str, str]
     ) -> Response:
         """A whole (non-streamed) answer, metered from the usage it reports."""
@@ -105,7 +120,7 @@ class Pipeline:
         except ValueError:
             usage = None
         meter.usage = usage or Usage()
-        self.metering.finish(admitted.call.key, meter, outcome, error)
+        await self.metering.end(meter, outcome, error)  # the slot is free first
         if resp.status in (204, 205, 304):
             content = b""
         return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)

@@ -12,7 +12,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.auth import ApiKey
-from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold, estimate_tokens
 
 CATALOG_TTL_S = 60.0
 # The longest answer asked of a model the catalog does not know (its context length is unknown; the
@@ -47,6 +47,7 @@ class Admitted:
     payload: bytes
     stream: bool
     max_output_tokens: int  # over all choices (n)
+    tpm_hold: TokenHold | None = None  # the estimate held on the key's tpm limit, settled at the end
 
     def capped(self, max_output_tokens: int) -> Admitted:
         """The same call told to answer in fewer tokens (what its key's budget pays for)."""
@@ -87,16 +88,18 @@ class Admission:
             raise errors.BadRequest(
                 f"{call.model} is a {entry.kind} model: it does not serve {what}", param="model"
             )
-        await self.limiter.admit(call.key)
         stream = bool(call.body.get("stream")) and call.kind != "embedding"
         body = dict(call.body)
         if stream:  # ask for usage to meter; stripped again if the client did not ask
             body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
-        if call.kind == "embedding":
-            return Admitted(call, body, json.dumps(body).encode(), stream, 0)
-        max_out = self._max_tokens(call, body, entry)
-        max_out *= max(1, int(call.body.get("n") or 1))
-        return Admitted(call, body, json.dumps(body).encode(), stream, max_out)
+        max_out = 0
+        if call.kind != "embedding":
+            max_out = self._max_tokens(call, body, entry)
+            max_out *= max(1, int(call.body.get("n") or 1))
+        payload = json.dumps(body).encode()
+        # Limited last, once the request is known to be valid: its tpm charge is this estimate.
+        hold = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
+        return Admitted(call, body, payload, stream, max_out, hold)
 
     def _max_tokens(self, call: Call, body: dict[str, Any], entry: q.ModelKind | None) -> int:
         """The answer's length per choice, at most the model's context. A key with a budget always

@@ -1,9 +1,11 @@
-"""Stage 5, meter: a job's end (usage, timings, outcome) written by complete_jobs() in SQL, off the
-request's path, then charged to the key's token limit."""
+"""Stage 5, meter: a job's end (usage, timings, outcome) written by complete_jobs() in SQL, then
+charged to the key's token limit. A delivered answer waits for the write (its slot is then free);
+a job that ends otherwise (failed, cancelled) is written in the background."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -15,13 +17,15 @@ import psycopg
 
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobEnd, JobOutcome
-from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.completions import Completions, NotWritten
 from neuralgrid.gateway.metrics import Metrics
-from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold
 from neuralgrid.protocol.sse import Usage
 
 log = logging.getLogger(__name__)
+# How long an answer is held for its job's ending to be written (its node's slot freed) before it is
+# delivered anyway: only a database that is down or overloaded takes this long.
+RELEASE_WAIT_S = 2.0
 
 
 @dataclass
@@ -33,11 +37,12 @@ class Meter:
     sent: float  # when the current node was asked
     first_byte: float = 0.0
     usage: Usage | None = None  # set when the answer is over
+    tpm_hold: TokenHold | None = None  # what admission held on the key's tpm limit, settled at the end
 
 
 class Metering:
-    """Ends jobs in the background: a client that leaves cannot cancel the write, and the response
-    does not wait for it (a BackgroundTask would hold the keep-alive connection until it is done)."""
+    """Ends jobs in tasks of its own: a client that leaves cannot cancel the write. A delivered
+    answer waits for its write (end()), which completions.py batches with the others under way."""
 
     def __init__(self, completions: Completions, limiter: RateLimiter, metrics: Metrics) -> None:
         self.completions = completions
@@ -45,15 +50,29 @@ class Metering:
         self.metrics = metrics
         self._pending: set[asyncio.Task[None]] = set()
 
-    def finish(self, key: ApiKey, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
-        self.later(self._finish(key, meter, outcome, error))
+    def finish(self, meter: Meter, outcome: JobOutcome, error: str | None) -> asyncio.Future[None]:
+        """End the job in the background; the future is done once its ending is written (its node's
+        slot free again) or could not be."""
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.later(self._finish(meter, outcome, error, written))
+        return written
+
+    async def end(self, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
+        """End the job and wait until its node's slot is free, so that the client's next request
+        finds it free: answers are delivered after this. Bounded by RELEASE_WAIT_S (a database that
+        is down or overloaded), and a client that leaves meanwhile does not stop the write."""
+        written = self.finish(meter, outcome, error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(written), RELEASE_WAIT_S)
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _finish(self, key: ApiKey, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
+    async def _finish(
+        self, meter: Meter, outcome: JobOutcome, error: str | None, written: asyncio.Future[None]
+    ) -> None:
         now = time.perf_counter()
         usage = meter.usage or Usage()
         end = JobEnd(
@@ -65,15 +84,26 @@ class Metering:
             latency_ms=(now - meter.sent) * 1000,
             error=error,
         )
+        tokens = usage.prompt_tokens + usage.completion_tokens
         try:
-            if await self.completions.record(end) is None:
-                log.warning("job %s had already ended (swept?) when its completion came", meter.job_id)
-        except NotWritten:
-            pass  # given up on shutdown: Completions counted these in one line
-        except (psycopg.Error, DatabaseError):
-            log.exception("could not complete job %s", meter.job_id)
+            # The key's tpm is settled alongside the write, so both are done when the answer goes.
+            recorded, settled = await asyncio.gather(
+                self.completions.record(end),
+                self.limiter.settle(meter.tpm_hold, tokens),
+                return_exceptions=True,
+            )
+        finally:
+            if not written.done():
+                written.set_result(None)
+        if recorded is None:
+            log.warning("job %s had already ended (swept?) when its completion came", meter.job_id)
+        elif isinstance(recorded, (psycopg.Error, DatabaseError)):
+            log.error("could not complete job %s", meter.job_id, exc_info=recorded)
+        elif isinstance(recorded, BaseException) and not isinstance(recorded, NotWritten):
+            raise recorded  # NotWritten: given up on shutdown, counted by Completions in one line
+        if isinstance(settled, BaseException):
+            log.error("could not settle the tpm charge of job %s", meter.job_id, exc_info=settled)
         self.metrics.count(meter.node_id, outcome)
-        await self.limiter.spend_tokens(key, usage.prompt_tokens + usage.completion_tokens)
 
     async def drain(self) -> None:
         """Wait for the jobs still being recorded (on shutdown). Their endings are handed in first

@@ -4,6 +4,7 @@ request two nodes failed alike (reject_job)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import NamedTuple
 from uuid import UUID
@@ -13,6 +14,7 @@ from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
+from neuralgrid.gateway.waiting import LineFull, WaitingRoom
 
 
 class Node(NamedTuple):
@@ -29,33 +31,83 @@ class Placed(NamedTuple):
     node: Node
     candidates: list[UUID]  # the fallbacks the job may move on to
     admitted: Admitted  # the call as admitted, its answer capped at what the key's budget pays for
+    waited: float  # seconds spent waiting for a free slot
+    speeds: dict[UUID, float | None]  # the node's and each fallback's decode speed, tokens/s
 
 
 class Placement:
-    def __init__(self, store: Store, metrics: Metrics, max_attempts: int, gateway_id: UUID) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        max_attempts: int,
+        gateway_id: UUID,
+        room: WaitingRoom,
+        queue_timeout_s: float,
+    ) -> None:
         self.store = store
         self.metrics = metrics
         self.max_attempts = max_attempts
         self.gateway_id = str(gateway_id)  # recorded on each job (see server/liveness.py)
+        self.room = room
+        self.queue_timeout_s = queue_timeout_s
 
     async def place(self, admitted: Admitted) -> Placed:
+        """Claim a node; when every capable node is busy, wait in the model's line for a slot, up
+        to the queue's deadline."""
         call = admitted.call
         request = q.MatchRequest(
             model=call.model, policy=call.policy, region=call.region, max_hourly_rate=call.max_hourly_rate
         )
         fallbacks = self.max_attempts - 1
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
-        params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold)
+        params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
         params["gateway"] = self.gateway_id
-        started = time.perf_counter()
-        match = await self.store.get(q.PLACE_JOB, params)  # its domain errors: the app's one handler
-        self.metrics.matcher.observe(time.perf_counter() - started)
+        seen = self.room.announcements
+        match = None
+        if not self.room.waiting(call.model):  # nobody ahead in line: ask at once
+            match = await self._match(params)
+        waited = 0.0
+        if match is None or match.busy:
+            queued = time.perf_counter()
+            match = await self._wait(call.model, call.key.id, params, seen)
+            waited = time.perf_counter() - queued
+        self.metrics.queue_wait.observe(waited)
         if match.node_id is None or match.endpoint_url is None:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
         if match.max_output_tokens is not None:
             admitted = admitted.capped(match.max_output_tokens)
-        return Placed(match.job_id, node, match.fallback_ids, admitted)
+        speeds = dict(zip([match.node_id, *match.fallback_ids], match.tokens_per_s, strict=False))
+        return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
+
+    async def _wait(self, model: str, key_id: UUID, params: dict[str, object], seen: int) -> q.Match:
+        deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
+
+        async def ask() -> q.Match | None:
+            match = await self._match(params)
+            return None if match.busy else match
+
+        try:
+            match = await self.room.wait(model, key_id, deadline, ask, seen)
+        except LineFull as full:
+            self.metrics.queue_refused.labels("full").inc()
+            raise errors.NoCapacity(
+                f"every capable node for {model} is busy and its queue is full ({full}): try again shortly",
+                retry_after=1,
+            ) from None
+        if match is None:  # the deadline: one last ask, which records the refusal if it is one
+            self.metrics.queue_refused.labels("deadline").inc()
+            match = await self._match({**params, "wait": False})
+            if match.node_id is None:
+                raise errors.NoCapacity(match.error or f"no node for {model}", retry_after=1)
+        return match
+
+    async def _match(self, params: dict[str, object]) -> q.Match:
+        started = time.perf_counter()
+        match = await self.store.get(q.PLACE_JOB, params)  # its domain errors: the app's one handler
+        self.metrics.matcher.observe(time.perf_counter() - started)
+        return match
 
     async def failover(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]

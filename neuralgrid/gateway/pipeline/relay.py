@@ -41,26 +41,26 @@ class Relay:
     async def events(
         self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[UUID]
     ) -> AsyncIterator[bytes]:
-        """The client's stream; the job ends (metered) however the stream does."""
+        """The client's stream; the job ends (metered) however the stream does. A whole answer's
+        job is ended before its [DONE] is passed on, so the slot is free when the client is told."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
         events = SseEvents(keep_usage_event=wants_usage)
         outcome: JobOutcome = "succeeded"
         error: str | None = None
+        ended = False
         try:
             while True:
                 try:
-                    for event in events.feed(delivery.first):
-                        yield event
                     # Until [DONE]: the answer is then whole, whenever the node hangs up (a tunnel's
                     # end frame may come later than a client that has read [DONE] and left).
+                    last = events.feed(delivery.first)
                     while not events.done:
+                        for event in last:
+                            yield event
                         raw = await anext(delivery.chunks, None)
                         if raw is None:
-                            break
-                        for event in events.feed(raw):
-                            yield event
-                    if not events.done:
-                        raise NodeError("the node ended the stream without [DONE]")
+                            raise NodeError("the node ended the stream without [DONE]")
+                        last = events.feed(raw)
                     break
                 except NodeError as err:
                     await delivery.response.close()
@@ -68,6 +68,11 @@ class Relay:
                     if resumed is None:
                         raise
                     delivery = resumed
+            for event in last[:-1]:
+                yield event
+            meter.usage, ended = events.used(), True
+            await self.metering.end(meter, outcome, error)
+            yield last[-1]  # [DONE]
         except NodeError as err:
             outcome, error = "failed", f"the node dropped the stream: {err}"
             body = {
@@ -81,8 +86,9 @@ class Relay:
             raise
         finally:
             # Recorded before anything is awaited: a client that left cancels every await here.
-            meter.usage = events.used()
-            self.metering.finish(admitted.call.key, meter, outcome, error)
+            if not ended:
+                meter.usage = events.used()
+                self.metering.finish(meter, outcome, error)
             if events.done:  # read the node's answer to its end, so its connection can be kept
                 self.metering.later(_read_to_end(delivery))
             else:

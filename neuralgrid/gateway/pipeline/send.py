@@ -4,16 +4,24 @@ before its first byte, move the job on to the next node and ask there."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from uuid import UUID
 
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.meter import Meter
 from neuralgrid.gateway.pipeline.place import Node, Placement
-from neuralgrid.gateway.tunnel import Tunnels
+from neuralgrid.gateway.tunnel import MISDIRECTED, Tunnels, TunnelUnreachable
 from neuralgrid.gateway.upstream import HttpNodes, NodeError, NodeResponse, NodeTimeout
 from neuralgrid.protocol import signing
+
+# A whole answer's time to its first (and last) byte: SLACK times what max_tokens take at the node's
+# speed (a node's measured speed is an average; a busy moment may halve it), never below
+# SLOWEST_TOKENS_PER_S (a node without a record), at most LONGEST_ANSWER_S (the sweep ends any job
+# after platform_settings.job_deadline_s, 900 s by default).
+SLACK = 3.0
+SLOWEST_TOKENS_PER_S = 5.0
+LONGEST_ANSWER_S = 600.0
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 
@@ -94,18 +102,22 @@ class Sender:
         candidates: list[UUID],
         *,
         resuming: bool = False,
+        answer_tokens: int = 0,
+        speeds: Mapping[UUID, float | None] | None = None,
     ) -> Delivery:
         """Send to `node`; each time a node fails before its first byte, move the job on (failover, or
         handoff when resuming a stream) and send there. The meter follows the job from node to node.
         When a second node fails a new request exactly as the one before it did, the request is at
-        fault: the job is rejected (no node to blame)."""
+        fault: the job is rejected (no node to blame). A whole answer of up to `answer_tokens` is
+        given the time those take at each node's speed (`speeds`, see first_byte_timeout_s)."""
         move: Move = self.placement.handoff if resuming else self.placement.failover
         waited = 0.0
         earlier: Retryable | None = None
         while True:
             meter.node_id, meter.sent = node.id, time.perf_counter()
             try:
-                response, chunks, first = await self.send(node, PATHS[kind], payload, stream)
+                timeout_s = self.first_byte_timeout(stream, answer_tokens, (speeds or {}).get(node.id))
+                response, chunks, first = await self.send(node, PATHS[kind], payload, stream, timeout_s)
                 return Delivery(node, response, chunks, first, waited)
             except Retryable as failure:
                 waited += time.perf_counter() - meter.sent
@@ -120,13 +132,24 @@ class Sender:
                 self.metrics.failovers.inc()
                 node = nxt
 
+    def first_byte_timeout(self, stream: bool, answer_tokens: int, tokens_per_s: float | None) -> float:
+        """How long a node may take to its first byte. A stream's is its first token: the first-byte
+        timeout. A whole answer's first byte comes with its last token, so on top of that it gets
+        SLACK times what its max_tokens take at the node's measured decode speed
+        (SLOWEST_TOKENS_PER_S until measured), up to LONGEST_ANSWER_S. Only a node slower
+        than that is at fault."""
+        if stream or answer_tokens <= 0:
+            return self.first_byte_timeout_s
+        speed = max(tokens_per_s or SLOWEST_TOKENS_PER_S, SLOWEST_TOKENS_PER_S)
+        return min(self.first_byte_timeout_s + SLACK * answer_tokens / speed, LONGEST_ANSWER_S)
+
     async def send(
-        self, node: Node, path: str, payload: bytes, stream: bool
+        self, node: Node, path: str, payload: bytes, stream: bool, timeout_s: float | None = None
     ) -> tuple[NodeResponse, AsyncIterator[bytes], bytes]:
         """Ask one node. Returns once the answer is committed to: a status that is not a failure,
         and the whole body (plain) or its first chunk (streams). Anything before that is Retryable."""
         try:
-            resp = await self._open(node, path, payload)
+            resp = await self._open(node, path, payload, timeout_s or self.first_byte_timeout_s)
             try:
                 if (
                     resp.status == 429
@@ -146,20 +169,18 @@ class Sender:
                 raise
         except NodeTimeout as err:
             raise Retryable(str(err), timeout=True) from err
+        except TunnelUnreachable as err:  # no gateway reached the node: moved on neutral for the node
+            raise Retryable(str(err), status=MISDIRECTED) from err
         except NodeError as err:
             raise Retryable(str(err)) from err
         except StopAsyncIteration:
             raise Retryable("the node ended the stream before its first event") from None
 
-    async def _open(self, node: Node, path: str, payload: bytes) -> NodeResponse:
+    async def _open(self, node: Node, path: str, payload: bytes, timeout_s: float) -> NodeResponse:
         if not node.url.startswith("tunnel:"):
             headers = {"content-type": "application/json"}
             if node.key is not None:  # the node runs an agent: it checks the gateway's signature
                 headers[signing.HEADER] = signing.sign(node.key, path, payload)
-            return await self.nodes.post(node.url.rstrip("/") + path, payload, headers)
-        tunnel = self.tunnels.get(node.id)
-        if tunnel is None:
-            raise NodeError("the node's tunnel is not connected to this gateway")
-        resp = await tunnel.request(path, payload)
-        await resp.start(self.first_byte_timeout_s)
-        return resp
+            return await self.nodes.post(node.url.rstrip("/") + path, payload, headers, timeout_s)
+        # Over the agent's tunnel, held here or by another gateway (which the request goes through).
+        return await self.tunnels.open(node.id, path, payload, timeout_s)
