@@ -218,7 +218,7 @@ def _is_done(event: bytes) -> bool:
 
 # A usage field with a value (servers send `"usage": null` in every chunk of a stream that asked
 # for usage): only such events are worth parsing to know whether the server gave its usage.
-_USAGE = re.compile(rb'"usage"\s*:\s*(?!null)')
+_USAGE = re.compile(rb'"usage"\s*:(?!\s*null)')
 
 
 def _has_usage(event: bytes) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -73,7 +74,7 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
 
 
 @contextmanager
-def served(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
+def served(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[subprocess.Popen[str]]:
     """A neuralgrid command (`up`, `fake-node`) in its own process, for the duration of the block,
     once `ready_url` answers 200; its output is shown if it fails to start."""
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a file, not a pipe: a chatty child must never block
@@ -90,8 +91,36 @@ def served(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[Non
                 log.seek(0)
                 raise RuntimeError(f"{args[3:5]} did not start: {log.read()[-2000:]}")
             time.sleep(0.1)
-        yield
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process, of its live descendants and of the children it has reaped (a
+    server's whole work: Postgres's backends, say), from /proc in clock ticks."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+    children: dict[int, list[int]] = {}
+    for child, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(child)
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        if current not in stats:
+            continue
+        fields = stats[current]
+        # utime, stime, and for the root only cutime and cstime (a reaped child's, once)
+        total += (
+            int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if current == pid else 0)
+        )
+        todo += children.get(current, [])
+    return total / tick

@@ -126,6 +126,70 @@ def gateway(
     report(table, out_file, "gateway", results, units="ms", target=target)
 
 
+@app.command("capacity")
+@friendly_errors
+def capacity(
+    ctx: typer.Context,
+    callers: Annotated[
+        str, typer.Option(envvar="NEURALGRID_BENCH_CALLERS", help="Concurrent callers, comma-separated.")
+    ] = "4,8,16,64",
+    requests: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_REQUESTS", help="Requests per case.", min=1)
+    ] = 800,
+    work_ms: Annotated[
+        float, typer.Option(envvar="NEURALGRID_BENCH_WORK_MS", help="Each answer's time on its node.", min=0)
+    ] = 20.0,
+    gateways: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_GATEWAYS", help="Gateways on one database.", min=1, max=8)
+    ] = 1,
+    out_file: OutFile = Path("bench-results/capacity.json"),
+) -> None:
+    """Refusals, queue wait, requests/s and CPU per request at the default settings: two nodes of 4
+    slots, more callers than slots, through one gateway or several on one database."""
+    from neuralgrid.bench import capacity as bench
+
+    results = bench.run(
+        database_url(ctx), integers(callers, "--callers"), requests, work_ms, gateways, progress=progress
+    )
+    table = Table(
+        "mode",
+        "callers",
+        "slots",
+        "served",
+        "503",
+        "wait p50",
+        "wait p99",
+        "p50",
+        "p99",
+        "req/s",
+        "gateway cpu",
+        "postgres cpu",
+        caption=f"ms; {gateways} gateway(s); cpu: per request served, all gateway processes, all of Postgres",
+    )
+    for r in results:
+        table.add_row(
+            "stream" if r["stream"] else "plain",
+            str(r["callers"]),
+            str(r["slots"]),
+            f"{r['served']}/{r['requests']}",
+            str(r["refused_503"]),
+            f"{r['queue_wait_p50_ms']:.1f}",
+            f"{r['queue_wait_p99_ms']:.1f}",
+            f"{r.get('p50_ms', 0):.1f}",
+            f"{r.get('p99_ms', 0):.1f}",
+            f"{r['rps']:,.0f}",
+            f"{r['gateway_cpu_ms_per_request']:.2f}",
+            f"{r['postgres_cpu_ms_per_request']:.2f}",
+        )
+    report(
+        table,
+        out_file,
+        "capacity",
+        results,
+        target="0 refused while callers <= slots; every request served within the queue's deadline at 8x",
+    )
+
+
 @app.command("realtime")
 @friendly_errors
 def realtime(

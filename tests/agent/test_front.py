@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from neuralgrid.agent import front as front_module
 from neuralgrid.agent.backend import Backend, Relay, RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, create_front
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
@@ -310,6 +311,28 @@ def test_a_stream_without_usage_gets_it_before_its_end(node: ThreadedServer) -> 
         body = chat(stream=True)
         assert "usage" not in httpx.post(server.url + CHAT, content=body, headers=signed(body)).text
         assert len(asked) == 1
+
+
+def test_only_events_with_usage_in_them_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[bytes] = []
+    loads = json.loads
+
+    def counted(data: bytes) -> Any:
+        parsed.append(data)
+        return loads(data)
+
+    monkeypatch.setattr(json, "loads", counted)
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    for payload, has in [
+        ({"choices": [{"delta": {"content": "usage"}}], "usage": None}, False),
+        ({"choices": [{"delta": {"content": '"usage": 1'}}]}, False),
+        ({"choices": [], "usage": usage}, True),
+        ({"choices": [], "usage": {"prompt_tokens": -1}}, False),
+    ]:
+        for separators in ((",", ":"), (", ", ": ")):
+            event = b"data: " + json.dumps(payload, separators=separators).encode() + b"\n\n"
+            assert front_module._has_usage(event) is has
+    assert len(parsed) == 4  # the two with a usage object, each written two ways
 
 
 def test_a_gateway_that_hangs_up_ends_the_servers_answer_at_once(node: ThreadedServer) -> None:
