@@ -37,8 +37,9 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import StreamingResponse
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, GatewayError, RequestTimeout, Unauthorized
+from neuralgrid.gateway.errors import BadRequest, GatewayError, Unauthorized
 from neuralgrid.gateway.pipeline.send import PATHS
+from neuralgrid.gateway.routes_openai import read_body
 from neuralgrid.gateway.tunnel import Tunnel, TunnelClosed, TunnelUnreachable
 from neuralgrid.gateway.upstream import NodeError, NodeTimeout
 from neuralgrid.protocol import signing
@@ -277,7 +278,7 @@ async def forwarded(
     """A request another gateway placed on a node whose tunnel this gateway holds; the node's answer
     goes back in frames. Signed by a gateway, or refused."""
     settings, peers = services.settings, services.tunnels.peers
-    body = await _read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     signature = request.headers.get(signing.HEADER)
     signed = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     if peers is None or not peers.verifier.verify(peers.key, signature, signed, body):
@@ -334,21 +335,3 @@ async def _relay(link: Tunnel, path: str, body: bytes, first_byte_timeout_s: flo
         yield frame(END)
     finally:
         await resp.close()
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body's bytes: at most `limit`, all within `timeout_s` (read before the signature over it)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    return b"".join(chunks)

@@ -102,8 +102,8 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
     return await services.pipeline.handle(call)
 
 
-async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
-    """The body as a JSON object: at most `limit` bytes, all of it within `timeout_s`."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body's bytes: at most `limit`, all of it within `timeout_s`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
@@ -117,7 +117,12 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object: at most `limit` bytes, all of it within `timeout_s`."""
+    raw = await read_body(request, limit, timeout_s)
     try:
         body = wire_json.loads(raw)
     except ValueError as err:
