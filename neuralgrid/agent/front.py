@@ -128,46 +128,43 @@ class FrontState:
         [DONE] when the server sent none. Fails open: what cannot be read or counted passes as it came.
 
         Events are not parsed while the server may still send usage (most do, at the end): they
-        are held, and read only if [DONE] comes without it."""
+        are held, and read only if [DONE] comes without it. Nor are they taken one by one, unless
+        they are to be renamed or a block of them holds usage or [DONE]."""
         rename = _Renamer(*renamed) if renamed else None
         looking = count  # for usage, until the server sends it or [DONE] comes
-        held: list[bytes] = []
-        held_bytes = 0
-        read: SseEvents | None = None  # the events read one by one, once too many were held
+        unread = _Unread()
         pending = b""
         async for raw in chunks:
             # Events end with a blank line; servers that write CRLF lines are read the same way.
-            pending = pending + raw if pending else raw
-            if b"\r" in pending:
-                pending = pending.replace(b"\r\n", b"\n")
+            buffer = pending + raw if pending else raw
+            if b"\r" in buffer:
+                buffer = buffer.replace(b"\r\n", b"\n")
             last = chunks.finished()
-            if b"\n\n" not in pending and not last:
+            if b"\n\n" not in buffer and not last:
+                pending = buffer
                 continue
-            *events, pending = pending.split(b"\n\n")
+            events = buffer.split(b"\n\n")
+            pending = events.pop()
+            whole = buffer[: len(buffer) - len(pending)]  # the events complete so far, as one block
             out: list[bytes] = []
-            for bare in events:
-                event = bare + b"\n\n"
+            if rename is None and not (looking and (b"[DONE]" in whole or _USAGE.search(whole))):
+                out.append(whole)
                 if looking:
-                    if _is_done(event):
-                        looking = False
-                        tail = await self._usage_event(kind, request, held, read, renamed)
-                        if tail is not None:
-                            out.append(tail)
-                    elif read is not None:
-                        read.feed(event)
-                        looking = read.usage is None
-                    elif _has_usage(event):
-                        looking = False
-                    else:
-                        held.append(event)
-                        held_bytes += len(event)
-                        if held_bytes > HELD_BYTES:
-                            read = SseEvents(keep_usage_event=True)
-                            read.feed(b"".join(held))
-                            looking = read.usage is None
-                    if not looking:
-                        held.clear()
-                out.append(rename.event(event) if rename else event)
+                    unread.add(whole)
+            else:
+                for bare in events:
+                    event = bare + b"\n\n"
+                    if looking:
+                        if _is_done(event):
+                            looking = False
+                            tail = await self._usage_event(kind, request, unread.events(), renamed)
+                            if tail is not None:
+                                out.append(tail)
+                        elif _has_usage(event):
+                            looking = False
+                        else:
+                            unread.add(event)
+                    out.append(rename.event(event) if rename else event)
             if last:  # what follows the last event goes with it, as it came: this is the end
                 out.append(pending)
                 pending = b""
@@ -176,17 +173,9 @@ class FrontState:
             yield pending
 
     async def _usage_event(
-        self,
-        kind: str,
-        request: dict[str, Any],
-        held: list[bytes],
-        read: SseEvents | None,
-        renamed: tuple[str, str] | None,
+        self, kind: str, request: dict[str, Any], read: SseEvents, renamed: tuple[str, str] | None
     ) -> bytes | None:
         """The usage event for a stream that ended without one: its text counted by the server."""
-        if read is None:
-            read = SseEvents(keep_usage_event=True)
-            read.feed(b"".join(held))
         if read.usage is not None:
             return None
         counted = await self.backend.usage(kind, request, "".join(read.text))
@@ -196,6 +185,33 @@ class FrontState:
         tail = {**read.identity, "object": _OBJECT[kind], "model": model}
         tail.update(choices=[], usage=counted)
         return b"data: " + json.dumps(tail).encode() + b"\n\n"
+
+
+class _Unread:
+    """A stream's events kept unread while its server may still send usage: read only if it does
+    not (or as they come, past HELD_BYTES, so that a long answer holds no more than that)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+        self.size = 0
+        self.read: SseEvents | None = None
+
+    def add(self, events: bytes) -> None:
+        if self.read is not None:
+            self.read.feed(events)
+            return
+        self.blocks.append(events)
+        self.size += len(events)
+        if self.size > HELD_BYTES:
+            self.events()
+
+    def events(self) -> SseEvents:
+        """All of them, read."""
+        if self.read is None:
+            self.read = SseEvents(keep_usage_event=True)
+            self.read.feed(b"".join(self.blocks))
+            self.blocks.clear()
+        return self.read
 
 
 def _object(body: bytes) -> dict[str, Any] | None:

@@ -313,6 +313,62 @@ def test_a_stream_without_usage_gets_it_before_its_end(node: ThreadedServer) -> 
         assert len(asked) == 1
 
 
+@pytest.mark.parametrize("held_bytes", [1 << 16, 100])  # held whole, or read as they come
+async def test_usage_is_counted_however_the_events_are_cut(
+    monkeypatch: pytest.MonkeyPatch, held_bytes: int
+) -> None:
+    """CRLF lines, events cut anywhere across chunks, a long answer read as it comes: the usage
+    event still goes just before [DONE], counted from the whole text."""
+    monkeypatch.setattr(front_module, "HELD_BYTES", held_bytes)
+    words = [f"word{i} " for i in range(12)]
+    sse = b"".join(
+        f'data: {{"id": "x1", "created": 5, "choices": [{{"index": 0, "delta": {{"content": "{w}"}}}}]}}\r\n\r\n'.encode()
+        for w in words
+    )
+    sse += b": a comment\r\n\r\ndata: [DONE]\r\n\r\n"
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for i in range(0, len(sse), 7):
+            piece = sse[i : i + 7]
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    asked: list[str] = []
+
+    async def usage(kind: str, request: dict[str, Any], answer: str) -> dict[str, int]:
+        asked.append(answer)
+        return {"prompt_tokens": 1, "completion_tokens": 12, "total_tokens": 13}
+
+    async with raw_server(cut) as url:
+        front = FrontState(Backend(url))
+        front.backend.usage = usage  # type: ignore[method-assign]
+        try:
+            answer = await front.forward(CHAT, chat(stream=True, stream_options={"include_usage": True}))
+            body = b"".join([chunk async for chunk in answer.chunks])
+            await answer.aclose()
+        finally:
+            await front.backend.aclose()
+    assert asked == ["".join(words)] and front.inflight == 0
+    head, tail = body.split(b": a comment\n\n")
+    assert head == sse.split(b": a comment")[0].replace(b"\r\n", b"\n")
+    assert json.loads(tail.split(b"\n\n")[0][6:]) == {
+        "id": "x1",
+        "created": 5,
+        "object": "chat.completion.chunk",
+        "model": LLAMA8,
+        "choices": [],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 12, "total_tokens": 13},
+    }
+    assert tail.endswith(b"\n\ndata: [DONE]\n\n")
+
+
 def test_only_events_with_usage_in_them_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[bytes] = []
     loads = json.loads
