@@ -328,3 +328,35 @@ def server_errors(gateway: str) -> Iterator[list[logging.LogRecord]]:
     yield records
     for logger in loggers:
         logger.removeHandler(handler)
+
+
+# Redis: Debian's redis-server on a free loopback port (./dev test installs it) ----------------------
+
+
+@contextmanager
+def running_redis(folder: Path) -> Iterator[str]:
+    """A redis-server with no persistence, its files in `folder`; yields its URL."""
+    port = free_port()
+    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    proc = subprocess.Popen(["redis-server", *args, "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _redis_ping(port), timeout=10)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with running_redis(tmp_path) as url:
+        yield url

@@ -217,44 +217,6 @@ def test_signed_in_users_manage_their_own_keys(
     sdk.close()
 
 
-@pytest.fixture
-def redis_url(tmp_path: Any) -> Any:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: _redis_ping(port), timeout=10)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _redis_ping(port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 def test_rate_limits_are_shared_through_redis(
     conn: psycopg.Connection, db_url: str, fake_nodes: Any, redis_url: str
 ) -> None:

@@ -3,8 +3,6 @@ is let in, refused with 429 when that does not fit the key's minute, and settled
 
 from __future__ import annotations
 
-import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.server.serving import ThreadedServer
-from tests.conftest import LLAMA8, free_port, wait_for
+from tests.conftest import LLAMA8, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 Sdk = Callable[[str, str], openai.OpenAI]
@@ -162,28 +160,6 @@ def test_a_request_no_node_takes_gives_its_estimate_back(
 
 
 # Several gateways sharing Redis ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def redis_url(tmp_path: Any) -> Iterator[str]:
-    port = free_port()
-    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
-    proc = subprocess.Popen(["redis-server", *args, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: redis_ping(port), timeout=10)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def test_gateways_sharing_redis_charge_one_minute_together(

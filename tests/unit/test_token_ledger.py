@@ -3,12 +3,10 @@ in memory and in Redis, with the clock given."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
-from pathlib import Path
 
 import coredis
 import pytest
@@ -23,24 +21,15 @@ from neuralgrid.gateway.ratelimit import (
     TokenLedger,
     estimate_tokens,
 )
-from tests.conftest import free_port, wait_for
-from tests.gateway.test_token_limits import redis_ping
+from tests.conftest import running_redis
 
 T0 = 1_800_000_000.0
 
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    folder: Path = tmp_path_factory.mktemp("redis")
-    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
-    proc = subprocess.Popen(["redis-server", *args, "--dir", str(folder)], stdout=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: redis_ping(port), timeout=10)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with running_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture(params=["memory", "redis"])
