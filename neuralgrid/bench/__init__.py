@@ -124,3 +124,24 @@ def tree_cpu_s(pid: int) -> float:
         )
         todo += children.get(current, [])
     return total / tick
+
+
+def bench_fleet(url: str, node_urls: list[str], model: str, max_concurrency: int = 4) -> str:
+    """Online nodes (RTX 4090s, one per URL) serving `model`, heartbeats that never go stale, and a
+    key; returns the key."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
+        for i, node_url in enumerate(node_urls):
+            row = conn.execute(
+                "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
+                " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"
+                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', %s, now()) returning id",
+                (f"bench-{i}", node_url, max_concurrency),
+            ).fetchone()
+            assert row is not None
+            conn.execute(
+                "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], model)
+            )
+        key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
+    assert key is not None
+    return str(key[0])

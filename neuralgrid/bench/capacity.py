@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database, served, tree_cpu_s
+from neuralgrid.bench import bench_fleet, percentiles, scratch_database, served, tree_cpu_s
 from neuralgrid.server.serving import free_port, run_fast
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -43,7 +43,7 @@ def run(
     node_ports = [free_port() for _ in range(NODES)]
     gateway_ports = [free_port() for _ in range(gateways)]
     with scratch_database(admin_url, SCRATCH_DB) as db_url, ExitStack() as stack:
-        key = _fill(db_url, [f"http://127.0.0.1:{p}" for p in node_ports])
+        key = bench_fleet(db_url, [f"http://127.0.0.1:{p}" for p in node_ports], MODEL)  # default slots
         cli = [sys.executable, "-m", "neuralgrid.cli"]
         env = {**os.environ, "DATABASE_URL": db_url}
         for port in node_ports:
@@ -78,25 +78,6 @@ def run(
                     }
                 )
     return results
-
-
-def _fill(url: str, node_urls: list[str]) -> str:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
-        for i, node_url in enumerate(node_urls):
-            row = conn.execute(
-                "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
-                " endpoint_url, status, last_heartbeat_at) values (%s, 'NVIDIA GeForce RTX 4090', 24, 165,"
-                " 0.35, 'eu-west', %s, 'online', now()) returning id",
-                (f"capacity-{i}", node_url),
-            ).fetchone()
-            assert row is not None
-            conn.execute(
-                "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], MODEL)
-            )
-        key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
-    assert key is not None
-    return str(key[0])
 
 
 def _postmaster(url: str) -> int:

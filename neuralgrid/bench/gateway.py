@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database, served
+from neuralgrid.bench import bench_fleet, percentiles, scratch_database, served
 from neuralgrid.protocol import signing
 from neuralgrid.server.serving import free_port, run_fast
 
@@ -58,27 +58,6 @@ class Target:
     model: str = MODEL
     key: bytes | None = None  # each request signed with it, as the gateway signs
     pid: int | None = None  # the agent process, whose CPU time per request is reported
-
-
-def _fill(url: str, node_url: str) -> str:
-    """A small fleet in front of one fake node, and a key; returns the key."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
-        for i in range(4):  # a small fleet in front of one fake node, plenty of slots
-            row = conn.execute(
-                "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
-                " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"
-                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', 256, now())"
-                " returning id",
-                (f"bench-{i}", node_url),
-            ).fetchone()
-            assert row is not None
-            conn.execute(
-                "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], MODEL)
-            )
-        key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
-    assert key is not None
-    return str(key[0])
 
 
 async def send_load(
@@ -158,7 +137,7 @@ def run(
     relay_url, gateway_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{gateway_port}"
     agent_url = f"http://127.0.0.1:{agent_port}"
     with scratch_database(admin_url, SCRATCH_DB) as db_url:
-        key = _fill(db_url, node_url)
+        key = bench_fleet(db_url, [node_url] * 4, MODEL, max_concurrency=256)  # plenty of slots
         env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
         cli = [sys.executable, "-m", "neuralgrid.cli"]
         relay = [
