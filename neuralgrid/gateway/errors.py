@@ -64,6 +64,13 @@ class RequestTimeout(GatewayError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
+class ClientGone(GatewayError):
+    """The client hung up before its request arrived whole. Nobody reads the answer; the status
+    (nginx's 499) is for the metrics and the logs."""
+
+    status, type, code = 499, "invalid_request_error", "client_closed_request"
+
+
 class RateLimited(GatewayError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 

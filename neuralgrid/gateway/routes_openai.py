@@ -10,11 +10,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, RequestTimeout, invalid
+from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, ClientGone, RequestTimeout, invalid
 from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.schema import SCHEMAS
 from neuralgrid.protocol import wire_json
@@ -117,6 +118,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone("the client closed the connection before its request body arrived") from None
     return b"".join(chunks)
 
 

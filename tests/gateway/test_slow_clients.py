@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from neuralgrid.server.app import create_app
@@ -72,3 +73,20 @@ def test_a_keep_alive_connection_still_serves_request_after_request(impatient: T
                 assert not answer.endswith(b"(closed)"), answer
             assert answer.startswith(b"HTTP/1.1 200")
             time.sleep(0.6)  # idle between requests, under uvicorn's keep-alive (5 s)
+
+
+def test_a_client_hanging_up_mid_body_is_a_499_not_a_crash(impatient: ThreadedServer, api_key: str) -> None:
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api_key}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        sock.sendall(head.encode() + b'{"model": ')
+    # Counted as the client's leaving (nginx's 499), not left to escape as the server's 500.
+    deadline = time.monotonic() + 5
+    counted = ""
+    while time.monotonic() < deadline and not counted:
+        metrics = httpx.get(f"http://127.0.0.1:{impatient.port}/metrics").text
+        counted = next((line for line in metrics.splitlines() if 'status="499"' in line), "")
+        time.sleep(0.05)
+    assert 'endpoint="/v1/chat/completions"' in counted and counted.endswith(" 1.0"), counted
