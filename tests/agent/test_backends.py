@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -656,6 +657,38 @@ def test_a_short_request_goes_to_the_idle_node_not_behind_a_stream(
             assert raw.headers["x-neuralgrid-node"] != str(busy[0])  # the idle one
         assert finish_of(rest) is not None  # the long stream was not cut by the short request
         assert took < 10
+
+
+def test_a_server_busy_with_its_owners_own_work_is_passed_over(
+    pg_server: Any, template_db: str, tmp_path: Path
+) -> None:
+    """llama.cpp says which of its slots are processing (/slots), whoever sent the work: the agent
+    reports it, and the matcher counts what the platform did not send against the node's free
+    slots. The owner's own requests fill the node that would win; the platform's goes to its twin."""
+    with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s, ExitStack() as cleanup:
+        twin = make_server("llama.cpp", tmp_path)
+        cleanup.callback(twin.kill)
+        agent, twin_id = join(s.gateway, s.key, s.conn, twin, "node-b", "direct")
+        cleanup.callback(agent.stop)
+        first = s.conn.execute("select node_id from score_nodes(%s, p_limit => 1)", (SMOLLM2,)).fetchone()
+        assert first is not None
+        favoured, other = (s.server, twin_id) if first[0] == s.node_id else (twin, s.node_id)
+        slots = s.node("max_concurrency")[0]
+        owners = {"model": favoured.served, "messages": STORY, "max_tokens": 400, "temperature": 0}
+        outside = "select outside_load from nodes where id = %s"
+        with ThreadPoolExecutor(slots) as pool:
+            busy = [
+                pool.submit(httpx.post, favoured.url + "/v1/chat/completions", json=owners, timeout=120)
+                for _ in range(slots)
+            ]
+            wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (slots,), timeout=30)
+            with s.sdk() as sdk:
+                raw = sdk.chat.completions.with_raw_response.create(
+                    model=SMOLLM2, messages=STORY, max_tokens=3
+                )
+            assert raw.headers["x-neuralgrid-node"] == str(other)
+            assert all(f.result().status_code == 200 for f in busy)
+        wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (0,), timeout=10)
 
 
 def test_sigterm_drains_a_real_stream_then_goes_offline(

@@ -43,6 +43,7 @@ def random_fleet(conn: psycopg.Connection, rng: random.Random, n: int) -> None:
             status=rng.choices(["online", "offline", "busy", "draining"], [85, 5, 5, 5])[0],
             max_concurrency=max_conc,
             inflight=rng.randint(0, max_conc),
+            queue_depth=rng.choice([0, 0, rng.randint(0, max_conc + 3)]),  # outside load, some over the slots
             successes=rng.randint(0, 50),
             failures=rng.randint(0, 10),
             speed_ratio=rng.choice([None, None, 0.02, 0.3, 1.5]),
