@@ -77,6 +77,7 @@ PRIVATE_HELPERS = sorted(
         "node_scores_after_node_models_change",
         "node_scores_after_node_update",
         "node_scores_after_nodes_insert",
+        "nodes_derive_outside_load",
         "notify_api_key_change",
         "parse_ipv4",
         "place",

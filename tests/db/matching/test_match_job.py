@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 
 from neuralgrid.db.errors import BudgetExhausted, ConflictError, InvalidRequest
 from neuralgrid.db.matching import MatchRequest, complete_job, failover_job, match_job, score_nodes
-from tests.conftest import LLAMA8, make_key, make_node, make_user
+from tests.conftest import LLAMA8, make_key, make_node, make_user, wait_for
 
 REQUEST = MatchRequest(model=LLAMA8)
 
@@ -210,6 +211,33 @@ async def test_concurrent_matches_never_overcommit(db_url: str) -> None:
         assert all(r == (8, 8, "busy") for r in rows)
         counts = conn.execute("select status, count(*) from jobs group by 1 order by 1").fetchall()
         assert counts == [("failed", 160), ("running", 40)]
+
+
+def test_a_claim_that_waited_for_a_node_filled_meanwhile_takes_another(db_url: str) -> None:
+    """Both free nodes are locked when the claim looks (one by a claim taking its last slot, one by
+    a heartbeat): it waits for the first, finds it full, and takes the second rather than answering
+    "none free"."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        first = make_node(conn, "first", hourly_rate=0.1, max_concurrency=2, inflight=1)
+        second = make_node(conn, "second", hourly_rate=2.0)
+    with psycopg.connect(db_url) as claim, psycopg.connect(db_url) as beat, ThreadPoolExecutor(1) as pool:
+        claim.execute("update nodes set inflight = 2, status = 'busy' where id = %s", (first,))
+        beat.execute("select from nodes where id = %s for update", (second,))
+
+        def match() -> uuid.UUID | None:
+            with psycopg.connect(db_url, autocommit=True) as third:
+                return match_job(third, REQUEST).node_id
+
+        waiting = pool.submit(match)
+        with psycopg.connect(db_url, autocommit=True) as watch:
+            wait_for(
+                lambda: watch.execute(
+                    "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%match_job%'"
+                ).fetchone()
+            )
+        beat.commit()
+        claim.commit()
+        assert waiting.result(timeout=10) == second
 
 
 def test_a_node_deleted_mid_job_still_lets_the_job_finish(conn: psycopg.Connection) -> None:
