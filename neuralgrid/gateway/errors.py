@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
 from neuralgrid.db import errors as db
 
@@ -19,15 +21,29 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    # Sent as x-should-retry, which OpenAI's SDKs obey before their own rules (they retry every 429).
+    should_retry: bool | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        headers = {"retry-after": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        headers = dict(self.headers or {})
+        if self.retry_after:
+            headers["retry-after"] = str(max(1, round(self.retry_after)))
+        if self.should_retry is not None:
+            headers["x-should-retry"] = str(self.should_retry).lower()
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=headers)
 
@@ -53,7 +69,11 @@ class Forbidden(GatewayError):
 
 
 class NotFound(GatewayError):
-    status, type, code = 404, "invalid_request_error", "model_not_found"
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
 
 
 class BodyTooLarge(GatewayError):
@@ -76,7 +96,10 @@ class RateLimited(GatewayError):
 
 
 class BudgetExceeded(GatewayError):
-    status, type, code = 429, "insufficient_quota", "budget_exhausted"
+    """OpenAI's answer to a spent quota: a 429 that asking again does not help."""
+
+    status, type, code = 429, "insufficient_quota", "insufficient_quota"
+    should_retry = False
 
 
 class UpstreamFailed(GatewayError):
@@ -95,11 +118,11 @@ def from_database(err: db.DatabaseError) -> GatewayError:
     """The one map from the database's domain errors to the API's."""
     message, param = str(err), err.param
     if isinstance(err, db.NotFound):
-        return NotFound(message, param=param)
+        return (ModelNotFound if param == "model" else NotFound)(message, param=param)
     if isinstance(err, db.Forbidden):
         return Forbidden(message, param=param)
     if isinstance(err, db.BudgetExhausted):
-        return BudgetExceeded(message, retry_after=60)
+        return BudgetExceeded(message)
     return BadRequest(message, param=param)
 
 
@@ -115,3 +138,27 @@ def from_http(status: int, detail: str, headers: Mapping[str, str] | None = None
         }
     }
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping[str, str]) -> Response:
+    """A node's refusal passed on: as it is when it has OpenAI's shape, else its message in that shape
+    (servers differ: FastAPI's {"detail": ...} for a route they lack, vLLM's older {"object": "error",
+    "message": ...}, Ollama's {"error": "..."}, plain text)."""
+    try:
+        found: Any = json.loads(body)
+    except ValueError:
+        found = body.decode(errors="replace").strip()
+    fields: dict[str, Any] = found if isinstance(found, dict) else {}
+    error = fields.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return Response(body, status, headers, media_type=media_type)
+    said = fields.get("message") or fields.get("detail") or error or found
+    text = said if isinstance(said, str) else json.dumps(said)
+    param, code = fields.get("param"), fields.get("code")
+    shaped = {
+        "message": f"the node answered: {text[:500] or f'HTTP {status}'}",
+        "type": "invalid_request_error" if status < 500 else "server_error",
+        "param": param if isinstance(param, str) else None,
+        "code": code if isinstance(code, str) else None,
+    }
+    return JSONResponse({"error": shaped}, status, headers)

@@ -1,9 +1,10 @@
 """Per-key request and token rate limits: in memory (per gateway), or shared through Redis.
 
-rpm counts requests with the `limits` library's moving window. tpm is a ledger of its own, because
-a request's tokens are known only when its answer ends, and a moving window cannot give a charge
-back: each admitted request holds an estimate of its tokens in the key's last minute (refused with
-429 when that does not fit), and its end settles the hold to the tokens it really used.
+Each is a ledger of the key's last minute, by hold. rpm charges a request as one unit as it arrives.
+tpm is the reason for a ledger: a request's tokens are known only when its answer ends, and a plain
+moving window cannot give a charge back; each admitted request holds an estimate of its tokens
+(refused with 429 when that does not fit), and its end settles the hold to the tokens it really used.
+Either says, as it charges, what the minute holds and when it empties: the x-ratelimit-* headers.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import coredis
-from limits import RateLimitItemPerMinute
-from limits.aio.storage import MemoryStorage, RedisStorage, Storage
-from limits.aio.strategies import MovingWindowRateLimiter
 
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.errors import RateLimited
@@ -44,13 +43,31 @@ class TokenHold:
     limit: int
 
 
-class TokenLedger(Protocol):
+@dataclass(frozen=True)
+class Window:
+    """A key's minute as a charge left it."""
+
+    wait: float  # 0.0: charged; else the seconds until the charge would fit (nothing charged)
+    used: int  # what the minute holds, the charge included
+    empty_in: float  # seconds until all of that has left the minute
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a key's limits let a request do: its tpm hold, and what the limits are now, as OpenAI
+    tells them (x-ratelimit-* headers, none for a key without limits)."""
+
+    hold: TokenHold | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class Ledger(Protocol):
     """Each key's charges of the last minute, by hold. `now` is wall-clock time (time.time()), which
     is what several gateways sharing Redis can agree on."""
 
-    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> float:
-        """Charge `tokens` if the key's minute has room for them: 0.0, else the seconds until it
-        would have (nothing charged)."""
+    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> Window:
+        """Charge `tokens` if the key's minute has room for them, else say when it would have (and
+        charge nothing)."""
         ...
 
     async def settle(self, key_id: str, hold_id: str, charged: int, tokens: int, now: float) -> None:
@@ -76,6 +93,11 @@ class _Minute:
             del self.holds[hold_id]
             self.used -= tokens
 
+    def window(self, wait: float, now: float) -> Window:
+        # Holds are in the order charged (a settled one keeps its time): the last leaves last.
+        newest = next(reversed(self.holds.values()))[0] if self.holds else now - WINDOW_S
+        return Window(wait, self.used, newest + WINDOW_S - now)
+
 
 class MemoryLedger:
     """Per gateway: without Redis, each gateway counts its own holds."""
@@ -94,21 +116,22 @@ class MemoryLedger:
         if not minute.holds:
             del self._keys[key_id]
 
-    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> float:
+    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> Window:
         minute = self._minute(key_id, now)
         if hold_id in minute.holds:  # asked twice (Redis's reasons, kept alike here)
-            return 0.0
+            return minute.window(0.0, now)
         if minute.used + tokens <= limit:
             minute.holds[hold_id] = (now, tokens)
             minute.used += tokens
-            return 0.0
+            return minute.window(0.0, now)
         self._forget_if_idle(key_id, minute)
-        used = minute.used
+        wait, left = WINDOW_S, minute.used
         for at, held in minute.holds.values():  # when enough of the oldest have left
-            used -= held
-            if used + tokens <= limit:
-                return at + WINDOW_S - now
-        return WINDOW_S
+            left -= held
+            if left + tokens <= limit:
+                wait = at + WINDOW_S - now
+                break
+        return minute.window(wait, now)
 
     async def settle(self, key_id: str, hold_id: str, charged: int, tokens: int, now: float) -> None:
         minute = self._minute(key_id, now)
@@ -158,22 +181,28 @@ _RESERVE = (
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local tokens, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
 local member = ARGV[3] .. ':' .. ARGV[4]
-if redis.call('ZSCORE', KEYS[1], member) then return '0' end
+local function state(wait, used)  -- the wait, what the minute holds, when its newest hold leaves
+  local newest = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  local empty_in = 0
+  if #newest > 0 then empty_in = tonumber(newest[2]) + window - now end
+  return {tostring(wait), tostring(used), tostring(empty_in)}
+end
+if redis.call('ZSCORE', KEYS[1], member) then return state(0, prune(now - window)) end
 local used = prune(now - window)
 if used + tokens <= limit then
   redis.call('ZADD', KEYS[1], now, member)
   redis.call('INCRBY', KEYS[2], tokens)
   keep(window)
-  return '0'
+  return state(0, used + tokens)
 end
-local from = 0
+local left, from = used, 0
 while true do  -- when enough of the oldest have left, a page at a time
   local holds = redis.call('ZRANGE', KEYS[1], from, from + 99, 'WITHSCORES')
-  if #holds == 0 then return tostring(window) end
+  if #holds == 0 then return state(window, used) end
   for i = 1, #holds, 2 do
-    used = used - amount(holds[i])
-    if used + tokens <= limit then
-      return tostring(tonumber(holds[i + 1]) + window - now)
+    left = left - amount(holds[i])
+    if left + tokens <= limit then
+      return state(tonumber(holds[i + 1]) + window - now, used)
     end
   end
   from = from + 100
@@ -208,79 +237,83 @@ return 0
 
 
 class RedisLedger:
-    """Shared by every gateway using the same Redis."""
+    """Shared by every gateway using the same Redis; `name` keeps the ledgers' keys apart."""
 
-    def __init__(self, client: coredis.Redis[bytes]) -> None:
+    def __init__(self, client: coredis.Redis[bytes], name: str) -> None:
+        self.name = name
         self._reserve = client.register_script(_RESERVE)
         self._settle = client.register_script(_SETTLE)
 
-    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> float:
+    async def reserve(self, key_id: str, hold_id: str, tokens: int, limit: int, now: float) -> Window:
         args = (repr(now), repr(WINDOW_S), hold_id, tokens, limit)
-        wait = await self._reserve(keys=_redis_keys(key_id), args=args)
-        assert isinstance(wait, bytes)
-        return float(wait)
+        reply = await self._reserve(keys=self._keys(key_id), args=args)
+        assert isinstance(reply, list)
+        wait, used, empty_in = (float(value) for value in reply)
+        return Window(wait, int(used), empty_in)
 
     async def settle(self, key_id: str, hold_id: str, charged: int, tokens: int, now: float) -> None:
         args = (repr(now), repr(WINDOW_S), hold_id, charged, tokens)
-        await self._settle(keys=_redis_keys(key_id), args=args)
+        await self._settle(keys=self._keys(key_id), args=args)
 
-
-def _redis_keys(key_id: str) -> tuple[str, str]:
-    # One hash tag: both keys land on the same node of a Redis Cluster, as a script needs.
-    return (f"neuralgrid:tpm:{{{key_id}}}", f"neuralgrid:tpm:{{{key_id}}}:used")
+    def _keys(self, key_id: str) -> tuple[str, str]:
+        # One hash tag: both keys land on the same node of a Redis Cluster, as a script needs.
+        return (f"neuralgrid:{self.name}:{{{key_id}}}", f"neuralgrid:{self.name}:{{{key_id}}}:used")
 
 
 class RateLimiter:
-    """rpm counts requests as they arrive; tpm charges a request's estimate as it is admitted and
-    settles it to the real count when it ends."""
+    """rpm charges each request as it arrives; tpm charges a request's estimate as it is admitted
+    and settles it to the real count when it ends."""
 
     def __init__(self, redis_url: str | None = None) -> None:
-        storage: Storage = MemoryStorage()
-        self.ledger: TokenLedger = MemoryLedger()
+        self.requests: Ledger = MemoryLedger()
+        self.tokens: Ledger = MemoryLedger()
         self._pool: coredis.ConnectionPool | None = None
         if redis_url:
             # Our own pool, so that shutdown can close its connections.
             self._pool = coredis.ConnectionPool.from_url(redis_url)
-            # limits passes options through to coredis.Redis; its hints only admit scalars.
-            storage = RedisStorage(f"async+{redis_url}", connection_pool=self._pool)  # type: ignore[arg-type]
-            self.ledger = RedisLedger(coredis.Redis(connection_pool=self._pool))
-        self.limiter = MovingWindowRateLimiter(storage)
+            client = coredis.Redis(connection_pool=self._pool)
+            self.requests, self.tokens = RedisLedger(client, "rpm"), RedisLedger(client, "tpm")
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.disconnect()
 
-    async def admit(self, key: ApiKey, tokens: int) -> TokenHold | None:
+    async def admit(self, key: ApiKey, tokens: int) -> Allowance:
         """Count the request, and hold `tokens` (its estimate) in the key's tpm window; the hold
-        goes with the request to its Meter. Raises RateLimited when either is full."""
+        goes with the request to its Meter. Raises RateLimited when either is full; either way
+        the headers say what the limits are now."""
+        headers: dict[str, str] = {}
         if key.rpm_limit:
-            item = RateLimitItemPerMinute(key.rpm_limit)
-            if not await self.limiter.hit(item, "rpm", str(key.id)):
-                stats = await self.limiter.get_window_stats(item, "rpm", str(key.id))
+            window = await self.requests.reserve(str(key.id), uuid.uuid4().hex, 1, key.rpm_limit, time.time())
+            headers.update(_headers("requests", key.rpm_limit, window))
+            if window.wait > 0:
                 raise RateLimited(
                     f"rate limit of {key.rpm_limit} requests per minute reached",
-                    retry_after=_seconds(stats.reset_time - time.time()),
+                    retry_after=_seconds(window.wait),
+                    headers=headers,
                 )
         if not key.tpm_limit:
-            return None
+            return Allowance(None, headers)
         # An estimate above the whole limit is charged the limit: a key with a small tpm can still
         # make such a request, alone in its minute (its real count is settled when it ends).
         hold = TokenHold(str(key.id), uuid.uuid4().hex, min(max(tokens, 0), key.tpm_limit), key.tpm_limit)
-        wait = await self.ledger.reserve(hold.key_id, hold.hold_id, hold.charged, hold.limit, time.time())
-        if wait > 0:
+        window = await self.tokens.reserve(hold.key_id, hold.hold_id, hold.charged, hold.limit, time.time())
+        headers.update(_headers("tokens", key.tpm_limit, window))
+        if window.wait > 0:
             raise RateLimited(
                 f"rate limit of {key.tpm_limit} tokens per minute reached: this request is estimated"
                 f" at {tokens} tokens (its prompt and max_tokens)",
-                retry_after=_seconds(wait),
+                retry_after=_seconds(window.wait),
+                headers=headers,
             )
-        return hold
+        return Allowance(hold, headers)
 
     async def settle(self, hold: TokenHold | None, tokens: int) -> None:
         """The request's end: its hold becomes the tokens it used (at most the limit, as a charge
         of the whole limit already fills the window)."""
         if hold is not None:
             used = min(max(tokens, 0), hold.limit)
-            await self.ledger.settle(hold.key_id, hold.hold_id, hold.charged, used, time.time())
+            await self.tokens.settle(hold.key_id, hold.hold_id, hold.charged, used, time.time())
 
     async def release(self, hold: TokenHold | None) -> None:
         """A request that ends before any node used tokens for it gives its hold back."""
@@ -289,3 +322,24 @@ class RateLimiter:
 
 def _seconds(wait: float) -> float:
     return max(1.0, math.ceil(wait))
+
+
+def _headers(unit: str, limit: int, window: Window) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for one limit. Its reset is when the limit is back to its
+    initial state: here, when the newest charge leaves the minute."""
+    return {
+        f"x-ratelimit-limit-{unit}": str(limit),
+        f"x-ratelimit-remaining-{unit}": str(max(limit - window.used, 0)),
+        f"x-ratelimit-reset-{unit}": duration(window.empty_in),
+    }
+
+
+def duration(seconds: float) -> str:
+    """Seconds as OpenAI's reset headers write them (Go's durations: 17ms, 59.5s, 1m0s), rounded up
+    to the millisecond."""
+    ms = max(math.ceil(seconds * 1000), 0)
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{minutes}m{secs}" if minutes else secs

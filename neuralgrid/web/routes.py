@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import UserDep
-from neuralgrid.gateway.errors import BadRequest, GatewayError, Unauthorized
+from neuralgrid.gateway.errors import BadRequest, NotFound, Unauthorized
 from neuralgrid.server.services import ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.stack import api_key, user_token
@@ -43,10 +43,6 @@ CONTENT_TYPES = {
     ".json": "application/json",
     ".svg": "image/svg+xml",
 }
-
-
-class FileNotFound(GatewayError):
-    status, type, code = 404, "invalid_request_error", "not_found"
 
 
 class SignInRefused(Unauthorized):
@@ -107,7 +103,7 @@ async def signin_page(request: Request, services: ServicesDep) -> FileResponse:
 async def static_file(path: str) -> FileResponse:
     file = (STATIC_DIR / path).resolve()
     if not file.is_relative_to(STATIC_DIR.resolve()) or not file.is_file():
-        raise FileNotFound(f"no such file: /static/{path}", param="path")
+        raise NotFound(f"no such file: /static/{path}", param="path")
     return _send(file)
 
 
@@ -121,7 +117,7 @@ def vendor_dir() -> Path:
 async def vendor_file(name: str) -> FileResponse:
     """The browser libraries, from the npm packages that setup installs: no CDN, works offline."""
     if name not in VENDOR_FILES:
-        raise FileNotFound(f"no such file: /vendor/{name}", param="name")
+        raise NotFound(f"no such file: /vendor/{name}", param="name")
     file = vendor_dir() / VENDOR_FILES[name]
     if not file.is_file():
         log.warning(
@@ -129,9 +125,7 @@ async def vendor_file(name: str) -> FileResponse:
             " repository), or point NEURALGRID_WEB_VENDOR_DIR at a node_modules folder",
             file,
         )
-        raise FileNotFound(
-            f"/vendor/{name} is not installed on this gateway: run `npm install`", param="name"
-        )
+        raise NotFound(f"/vendor/{name} is not installed on this gateway: run `npm install`", param="name")
     return _send(file)
 
 

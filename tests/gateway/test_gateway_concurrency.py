@@ -44,7 +44,7 @@ def test_a_nearly_spent_budget_is_never_overspent_by_more_than_one_request(
             sdk.chat.completions.create(model=pricey, messages=MESSAGES, max_tokens=20)
             return 200
         except openai.RateLimitError as err:
-            assert err.body["code"] == "budget_exhausted"  # type: ignore[index]
+            assert err.body["code"] == "insufficient_quota"  # type: ignore[index]
             return 429
 
     with ThreadPoolExecutor(50) as pool:

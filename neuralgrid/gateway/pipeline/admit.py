@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,7 @@ class Admitted:
     stream: bool
     max_output_tokens: int  # over all choices (n)
     tpm_hold: TokenHold | None = None  # the estimate held on the key's tpm limit, settled at the end
+    limit_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*, for the answer
 
     def capped(self, max_output_tokens: int) -> Admitted:
         """The same call told to answer in fewer tokens (what its key's budget pays for)."""
@@ -98,8 +100,8 @@ class Admission:
             max_out *= max(1, int(call.body.get("n") or 1))
         payload = json.dumps(body).encode()
         # Limited last, once the request is known to be valid: its tpm charge is this estimate.
-        hold = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
-        return Admitted(call, body, payload, stream, max_out, hold)
+        allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
+        return Admitted(call, body, payload, stream, max_out, allowed.hold, allowed.headers)
 
     def _max_tokens(self, call: Call, body: dict[str, Any], entry: q.ModelKind | None) -> int:
         """The answer's length per choice, at most the model's context. A key with a budget always

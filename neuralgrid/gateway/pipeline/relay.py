@@ -24,6 +24,9 @@ from neuralgrid.gateway.upstream import NodeError
 from neuralgrid.protocol.sse import SseEvents
 
 log = logging.getLogger(__name__)
+# Streams are passed on as they come: no cache keeps one, and no proxy in front (nginx reads
+# X-Accel-Buffering) holds its events back to send them in bulk.
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 # vLLM's request fields for guided decoding (OpenAI's is response_format).
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
