@@ -223,11 +223,13 @@ MATCH_JOB = Query(
 # The gateway's call: the budget hold is priced in SQL from the catalog (the request's size and its
 # answer at max_tokens), by the same prices complete_jobs() charges. With `wait`, a request that
 # finds every capable node busy comes back `busy`, unrecorded, to wait for a slot.
-# The gateway names itself for this statement only (set local; the lateral join runs place_job()
-# after it): the job records which gateway placed it, and ends soon if that gateway dies.
+# The gateway names itself and the request's end user (its `user` field) for this statement only
+# (set local; the lateral join runs place_job() after it): the job records which gateway placed it,
+# and ends soon if that gateway dies, and whose request it was.
 PLACE_JOB = Query(
     "place_job",
-    "select m.* from (select set_config('neuralgrid.gateway_id', %(gateway)s::text, true)) as g,"
+    "select m.* from (select set_config('neuralgrid.gateway_id', %(gateway)s::text, true),"
+    " set_config('neuralgrid.end_user', coalesce(%(end_user)s::text, ''), true)) as g,"
     " lateral public.place_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
     " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
     " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int, %(wait)s) as m",
@@ -301,8 +303,9 @@ select count(j.id) as requests, count(j.id) filter (where j.status = 'succeeded'
   coalesce(sum(j.completion_tokens), 0)::int8 as completion_tokens,
   coalesce(sum(j.cost_usd), 0)::float8 as cost_usd,
   k.spent_usd::float8 as spent_usd, k.reserved_usd::float8 as held_usd
-from public.api_keys k left join public.jobs j on j.api_key_id = k.id
-where k.id = %s
+from public.api_keys k
+left join public.jobs j on j.api_key_id = k.id and (%(user)s::text is null or j.end_user = %(user)s)
+where k.id = %(key)s
 group by k.id
 """,
     class_row(KeyUsage),

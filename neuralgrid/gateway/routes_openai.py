@@ -6,9 +6,9 @@ import asyncio
 import json
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -17,7 +17,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, ClientGone, RequestTimeout, invalid
 from neuralgrid.gateway.pipeline import Call
-from neuralgrid.gateway.schema import SCHEMAS
+from neuralgrid.gateway.schema import END_USER, SCHEMAS
 from neuralgrid.protocol import wire_json
 from neuralgrid.server.services import ServicesDep
 
@@ -57,12 +57,16 @@ async def embeddings(request: Request, key: ApiKeyDep, services: ServicesDep) ->
 
 
 @router.get("/usage")
-async def usage(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
-    """This key's totals: requests, tokens, cost, and what is left of its budget."""
-    row = await services.store.get(q.KEY_USAGE, (key.id,))
+async def usage(
+    key: ApiKeyDep, services: ServicesDep, user: Annotated[str | None, Query(**END_USER)] = None
+) -> dict[str, Any]:
+    """This key's totals: requests, tokens, cost, and what is left of its budget; with `user`, the
+    requests, tokens and cost of that end user's requests (the `user` field they were sent with)."""
+    row = await services.store.get(q.KEY_USAGE, {"key": key.id, "user": user})
     budget = float(key.budget_usd) if key.budget_usd is not None else None
     return {
         "object": "usage",
+        "user": user,
         "key": {"id": str(key.id), "name": key.name, "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit},
         "requests": row.requests,
         "succeeded": row.succeeded,

@@ -21,6 +21,10 @@ Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # A model id is a name: no control characters (Postgres text cannot even hold NUL).
 ModelId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# The developer's own name for their end user: recorded on the job, so one line of text (the same
+# rule for the field and for GET /v1/usage?user=).
+END_USER: dict[str, Any] = {"max_length": 256, "pattern": r"^[^\x00-\x1f\x7f]*$"}
+EndUser = Annotated[str, Field(**END_USER)]
 Tokens = list[Annotated[int, Field(ge=0)]]
 
 
@@ -45,7 +49,7 @@ class _Generation(_Strict):
     frequency_penalty: Penalty | None = None
     seed: Int64 | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    user: str | None = None
+    user: EndUser | None = None
 
 
 class Message(_Strict):
@@ -94,7 +98,7 @@ class EmbeddingRequest(_Strict):
     input: str | list[str] | Tokens | list[Tokens]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Count | None = None
-    user: str | None = None
+    user: EndUser | None = None
 
 
 SCHEMAS: dict[str, type[BaseModel]] = {

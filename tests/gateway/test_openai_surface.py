@@ -200,3 +200,52 @@ def test_streams_tell_proxies_not_to_buffer_or_cache(fake_nodes: Any, gateway: s
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         assert resp.headers["cache-control"] == "no-cache"
         assert resp.headers["x-accel-buffering"] == "no"
+
+
+def test_the_user_field_is_recorded_and_usage_tells_end_users_apart(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    fake_nodes()
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0) as sdk:
+        for user in ("alice", "alice", "bob", None):
+            extra = {"user": user} if user else {}
+            sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, **extra)
+        streamed = sdk.chat.completions.create(
+            model=LLAMA8,
+            messages=MESSAGES,
+            max_tokens=4,
+            user="bob",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert [chunk for chunk in streamed]
+    recorded = conn.execute("select end_user, count(*) from jobs group by 1 order by 1 nulls last").fetchall()
+    assert recorded == [("alice", 2), ("bob", 2), (None, 1)]
+    auth = {"authorization": f"Bearer {api_key}"}
+    per_user = {
+        user: httpx.get(f"{gateway}/v1/usage", params={"user": user}, headers=auth).json()
+        for user in ("alice", "bob", "nobody")
+    }
+    assert [(u["user"], u["requests"], u["completion_tokens"]) for u in per_user.values()] == [
+        ("alice", 2, 8),
+        ("bob", 2, 8),
+        ("nobody", 0, 0),
+    ]
+    assert httpx.get(f"{gateway}/v1/usage", headers=auth).json()["requests"] == 5
+
+
+@pytest.mark.parametrize("user", ["x" * 257, "line\nbreak", "nul\x00"])
+def test_a_user_field_that_is_not_one_short_line_is_a_400(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str, user: str
+) -> None:
+    fake_nodes()
+    body = {"model": LLAMA8, "messages": MESSAGES, "user": user}
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "user", resp.text
+    usage = httpx.get(
+        f"{gateway}/v1/usage", params={"user": user}, headers={"authorization": f"Bearer {api_key}"}
+    )
+    assert usage.status_code == 400 and "error" in usage.json(), usage.text
+    assert conn.execute("select count(*) from jobs").fetchone() == (0,)

@@ -63,6 +63,7 @@ class Placement:
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
         params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
         params["gateway"] = self.gateway_id
+        params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
         seen = self.room.announcements
         match = None
         if not self.room.waiting(call.model):  # nobody ahead in line: ask at once
