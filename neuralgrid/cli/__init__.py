@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +14,12 @@ from neuralgrid.cli.common import Options
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"neuralgrid {importlib.metadata.version('neuralgrid')}")
+        raise typer.Exit()
 
 
 @app.callback()
@@ -28,6 +35,10 @@ def main(
     db_port: Annotated[
         int | None, typer.Option(envvar="NEURALGRID_DB_PORT", help="Embedded Postgres TCP port.")
     ] = None,
+    _version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
 ) -> None:
     """NeuralGrid: route OpenAI-compatible inference to other people's GPUs."""
     chosen: dict[str, Any] = {

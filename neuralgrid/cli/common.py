@@ -77,7 +77,27 @@ class Options:
                 self._settings = with_stack_secret(Settings(**self.overrides))
             except ValidationError as err:
                 raise fail(err.errors()[0]["msg"]) from err
+            _check_url("DATABASE_URL", self._settings.database_url)
+            _check_url("NEURALGRID_SESSION_DATABASE_URL", self._settings.session_database_url)
         return self._settings
+
+
+def _check_url(name: str, url: str | None) -> None:
+    """A URL libpq cannot parse fails here in one line, before any command's traceback does."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    if not url:
+        return
+    try:
+        conninfo_to_dict(url)
+    except ProgrammingError as err:
+        detail = str(err).strip().splitlines()[0]
+        reason = "" if url in detail else f" ({detail})"  # never echo the URL: it may hold a password
+        raise fail(
+            f"{name} is not a Postgres URL{reason}: set it to"
+            " postgresql://USER:PASSWORD@HOST:PORT/DBNAME, or unset it for the embedded database"
+        ) from err
 
 
 def settings(ctx: typer.Context) -> Settings:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NamedTuple
 
 import typer
+from rich import box
 from rich.table import Table
 
 from neuralgrid.cli.common import database, friendly_errors, out
@@ -31,10 +33,47 @@ def nodes_import(
     out.print(f"imported {len(ids)} nodes from {file}")
 
 
+class _Column(NamedTuple):
+    header: str
+    cell: Callable[[dict[str, Any]], str]
+    narrow: bool  # in the default view, which fits 80 columns; --wide adds the others
+    wraps: bool = False  # only cells of several words: wrapping a one-word cell would cut it
+
+
+def _heartbeat(r: dict[str, Any]) -> str:
+    return r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
+
+
+def _gpu(r: dict[str, Any]) -> str:
+    return r["gpu_model"] if r["gpu_count"] == 1 else f"{r['gpu_count']}x {r['gpu_model']}"
+
+
+# What an operator checks first (is it up, how busy, which hardware, where) is narrow.
+_NODE_COLUMNS = (
+    _Column("name", lambda r: r["name"], narrow=True),
+    _Column("gpu", _gpu, narrow=True, wraps=True),
+    _Column("vram", lambda r: f"{r['vram_gb']:g}", narrow=False),
+    _Column("tflops", lambda r: f"{r['tflops']:g}", narrow=False),
+    _Column("$/h", lambda r: f"{r['hourly_rate']:.2f}", narrow=False),
+    _Column("region", lambda r: r["region"], narrow=True),
+    _Column("status", lambda r: r["status"], narrow=True),
+    _Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}", narrow=True),
+    _Column("heartbeat", _heartbeat, narrow=True),
+    _Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}", narrow=False),
+    _Column("warm models", lambda r: ", ".join(r["warm_models"]), narrow=False, wraps=True),
+)
+
+
 @nodes_app.command("ls")
 @friendly_errors
-def nodes_ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
-    """List nodes with status, last heartbeat, load, warm models and reputation."""
+def nodes_ls(
+    ctx: typer.Context,
+    as_json: JsonOption = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Every column: VRAM, TFLOPS, price, ok/fail, warm models.")
+    ] = False,
+) -> None:
+    """List nodes with status, last heartbeat, load and hardware (--wide: reputation, warm models)."""
     from neuralgrid.admin import fleet
 
     with database(ctx) as conn:
@@ -42,34 +81,13 @@ def nodes_ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
     if as_json:
         print(fleet.to_json(rows))
         return
-    table = Table(
-        "name",
-        "gpu",
-        "vram",
-        "tflops",
-        "$/h",
-        "region",
-        "status",
-        "load",
-        "heartbeat",
-        "ok/fail",
-        "warm models",
-    )
+    columns = [c for c in _NODE_COLUMNS if wide or c.narrow]
+    # No outer edges or rules between columns: the narrow ones fit 80 with the GPU wrapped.
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for c in columns:
+        table.add_column(c.header, no_wrap=not c.wraps)
     for r in rows:
-        beat = r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
-        table.add_row(
-            r["name"],
-            f"{r['gpu_count']}x {r['gpu_model']}",
-            f"{r['vram_gb']:g}",
-            f"{r['tflops']:g}",
-            f"{r['hourly_rate']:.2f}",
-            r["region"],
-            r["status"],
-            f"{r['inflight']}/{r['max_concurrency']}",
-            beat,
-            f"{r['successes']}/{r['failures']}",
-            ", ".join(r["warm_models"]),
-        )
+        table.add_row(*(c.cell(r) for c in columns))
     out.print(table)
 
 

@@ -14,6 +14,18 @@ import typer
 from neuralgrid.cli.common import fail, log_to_stderr
 
 app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")
+# Panels are tables of their own, so no column is shared with the widest option of another panel:
+# that keeps every env var name whole at 80 columns.
+REACH = "How the gateway reaches the agent"
+HARDWARE = "Hardware (when NVML cannot tell)"
+MAP = "Location on the map"
+
+
+def _concurrency(value: int | None) -> int | None:
+    """1 to 1024. Checked here, not by min/max, which typer would print in a column too wide for 80."""
+    if value is not None and not 1 <= value <= 1024:
+        raise typer.BadParameter(f"{value} is not in the range 1 to 1024")
+    return value
 
 
 @app.command("run")
@@ -37,9 +49,8 @@ def run(
         int | None,
         typer.Option(
             envvar="NEURALGRID_NODE_MAX_CONCURRENCY",
-            min=1,
-            max=1024,
-            help="Requests at once (default: what the server runs at once, when it says; else 4).",
+            callback=_concurrency,
+            help="Requests at once, 1 to 1024 (default: what the server runs at once, when it says; else 4).",
         ),
     ] = None,
     model_alias: Annotated[
@@ -52,31 +63,47 @@ def run(
         ),
     ] = None,
     listen_port: Annotated[
-        int, typer.Option(envvar="NEURALGRID_NODE_PORT", help="Port the agent listens on (direct mode).")
+        int,
+        typer.Option(
+            envvar="NEURALGRID_NODE_PORT",
+            rich_help_panel=REACH,
+            help="Port the agent listens on (direct mode).",
+        ),
     ] = 8001,
     public_url: Annotated[
         str | None,
-        typer.Option(envvar="NEURALGRID_NODE_PUBLIC_URL", help="How the gateway reaches this agent."),
+        typer.Option(
+            envvar="NEURALGRID_NODE_PUBLIC_URL",
+            rich_help_panel=REACH,
+            help="How the gateway reaches this agent.",
+        ),
     ] = None,
     gpu_model: Annotated[
-        str | None, typer.Option(envvar="NEURALGRID_GPU_MODEL", help="GPU model (no NVML).")
+        str | None,
+        typer.Option(envvar="NEURALGRID_GPU_MODEL", rich_help_panel=HARDWARE, help="GPU model (no NVML)."),
     ] = None,
     vram_gb: Annotated[
-        float | None, typer.Option(envvar="NEURALGRID_VRAM_GB", help="Total VRAM, GB.")
+        float | None,
+        typer.Option(envvar="NEURALGRID_VRAM_GB", rich_help_panel=HARDWARE, help="Total VRAM, GB."),
     ] = None,
     tflops: Annotated[
-        float | None, typer.Option(envvar="NEURALGRID_TFLOPS", help="Dense FP16 TFLOPS.")
+        float | None,
+        typer.Option(envvar="NEURALGRID_TFLOPS", rich_help_panel=HARDWARE, help="Dense FP16 TFLOPS."),
     ] = None,
     latitude: Annotated[
-        float | None, typer.Option(envvar="NEURALGRID_NODE_LATITUDE", help="For the map.")
+        float | None,
+        typer.Option(envvar="NEURALGRID_NODE_LATITUDE", rich_help_panel=MAP, help="For the map."),
     ] = None,
     longitude: Annotated[
-        float | None, typer.Option(envvar="NEURALGRID_NODE_LONGITUDE", help="For the map.")
+        float | None,
+        typer.Option(envvar="NEURALGRID_NODE_LONGITUDE", rich_help_panel=MAP, help="For the map."),
     ] = None,
     tunnel: Annotated[
         bool,
         typer.Option(
-            envvar="NEURALGRID_NODE_TUNNEL", help="Dial out to the gateway (behind NAT: no open port)."
+            envvar="NEURALGRID_NODE_TUNNEL",
+            rich_help_panel=REACH,
+            help="Dial out to the gateway (behind NAT: no open port).",
         ),
     ] = False,
 ) -> None:

@@ -208,8 +208,9 @@ def test_the_user_field_is_recorded_and_usage_tells_end_users_apart(
     fake_nodes()
     with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0) as sdk:
         for user in ("alice", "alice", "bob", None):
-            extra = {"user": user} if user else {}
-            sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, **extra)
+            sdk.chat.completions.create(
+                model=LLAMA8, messages=MESSAGES, max_tokens=4, user=user or openai.omit
+            )
         streamed = sdk.chat.completions.create(
             model=LLAMA8,
             messages=MESSAGES,

@@ -1,0 +1,66 @@
+"""What an operator sees at an 80-column terminal: the version, help, `nodes ls`, bad settings."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import typer
+from typer.core import TyperGroup
+from typer.testing import CliRunner, Result
+
+from neuralgrid.cli import app
+from neuralgrid.dev.demo import DEMO_FLEET
+
+CUT = "…"  # what rich prints where it cuts a cell
+
+
+def invoke(*args: str, columns: int = 80, **env: str) -> Result:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns), **env})
+
+
+def test_version_prints_the_package_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"neuralgrid {importlib.metadata.version('neuralgrid')}"
+
+
+def test_node_run_help_shows_every_env_var_whole_at_80_columns() -> None:
+    group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup)
+    node_group = group.commands["node"]
+    assert isinstance(node_group, TyperGroup)
+    names = [p.envvar for p in node_group.commands["run"].params if isinstance(p.envvar, str)]
+    assert len(names) > 10
+
+    result = invoke("node", "run", "--help")
+    assert result.exit_code == 0
+    for name in names:
+        assert re.search(rf"\b{name}\b", result.stdout), name
+
+
+def test_nodes_ls_fits_80_columns_and_wide_shows_every_column(db_url: str) -> None:
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+
+    narrow = invoke("nodes", "ls", DATABASE_URL=db_url)
+    assert narrow.exit_code == 0
+    assert CUT not in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
+    for cell in ("tokyo-rtx4090", "ap-northeast", "online", "0/12"):
+        assert cell in narrow.stdout
+    assert "warm models" not in narrow.stdout
+
+    wide = invoke("nodes", "ls", "--wide", DATABASE_URL=db_url, columns=200)
+    assert wide.exit_code == 0
+    assert CUT not in wide.stdout
+    for cell in ("vram", "tflops", "$/h", "ok/fail", "warm models", "BAAI/bge-large-en-v1.5"):
+        assert cell in wide.stdout
+
+
+def test_a_malformed_database_url_is_one_line_naming_it() -> None:
+    result = invoke("nodes", "ls", DATABASE_URL="not-a-url")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "DATABASE_URL" in line and "postgresql://" in line
+    assert "not-a-url" not in line  # a URL is never echoed: it may carry a password
