@@ -36,6 +36,15 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         return False
 
 
+def half_a_body(api_key: str) -> bytes:
+    """A chat request's head, promising 1,000 bytes of body, and the body's first 10."""
+    return (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api_key}\r\nContent-Length: 1000\r\n\r\n"
+        '{"model": '
+    ).encode()
+
+
 @pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"])
 def test_headers_that_do_not_arrive_close_the_connection(impatient: ThreadedServer, sent: bytes) -> None:
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
@@ -49,12 +58,8 @@ def test_headers_that_do_not_arrive_close_the_connection(impatient: ThreadedServ
 
 
 def test_a_body_that_does_not_arrive_is_a_408(impatient: ThreadedServer, api_key: str) -> None:
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {api_key}\r\nContent-Length: 1000\r\n\r\n"
-    )
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
-        sock.sendall(head.encode() + b'{"model": ')
+        sock.sendall(half_a_body(api_key))
         sock.settimeout(5)
         answer = b""
         while b"request_timeout" not in answer and (chunk := sock.recv(4096)):
@@ -76,12 +81,8 @@ def test_a_keep_alive_connection_still_serves_request_after_request(impatient: T
 
 
 def test_a_client_hanging_up_mid_body_is_a_499_not_a_crash(impatient: ThreadedServer, api_key: str) -> None:
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {api_key}\r\nContent-Length: 1000\r\n\r\n"
-    )
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
-        sock.sendall(head.encode() + b'{"model": ')
+        sock.sendall(half_a_body(api_key))
     # Counted as the client's leaving (nginx's 499), not left to escape as the server's 500.
     deadline = time.monotonic() + 5
     counted = ""
