@@ -1,7 +1,13 @@
-"""Benchmarks: each prints a table and writes JSON; none asserts a time (machines are noisy)."""
+"""Benchmarks: each prints a table and writes JSON; none asserts a time (machines are noisy).
+
+What they share lives here: a scratch database, services in their own processes, a fleet of nodes
+at the default settings, one load generator (`send_load`: latency, refusals, queue wait,
+requests/s) and one CPU meter (`CpuMeter`: CPU per request of named process trees).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -9,17 +15,28 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import psycopg
 from psycopg import sql
 
 from neuralgrid.db import migrate
+from neuralgrid.protocol import signing
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+CHAT = "/v1/chat/completions"
+BODY: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Benchmark me."}],
+    "max_tokens": 16,
+}
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:
@@ -98,9 +115,21 @@ def served(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[sub
         log.close()
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process, of its live descendants and of the children it has reaped (a
-    server's whole work: Postgres's backends, say), from /proc in clock ticks."""
+def postmaster_pid(url: str) -> int:
+    """The process id of the Postgres server behind `url` (its backends are its children)."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute("show data_directory").fetchone()
+    assert row is not None
+    return int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
+
+
+def tree_cpu_s(*pids: int) -> float:
+    """CPU seconds so far of processes, of their live descendants and of the children they have
+    reaped (a server's whole work: Postgres's backends, say).
+
+    A live process counts its threads' nanoseconds on a CPU (/proc/PID/task/*/schedstat): the clock
+    ticks of /proc/PID/stat are 10 ms, too coarse for a round of a few hundred requests. Threads
+    that ended are not counted; reaped children are, from the roots' clock ticks."""
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
@@ -112,36 +141,179 @@ def tree_cpu_s(pid: int) -> float:
     children: dict[int, list[int]] = {}
     for child, fields in stats.items():
         children.setdefault(int(fields[1]), []).append(child)
-    total, todo = 0, [pid]
+    total, todo = 0.0, list(pids)
     while todo:
         current = todo.pop()
         if current not in stats:
             continue
         fields = stats[current]
-        # utime, stime, and for the root only cutime and cstime (a reaped child's, once)
-        total += (
-            int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if current == pid else 0)
-        )
+        total += _on_cpu_s(current, fields, tick)
+        if current in pids:  # cutime and cstime: the reaped children's, once
+            total += (int(fields[13]) + int(fields[14])) / tick
         todo += children.get(current, [])
-    return total / tick
+    return total
 
 
-def bench_fleet(url: str, node_urls: list[str], model: str, max_concurrency: int = 4) -> str:
-    """Online nodes (RTX 4090s, one per URL) serving `model`, heartbeats that never go stale, and a
-    key; returns the key."""
+def _on_cpu_s(pid: int, fields: list[str], tick: int) -> float:
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in tasks) / 1e9
+    except (OSError, ValueError, IndexError):  # no schedstat, or gone meanwhile: utime and stime
+        return (int(fields[11]) + int(fields[12])) / tick
+
+
+@dataclass(frozen=True)
+class CpuMeter:
+    """CPU time of named groups of process trees ("gateway": its processes, "postgres": the
+    postmaster), read before and after the part of a load that counts."""
+
+    groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def read(self) -> dict[str, float]:
+        return {name: tree_cpu_s(*pids) for name, pids in self.groups.items()}
+
+
+@dataclass
+class Fleet:
+    key: str
+    nodes: int
+    slots: int  # the nodes' max_concurrency, summed: their default
+
+
+def bench_fleet(url: str, node_urls: Sequence[str], model: str, slots: int = 0) -> Fleet:
+    """Online nodes (RTX 4090s) serving `model` at the default settings, one per URL, or more in
+    turn over the URLs until they hold at least `slots` slots (enough default-size nodes for that
+    many callers; never a node's concurrency raised); heartbeats that never go stale, and a key."""
+    nodes = total = 0
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
-        for i, node_url in enumerate(node_urls):
+        while nodes < len(node_urls) or total < slots:
             row = conn.execute(
                 "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
-                " endpoint_url, status, max_concurrency, last_heartbeat_at) values (%s,"
-                " 'NVIDIA GeForce RTX 4090', 24, 165, 0.35, 'eu-west', %s, 'online', %s, now()) returning id",
-                (f"bench-{i}", node_url, max_concurrency),
+                " endpoint_url, status, last_heartbeat_at) values (%s, 'NVIDIA GeForce RTX 4090', 24,"
+                " 165, 0.35, 'eu-west', %s, 'online', now()) returning id, max_concurrency",
+                (f"bench-{nodes}", node_urls[nodes % len(node_urls)]),
             ).fetchone()
             assert row is not None
             conn.execute(
                 "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], model)
             )
+            nodes, total = nodes + 1, total + int(row[1])
         key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
     assert key is not None
-    return str(key[0])
+    return Fleet(str(key[0]), nodes, total)
+
+
+def chat_body(model: str = MODEL, stream: bool = False) -> bytes:
+    return json.dumps({**BODY, "model": model, "stream": stream}).encode()
+
+
+@dataclass
+class Load:
+    """What a load saw (or several, pooled with `add`)."""
+
+    requests: int = 0
+    latencies_ms: list[float] = field(default_factory=list)  # of the requests served (200)
+    waits_ms: list[float] = field(default_factory=list)  # their wait for a slot (0 where not said)
+    refused: int = 0  # 503
+    failed: int = 0  # any other status, or no answer
+    wall_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # each CpuMeter group's
+
+    def add(self, other: Load) -> None:
+        self.requests += other.requests
+        self.latencies_ms += other.latencies_ms
+        self.waits_ms += other.waits_ms
+        self.refused += other.refused
+        self.failed += other.failed
+        self.wall_s += other.wall_s
+        for name, used in other.cpu_s.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + used
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers every benchmark reports: served, refused (503) and failed; latency; the
+        wait for a slot (the gateway's x-neuralgrid-queue-ms); requests/s; CPU per request served."""
+        served = len(self.latencies_ms)
+        no_wait = {"p50_ms": 0.0, "p99_ms": 0.0}
+        wait = percentiles(self.waits_ms) if self.waits_ms else no_wait
+        return {
+            "requests": self.requests,
+            "served": served,
+            "refused_503": self.refused,
+            "failed": self.failed,
+            **(percentiles(self.latencies_ms) if self.latencies_ms else {}),
+            "queue_wait_p50_ms": wait["p50_ms"],
+            "queue_wait_p99_ms": wait["p99_ms"],
+            "queue_wait_max_ms": round(max(self.waits_ms, default=0.0), 3),
+            "rps": round(served / self.wall_s, 1) if self.wall_s else 0.0,
+            **{
+                f"{name}_cpu_ms_per_request": round(used * 1000 / max(served, 1), 3)
+                for name, used in self.cpu_s.items()
+            },
+        }
+
+
+async def send_load(
+    urls: Sequence[str],
+    body: bytes,
+    callers: int,
+    total: int,
+    *,
+    headers: Mapping[str, str] | None = None,
+    sign_keys: Mapping[str, bytes] | None = None,
+    warmup: int = 0,
+    meter: CpuMeter | None = None,
+) -> Load:
+    """`total` requests (rounded down to a multiple of `callers`) from `callers` clients that each
+    send one after another, caller i's j-th to urls[(i + j) % len(urls)], after `warmup` requests
+    that do not count (connections, caches, plans). A request to a URL in `sign_keys` is signed with
+    its key as the gateway signs (before its clock starts). `meter`'s groups' CPU over the part that
+    counts.
+
+    The client is aiohttp on uvloop (serving.run_fast), the leanest well-kept one: on two shared
+    cores the load generator's own CPU is taken from whatever it measures (httpx spent about 1 ms a
+    request)."""
+    load = Load(requests=total // callers * callers)
+    all_headers = {**(headers or {}), "content-type": "application/json"}
+    keys = sign_keys or {}
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=callers)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=all_headers) as client:
+
+        async def one(url: str) -> None:
+            key = keys.get(url)
+            signed = {signing.HEADER: signing.sign(key, CHAT, body)} if key is not None else None
+            started = time.perf_counter()
+            try:
+                async with client.post(url, data=body, headers=signed) as resp:
+                    async for _ in resp.content.iter_any():
+                        pass
+                    status, waited = resp.status, resp.headers.get("x-neuralgrid-queue-ms")
+            except (aiohttp.ClientError, TimeoutError):
+                load.failed += 1
+                return
+            if status == 503:
+                load.refused += 1
+            elif status != 200:
+                load.failed += 1
+            else:
+                load.latencies_ms.append((time.perf_counter() - started) * 1000)
+                load.waits_ms.append(float(waited or 0))
+
+        async def caller(index: int) -> None:
+            for i in range(total // callers):
+                await one(urls[(index + i) % len(urls)])
+
+        for i in range(warmup):
+            await one(urls[i % len(urls)])
+        load.latencies_ms.clear()
+        load.waits_ms.clear()
+        load.refused = load.failed = 0
+        before = meter.read() if meter else {}
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(i) for i in range(callers)))
+        load.wall_s = time.perf_counter() - started
+        if meter:
+            after = meter.read()
+            load.cpu_s = {name: after[name] - before[name] for name in before}
+    return load

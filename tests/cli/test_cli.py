@@ -257,25 +257,61 @@ def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Pat
 def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
     db_url: str, tmp_path: Path
 ) -> None:
-    """A small run of `neuralgrid bench gateway`: a fake node, the relay and a gateway, each a process."""
+    """A small run of `neuralgrid bench gateway`: a fake node, the relay, a gateway and a node agent,
+    each a process, at the default node settings; every path's refusals, queue wait and CPU."""
     out_file = tmp_path / "gateway.json"
     code, out, err = run(
-        db_url, "bench", "gateway", "--callers", "1,2", "--requests", "8", "--out", str(out_file)
+        db_url, "bench", "gateway", "--callers", "1,5", "--requests", "8", "--out", str(out_file)
     )
     assert code == 0, out + err
-    assert "gateway +p50" in out and "relay +p50" in out
+    assert "+p50" in out and "postgres cpu" in out and "gateway_agent" in out
     report = json.loads(out_file.read_text())
     assert [(r["stream"], r["callers"]) for r in report["results"]] == [
         (False, 1),
-        (False, 2),
+        (False, 5),
         (True, 1),
-        (True, 2),
+        (True, 5),
     ]
     for r in report["results"]:
-        for target in ("direct", "relay", "gateway"):
-            assert r[target]["errors"] == 0 and r[target]["rps"] > 0
-            assert 0 < r[target]["p50_ms"] <= r[target]["p99_ms"]
+        for target in ("direct", "relay", "agent", "gateway", "gateway_agent"):
+            t = r[target]
+            assert t["refused_503"] == t["failed"] == 0 and t["served"] == t["requests"] and t["rps"] > 0
+            assert 0 < t["p50_ms"] <= t["p99_ms"]
+            assert 0 <= t["queue_wait_p50_ms"] <= t["queue_wait_p99_ms"] <= t["queue_wait_max_ms"]
+        # 5 callers: two nodes of the default 4 slots, never one raised to take them all
+        assert r["gateway"]["slots"] == r["gateway_agent"]["slots"] == 8
+        for target in ("gateway", "gateway_agent"):
+            assert r[target]["gateway_cpu_ms_per_request"] > 0
+            assert r[target]["postgres_cpu_ms_per_request"] > 0
+        for target in ("agent", "gateway_agent"):
+            assert r[target]["agent_cpu_ms_per_request"] > 0
+        assert "postgres_cpu_ms_per_request" not in r["direct"]
         assert r["added_p50_ms"] == round(r["gateway"]["p50_ms"] - r["direct"]["p50_ms"], 3)
         assert r["relay_added_p50_ms"] == round(r["relay"]["p50_ms"] - r["direct"]["p50_ms"], 3)
+        assert r["gateway_agent_added_p50_ms"] == round(
+            r["gateway_agent"]["p50_ms"] - r["direct"]["p50_ms"], 3
+        )
     code, _, err = run(db_url, "bench", "gateway", "--callers", "0")
     assert code == 1 and "must be positive" in err
+
+
+def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_path: Path) -> None:
+    """A small run of `neuralgrid bench capacity`: two default nodes (8 slots), 16 callers wait their turn."""
+    out_file = tmp_path / "capacity.json"
+    args = ["--callers", "8,16", "--requests", "32", "--work-ms", "50", "--out", str(out_file)]
+    code, out, err = run(db_url, "bench", "capacity", *args)
+    assert code == 0, out + err
+    assert "wait p99" in out and "postgres cpu" in out
+    report = json.loads(out_file.read_text())
+    assert [(r["stream"], r["callers"]) for r in report["results"]] == [
+        (False, 8),
+        (False, 16),
+        (True, 8),
+        (True, 16),
+    ]
+    for r in report["results"]:
+        assert r["slots"] == 8 and r["gateways"] == 1
+        assert r["refused_503"] == r["failed"] == 0 and r["served"] == r["requests"] == 32
+        assert r["gateway_cpu_ms_per_request"] > 0 and r["postgres_cpu_ms_per_request"] > 0
+        assert 0 <= r["queue_wait_p50_ms"] <= r["queue_wait_p99_ms"] <= r["queue_wait_max_ms"]
+    assert max(r["queue_wait_max_ms"] for r in report["results"] if r["callers"] == 16) > 0
