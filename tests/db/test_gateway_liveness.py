@@ -19,7 +19,7 @@ def place(conn: psycopg.Connection, gateway: uuid.UUID, key: uuid.UUID) -> uuid.
     params = match_params(
         MatchRequest(model=LLAMA8), key, False, 2, prompt_bytes=400, max_out=100, wait=False
     )
-    match = SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(gateway)})
+    match = SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(gateway), "end_user": None})
     assert match.node_id is not None
     return match.job_id
 
