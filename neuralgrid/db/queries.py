@@ -474,6 +474,19 @@ select
 """,
     dict_row,
 )
+# The fleet gauges of /metrics: per node status, nodes, VRAM, and slots (free: claimable now).
+FLEET_GAUGES = Query(
+    "fleet_gauges",
+    """
+select status, count(*)::int8 as nodes, coalesce(sum(vram_gb), 0)::float8 as vram_gb,
+  coalesce(sum(greatest(max_concurrency - inflight, 0)) filter (
+    where status = 'online' and (cooldown_until is null or cooldown_until <= now())), 0)::int8 as free_slots,
+  coalesce(sum(inflight) filter (where status in ('online', 'busy')), 0)::int8 as busy_slots
+from public.nodes
+group by status
+""",
+    dict_row,
+)
 # Read as the signed-in user: RLS and column grants leave their own nodes.
 MY_NODES = Query(
     "my_nodes",

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from neuralgrid.db.queries import JobOutcome
+from neuralgrid.protocol.sse import Usage
 
 FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# vLLM's buckets for the same two measures, so that dashboards read alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+NODE_STATUSES = ("online", "busy", "draining", "offline")
 
 
 class Metrics:
@@ -48,6 +56,8 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in ("full", "deadline"):  # at 0 from the start: a dashboard's rate() needs the series
+            self.queue_refused.labels(reason)
         self.attempts = Counter(
             "neuralgrid_attempts_total", "Attempts by outcome.", ["outcome"], registry=self.registry
         )
@@ -65,6 +75,81 @@ class Metrics:
             ["node", "outcome"],
             registry=self.registry,
         )
+
+        # Per model: only models some node served (a job was placed), so the label stays bounded.
+        self.jobs = Counter(
+            "neuralgrid_jobs_total",
+            "Jobs ended, by model and outcome.",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "neuralgrid_tokens_total",
+            "Tokens of ended jobs, by model and type (prompt or completion).",
+            ["model", "type"],
+            registry=self.registry,
+        )
+        self.cost = Counter(
+            "neuralgrid_cost_usd_total",
+            "What ended jobs cost their keys, by model.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "neuralgrid_time_to_first_token_seconds",
+            "Streams: from asking the node to its first event.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "neuralgrid_time_per_output_token_seconds",
+            "Streams: time per token after the first (a stream's average).",
+            ["model"],
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        # The fleet as the database has it, read when /metrics is scraped (see fleet()).
+        self.fleet_nodes = Gauge(
+            "neuralgrid_fleet_nodes", "Nodes by status.", ["status"], registry=self.registry
+        )
+        self.fleet_vram = Gauge(
+            "neuralgrid_fleet_vram_gb", "VRAM of the nodes, by status.", ["status"], registry=self.registry
+        )
+        self.fleet_slots = Gauge(
+            "neuralgrid_fleet_slots",
+            "Request slots of online nodes: free (claimable now) or busy.",
+            ["state"],
+            registry=self.registry,
+        )
+
+    def ended(
+        self,
+        model: str,
+        outcome: JobOutcome,
+        usage: Usage,
+        cost_usd: float | None,
+        timings: tuple[float, float] | None,
+    ) -> None:
+        """One job's end, for its model: outcome, tokens, cost and (streams) latency per token."""
+        self.jobs.labels(model, outcome).inc()
+        self.tokens.labels(model, "prompt").inc(usage.prompt_tokens)
+        self.tokens.labels(model, "completion").inc(usage.completion_tokens)
+        if cost_usd:
+            self.cost.labels(model).inc(cost_usd)
+        if timings is not None:
+            self.ttft.labels(model).observe(timings[0])
+            self.tpot.labels(model).observe(timings[1])
+
+    def fleet(self, rows: list[Mapping[str, Any]]) -> None:
+        """The fleet gauges from FLEET_GAUGES's rows (one per node status)."""
+        by_status = {row["status"]: row for row in rows}
+        for status in NODE_STATUSES:
+            row = by_status.get(status, {})
+            self.fleet_nodes.labels(status).set(row.get("nodes", 0))
+            self.fleet_vram.labels(status).set(row.get("vram_gb", 0.0))
+        self.fleet_slots.labels("free").set(sum(row["free_slots"] for row in rows))
+        self.fleet_slots.labels("busy").set(sum(row["busy_slots"] for row in rows))
 
     def count(self, node_id: object, outcome: JobOutcome) -> None:
         """One attempt's outcome, overall and for its node."""

@@ -25,7 +25,7 @@ from neuralgrid import __version__
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.listen import listen
-from neuralgrid.db.queries import PING
+from neuralgrid.db.queries import FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
@@ -208,6 +208,11 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @app.get("/metrics", tags=["health"])
     async def metrics(services: ServicesDep) -> PlainTextResponse:
+        try:  # the fleet as of this scrape; a database that does not answer leaves the last figures
+            async with asyncio.timeout(2):
+                services.metrics.fleet(await services.store.all(FLEET_GAUGES))
+        except Exception:
+            log.warning("the fleet gauges could not be read for /metrics", exc_info=True)
         # Rendered off the event loop: requests go on while a large registry is written out.
         text = await asyncio.to_thread(generate_latest, services.metrics.registry)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)

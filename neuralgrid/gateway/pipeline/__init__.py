@@ -53,7 +53,14 @@ class Pipeline:
             self.metering.later(self.metering.limiter.release(admitted.tpm_hold))
             raise
         admitted = placed.admitted
-        meter = Meter(placed.job_id, placed.node.id, sent=time.perf_counter(), tpm_hold=admitted.tpm_hold)
+        meter = Meter(
+            placed.job_id,
+            placed.node.id,
+            sent=time.perf_counter(),
+            tpm_hold=admitted.tpm_hold,
+            model=call.model,
+            stream=admitted.stream,
+        )
         try:
             delivery = await self.sender.deliver(
                 call.kind,

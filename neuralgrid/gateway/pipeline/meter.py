@@ -38,6 +38,8 @@ class Meter:
     first_byte: float = 0.0
     usage: Usage | None = None  # set when the answer is over
     tpm_hold: TokenHold | None = None  # what admission held on the key's tpm limit, settled at the end
+    model: str = ""  # a model some node serves (the job was placed): a bounded metrics label
+    stream: bool = False
 
 
 class Metering:
@@ -104,6 +106,17 @@ class Metering:
         if isinstance(settled, BaseException):
             log.error("could not settle the tpm charge of job %s", meter.job_id, exc_info=settled)
         self.metrics.count(meter.node_id, outcome)
+        cost = recorded if isinstance(recorded, float) else None
+        self.metrics.ended(meter.model, outcome, usage, cost, self._timings(meter, outcome, usage, now))
+
+    @staticmethod
+    def _timings(meter: Meter, outcome: JobOutcome, usage: Usage, now: float) -> tuple[float, float] | None:
+        """A whole stream's time to first token and time per output token after it (vLLM's two
+        latency metrics); None for a plain answer, whose first byte is its last."""
+        if not meter.stream or outcome != "succeeded" or not meter.first_byte:
+            return None
+        later_tokens = max(usage.completion_tokens - 1, 1)
+        return meter.first_byte - meter.sent, (now - meter.first_byte) / later_tokens
 
     async def drain(self) -> None:
         """Wait for the jobs still being recorded (on shutdown). Their endings are handed in first
