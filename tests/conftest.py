@@ -180,6 +180,35 @@ def stream_chat(gateway: str, key: str, body: dict[str, Any], timeout: float = 2
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
 
 
+def register_tunnel_node(
+    gateway: str, key: str, name: str, http: httpx.Client | None = None
+) -> dict[str, Any]:
+    """A tunnel node registered and heartbeating as an agent would (an RTX 4090 serving LLAMA8), its
+    socket left to the test (tunnel_url); returns the registration's answer, node_secret included."""
+    post = http.post if http is not None else httpx.post
+    spec = {
+        "name": name,
+        "gpu_model": "NVIDIA GeForce RTX 4090",
+        "vram_gb": 24,
+        "tflops": 165,
+        "hourly_rate": 0.3,
+        "region": "eu-west",
+        "endpoint_url": f"tunnel:{name}",
+        "models": [LLAMA8],
+    }
+    node: dict[str, Any] = post(
+        f"{gateway}/v1/nodes", json=spec, headers={"authorization": f"Bearer {key}"}
+    ).json()
+    secret = {"authorization": f"Bearer {node['node_secret']}"}
+    beat = post(f"{gateway}/v1/nodes/{node['node_id']}/heartbeat", json={"models": [LLAMA8]}, headers=secret)
+    assert beat.status_code == 200, beat.text
+    return node
+
+
+def tunnel_url(gateway: str, node: dict[str, Any]) -> str:
+    return gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
+
+
 @dataclass
 class FakeNode:
     server: Any

@@ -4,7 +4,22 @@ kind (Hypothesis tells bugs apart by exception type and place)."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import cast
+
+from hypothesis import HealthCheck, Phase, settings
+
+EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "100"))
+# For fuzzing a live server (the tunnel, Realtime): every example costs real requests, so no
+# explain phase (a failure already says what was sent, with note(), and what the server logged).
+LIVE_SERVER = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
 
 
 class ServerError(AssertionError):

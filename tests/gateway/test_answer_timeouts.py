@@ -22,6 +22,12 @@ def _set_speed(conn: psycopg.Connection, node_id: Any, tokens_per_s: float) -> N
     conn.execute("update nodes set ewma_tokens_per_s = %s where id = %s", (tokens_per_s, node_id))
 
 
+def _whole_answer(gateway: str, api_key: str, content: str, max_tokens: int) -> httpx.Response:
+    body = {"model": LLAMA8, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    headers = {"authorization": f"Bearer {api_key}"}
+    return httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
 def _failures(conn: psycopg.Connection, node_id: Any) -> int:
     row = conn.execute("select failures from nodes where id = %s", (node_id,)).fetchone()
     assert row is not None
@@ -35,13 +41,7 @@ def test_a_long_whole_answer_is_not_a_node_failure(
     ended 504. Here: a 2.5 s answer (50 tokens at 20 a second) with a 1 s first-byte timeout."""
     node = fake_nodes(tokens_per_s=20)
     _set_speed(conn, node.node_id, 20)
-    body = {"model": LLAMA8, "messages": [{"role": "user", "content": "a long one"}], "max_tokens": 50}
-    resp = httpx.post(
-        f"{gateway}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {api_key}"},
-        timeout=30,
-    )
+    resp = _whole_answer(gateway, api_key, "a long one", max_tokens=50)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 50
     assert resp.headers["x-neuralgrid-attempts"] == "1"
@@ -55,13 +55,7 @@ def test_a_node_far_slower_than_its_record_is_failed_over(
     slow = fake_nodes(tokens_per_s=2, hourly_rate=0.01)  # the cheaper: tried first
     fast = fake_nodes()
     _set_speed(conn, slow.node_id, 200)
-    body = {"model": LLAMA8, "messages": [{"role": "user", "content": "quick"}], "max_tokens": 20}
-    resp = httpx.post(
-        f"{gateway}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {api_key}"},
-        timeout=30,
-    )
+    resp = _whole_answer(gateway, api_key, "quick", max_tokens=20)
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-neuralgrid-node"] == str(fast.node_id)
     assert resp.headers["x-neuralgrid-attempts"] == "2"

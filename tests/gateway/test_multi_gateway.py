@@ -34,7 +34,16 @@ from neuralgrid.protocol.tunnel import Data, End, Err, Req, Start, encode, gatew
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
-from tests.conftest import LLAMA8, free_port, node_row, running_agent, stream_chat, wait_for
+from tests.conftest import (
+    LLAMA8,
+    free_port,
+    node_row,
+    register_tunnel_node,
+    running_agent,
+    stream_chat,
+    tunnel_url,
+    wait_for,
+)
 from tests.pgbouncer import SESSION, TRANSACTION, Bouncer, pgbouncer
 
 SECRET = "multi-gateway-test-secret-0123456789abcdef"  # NEURALGRID_JWT_SECRET, shared by all three
@@ -173,33 +182,6 @@ def test_a_tunneled_node_answers_through_every_gateway_and_outlives_the_one_it_d
             assert failed == (0,)
 
 
-def register_raw_node(gateway: str, key: str, name: str) -> dict[str, Any]:
-    """A tunnel node registered as an agent would, its socket left to the test."""
-    spec = {
-        "name": name,
-        "gpu_model": "NVIDIA GeForce RTX 4090",
-        "vram_gb": 24,
-        "tflops": 165,
-        "hourly_rate": 0.3,
-        "region": "eu-west",
-        "endpoint_url": f"tunnel:{name}",
-        "models": [LLAMA8],
-    }
-    node: dict[str, Any] = httpx.post(
-        f"{gateway}/v1/nodes", json=spec, headers={"authorization": f"Bearer {key}"}
-    ).json()
-    secret = {"authorization": f"Bearer {node['node_secret']}"}
-    beat = httpx.post(
-        f"{gateway}/v1/nodes/{node['node_id']}/heartbeat", json={"models": [LLAMA8]}, headers=secret
-    )
-    assert beat.status_code == 200, beat.text
-    return node
-
-
-def tunnel_url(gateway: str, node: dict[str, Any]) -> str:
-    return gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
-
-
 def test_no_gateway_blames_a_node_for_a_tunnel_it_cannot_reach(
     conn: psycopg.Connection, db_url: str, operator_key: str, tmp_path: Path
 ) -> None:
@@ -209,7 +191,7 @@ def test_no_gateway_blames_a_node_for_a_tunnel_it_cannot_reach(
     conn.execute("update platform_settings set heartbeat_interval_s = 60, gateway_timeout_s = 4")
     with three_gateways(db_url, tmp_path) as gw:
         a_id = gateway_id(conn, gw.a)
-        node = register_raw_node(gw.b, operator_key, "raw-box")
+        node = register_tunnel_node(gw.b, operator_key, "raw-box")
         secret = {"authorization": f"Bearer {node['node_secret']}"}
         with connect(tunnel_url(gw.a, node), additional_headers=secret) as ws, ThreadPoolExecutor(1) as pool:
             wait_for(lambda: route_of(conn, node["node_id"]) == a_id)
@@ -250,7 +232,7 @@ def test_a_nodes_own_failure_through_another_gateway_is_still_its_own(
     """Forwarding relays the agent's error as the node's: B counts it as it would a tunnel of its own."""
     conn.execute("update platform_settings set heartbeat_interval_s = 60")
     with three_gateways(db_url, tmp_path) as gw:
-        node = register_raw_node(gw.b, operator_key, "raw-box")
+        node = register_tunnel_node(gw.b, operator_key, "raw-box")
         secret = {"authorization": f"Bearer {node['node_secret']}"}
         with connect(tunnel_url(gw.a, node), additional_headers=secret) as ws, ThreadPoolExecutor(1) as pool:
             wait_for(lambda: route_of(conn, node["node_id"]) is not None)

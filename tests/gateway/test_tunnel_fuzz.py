@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -35,29 +34,19 @@ from typing import Any, Literal, cast
 import httpx
 import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from neuralgrid.protocol.tunnel import Data, End, Err, Req, Start, agent_frame, gateway_frame
-from tests.conftest import LLAMA8
-from tests.fuzzing import server_error
+from tests.conftest import LLAMA8, register_tunnel_node, tunnel_url
+from tests.fuzzing import LIVE_SERVER, server_error
 
 # The gateway runs in this process: its threads may use `random` while Hypothesis draws an example,
 # which Hypothesis takes for a strategy doing so.
 pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies")
-EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "100"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-    print_blob=True,
-    # No explain phase: each of its runs costs a node and a request; note() says what was sent.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-)
 FIRST_BYTE_S = 0.3
 # The first byte's wait, once more for a node the job may be moved to, and room for a busy machine.
 ANSWER_WITHIN_S = 3 * FIRST_BYTE_S + 2.0
@@ -288,24 +277,9 @@ class Tunnels:
     def agent(self) -> Agent:
         """A new node (its own name: no reputation or cooldown carried over), online on this socket."""
         name = f"fuzz-{uuid.uuid4().hex[:10]}"
-        registration = {
-            "name": name,
-            "gpu_model": "NVIDIA GeForce RTX 4090",
-            "vram_gb": 24,
-            "tflops": 165,
-            "hourly_rate": 0.3,
-            "region": "eu-west",
-            "endpoint_url": f"tunnel:{name}",
-            "models": [LLAMA8],
-        }
-        auth = {"authorization": f"Bearer {self.api_key}"}
-        node = self.http.post(f"{self.gateway}/v1/nodes", json=registration, headers=auth).json()
+        node = register_tunnel_node(self.gateway, self.api_key, name, self.http)
         secret = {"authorization": f"Bearer {node['node_secret']}"}
-        beat = self.http.post(
-            f"{self.gateway}/v1/nodes/{node['node_id']}/heartbeat", json={"models": [LLAMA8]}, headers=secret
-        )
-        assert beat.status_code == 200, beat.text
-        url = self.gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
+        url = tunnel_url(self.gateway, node)
         ws = connect(url, additional_headers=secret, open_timeout=10, close_timeout=5, max_size=None)
         self.wait_for_status(name, "online")
         return Agent(name, ws)
@@ -525,7 +499,7 @@ def terminators() -> st.SearchStrategy[list[Out]]:
 # -- the tests ------------------------------------------------------------------------------------
 
 
-@FUZZ
+@LIVE_SERVER
 @given(stream=st.booleans(), answer=answers(), end=terminators())
 def test_protocol_frames_in_any_order(
     tunnels: Tunnels, stream: bool, answer: list[Out], end: list[Out]
@@ -536,7 +510,7 @@ def test_protocol_frames_in_any_order(
     tunnels.exchange(stream, [*answer, *end])
 
 
-@FUZZ
+@LIVE_SERVER
 @given(stream=st.booleans(), answer=answers(end=False))
 def test_an_agent_that_stops_answering_never_holds_the_client(
     tunnels: Tunnels, stream: bool, answer: list[Out]
@@ -547,7 +521,7 @@ def test_an_agent_that_stops_answering_never_holds_the_client(
     tunnels.exchange(stream, answer, hang_up=False)
 
 
-@FUZZ
+@LIVE_SERVER
 @given(stream=st.booleans(), answer=answers(), bad=garbage(), where=st.integers(0, 10), end=terminators())
 def test_malformed_frames(
     tunnels: Tunnels, stream: bool, answer: list[Out], bad: Out, where: int, end: list[Out]
@@ -558,7 +532,7 @@ def test_malformed_frames(
     tunnels.exchange(stream, [*answer[:where], bad, *answer[where:], *end])
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     stream=st.booleans(),
     before=st.lists(frames(NOT_YET) | garbage(NOT_YET), min_size=1, max_size=5),

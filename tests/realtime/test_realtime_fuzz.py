@@ -27,7 +27,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import sys
 import time
 import warnings
@@ -40,7 +39,7 @@ from urllib.parse import urlencode
 import httpx
 import jwt
 import pytest
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -50,24 +49,13 @@ from neuralgrid.realtime.limits import Limits
 from neuralgrid.realtime.protocol import V1, V2, Message, decode
 from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from neuralgrid.server.stack import api_key
-from tests.fuzzing import server_error
+from tests.fuzzing import LIVE_SERVER, server_error
 
 # The gateway runs in this process: its threads may use `random` while Hypothesis draws an example,
 # which Hypothesis takes for a strategy doing so.
 pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies")
 ANON = api_key(PLACEHOLDER_SECRET, "anon")
 SERVICE = api_key(PLACEHOLDER_SECRET, "service_role")
-EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "100"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-    print_blob=True,
-    # No explain phase: on a real server each of its runs costs a round trip, and a failure here
-    # already says what was sent (note()) and what the server logged.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-)
 RECV_TIMEOUT_S = 10.0
 LIMITS = Limits()
 
@@ -529,7 +517,7 @@ def binary_frames(draw: st.DrawFn) -> bytes:
 # -- the tests ------------------------------------------------------------------------------------
 
 
-@FUZZ
+@LIVE_SERVER
 @given(vsn=VSNS, frames=st.data())
 def test_frames_of_any_shape(fuzzed: Fuzzed, vsn: str, frames: st.DataObject) -> None:
     """Any JSON, any text, Phoenix messages with wrong types, big payloads: replies or silence."""
@@ -537,7 +525,7 @@ def test_frames_of_any_shape(fuzzed: Fuzzed, vsn: str, frames: st.DataObject) ->
     fuzzed.exchange(vsn, batch)
 
 
-@FUZZ
+@LIVE_SERVER
 @given(vsn=VSNS, event=texts(12), payload=JSON, ascii_only=st.booleans())
 def test_broadcasts_come_back_as_sent(
     fuzzed: Fuzzed, vsn: str, event: str, payload: Any, ascii_only: bool
@@ -582,7 +570,7 @@ OPENERS = st.sampled_from(["[", '{"a":'])
 WHERE = st.sampled_from(["payload", "broadcast", "envelope"])
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     vsn=VSNS,
     # Not the band around the interpreter's recursion limit: while a test runs, Hypothesis raises
@@ -606,7 +594,7 @@ def test_json_nested_up_to_the_recursion_limit(fuzzed: Fuzzed) -> None:
         fuzzed.exchange(V1, deep_frames(V1, depth, "[", "broadcast"))
 
 
-@FUZZ
+@LIVE_SERVER
 @given(vsn=VSNS, join_first=st.booleans(), frames=st.lists(binary_frames(), min_size=1, max_size=8))
 def test_binary_frames(fuzzed: Fuzzed, vsn: str, join_first: bool, frames: list[bytes]) -> None:
     """Binary frames of any bytes, shaped like realtime-js's broadcast pushes or not."""
@@ -630,7 +618,7 @@ def channel_actions(draw: st.DrawFn, vsn: str, topic: str) -> str:
     return encode(vsn, topic, event, draw(sometimes_garbage(payload)), ref, "j")
 
 
-@FUZZ
+@LIVE_SERVER
 @given(vsn=VSNS, data=st.data())
 def test_joins_with_garbage_config(fuzzed: Fuzzed, vsn: str, data: st.DataObject) -> None:
     """phx_join with any config (postgres_changes filters, broadcast and presence settings of the
@@ -646,7 +634,7 @@ def test_joins_with_garbage_config(fuzzed: Fuzzed, vsn: str, data: st.DataObject
     fuzzed.exchange(vsn, frames)
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     vsn=VSNS,
     private=st.booleans(),
@@ -678,7 +666,7 @@ def acceptable(claims: dict[str, Any]) -> bool | None:
     return claims.get("role") in ("anon", "authenticated", "service_role") and exp > time.time()
 
 
-@FUZZ
+@LIVE_SERVER
 @given(vsn=VSNS, claims=st.lists(CLAIMS, min_size=1, max_size=3), in_join=st.booleans())
 def test_signed_tokens_with_hostile_claims(
     fuzzed: Fuzzed, vsn: str, claims: list[dict[str, Any]], in_join: bool
@@ -709,7 +697,7 @@ def fuzz_tokens(vsn: str, private: bool, tokens: list[Any], in_join: bool) -> li
     return frames
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     vsn=st.sampled_from([V1, V2, V1, V2, "", "3.0.0", "1.0.0\x00"]) | texts(8),
     signed=st.booleans(),
@@ -750,7 +738,7 @@ def test_connecting_with_any_apikey_and_vsn(
     fuzzed.check_health()
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     vsn=VSNS, before=st.lists(st.sampled_from(["heartbeat", "join"]), max_size=2), data=st.binary(min_size=1)
 )
@@ -776,7 +764,7 @@ def test_text_that_is_not_utf8_is_closed_with_1007(
     fuzzed.exchange(vsn, [*frames, BadText(data)], closes_with=1007, tolerated=uvicorn_log)
 
 
-@FUZZ
+@LIVE_SERVER
 @given(
     vsn=VSNS,
     char=st.sampled_from(["x", "é", "€", "\U0001f600"]),
