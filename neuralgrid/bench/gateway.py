@@ -43,9 +43,6 @@ import psycopg
 
 from neuralgrid.agent.run import DEFAULT_CONCURRENCY
 from neuralgrid.bench import (
-    BODY as BODY,  # `bench health` sends it too
-)
-from neuralgrid.bench import (
     CHAT,
     MODEL,
     CpuMeter,
@@ -54,9 +51,9 @@ from neuralgrid.bench import (
     chat_body,
     postmaster_pid,
     scratch_database,
+    send_load,
     served,
 )
-from neuralgrid.bench import send_load as load
 from neuralgrid.server.serving import free_port, run_fast
 
 # The gateway_agent path asks for a model only the agents' nodes have, and the gateway path caps the
@@ -88,15 +85,6 @@ class Agents:
     urls: list[str]  # their signed fronts' chat URLs
     keys: dict[str, bytes]  # each URL's node key
     slots: int  # as they registered them: their default
-
-
-async def send_load(
-    url: str, headers: dict[str, str], stream: bool, callers: int, total: int, model: str = MODEL
-) -> tuple[list[float], float, int]:
-    """One URL's load as `bench health` compares a tunnel with a direct node: the latencies of the
-    requests served, the wall time, and how many were not served."""
-    sent = await load([url], chat_body(model, stream), callers, total, headers=headers, warmup=WARMUP)
-    return sent.latencies_ms, sent.wall_s, sent.refused + sent.failed
 
 
 def run(
@@ -240,7 +228,7 @@ def _alternate(
             t = targets[name]
             body = chat_body(t.model, stream)
             sent = run_fast(
-                load(
+                send_load(
                     t.urls[: math.ceil(callers / DEFAULT_CONCURRENCY)],  # the agents these callers need
                     body,
                     callers,

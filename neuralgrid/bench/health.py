@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import psycopg
 
-from neuralgrid.bench import percentiles, scratch_database, served
-from neuralgrid.bench.gateway import BODY, send_load
+from neuralgrid.bench import BODY, MODEL, chat_body, percentiles, scratch_database, send_load, served
+from neuralgrid.bench.gateway import WARMUP
 from neuralgrid.server.serving import free_port, run_fast
 
 SCRATCH_DB = "neuralgrid_bench_health"
@@ -232,11 +232,15 @@ class _Bench:
         target = f"{self.gateway}/v1/chat/completions"
         with self.agent(name, 0.3, tunnel):
             self.online(name)
-            sequential = run_fast(send_load(target, auth, False, 1, requests))
-            concurrent = run_fast(send_load(target, auth, True, 16, requests * 2))
+            plain, streamed = chat_body(MODEL, False), chat_body(MODEL, True)
+            sequential = run_fast(send_load([target], plain, 1, requests, headers=auth, warmup=WARMUP))
+            concurrent = run_fast(
+                send_load([target], streamed, 16, requests * 2, headers=auth, warmup=WARMUP)
+            )
         self.conn.execute("update public.nodes set status = 'offline' where name = %s", (name,))
+        unserved = sequential.refused + sequential.failed + concurrent.refused + concurrent.failed
         return {
-            "sequential": percentiles(sequential[0]),
-            "errors": sequential[2] + concurrent[2],
-            "stream_x16_rps": round(len(concurrent[0]) / concurrent[1], 1),
+            "sequential": percentiles(sequential.latencies_ms),
+            "errors": unserved,
+            "stream_x16_rps": round(len(concurrent.latencies_ms) / concurrent.wall_s, 1),
         }
