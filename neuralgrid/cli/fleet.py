@@ -121,7 +121,7 @@ def match(
     if as_json:
         print(json.dumps([asdict(r) for r in rows], default=str, indent=2))
         return
-    components = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity")
+    components = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity", "reserve")
     table = Table("#", "node", "score", *components, "rejected because")
     for r in rows:
         cells = [getattr(r, c) for c in components]

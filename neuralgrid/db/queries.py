@@ -108,6 +108,7 @@ class RankedNode:
     capacity: float | None
     reputation: float | None
     proximity: float | None
+    reserve: float | None
     reject_reason: str | None
 
 

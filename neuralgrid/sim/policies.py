@@ -1,12 +1,16 @@
 """The SQL matching policies as vectorized numpy, for simulating thousands of requests per second.
 
 `score()` mirrors score_nodes(): the same hard filters, the same components, the same weights
-(read from matching_policies), ties broken the same way (node id). tests/test_sim.py checks the
-ranking equals the SQL's on thousands of random cases, so the simulator decides as production does.
+(read from matching_policies), ties broken the same way (node id); `VramPressure` mirrors the
+sweeper's refresh_vram_pressure(). tests/db/matching/test_sim_twin.py checks both equal the SQL's
+on random fleets, weights and pressures, so the simulator decides as production does.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +32,7 @@ class Weights:
     compute_half_tflops: float = 100.0
     price_half_usd_per_tflop_hour: float = 0.003
     distance_half_km: float = 1000.0
+    reserve: float = 0.0
 
     @property
     def total(self) -> float:
@@ -39,6 +44,7 @@ class Weights:
             + self.capacity
             + self.reputation
             + self.proximity
+            + self.reserve
         )
 
 
@@ -55,6 +61,11 @@ class FleetArrays:
     successes: F
     failures: F
     online: B
+    # What the platform measures or decides about a node (None: nothing yet): the delivered share of
+    # its claimed speed, a failure cooldown in force, requests its server runs from outside.
+    speed_ratio: F | None = None
+    cooling: B | None = None
+    outside_load: npt.NDArray[np.int64] | None = None
 
 
 def score(
@@ -66,8 +77,12 @@ def score(
     loaded: B,
     caller_region: int | None,
     max_hourly_rate: float | None = None,
+    pressure: Sequence[tuple[float, float]] = (),
 ) -> tuple[npt.NDArray[np.int64], F]:
-    """Eligible node indexes, best first, and their scores (as score_nodes ranks them)."""
+    """Eligible node indexes, best first, and their scores (as score_nodes ranks them).
+
+    `pressure`: (VRAM level in GB, pressure) pairs, as VramPressure.pairs() (vram_pressure) gives them.
+    """
     ok = fleet.online & (fleet.vram_gb >= min_vram_gb)
     if max_hourly_rate is not None:
         ok &= fleet.hourly_rate <= max_hourly_rate
@@ -80,20 +95,30 @@ def score(
     else:
         assert weights is not None
         ok &= holds & (fleet.inflight < fleet.max_concurrency)
+        if fleet.cooling is not None:
+            ok &= ~fleet.cooling
         w = weights
+        # NaN: not measured yet (SQL's null), taken at its word.
+        measured = np.ones_like(fleet.tflops) if fleet.speed_ratio is None else fleet.speed_ratio
+        ratio = np.minimum(1.0, np.nan_to_num(measured, nan=1.0))
+        delivered = fleet.tflops * ratio  # claimed TFLOPS, discounted to what was measured
+        load = fleet.inflight if fleet.outside_load is None else fleet.inflight + fleet.outside_load
         fit = np.minimum(1.0, min_vram_gb / fleet.vram_gb)
-        compute = fleet.tflops / (fleet.tflops + w.compute_half_tflops)
+        compute = delivered / (delivered + w.compute_half_tflops)
         price = w.price_half_usd_per_tflop_hour / (
-            w.price_half_usd_per_tflop_hour + fleet.hourly_rate / fleet.tflops
+            w.price_half_usd_per_tflop_hour + fleet.hourly_rate / delivered
         )
         warm = loaded.astype(np.float64)
-        capacity = 1.0 - fleet.inflight / fleet.max_concurrency
-        reputation = (fleet.successes + 1) / (fleet.successes + fleet.failures + 2)
+        capacity = np.maximum(0.0, 1.0 - load / fleet.max_concurrency)
+        reputation = (
+            (fleet.successes + 1) / (fleet.successes + fleet.failures + 2) * np.minimum(1.0, ratio / 0.25)
+        )
         proximity = (
             np.full_like(fit, 0.5)
             if caller_region is None
             else (fleet.region == caller_region).astype(np.float64)
         )
+        reserve = reserve_component(fleet.vram_gb, min_vram_gb, pressure)
         s = (
             w.fit * fit
             + w.compute * compute
@@ -102,7 +127,54 @@ def score(
             + w.capacity * capacity
             + w.reputation * reputation
             + w.proximity * proximity
+            + w.reserve * reserve
         ) / w.total
     idx = np.flatnonzero(ok)
     order = np.lexsort((idx, -s[idx]))  # score descending, then node order
     return idx[order], s[idx[order]]
+
+
+def reserve_component(vram_gb: F, need_gb: float, pressure: Sequence[tuple[float, float]]) -> F:
+    """private.reserve_component(): 1 minus the highest pressure among the VRAM levels above the
+    request's need that each node reaches."""
+    taken = np.zeros_like(vram_gb)
+    for level, p in pressure:
+        if level > need_gb and p > 0:
+            taken = np.where(vram_gb >= level, np.maximum(taken, p), taken)
+    return 1.0 - taken
+
+
+class VramPressure:
+    """private.refresh_vram_pressure(), called once a simulated second as the sweeper calls it: per
+    catalog VRAM level, the running jobs at that level (smoothed over `window_s`) per slot they can
+    use (online nodes that have the level, less what bigger levels' jobs take)."""
+
+    def __init__(self, levels: Sequence[float], window_s: float = 30.0) -> None:
+        self.levels = sorted(set(levels))
+        self.window_s = window_s
+        self.busy: dict[float, float] = {}
+        self.pressure: dict[float, float] = {}
+        self.updated_at: float | None = None
+
+    def level_of(self, need_gb: float) -> float:
+        """The biggest level a job needing `need_gb` needs at least (the smallest, below them all)."""
+        below = [level for level in self.levels if level <= need_gb]
+        return below[-1] if below else self.levels[0]
+
+    def refresh(self, now: float, running_needs: Sequence[float], fleet: FleetArrays) -> None:
+        at_level = Counter(self.level_of(need) for need in running_needs)
+        keep = 0.0 if self.updated_at is None else math.exp(-(now - self.updated_at) / self.window_s)
+        taken_above = 0.0  # jobs of bigger levels, which can use no smaller node
+        for level in reversed(self.levels):
+            before = self.busy.get(level)
+            busy = at_level[level] if before is None else before * keep + at_level[level] * (1 - keep)
+            left_over = (
+                int(fleet.max_concurrency[fleet.online & (fleet.vram_gb >= level)].sum()) - taken_above
+            )
+            self.busy[level] = busy
+            self.pressure[level] = 0.0 if busy == 0 else 1.0 if left_over <= 0 else min(1.0, busy / left_over)
+            taken_above += busy
+        self.updated_at = now
+
+    def pairs(self) -> list[tuple[float, float]]:
+        return [(level, self.pressure.get(level, 0.0)) for level in self.levels]

@@ -83,15 +83,18 @@ PRIVATE_HELPERS = sorted(
         "place",
         "proximity_component",
         "refresh_node_scores",
+        "refresh_vram_pressure",
         "reject_reason",
         "release_node",
         "release_reservation",
         "required_vram_gb",
+        "reserve_component",
         "set_updated_at",
         "stamp_job_gateway",
         "sweep_dead_tunnels",
         "sweep_orphaned_jobs",
         "top_by_base",
+        "top_by_total",
     ]
 )
 
