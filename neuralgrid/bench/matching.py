@@ -83,6 +83,22 @@ def _match(conn: psycopg.Connection) -> None:
     conn.execute("select * from public.match_job(%s, null, 'balanced', null, 'eu-west')", (MODEL,)).fetchall()
 
 
+# Big-VRAM nodes in demand: 70B jobs (42 GB) hold three quarters of the slots they can use, so the
+# reserve component sets 80 GB nodes apart from the rest and score_nodes() walks the index
+# (private.top_by_total) instead of taking the top k by base score.
+UNDER_PRESSURE = """
+insert into private.vram_pressure (level_gb, busy, slots, pressure) values (42, 0, 0, 0.75)
+on conflict (level_gb) do update set pressure = excluded.pressure
+"""
+NO_PRESSURE = "delete from private.vram_pressure"
+CASES = (
+    ("score_nodes", _score, NO_PRESSURE),
+    ("score_nodes, big VRAM in demand", _score, UNDER_PRESSURE),
+    ("match_job", _match, NO_PRESSURE),
+    ("match_job, big VRAM in demand", _match, UNDER_PRESSURE),
+)
+
+
 def run(
     admin_url: str,
     sizes: list[int],
@@ -102,13 +118,14 @@ def run(
                 conn.execute(FILL_FLEET, {"first": loaded + 1, "last": size, "model": MODEL})
                 loaded = size
                 conn.execute("vacuum analyze public.nodes, public.node_models")
-            for function, call in (("score_nodes", _score), ("match_job", _match)):
+            for function, call, pressure in CASES:
                 for n_callers in callers:
                     progress(f"{function} at {size:,} nodes, {n_callers} caller(s)")
                     with psycopg.connect(url, autocommit=True) as conn:  # free every slot again
                         conn.execute(
                             "update public.nodes set inflight = 0, status = 'online' where inflight > 0"
                         )
+                        conn.execute(pressure)
                     per_caller = max(calls // n_callers, 20)
                     samples, wall = _timed_calls(url, call, n_callers, per_caller)
                     results.append(

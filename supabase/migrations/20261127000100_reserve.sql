@@ -147,13 +147,84 @@ as $$
   ) c
 $$;
 
--- The walk for requests when some VRAM level is under pressure. Base scores come from the index in
--- order; each eligible node's total adds what depends on the request (proximity, reserve), which
--- lies in [0, p_bonus_max]. Once the next base plus that most cannot reach the k-th best total seen,
--- no later node can rank: the walk stops (Fagin's threshold algorithm). Exact, and short whenever
--- unpressured nodes rank near the top.
+-- Each node's VRAM tier: the biggest catalog level it reaches. A request's reserve is the same for
+-- every node of a tier, so under pressure the matcher walks each tier's index in base order.
+create function private.vram_tier(vram_gb double precision) returns real
+language sql stable parallel safe
+set search_path = ''
+as $$
+  select coalesce(max(m.min_vram_gb), 0) from public.models m where m.min_vram_gb <= vram_gb
+$$;
+comment on function private.vram_tier(double precision) is 'The biggest VRAM need in the catalog that a node of vram_gb meets (0 if none): nodes of one tier share every request''s reserve component.';
+revoke execute on function private.vram_tier(double precision) from public, anon, authenticated, service_role;
+
+alter table public.node_scores add column tier_gb real not null default 0;
+comment on column public.node_scores.tier_gb is 'The node''s VRAM tier (private.vram_tier()): the biggest catalog VRAM need it meets.';
+create index node_scores_tier_rank_idx on public.node_scores (policy, model_id, tier_gb, base_score desc, node_id);
+
+create or replace view public.node_base_scores with (security_invoker = true) as
+select w.name as policy, nm.model_id, n.id as node_id, n.region, c.base as base_score,
+       private.vram_tier(n.vram_gb::float8) as tier_gb
+from public.nodes n
+join public.node_models nm on nm.node_id = n.id
+-- The VRAM a held model needs, as required_vram_gb(model) gives it: the catalog's, else 1.
+left join public.models m on m.id = nm.model_id
+cross join public.matching_policies w
+cross join lateral private.balanced_components(
+  w, n.vram_gb::float8, n.tflops::float8, n.hourly_rate::float8, nm.state, n.inflight + n.outside_load,
+  n.max_concurrency, n.successes, n.failures, n.speed_ratio, coalesce(m.min_vram_gb, 1)::float8) c;
+
+create or replace function private.refresh_node_scores(
+  p_node_ids uuid[] default null, p_model_id text default null, p_policy text default null
+) returns void
+language plpgsql
+set search_path = ''
+as $$
+begin
+  -- Two statements, not one with `p_node_ids is null or ...`: each keeps a cheap cached plan.
+  if p_node_ids is not null then
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score, tier_gb)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score, v.tier_gb from public.node_base_scores v
+    where v.node_id = any (p_node_ids)
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region, tier_gb = excluded.tier_gb
+    where (s.base_score, s.region, s.tier_gb) is distinct from (excluded.base_score, excluded.region, excluded.tier_gb);
+  else
+    insert into public.node_scores as s (policy, model_id, node_id, region, base_score, tier_gb)
+    select v.policy, v.model_id, v.node_id, v.region, v.base_score, v.tier_gb from public.node_base_scores v
+    where (p_model_id is null or v.model_id = p_model_id) and (p_policy is null or v.policy = p_policy)
+    on conflict (policy, model_id, node_id) do update
+    set base_score = excluded.base_score, region = excluded.region, tier_gb = excluded.tier_gb
+    where (s.base_score, s.region, s.tier_gb) is distinct from (excluded.base_score, excluded.region, excluded.tier_gb);
+  end if;
+end;
+$$;
+
+-- A model's VRAM need is a tier boundary for every node, not only for that model's rows.
+create or replace function private.node_scores_after_catalog_change() returns trigger
+language plpgsql
+security definer
+set search_path = ''
+as $$
+begin
+  if tg_table_name = 'matching_policies' then
+    perform private.refresh_node_scores(null, null, new.name);
+  elsif tg_op = 'UPDATE' and new.min_vram_gb is not distinct from old.min_vram_gb then
+    perform private.refresh_node_scores(null, new.id, null);
+  else
+    perform private.refresh_node_scores();
+  end if;
+  return null;
+end;
+$$;
+
+-- The walk of one VRAM tier when some level is under pressure. Base scores come from the tier's
+-- index in order; each eligible node's total adds what depends on the request: the tier's reserve
+-- (the same for all its nodes) and proximity, in [0, w.proximity]. Once the next base plus the most
+-- those can add cannot reach the k-th best total seen, no later node of the tier can rank: the
+-- walk stops (Fagin's threshold algorithm). Exact; with proximity weightless, k nodes per tier.
 create function private.top_by_total(
-  w public.matching_policies, p_weight double precision, p_model text, p_k integer,
+  w public.matching_policies, p_weight double precision, p_model text, p_tier real, p_k integer,
   p_min_vram_gb double precision, p_fresh_after timestamptz, p_max_hourly_rate numeric,
   p_levels real[], p_pressures double precision[],
   p_region text, p_latitude double precision, p_longitude double precision
@@ -164,14 +235,15 @@ as $$
 declare
   ranked refcursor;
   r record;
-  v_bonus_max float8 := (w.proximity + w.reserve) / p_weight;
+  v_reserve float8 := w.reserve * private.reserve_component(p_tier, p_min_vram_gb, p_levels, p_pressures) / p_weight;
+  v_bonus_max float8 := v_reserve + w.proximity / p_weight;
   v_top float8[] := '{}';  -- the best k totals so far, best first
   v_total float8;
 begin
   open ranked for
     select s.node_id, s.base_score, n as node from public.node_scores s
     join public.nodes n on n.id = s.node_id
-    where s.policy = w.name and s.model_id = p_model
+    where s.policy = w.name and s.model_id = p_model and s.tier_gb = p_tier
     order by s.base_score desc, s.node_id;
   loop
     fetch ranked into r;
@@ -179,10 +251,9 @@ begin
     exit when not found
       or (cardinality(v_top) >= p_k and r.base_score + v_bonus_max < v_top[p_k] - 1e-12);
     continue when not private.node_is_eligible(r.node, p_min_vram_gb, p_fresh_after, p_max_hourly_rate);
-    v_total := r.base_score
-      + (w.proximity * private.proximity_component(
-           w, (r.node).region, (r.node).latitude, (r.node).longitude, p_region, p_latitude, p_longitude)
-         + w.reserve * private.reserve_component((r.node).vram_gb, p_min_vram_gb, p_levels, p_pressures))
+    v_total := r.base_score + v_reserve
+      + w.proximity * private.proximity_component(
+          w, (r.node).region, (r.node).latitude, (r.node).longitude, p_region, p_latitude, p_longitude)
         / p_weight;
     if cardinality(v_top) < p_k or v_total >= v_top[p_k] - 1e-12 then
       v_top := (select array_agg(t order by t desc) from (
@@ -193,8 +264,8 @@ begin
   close ranked;
 end;
 $$;
-comment on function private.top_by_total(public.matching_policies, double precision, text, integer, double precision, timestamptz, numeric, real[], double precision[], text, double precision, double precision) is 'Candidates that contain the top p_k nodes by total score (base plus proximity and reserve), walking the base-score index only as far as a later node could still rank.';
-revoke execute on function private.top_by_total(public.matching_policies, double precision, text, integer, double precision, timestamptz, numeric, real[], double precision[], text, double precision, double precision) from public, anon, authenticated, service_role;
+comment on function private.top_by_total(public.matching_policies, double precision, text, real, integer, double precision, timestamptz, numeric, real[], double precision[], text, double precision, double precision) is 'Candidates that contain the top p_k nodes of one VRAM tier by total score (base plus reserve and proximity), walking the tier''s base-score index only as far as a later node could still rank.';
+revoke execute on function private.top_by_total(public.matching_policies, double precision, text, real, integer, double precision, timestamptz, numeric, real[], double precision[], text, double precision, double precision) from public, anon, authenticated, service_role;
 
 -- score_nodes() gains the reserve column; its return type changes, so it is dropped and made again.
 drop function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer);
@@ -267,10 +338,14 @@ begin
   if not v_seed and not p_explain and p_limit is not null
      and v_min = private.required_vram_gb(p_model) then
     if v_levels is not null then
-      -- Some bigger VRAM level is under pressure: the reserve differs between nodes.
-      v_candidates := array(select private.top_by_total(
-        w, v_weight, p_model, p_limit, v_min, v_fresh_after, p_max_hourly_rate, v_levels, v_pressures,
-        p_region, p_latitude, p_longitude));
+      -- Some bigger VRAM level is under pressure: the reserve differs between tiers. Each tier
+      -- that can hold the request is walked on its own (below the request's own, all too small).
+      v_candidates := array(
+        select private.top_by_total(
+          w, v_weight, p_model, t.tier_gb, p_limit, v_min, v_fresh_after, p_max_hourly_rate, v_levels,
+          v_pressures, p_region, p_latitude, p_longitude)
+        from (select 0::real as tier_gb union select m.min_vram_gb from public.models m) t
+        where t.tier_gb >= private.vram_tier(v_min));
     elsif p_latitude is null and p_region is null then
       -- Every node's proximity is the same 0.5: the top k by base are the top k.
       v_candidates := array(select t.node_id from private.top_by_base(

@@ -26,6 +26,7 @@ PUBLIC_API = sorted(
     [
         "agent_heartbeat",  # the agent's current heartbeat
         "agent_heartbeat",  # agents of the earlier version
+        "agent_heartbeat",  # with pre-warm: the models a server can load, the answers, the load asked
         "attach_tunnel",
         "complete_job",
         "complete_jobs",
@@ -70,6 +71,7 @@ PRIVATE_HELPERS = sorted(
         "gateway_is_live",
         "ewma_fold",
         "great_circle_km",
+        "mark_cold_start",
         "move_job",
         "node_is_eligible",
         "node_map_payload",
@@ -81,8 +83,11 @@ PRIVATE_HELPERS = sorted(
         "notify_api_key_change",
         "parse_ipv4",
         "place",
+        "prewarm_for",
         "proximity_component",
+        "record_prewarm_outcomes",
         "refresh_node_scores",
+        "refresh_prewarm_demand",
         "refresh_vram_pressure",
         "reject_reason",
         "release_node",
@@ -95,6 +100,7 @@ PRIVATE_HELPERS = sorted(
         "sweep_orphaned_jobs",
         "top_by_base",
         "top_by_total",
+        "vram_tier",
     ]
 )
 

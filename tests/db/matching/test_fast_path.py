@@ -87,7 +87,7 @@ def assert_scores_fresh(conn: psycopg.Connection) -> None:
         """
         select count(*) from node_scores s
         full join node_base_scores v using (policy, model_id, node_id)
-        where s.base_score is distinct from v.base_score
+        where (s.base_score, s.tier_gb) is distinct from (v.base_score, v.tier_gb)
         """
     ).fetchone()
     assert differences == (0,)

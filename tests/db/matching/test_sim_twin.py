@@ -14,12 +14,11 @@ import psycopg
 import pytest
 
 from neuralgrid.db.matching import MatchRequest, score_nodes
-from neuralgrid.sim.engine import REGIONS, WORKLOAD
 from neuralgrid.sim.policies import FleetArrays, VramPressure, score
 from neuralgrid.sim.report import load_catalog
 from tests.conftest import make_node
 
-MODELS = [m for m, _, _ in WORKLOAD]
+REGIONS = ["us-east", "us-west", "eu-west", "eu-central", "ap-northeast", "sa-east"]
 FLEET_COLUMNS = (
     "select n.id, n.vram_gb, n.tflops, n.hourly_rate::float8, n.region, n.inflight, n.max_concurrency,"
     " n.successes, n.failures, n.status = 'online', n.speed_ratio, coalesce(n.cooldown_until > now(), false),"
@@ -27,8 +26,16 @@ FLEET_COLUMNS = (
 )
 
 
+def catalog_models(conn: psycopg.Connection) -> dict[str, float]:
+    """Every model in the catalog (the simulated ones and the rest) and the VRAM it needs."""
+    return {
+        r[0]: float(r[1]) for r in conn.execute("select id, min_vram_gb from models order by id").fetchall()
+    }
+
+
 def random_fleet(conn: psycopg.Connection, rng: random.Random, size: int = 30) -> None:
     conn.execute("delete from nodes")
+    models = catalog_models(conn)
     for i in range(size):
         conc = rng.choice([1, 4, 8])
         inflight = rng.randint(0, conc)
@@ -47,7 +54,7 @@ def random_fleet(conn: psycopg.Connection, rng: random.Random, size: int = 30) -
             failures=rng.randint(0, 5),
             speed_ratio=rng.choice([None, None, 0.1, 0.3, 0.8, 1.4]),
             cooldown_until=rng.choice([None] * 5 + [datetime.now(UTC) + timedelta(minutes=1)]),
-            models={m: rng.choice(["loaded", "available"]) for m in MODELS if rng.random() < 0.7},
+            models={m: rng.choice(["loaded", "available"]) for m in models if rng.random() < 0.7},
         )
 
 
@@ -70,7 +77,7 @@ def fleet_arrays(conn: psycopg.Connection) -> tuple[list[Any], FleetArrays]:
 
 
 def model_states(conn: psycopg.Connection, ids: list[Any], model: str) -> tuple[np.ndarray, np.ndarray]:
-    state = dict(
+    state: dict[Any, str] = dict(
         conn.execute("select node_id, state from node_models where model_id = %s", (model,)).fetchall()
     )
     holds = np.array([i in state for i in ids])
@@ -107,10 +114,11 @@ def test_the_twin_ranks_and_scores_as_score_nodes(conn: psycopg.Connection) -> N
         random_fleet(conn, rng)
         random_weights(conn, rng)
         ids, fleet = fleet_arrays(conn)
-        catalog, weights = load_catalog(conn)
+        _catalog, weights = load_catalog(conn)
+        needs = catalog_models(conn)
         for _ in range(12):
             pressure = random_pressure(conn, rng)
-            for model in MODELS:
+            for model, need in needs.items():
                 holds, loaded = model_states(conn, ids, model)
                 policy = rng.choice(["balanced", "balanced", "balanced", "seed"])
                 region = rng.choice([None, *REGIONS])
@@ -123,7 +131,7 @@ def test_the_twin_ranks_and_scores_as_score_nodes(conn: psycopg.Connection) -> N
                     policy,
                     weights.get("balanced"),
                     fleet,
-                    catalog[model].min_vram_gb,
+                    need,
                     holds,
                     loaded,
                     None if region is None else REGIONS.index(region),
@@ -136,7 +144,7 @@ def test_the_twin_ranks_and_scores_as_score_nodes(conn: psycopg.Connection) -> N
                 assert [ids[i] for i in order] == [r.node_id for r in sql], context
                 assert scores == pytest.approx([r.score for r in sql], rel=1e-5), context  # float4 weights
                 cases += 1
-    assert cases == 6 * 12 * len(MODELS)
+    assert cases == 6 * 12 * len(catalog_models(conn))
 
 
 def test_the_twin_measures_pressure_as_the_sweeper_does(conn: psycopg.Connection) -> None:
