@@ -1,206 +1,187 @@
-"""A discrete-event simulation of a heterogeneous fleet serving a mixed workload.
+"""A discrete-event simulation of a heterogeneous fleet serving a mixed workload under one policy.
 
-The performance model, kept simple on purpose (every constant is here):
-- prefill takes 2 x params x prompt tokens FLOPs at 40% of the node's dense FP16 TFLOPS;
-- decode runs at twice the catalog's `tokens_per_s_per_tflop` x TFLOPS for one stream (the catalog
-  figure is a deliberate floor), slowed by 10% per other request sharing the GPU;
-- a model not loaded on the node costs the catalog's cold start (10-30 s), then stays loaded
-  (least recently used models are evicted when VRAM runs out);
-- the network adds a round trip by region: 10 ms within, 40 ms within a continent, 150 ms across;
-- a request costs one of the node's slots for its duration at the node's hourly rate (as complete_job()
-  charges time-priced models);
-- churn: each node leaves at `churn_per_hour` (owners reclaiming GPUs, crashes) for an exponential
-  10 minutes; requests on it fail and are retried on the next node, up to 3 attempts.
+The performance model (every constant and its source is in physics.py; docs/simulation.md walks
+through it):
+- a request holds one of the node's slots from its claim to its last token;
+- a model not loaded on the node is loaded first (weights / disk bandwidth + init), evicting models
+  no request is using; requests for a model still loading wait for it, and the node reports the
+  model loaded to the scorer only once it is;
+- prefill is bound by compute, decode by memory bandwidth: all streams decoding on a GPU share each
+  step, which reads the weights once plus each stream's KV cache, so a step serves the whole batch;
+- the network adds two round trips by region (connection and request, answer);
+- the platform: a request that finds every capable node busy waits in a per-model line (30 s, 256
+  deep); a failed attempt fails over to the next free node not yet tried (3 fallbacks), and cools its
+  node down (5 s, doubling);
+- churn: a crashed node resets its connections at once; a silently lost node holds its requests,
+  and takes new ones (each failing at the connect timeout), until the sweeper marks it offline,
+  3 missed 5 s heartbeats after its last one. Either way the scorer sees it online, with its models
+  warm, until then. A lost node comes back later, cold.
+
+What a policy is charged: supply cost, the slot-seconds it used x the node's hourly rate / slots
+(what the capacity used costs its owners). What the developer pays is the catalog's per-token
+price, the same whichever node serves, so the bill per 1M tokens differs between policies only
+through which requests they serve.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
-from collections import OrderedDict
+import math
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from neuralgrid.sim.policies import FleetArrays, Weights, score
+from neuralgrid.sim import physics
+from neuralgrid.sim.physics import BIG_MODEL, MODELS, REGIONS, Batching, Platform
+from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, score
+from neuralgrid.sim.scenarios import (
+    MODEL_IDS,
+    Fleet,
+    Request,
+    Scenario,
+    make_fleet,
+    make_losses,
+    make_workload,
+)
 
-CONTINENT = {
-    "us-east": "na",
-    "us-west": "na",
-    "eu-west": "eu",
-    "eu-central": "eu",
-    "ap-northeast": "as",
-    "ap-southeast": "as",
-    "ap-south": "as",
-    "sa-east": "sa",
-    "oceania": "oc",
-    "af-south": "af",
-}
-REGIONS = list(CONTINENT)
-CALLER_WEIGHTS = np.array([0.25, 0.15, 0.2, 0.1, 0.08, 0.06, 0.06, 0.04, 0.03, 0.03])
-GPU_CLASSES = [  # model, VRAM GB, dense FP16 TFLOPS, USD/h, slots, share of the fleet
-    ("RTX 3090", 24, 71, 0.20, 4, 0.22),
-    ("RTX 4090", 24, 165, 0.35, 4, 0.28),
-    ("A10", 24, 125, 0.60, 4, 0.1),
-    ("L4", 24, 121, 0.45, 4, 0.1),
-    ("A100 40GB", 40, 312, 1.10, 8, 0.1),
-    ("A100 80GB", 80, 312, 1.50, 8, 0.12),
-    ("H100 80GB", 80, 989, 2.50, 16, 0.08),
-]
-WORKLOAD = [  # model, billions of parameters, share of requests
-    ("meta-llama/Llama-3.1-8B-Instruct", 8.0, 0.40),
-    ("mistralai/Mistral-7B-Instruct-v0.3", 7.0, 0.15),
-    ("Qwen/Qwen2.5-14B-Instruct", 14.0, 0.15),
-    ("meta-llama/Llama-3.3-70B-Instruct-AWQ", 70.0, 0.10),
-    ("BAAI/bge-large-en-v1.5", 0.335, 0.20),
-]
-MAX_ATTEMPTS = 3
+__all__ = ["BASELINES", "REGIONS", "CatalogModel", "Result", "Scenario", "Simulation"]
+
+BASELINES = ("seed", "seed_warm", "round_robin", "least_loaded", "random")
 
 
 @dataclass(frozen=True)
 class CatalogModel:
+    """A model as public.models describes it."""
+
     min_vram_gb: float
     cold_start_s: float
     tokens_per_s_per_tflop: float | None  # None: an embedding model (no decode)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    nodes: int = 200
-    rps: float = 20.0
-    duration_s: float = 600.0
-    churn_per_hour: float = 0.10
-    bursty: bool = True
-    seed: int = 7
+    input_usd_per_mtok: float = 0.0
+    output_usd_per_mtok: float = 0.0
 
 
 @dataclass
 class Result:
     policy: str
     latencies: list[float] = field(default_factory=list)
-    served: int = 0
-    failed: int = 0
-    cold_starts: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    served_by_model: dict[str, int] = field(default_factory=dict)
+    failed_by_model: dict[str, int] = field(default_factory=dict)
+    refused: int = 0  # no capable node online, the line full, or waited past the queue timeout
+    lost: int = 0  # failed over until no fallback was left
+    load_waits: int = 0  # served requests that waited for a model load (started or under way)
+    loads: int = 0  # model loads started
     retries: int = 0
     tokens: int = 0
-    cost_usd: float = 0.0
-    vram_wasted_gb: list[float] = field(default_factory=list)
+    bill_usd: float = 0.0
+    supply_usd: float = 0.0
+    vram_idle_gb: list[float] = field(default_factory=list)
     busy_slot_s: dict[str, float] = field(default_factory=dict)
     slot_s: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def served(self) -> int:
+        return sum(self.served_by_model.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failed_by_model.values())
+
     def summary(self) -> dict[str, Any]:
-        lat = np.array(self.latencies) if self.latencies else np.array([np.nan])
         total = self.served + self.failed
+        by_model = {}
+        for m in MODEL_IDS:
+            served, failed = self.served_by_model.get(m, 0), self.failed_by_model.get(m, 0)
+            if served + failed:
+                by_model[m] = _pct(served, served + failed)
         return {
             "policy": self.policy,
             "requests": total,
             "served": self.served,
             "failed": self.failed,
-            "served_pct": round(100 * self.served / total, 3) if total else 0.0,
-            "p50_s": round(float(np.nanpercentile(lat, 50)), 3),
-            "p95_s": round(float(np.nanpercentile(lat, 95)), 3),
-            "p99_s": round(float(np.nanpercentile(lat, 99)), 3),
-            "cost_per_mtok_usd": round(1e6 * self.cost_usd / max(self.tokens, 1), 4),
-            "cold_start_pct": round(100 * self.cold_starts / max(self.served, 1), 3),
+            "served_pct": _pct(self.served, total),
+            "big_model_served_pct": by_model.get(BIG_MODEL, 0.0),
+            "served_pct_by_model": by_model,
+            "p50_s": _q(self.latencies, 50),
+            "p95_s": _q(self.latencies, 95),
+            "p99_s": _q(self.latencies, 99),
+            "ttft_p50_s": _q(self.ttfts, 50),
+            "ttft_p95_s": _q(self.ttfts, 95),
+            "supply_usd_per_mtok": round(1e6 * self.supply_usd / max(self.tokens, 1), 4),
+            "bill_usd_per_mtok": round(1e6 * self.bill_usd / max(self.tokens, 1), 4),
+            "cold_start_pct": _pct(self.load_waits, self.served),
+            "loads": self.loads,
             "retries": self.retries,
-            "lost_to_churn": self.retries + self.failed,
-            "vram_wasted_gb_mean": round(float(np.mean(self.vram_wasted_gb)), 2)
-            if self.vram_wasted_gb
-            else 0.0,
+            "lost_to_churn": self.lost,
+            "refused": self.refused,
+            "vram_idle_gb_mean": round(float(np.mean(self.vram_idle_gb)), 2) if self.vram_idle_gb else 0.0,
             "utilization_by_gpu": {
-                g: round(self.busy_slot_s.get(g, 0.0) / s, 4) for g, s in self.slot_s.items() if s
+                g: round(self.busy_slot_s.get(g, 0.0) / s, 4) for g, s in sorted(self.slot_s.items()) if s
             },
         }
 
 
-def make_fleet(scenario: Scenario, rng: np.random.Generator) -> dict[str, Any]:
-    shares = np.array([c[5] for c in GPU_CLASSES])
-    kinds = rng.choice(len(GPU_CLASSES), size=scenario.nodes, p=shares / shares.sum())
-    regions = rng.choice(len(REGIONS), size=scenario.nodes, p=CALLER_WEIGHTS)
-    jitter = rng.uniform(0.8, 1.25, size=scenario.nodes)
-    fleet = FleetArrays(
-        vram_gb=np.array([GPU_CLASSES[k][1] for k in kinds], dtype=np.float64),
-        tflops=np.array([GPU_CLASSES[k][2] for k in kinds], dtype=np.float64),
-        hourly_rate=np.round(np.array([GPU_CLASSES[k][3] for k in kinds]) * jitter, 2),
-        region=regions.astype(np.int64),
-        inflight=np.zeros(scenario.nodes, dtype=np.int64),
-        max_concurrency=np.array([GPU_CLASSES[k][4] for k in kinds], dtype=np.int64),
-        successes=np.zeros(scenario.nodes),
-        failures=np.zeros(scenario.nodes),
-        online=np.ones(scenario.nodes, dtype=bool),
+def _pct(part: int, whole: int) -> float:
+    return round(100 * part / whole, 3) if whole else 0.0
+
+
+def _q(values: list[float], q: float) -> float | None:
+    """A percentile, or None when nothing was served."""
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+class Req:
+    """One request, across its attempts."""
+
+    __slots__ = (
+        "arrival",
+        "attempt",
+        "caller",
+        "claimed",
+        "id",
+        "kv_bytes",
+        "left",
+        "model",
+        "node",
+        "output",
+        "placement",
+        "prompt",
+        "state",
+        "tried",
+        "waited_load",
     )
-    return {"arrays": fleet, "gpu": [GPU_CLASSES[k][0] for k in kinds]}
+
+    def __init__(self, rid: int, request: Request, kv_bytes: float) -> None:
+        self.id = rid
+        self.arrival, self.model, self.caller, self.prompt, self.output = request
+        self.kv_bytes = kv_bytes  # KV cache read per decode step, at the answer's mean context
+        self.attempt = 1
+        self.tried: set[int] = set()
+        self.node = -1
+        self.claimed = 0.0
+        self.left = 0.0  # output tokens still to decode
+        self.state = "new"  # queued | loading | prefill | decode | doomed | served | failed
+        self.waited_load = False
+        self.placement: Placement | None = None
 
 
-def fleet_from_specs(specs: list[Any]) -> dict[str, Any]:
-    """A fleet from a fleet file's nodes (neuralgrid.admin.fleet.NodeSpec), instead of a generated one."""
-    known = {region: i for i, region in enumerate(REGIONS)}
-    unknown = sorted({s.region for s in specs} - known.keys())
-    if unknown:
-        raise ValueError(f"the simulator knows regions {', '.join(REGIONS)}; not {', '.join(unknown)}")
-    return {
-        "gpu": [s.gpu_model.removeprefix("NVIDIA ").removeprefix("GeForce ") for s in specs],
-        "arrays": FleetArrays(
-            vram_gb=np.array([s.vram_gb for s in specs], dtype=np.float64),
-            tflops=np.array([s.tflops for s in specs], dtype=np.float64),
-            hourly_rate=np.array([s.hourly_rate for s in specs], dtype=np.float64),
-            region=np.array([known[s.region] for s in specs], dtype=np.int64),
-            inflight=np.zeros(len(specs), dtype=np.int64),
-            max_concurrency=np.array([s.max_concurrency for s in specs], dtype=np.int64),
-            successes=np.zeros(len(specs)),
-            failures=np.zeros(len(specs)),
-            online=np.ones(len(specs), dtype=bool),
-        ),
-    }
+@dataclass
+class Placement:
+    """A slot held: on which node, for a model needing how much VRAM, from when to when."""
+
+    node: int
+    need_gb: float
+    start: float
+    end: float = math.inf
 
 
-def read_trace(path: Any) -> list[tuple[float, int, int, int, int]]:
-    """A request trace: CSV with header `time_s,model,region,prompt_tokens,output_tokens`."""
-    import csv
-
-    models = [m for m, _, _ in WORKLOAD]
-    out = []
-    with open(path, newline="") as f:
-        for line, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                out.append(
-                    (
-                        float(row["time_s"]),
-                        models.index(row["model"]),
-                        REGIONS.index(row["region"]),
-                        int(row["prompt_tokens"]),
-                        int(row["output_tokens"]),
-                    )
-                )
-            except (KeyError, ValueError, TypeError) as err:
-                raise ValueError(
-                    f"{path}:{line}: expected time_s,model,region,prompt_tokens,output_tokens"
-                    f" with a model of {models} and a known region ({err})"
-                ) from err
-    return sorted(out)
-
-
-def make_workload(scenario: Scenario, rng: np.random.Generator) -> list[tuple[float, int, int, int, int]]:
-    """(arrival time, model index, caller region, prompt tokens, output tokens), in time order."""
-    t, out = 0.0, []
-    shares = np.array([w[2] for w in WORKLOAD])
-    while t < scenario.duration_s:
-        # Bursty: the rate triples for one minute in five.
-        rate = scenario.rps * (3.0 if scenario.bursty and (t % 300) < 60 else 1.0)
-        t += rng.exponential(1.0 / rate)
-        model = int(rng.choice(len(WORKLOAD), p=shares / shares.sum()))
-        embed = WORKLOAD[model][0].startswith("BAAI")
-        prompt = int(min(8000, rng.lognormal(np.log(200 if embed else 400), 0.6)))
-        output = 0 if embed else int(min(2000, rng.lognormal(np.log(200), 0.7)))
-        out.append((t, model, int(rng.choice(len(REGIONS), p=CALLER_WEIGHTS)), max(prompt, 1), output))
-    return out
-
-
-def rtt_s(a: int, b: int) -> float:
-    if a == b:
-        return 0.010
-    return 0.040 if CONTINENT[REGIONS[a]] == CONTINENT[REGIONS[b]] else 0.150
+# Event kinds, in the heap as small ints.
+ARRIVE, PREFILLED, DECODED, LOADED, EXPIRE, LOSE, DETECT, JOIN, ATTEMPT_FAILED, SWEEP = range(10)
 
 
 class Simulation:
@@ -210,102 +191,160 @@ class Simulation:
         policy: str,
         weights: Weights | None,
         catalog: dict[str, CatalogModel],
-        fleet: dict[str, Any] | None = None,
-        workload: list[tuple[float, int, int, int, int]] | None = None,
+        fleet: Fleet | None = None,
+        workload: list[Request] | None = None,
+        platform: Platform | None = None,
+        batching: Batching | None = None,
     ) -> None:
+        """`policy` is a baseline (BASELINES) or a matching_policies row, whose `weights` rank."""
+        if policy not in BASELINES and weights is None:
+            raise ValueError(f"policy {policy!r} is no baseline and has no weights")
         self.scenario, self.policy, self.weights, self.catalog = scenario, policy, weights, catalog
-        rng = np.random.default_rng(scenario.seed)  # the same fleet, workload and churn for every policy
-        built = make_fleet(scenario, rng)  # always drawn, so the churn draws stay the same
-        generated = make_workload(scenario, rng)
-        built = fleet or built
-        self.fleet: FleetArrays = built["arrays"]
-        self.gpu: list[str] = built["gpu"]
-        self.workload = generated if workload is None else workload
-        self.outcomes: dict[int, str] = {}  # request id -> served | failed, each exactly once
-        self.churn_rng = np.random.default_rng(scenario.seed + 1)
+        self.platform = platform or Platform()
+        self.batching = batching
+        self.need = np.array([catalog[m].min_vram_gb for m in MODEL_IDS])
+        # Every policy runs on its own copy: a run changes the fleet's state as it goes.
+        built = copy.deepcopy(fleet) if fleet is not None else make_fleet(scenario, self.need)
+        self.heartbeat_phase = built.heartbeat_phase  # each node's, as a share of the interval
+        self.fleet: FleetArrays = built.arrays
+        self.gpu = built.gpu
+        self.workload = make_workload(scenario) if workload is None else workload
+        self.end = max(scenario.duration_s, self.workload[-1][0] if self.workload else 0.0)
+        self.losses = make_losses(scenario, len(built))
         self.pick_rng = np.random.default_rng(scenario.seed + 2)
-        n = len(self.gpu)
-        self.models = [m for m, _, _ in WORKLOAD]
-        self.min_vram = np.array([catalog[m].min_vram_gb for m in self.models])
-        self.holds = np.ones((len(self.models), n), dtype=bool)
-        for i, need in enumerate(self.min_vram):
-            self.holds[i] &= self.fleet.vram_gb >= need
-        self.loaded: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
-        for node in range(n):  # each node starts with its most popular model that fits warm
-            for i in range(len(self.models)):
-                if self.holds[i, node]:
-                    self.loaded[node][i] = None
-                    break
-        self.running: dict[int, dict[int, Any]] = {node: {} for node in range(n)}
+        n, m = len(built), len(MODELS)
+        f = self.fleet
+        self.holds = f.vram_gb[None, :] >= self.need[:, None]  # every node can load what fits
+        self.load_s = np.array([physics.load_s(s.weight_gb) for s in MODELS])
+        bw = built.bandwidth_gb_s
+        self.weights_s = np.array([[physics.weights_s(s.weight_gb, b) for b in bw] for s in MODELS])
+        self.flops_s = np.array(
+            [
+                [physics.stream_cost_s(s.params_b, 0, b, t) for b, t in zip(bw, f.tflops, strict=True)]
+                for s in MODELS
+            ]
+        )
+        self.kv_s_per_byte = 1 / (bw * 1e9 * physics.BANDWIDTH_EFFICIENCY)
+        # Node state. `resident` (loading or loaded) and `ready` (loaded: what the scorer sees).
+        self.alive = np.ones(n, dtype=bool)  # the truth; fleet.online is what the platform knows
+        self.silent = np.zeros(n, dtype=bool)
+        self.epoch = [0] * n  # bumped when a node is lost: its pending events no longer apply
+        self.models_on: list[dict[int, float]] = [{} for _ in range(n)]  # model -> ready at, LRU order
+        self.resident = np.zeros((m, n), dtype=bool)
+        self.ready = np.zeros((m, n), dtype=bool)
+        self.users = np.zeros((m, n), dtype=np.int64)
+        self.resident_gb = np.zeros(n)
+        self.busy_gb = np.zeros(n)  # VRAM of models some request is using: what cannot be evicted
+        self.running: list[dict[int, Req]] = [{} for _ in range(n)]
+        self.waiting_load: list[dict[int, list[Req]]] = [{} for _ in range(n)]
+        self.decoding: list[list[Req]] = [[] for _ in range(n)]
+        self.decode_since = np.zeros(n)
+        self.step_s = np.zeros(n)
+        self.decode_version = [0] * n
+        self.cool_until = np.zeros(n)
+        self.consecutive_failures = np.zeros(n, dtype=np.int64)
+        self.online_since = np.zeros(n)
+        for node, warm in enumerate(built.warm):
+            for model in warm:
+                self.models_on[node][model] = 0.0
+                self.resident[model, node] = self.ready[model, node] = True
+                self.resident_gb[node] += self.need[model]
+        self.queues: list[deque[Req]] = [deque() for _ in range(m)]
+        # The demand on each VRAM level, as the sweeper measures it every second (the reserve).
+        self.pressure = VramPressure(self.need.tolist(), self.platform.reserve_window_s)
+        self.placements: list[Placement] = []
+        self.outcomes: dict[int, str] = {}  # request id -> served | failed, each exactly once
         self.rr = 0
         self.result = Result(policy)
-        self.events: list[tuple[float, int, str, Any]] = []
+        self.events: list[tuple[float, int, int, Any]] = []
         self.seq = itertools.count()
 
-    def push(self, t: float, kind: str, data: Any) -> None:
+    # The event loop.
+
+    def push(self, t: float, kind: int, data: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, data))
 
-    def run(self, progress: Any = None) -> Result:
-        """Run to the end; `progress(simulated_seconds)` is called as time passes, if given."""
-        for req_id, (t, *_rest) in enumerate(self.workload):
-            self.push(t, "arrive", {"id": req_id, "start": t, "attempt": 1, "tried": set()})
-        rate = self.scenario.churn_per_hour / 3600
-        if rate > 0:
-            for node in range(len(self.gpu)):
-                self.push(float(self.churn_rng.exponential(1 / rate)), "leave", node)
-        online_since = np.zeros(len(self.gpu))
+    def run(self, progress: Callable[[float], None] | None = None) -> Result:
+        """Run to the end; `progress(simulated_seconds)` is called each simulated 10 s, if given."""
+        for rid, request in enumerate(self.workload):
+            shape = MODELS[request[1]]
+            kv = shape.kv_bytes_per_token * (request[3] + request[4] / 2)
+            self.push(request[0], ARRIVE, Req(rid, request, kv))
+        for i, loss in enumerate(self.losses):
+            self.push(loss.t, LOSE, i)
+        end = self.end
+        if self.weights is not None and self.weights.reserve > 0:
+            self.push(0.0, SWEEP, None)
+        handlers: dict[int, Callable[[float, Any], None]] = {
+            ARRIVE: self._arrive,
+            PREFILLED: self._prefilled,
+            DECODED: self._decoded,
+            LOADED: self._loaded,
+            EXPIRE: self._expire,
+            LOSE: self._lose,
+            DETECT: self._detect,
+            JOIN: self._join,
+            ATTEMPT_FAILED: self._attempt_failed,
+            SWEEP: self._sweep,
+        }
         reported = 0.0
         while self.events:
             t, _, kind, data = heapq.heappop(self.events)
+            if kind == JOIN and t > end:
+                continue  # nodes coming back after the end change nothing
             if progress is not None and t - reported >= 10:
-                progress(min(t, self.scenario.duration_s))
+                progress(min(t, end))
                 reported = t
-            if t > self.scenario.duration_s * 2:
-                break
-            if kind == "arrive":
-                self.arrive(t, data)
-            elif kind == "done":
-                self.done(t, data)
-            elif kind == "leave":
-                self._slot_time(data, t - online_since[data])
-                self.leave(t, data)
-            elif kind == "join":
-                self.fleet.online[data] = True
-                online_since[data] = t
-                if rate > 0:
-                    self.push(t + float(self.churn_rng.exponential(1 / rate)), "leave", data)
-        end = self.scenario.duration_s
+            handlers[kind](t, data)
         for node in range(len(self.gpu)):
             if self.fleet.online[node]:
-                self._slot_time(node, max(0.0, end - online_since[node]))
+                self._slot_time(node, max(0.0, end - self.online_since[node]))
         return self.result
 
-    def _slot_time(self, node: int, seconds: float) -> None:
-        gpu = self.gpu[node]
-        self.result.slot_s[gpu] = self.result.slot_s.get(gpu, 0.0) + seconds * int(
-            self.fleet.max_concurrency[node]
-        )
+    def _sweep(self, t: float, _: Any) -> None:
+        """The sweeper's refresh_vram_pressure(): running jobs by VRAM need, against the slots."""
+        needs = [float(self.need[req.model]) for running in self.running for req in running.values()]
+        self.pressure.refresh(t, needs, self.fleet)
+        if t + self.platform.sweep_interval_s <= self.end:
+            self.push(t + self.platform.sweep_interval_s, SWEEP, None)
 
-    def choose(self, model: int, caller: int, tried: set[int]) -> int | None:
-        f = self.fleet
-        if self.policy in ("seed", "balanced"):
-            loaded = np.array([model in self.loaded[n] for n in range(len(self.loaded))])
+    # Placing a request.
+
+    def choose(self, req: Req, t: float) -> int | None:
+        """The node the policy gives the request, or None when no capable node can take it now."""
+        f, model = self.fleet, req.model
+        need = float(self.need[model])
+        # What claim_node() checks (online, a free slot, not cooling down), and that the model is
+        # loaded there or fits beside the models in use (a node cannot evict a model it is serving).
+        ok = (
+            f.online
+            & (f.inflight < f.max_concurrency)
+            & (self.cool_until <= t)
+            & self.holds[model]
+            & (self.resident[model] | (self.busy_gb + need <= f.vram_gb))
+        )
+        if req.tried:
+            ok[list(req.tried)] = False
+        if not ok.any():
+            return None
+        if self.policy not in ("round_robin", "least_loaded", "random"):
+            # The one place the SQL policies rank (the numpy twin of score_nodes()).
+            sql_policy = "seed" if self.policy in ("seed", "seed_warm") else self.policy
             order, _ = score(
-                self.policy, self.weights, f, float(self.min_vram[model]), self.holds[model], loaded, caller
+                sql_policy,
+                self.weights,
+                f,
+                need,
+                self.holds[model],
+                self.ready[model],
+                req.caller,
+                pressure=self.pressure.pairs(),
             )
-            for node in order:  # match_job claims the first candidate with a free slot
-                if (
-                    node not in tried
-                    and f.inflight[node] < f.max_concurrency[node]
-                    and self.holds[model, node]
-                ):
-                    return int(node)
-            return None
-        ok = f.online & self.holds[model] & (f.inflight < f.max_concurrency)
-        ok[list(tried)] = False
+            if self.policy == "seed_warm":  # the original system: nodes with the model loaded first
+                order = order[np.argsort(~self.ready[model, order], kind="stable")]
+            hits = order[ok[order]]
+            return int(hits[0]) if len(hits) else None
         candidates = np.flatnonzero(ok)
-        if not len(candidates):
-            return None
         if self.policy == "random":
             return int(self.pick_rng.choice(candidates))
         if self.policy == "least_loaded":
@@ -315,80 +354,300 @@ class Simulation:
         after = candidates[candidates >= self.rr]
         return int(after[0] if len(after) else candidates[0])
 
-    def arrive(self, t: float, req: dict[str, Any]) -> None:
-        _, model, caller, prompt, output = self.workload[req["id"]]
-        node = self.choose(model, caller, req["tried"])
-        if node is None:
-            self._end(req["id"], "failed")
+    def _arrive(self, t: float, req: Req) -> None:
+        node = self.choose(req, t)
+        if node is not None:
+            self._claim(node, req, t)
             return
-        f, name = self.fleet, self.models[model]
-        cat = self.catalog[name]
-        params_b = WORKLOAD[model][1]
-        cold = model not in self.loaded[node]
-        if cold:
-            self.result.cold_starts += 1
-            self._load(node, model)
-        else:
-            self.loaded[node].move_to_end(model)
-        sharing = int(f.inflight[node])
+        capable = (self.fleet.online & self.holds[req.model]).any()
+        queue = self.queues[req.model]
+        if req.attempt > 1 or not capable or len(queue) >= self.platform.queue_max_waiting:
+            # failover_job() finds no free candidate, or place_job() has nothing to wait for.
+            self._end(req, "failed", lost=req.attempt > 1)
+            return
+        req.state = "queued"
+        queue.append(req)
+        self.push(req.arrival + self.platform.queue_timeout_s, EXPIRE, req)
+
+    def _expire(self, t: float, req: Req) -> None:
+        if req.state == "queued":
+            self.queues[req.model].remove(req)
+            self._end(req, "failed")
+
+    def _retry_queued(self, t: float, node: int) -> None:
+        """A slot freed on `node` (or it came online): waiting requests ask again, oldest first."""
+        if not any(self.queues):
+            return
+        for model in np.flatnonzero(self.holds[:, node]):
+            queue = self.queues[model]
+            while queue:
+                node_for = self.choose(queue[0], t)
+                if node_for is None:
+                    break
+                self._claim(node_for, queue.popleft(), t)
+
+    def _claim(self, node: int, req: Req, t: float) -> None:
+        f, model = self.fleet, req.model
         f.inflight[node] += 1
-        prefill = 2 * params_b * 1e9 * prompt / (f.tflops[node] * 1e12 * 0.4)
-        decode = 0.0
-        if cat.tokens_per_s_per_tflop:
-            tps = 2 * cat.tokens_per_s_per_tflop * f.tflops[node] / (1 + 0.1 * sharing)
-            decode = output / tps
-        service = (cat.cold_start_s if cold else 0.0) + prefill + decode
-        finish = t + 2 * rtt_s(caller, int(f.region[node])) + service
-        req = {**req, "node": node, "service": service, "began": t}
-        self.running[node][req["id"]] = req
-        self.result.vram_wasted_gb.append(float(f.vram_gb[node] - self.min_vram[model]))
-        self.push(finish, "done", req)
-
-    def _end(self, request_id: int, outcome: str) -> None:
-        if request_id in self.outcomes:
-            raise AssertionError(f"request {request_id} ended twice")
-        self.outcomes[request_id] = outcome
-        if outcome == "served":
-            self.result.served += 1
+        req.node, req.claimed, req.tried = node, t, req.tried | {node}
+        self.running[node][req.id] = req
+        req.placement = Placement(node, float(self.need[model]), t)
+        self.placements.append(req.placement)
+        if not self.alive[node]:
+            # The platform does not know yet: a crashed node refuses the connection at once, a
+            # silent one lets it time out.
+            req.state = "doomed"
+            delay = self.platform.connect_timeout_s if self.silent[node] else 0.0
+            self.push(t + delay, ATTEMPT_FAILED, (req, req.attempt))
+            return
+        self.result.vram_idle_gb.append(float(f.vram_gb[node] - self.need[model]))
+        if self.users[model, node] == 0:
+            self.busy_gb[node] += self.need[model]
+        self.users[model, node] += 1
+        models = self.models_on[node]
+        ready_at = models.pop(model) if model in models else self._load(node, model, t)
+        if ready_at is None:
+            raise AssertionError("choose() gave a node the model does not fit on")
+        models[model] = ready_at  # most recently used last
+        if ready_at > t:
+            req.state, req.waited_load = "loading", True
+            self.waiting_load[node].setdefault(model, []).append(req)
         else:
-            self.result.failed += 1
+            self._prefill(node, req, t)
 
-    def _load(self, node: int, model: int) -> None:
-        loaded = self.loaded[node]
-        while (
-            loaded and sum(self.min_vram[m] for m in loaded) + self.min_vram[model] > self.fleet.vram_gb[node]
-        ):
-            loaded.popitem(last=False)
-        loaded[model] = None
+    def _load(self, node: int, model: int, t: float) -> float | None:
+        """Start loading `model` on `node`, evicting the least recently used models no request is
+        using; None if it does not fit. The node serves it, and reports it loaded, from the time
+        returned. (A request starts a load here; pre-warming can start one without a request.)"""
+        models, vram = self.models_on[node], float(self.fleet.vram_gb[node])
+        if model in models:
+            return models[model]
+        for other in list(models):
+            if self.resident_gb[node] + self.need[model] <= vram:
+                break
+            if self.users[other, node] == 0:
+                del models[other]
+                self.resident[other, node] = self.ready[other, node] = False
+                self.resident_gb[node] -= self.need[other]
+        if self.resident_gb[node] + self.need[model] > vram:
+            return None
+        ready_at = t + float(self.load_s[model])
+        models[model] = ready_at
+        self.resident[model, node] = True
+        self.resident_gb[node] += self.need[model]
+        self.result.loads += 1
+        self.push(ready_at, LOADED, (node, model, ready_at, self.epoch[node]))
+        return ready_at
 
-    def done(self, t: float, req: dict[str, Any]) -> None:
-        node = req["node"]
-        if self.running[node].pop(req["id"], None) is None:
-            return  # the node left while this ran; the request was retried
-        f = self.fleet
-        f.inflight[node] -= 1
-        f.successes[node] += 1
-        _, _, _, prompt, output = self.workload[req["id"]]
-        self._end(req["id"], "served")
-        self.result.latencies.append(t - req["start"])
-        self.result.tokens += prompt + output
-        self.result.cost_usd += (
-            float(f.hourly_rate[node]) * req["service"] / 3600 / int(f.max_concurrency[node])
+    def _loaded(self, t: float, data: tuple[int, int, float, int]) -> None:
+        node, model, ready_at, epoch = data
+        if epoch != self.epoch[node] or self.models_on[node].get(model) != ready_at:
+            return  # the node was lost, or the model evicted, meanwhile
+        self.ready[model, node] = True
+        for req in self.waiting_load[node].pop(model, []):
+            if req.state == "loading":
+                self._prefill(node, req, t)
+
+    # Serving: prefill, then decode steps shared by every stream on the GPU.
+
+    def _prefill(self, node: int, req: Req, t: float) -> None:
+        req.state = "prefill"
+        shape = MODELS[req.model]
+        done = t + physics.prefill_s(shape.params_b, req.prompt, float(self.fleet.tflops[node]))
+        self.push(done, PREFILLED, (req, req.attempt))
+
+    def _prefilled(self, t: float, data: tuple[Req, int]) -> None:
+        req, attempt = data
+        if req.state != "prefill" or attempt != req.attempt:
+            return  # the node was lost meanwhile
+        self.result.ttfts.append(
+            t - req.arrival + 2 * physics.rtt_s(req.caller, int(self.fleet.region[req.node]))
         )
-        gpu = self.gpu[node]
-        self.result.busy_slot_s[gpu] = self.result.busy_slot_s.get(gpu, 0.0) + req["service"]
+        if req.output == 0:  # an embedding: done
+            self._finish(req, t)
+            return
+        node = req.node
+        self._advance(node, t)
+        req.state, req.left = "decode", float(req.output)
+        self.decoding[node].append(req)
+        self._reschedule(node, t)
 
-    def leave(self, t: float, node: int) -> None:
-        f = self.fleet
-        f.online[node] = False
-        f.inflight[node] = 0
-        for req in self.running[node].values():  # the owner took the GPU back: retry elsewhere
-            f.failures[node] += 1
-            if req["attempt"] >= MAX_ATTEMPTS:
-                self._end(req["id"], "failed")
-                continue
-            self.result.retries += 1
-            self.push(t, "arrive", {**req, "attempt": req["attempt"] + 1, "tried": req["tried"] | {node}})
-        self.running[node] = {}
-        self.loaded[node].clear()  # a GPU that comes back comes back cold
-        self.push(t + float(self.churn_rng.exponential(600)), "join", node)
+    def _step(self, node: int) -> float:
+        """One decode step on `node`: each model's weights read once, plus each stream's KV cache
+        and FLOPs. A measured batching curve, when there is one, sets the per-stream slowdown."""
+        streams = self.decoding[node]
+        weights = sum(float(self.weights_s[m, node]) for m in {r.model for r in streams})
+        per_stream = [
+            float(self.flops_s[r.model, node] + r.kv_bytes * self.kv_s_per_byte[node]) for r in streams
+        ]
+        if self.batching is None:
+            return weights + sum(per_stream)
+        return (weights + sum(per_stream) / len(streams)) / self.batching.rel(len(streams))
+
+    def _advance(self, node: int, t: float) -> None:
+        """Count the tokens decoded on `node` since the last change."""
+        streams = self.decoding[node]
+        if streams:
+            steps = (t - self.decode_since[node]) / self.step_s[node]
+            for r in streams:
+                r.left -= steps
+        self.decode_since[node] = t
+
+    def _reschedule(self, node: int, t: float) -> None:
+        self.decode_version[node] += 1
+        streams = self.decoding[node]
+        if not streams:
+            return
+        self.step_s[node] = self._step(node)
+        first = min(r.left for r in streams)
+        self.push(t + max(first, 0.0) * self.step_s[node], DECODED, (node, self.decode_version[node]))
+
+    def _decoded(self, t: float, data: tuple[int, int]) -> None:
+        node, version = data
+        if version != self.decode_version[node]:
+            return
+        self._advance(node, t)
+        done = [r for r in self.decoding[node] if r.left <= 1e-6]
+        self.decoding[node] = [r for r in self.decoding[node] if r.left > 1e-6]
+        self._reschedule(node, t)
+        for req in done:
+            self._finish(req, t)
+
+    def _finish(self, req: Req, t: float) -> None:
+        node = req.node
+        f, model = self.fleet, req.model
+        cat = self.catalog[MODEL_IDS[model]]
+        self.result.latencies.append(t - req.arrival + 2 * physics.rtt_s(req.caller, int(f.region[node])))
+        self.result.tokens += req.prompt + req.output
+        self.result.bill_usd += (
+            req.prompt * cat.input_usd_per_mtok + req.output * cat.output_usd_per_mtok
+        ) / 1e6
+        self.result.load_waits += req.waited_load
+        f.successes[node] += 1
+        self.consecutive_failures[node] = 0
+        self._bill_slot(req, t)
+        self._release(req, t)
+        self._end(req, "served")
+        self._retry_queued(t, node)
+
+    # Slots and outcomes.
+
+    def _bill_slot(self, req: Req, until: float) -> None:
+        """The slot-seconds a request held on a live node: their supply cost and utilization."""
+        node, f = req.node, self.fleet
+        seconds = max(0.0, until - req.claimed)
+        self.result.supply_usd += float(f.hourly_rate[node]) * seconds / 3600 / int(f.max_concurrency[node])
+        gpu = self.gpu[node]
+        self.result.busy_slot_s[gpu] = self.result.busy_slot_s.get(gpu, 0.0) + seconds
+
+    def _release(self, req: Req, t: float) -> None:
+        node, model = req.node, req.model
+        self.fleet.inflight[node] -= 1
+        del self.running[node][req.id]
+        if req.placement is not None:
+            req.placement.end = t
+        if req.state != "doomed":
+            self.users[model, node] -= 1
+            if self.users[model, node] == 0:
+                self.busy_gb[node] -= self.need[model]
+
+    def _end(self, req: Req, outcome: str, lost: bool = False) -> None:
+        if req.id in self.outcomes:
+            raise AssertionError(f"request {req.id} ended twice")
+        self.outcomes[req.id] = outcome
+        req.state = outcome
+        name = MODEL_IDS[req.model]
+        counts = self.result.served_by_model if outcome == "served" else self.result.failed_by_model
+        counts[name] = counts.get(name, 0) + 1
+        if outcome == "failed":
+            if lost:
+                self.result.lost += 1
+            else:
+                self.result.refused += 1
+
+    def _fail(self, req: Req, t: float) -> None:
+        """An attempt failed because its node is gone: cool the node down, fail over."""
+        node = req.node
+        self._release(req, t)
+        self.fleet.failures[node] += 1
+        self.consecutive_failures[node] += 1
+        p = self.platform
+        cooldown = min(p.cooldown_max_s, p.cooldown_base_s * 2 ** (int(self.consecutive_failures[node]) - 1))
+        self.cool_until[node] = max(self.cool_until[node], t + cooldown)
+        if req.attempt > p.fallbacks:
+            self._end(req, "failed", lost=True)
+            return
+        self.result.retries += 1
+        req.attempt += 1
+        req.state = "retry"
+        self.push(t, ARRIVE, req)
+
+    def _attempt_failed(self, t: float, data: tuple[Req, int]) -> None:
+        req, attempt = data
+        if req.state == "doomed" and attempt == req.attempt:  # else the sweeper was first
+            self._fail(req, t)
+
+    # Churn.
+
+    def _lose(self, t: float, index: int) -> None:
+        loss = self.losses[index]
+        candidates = np.flatnonzero(self.alive & self.fleet.online)
+        if not len(candidates):
+            return
+        weights = self.fleet.inflight[candidates].astype(np.float64)
+        if loss.busy and weights.sum() > 0:
+            cumulative = np.cumsum(weights) / weights.sum()
+            node = int(candidates[min(int(np.searchsorted(cumulative, loss.pick)), len(candidates) - 1)])
+        else:
+            node = int(candidates[min(int(loss.pick * len(candidates)), len(candidates) - 1)])
+        self.alive[node], self.silent[node] = False, loss.silent
+        self.epoch[node] += 1  # its loads stop here
+        self.decoding[node] = []
+        self.decode_version[node] += 1
+        for req in list(self.running[node].values()):
+            if req.state != "doomed":
+                self._bill_slot(req, t)
+                self._doom(req)
+        if not loss.silent:  # a crash resets the connections: every request fails over now
+            for req in list(self.running[node].values()):
+                self._fail(req, t)
+        # The sweeper marks it offline 3 missed heartbeats after its last one, at its next sweep.
+        p = self.platform
+        phase = float(self.heartbeat_phase[node]) * p.heartbeat_interval_s
+        last_heartbeat = phase + math.floor((t - phase) / p.heartbeat_interval_s) * p.heartbeat_interval_s
+        detected = math.ceil((last_heartbeat + p.offline_after_s) / p.sweep_interval_s) * p.sweep_interval_s
+        self.push(max(detected, t), DETECT, (node, loss.rejoin_s))
+
+    def _doom(self, req: Req) -> None:
+        """The node under a request is gone: it holds nothing more and waits to fail."""
+        node, model = req.node, req.model
+        self.users[model, node] -= 1
+        if self.users[model, node] == 0:
+            self.busy_gb[node] -= self.need[model]
+        req.state = "doomed"
+
+    def _detect(self, t: float, data: tuple[int, float]) -> None:
+        node, rejoin_s = data
+        self.fleet.online[node] = False
+        self._slot_time(node, min(t, self.end) - self.online_since[node])
+        for req in list(self.running[node].values()):
+            self._fail(req, t)
+        for model in list(self.models_on[node]):  # it comes back cold
+            self.resident[model, node] = self.ready[model, node] = False
+        self.models_on[node] = {}
+        self.waiting_load[node] = {}
+        self.resident_gb[node] = self.busy_gb[node] = 0.0
+        self.push(t + rejoin_s, JOIN, node)
+
+    def _join(self, t: float, node: int) -> None:
+        self.alive[node], self.silent[node] = True, False
+        self.fleet.online[node] = True
+        self.online_since[node] = t
+        self.cool_until[node], self.consecutive_failures[node] = 0.0, 0
+        self._retry_queued(t, node)
+
+    def _slot_time(self, node: int, seconds: float) -> None:
+        gpu = self.gpu[node]
+        self.result.slot_s[gpu] = self.result.slot_s.get(gpu, 0.0) + seconds * int(
+            self.fleet.max_concurrency[node]
+        )

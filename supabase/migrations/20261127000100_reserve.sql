@@ -459,6 +459,13 @@ begin
 end;
 $$;
 
--- Default weights re-tuned with the simulator's honest model (docs/simulation.md).
-update public.matching_policies set reserve = 0.30 where name = 'balanced';
+-- Default weights re-tuned with the simulator's honest performance model (docs/simulation.md):
+-- right-sizing (fit) now leads. With decode bound by memory bandwidth, a big GPU is no longer many
+-- times faster than a small one, so a small job on a small card costs less per token at nearly the
+-- same latency, and the big nodes stay free for what only they can serve; reserve adds to that
+-- price while big-VRAM demand is high.
+update public.matching_policies
+set fit = 0.66, compute = 0.08, price = 0.06, warm = 0.11, capacity = 0.02, reputation = 0.01,
+    proximity = 0, reserve = 0.06
+where name = 'balanced';
 select private.refresh_node_scores();

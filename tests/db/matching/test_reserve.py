@@ -15,8 +15,18 @@ from tests.conftest import LLAMA8, make_node
 LLAMA70 = "meta-llama/Llama-3.3-70B-Instruct-AWQ"  # needs 42 GB
 
 
+SMALL = MatchRequest(model=LLAMA8, policy="fast_reserving")
+BIG = MatchRequest(model=LLAMA70, policy="fast_reserving")
+
+
 def fleet(conn: psycopg.Connection) -> tuple[UUID, UUID]:
-    """An idle H100 that holds both models and a slower 24 GB card that holds only the 8B."""
+    """An idle H100 that holds both models and a slower 24 GB card that holds only the 8B, under a
+    policy that weighs speed over fit (so that only the reserve keeps small jobs off the H100)."""
+    conn.execute(
+        "insert into matching_policies (name, description, fit, compute, price, warm, capacity,"
+        " reputation, reserve) values ('fast_reserving', 'speed first, reserve', 0.02, 0.4, 0.18, 0.25,"
+        " 0.1, 0.05, 0.3)"
+    )
     big = make_node(
         conn, "h100", vram_gb=80, tflops=989, hourly_rate=2.5, max_concurrency=16,
         models={LLAMA8: "loaded", LLAMA70: "loaded"},
@@ -46,10 +56,10 @@ def test_with_no_demand_for_big_vram_a_small_job_may_take_the_fast_big_node(conn
     big, _small = fleet(conn)
     sweep(conn)
     assert pressure(conn, 42) == 0
-    ranked = score_nodes(conn, MatchRequest(model=LLAMA8), explain=True)
+    ranked = score_nodes(conn, SMALL, explain=True)
     assert ranked[0].node_id == big
     assert {r.reserve for r in ranked} == {1.0}
-    assert match_job(conn, MatchRequest(model=LLAMA8)).node_id == big
+    assert match_job(conn, SMALL).node_id == big
 
 
 def test_under_big_vram_demand_a_small_job_keeps_off_the_big_node(conn: psycopg.Connection) -> None:
@@ -59,13 +69,13 @@ def test_under_big_vram_demand_a_small_job_keeps_off_the_big_node(conn: psycopg.
     assert pressure(conn, 42) == pytest.approx(12 / 16)
     assert pressure(conn, 24) == 0  # no job needs 24 to 32 GB, the only level the 24 GB card reaches
     for explain, limit in ((True, None), (False, 4)):  # full scan and index fast path
-        ranked = score_nodes(conn, MatchRequest(model=LLAMA8), explain=explain, limit=limit)
+        ranked = score_nodes(conn, SMALL, explain=explain, limit=limit)
         assert [r.node_id for r in ranked] == [small, big]
         assert ranked[1].reserve == pytest.approx(1 - 12 / 16)
         assert ranked[0].reserve == 1.0  # nothing needing more than 18 GB fits in 24 GB
     # The 70B request itself pays nothing: no level above its need.
-    assert score_nodes(conn, MatchRequest(model=LLAMA70), limit=1)[0].reserve == 1.0
-    assert match_job(conn, MatchRequest(model=LLAMA8)).node_id == small
+    assert score_nodes(conn, BIG, limit=1)[0].reserve == 1.0
+    assert match_job(conn, SMALL).node_id == small
 
 
 def test_bigger_jobs_take_their_slots_first(conn: psycopg.Connection) -> None:
@@ -85,7 +95,7 @@ def test_it_ranks_but_never_refuses(conn: psycopg.Connection) -> None:
     run_70b_jobs(conn, 16)
     sweep(conn)
     assert pressure(conn, 42) == 1.0
-    assert match_job(conn, MatchRequest(model=LLAMA8)).node_id == big
+    assert match_job(conn, SMALL).node_id == big
 
 
 def test_demand_is_smoothed_and_fades(conn: psycopg.Connection) -> None:
