@@ -11,6 +11,8 @@ server passed that test, so a server that starts a new answer instead can never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import re
 import ssl
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 3.0  # GETs: a server too slow to answer these is not healthy
 WARMUP_TIMEOUT_S = 120.0  # the first generation may load weights
 USAGE_TIMEOUT_S = 10.0  # counting a stream's usage holds its [DONE]: well inside the gateway's read timeout
+LOAD_POLL_S = 0.25  # how often a loading model's state is read (llama.cpp's router)
+# Why the agent refuses a pre-load on a server that serves what it started with (the platform records it).
+ONE_MODEL = "server serves one model"
 # Fields the one-token prompt count must not carry: they would make the server generate or echo more.
 ONE_TOKEN_DROPS = ("stream", "stream_options", "n", "max_completion_tokens", "best_of", "logprobs", "echo")
 # A prompt small models answer with confidence: greedy decoding then gives the same words whether
@@ -116,6 +121,16 @@ KINDS = (
         "/health",
     ),
     _Kind(
+        # llama-server started without a model (router mode): it loads the models of a folder or a
+        # preset on demand, each in a server of its own, and says which are loaded (GET /models).
+        "llama.cpp-router",
+        "/props",
+        lambda d: dig(d, "role") == "router",
+        lambda d: _str(dig(d, "build_info")),
+        lambda d: None,  # each model's server has its own slots: the owner says
+        "/health",
+    ),
+    _Kind(
         # Its server takes one request at a time, and by default a new request ends a running
         # stream early (interrupt_requests), even a GET /v1/models.
         "llama-cpp-python",
@@ -176,11 +191,15 @@ class Backend:
         # sending a response", 3 in 40 measured), which would fail a request the server never saw.
         # On loopback or a LAN a connection costs well under a millisecond.
         self.http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(600, connect=5), limits=httpx.Limits(max_keepalive_connections=0)
+            timeout=httpx.Timeout(600, connect=5),
+            limits=httpx.Limits(max_keepalive_connections=0),
+            event_hooks={"request": [self._noting]},
         )
         self.kind = GENERIC
         self.info = ServerInfo(GENERIC.name)
         self.relay = Relay(self.url)  # the gateway's requests: kept-alive connections, a C parser
+        self.served: list[str] = []  # its models, as /v1/models last listed them
+        self.resident: str | None = None  # see `swaps`: the model it holds now
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -224,7 +243,8 @@ class Backend:
         except httpx.HTTPError as err:
             raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
         try:
-            return [str(m["id"]) for m in resp.json()["data"]]
+            self.served = [str(m["id"]) for m in resp.json()["data"]]
+            return self.served
         except (ValueError, KeyError, TypeError) as err:
             status = resp.status_code
             raise BackendError(
@@ -344,6 +364,86 @@ class Backend:
             async for raw in resp.aiter_raw():
                 events.feed(raw)
             return "".join(events.text), events.usage is not None
+
+    # Loading models on demand (pre-warm) ----------------------------------------------------------
+
+    @property
+    def swaps(self) -> bool:
+        """llama-cpp-python serving several models (a config file): it holds one at a time, and a
+        request naming another unloads it and loads that one. Which one it holds is known only from
+        the requests it was sent (the agent's own and the gateway's)."""
+        return self.kind.name == "llama-cpp-python" and len(self.served) > 1
+
+    def note_request(self, request: Any) -> None:
+        """A request on its way to a server that swaps: it will hold the model named (its first, the
+        default, for a name it does not serve)."""
+        if self.swaps:
+            name = dig(request, "model")
+            self.resident = name if name in self.served else self.served[0]
+
+    async def _noting(self, request: httpx.Request) -> None:
+        """Every request of the agent's own passes here (an httpx hook)."""
+        if request.method == "POST" and self.swaps:
+            with contextlib.suppress(ValueError):
+                self.note_request(json.loads(request.content))
+
+    async def model_states(self) -> tuple[list[str], list[str]] | None:
+        """For a server that loads models on demand: the models it holds loaded and the ones it can
+        load (its own names). None for a server that serves what it started with. BackendError when
+        it does not say."""
+        if self.kind.name == "ollama":
+            every, running = _names(await self._json("/api/tags")), _names(await self._json("/api/ps"))
+            if every is None or running is None:
+                raise BackendError(f"the backend at {self.url} did not list its models (/api/tags, /api/ps)")
+            return [m for m in every if m in running], [m for m in every if m not in running]
+        if self.kind.name == "llama.cpp-router":
+            states = _router_states(await self._json("/models"))
+            if states is None:
+                raise BackendError(f"the backend at {self.url} did not list its models (/models)")
+            return [m for m, state in states.items() if state == "loaded"], [
+                m for m, state in states.items() if state != "loaded"
+            ]
+        if self.swaps:
+            held = self.resident if self.resident in self.served else self.served[0]
+            return [held], [m for m in self.served if m != held]
+        return None
+
+    async def load(self, model: str) -> str | None:
+        """Have the server load `model` (its own name for it) before a request needs it: None once it
+        holds it, else why not, in a line the platform records."""
+        states = await self.model_states()
+        if states is None:
+            return ONE_MODEL if self.kind is not GENERIC else "the agent cannot load models on this server"
+        if model in states[0]:
+            return None
+        if model not in states[1]:
+            return "the server does not have this model"
+        named = {"model": model}
+        if self.kind.name == "ollama":  # a generate request naming only the model loads it
+            resp = await self.http.post(self.url + "/api/generate", json=named, timeout=WARMUP_TIMEOUT_S)
+        elif self.kind.name == "llama.cpp-router":  # starts the model's server, then loads in the background
+            resp = await self.http.post(self.url + "/models/load", json=named, timeout=PROBE_TIMEOUT_S)
+            # Refused as "already running" when a request loaded it meanwhile: then it is on its way.
+            state = dig(_router_entry(await self._json("/models"), model), "status", "value")
+            if resp.is_success or state in ("loading", "loaded"):
+                return await self._loaded_by_router(model)
+        else:  # llama-cpp-python loads the model a request names: one token of it
+            body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+            resp = await self.http.post(self.url + "/v1/completions", json=body, timeout=WARMUP_TIMEOUT_S)
+        return None if resp.is_success else _refusal(resp)
+
+    async def _loaded_by_router(self, model: str) -> str | None:
+        """Wait until the router has started the model's server (it loads in the background)."""
+        deadline = asyncio.get_running_loop().time() + WARMUP_TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            entry = _router_entry(await self._json("/models"), model)
+            state = dig(entry, "status", "value")
+            if state == "loaded":
+                return None
+            if state == "unloaded" and dig(entry, "status", "failed"):
+                return f"the server failed to load it (exit code {dig(entry, 'status', 'exit_code')})"
+            await asyncio.sleep(LOAD_POLL_S)
+        return f"the server did not load it within {WARMUP_TIMEOUT_S:g} s"
 
     # Counting tokens (when a stream carried no usage) --------------------------------------------
 
@@ -741,6 +841,44 @@ def _gauges(metrics: str, names: tuple[str, ...]) -> int | None:
         if name in names:
             total, seen = total + float(line.rsplit(" ", 1)[1]), True
     return round(total) if seen else None
+
+
+def _names(listing: Any) -> list[str] | None:
+    """The model names in Ollama's /api/tags or /api/ps answer; None when it is not one."""
+    models = dig(listing, "models")
+    if not isinstance(models, list):
+        return None
+    return [str(m["name"]) for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)]
+
+
+def _router_states(listing: Any) -> dict[str, str] | None:
+    """Each model's state in llama.cpp's router's GET /models (loaded, loading, unloaded, sleeping,
+    downloading); None when the answer is not one."""
+    data = dig(listing, "data")
+    if not isinstance(data, list):
+        return None
+    return {
+        str(m["id"]): str(dig(m, "status", "value"))
+        for m in data
+        if isinstance(m, dict) and isinstance(m.get("id"), str)
+    }
+
+
+def _router_entry(listing: Any, model: str) -> Any:
+    data = dig(listing, "data")
+    return next((m for m in data if dig(m, "id") == model), None) if isinstance(data, list) else None
+
+
+def _refusal(resp: httpx.Response) -> str:
+    """Why the server did not load a model, from its error answer: one printable line of 200 at most."""
+    try:
+        said = dig(resp.json(), "error")
+        said = dig(said, "message") if isinstance(said, dict) else said
+    except ValueError:
+        said = None
+    why = f"the server did not load it: HTTP {resp.status_code}"
+    why += f" {said}" if isinstance(said, str) else ""
+    return re.sub(r"[\x00-\x1f\x7f]+", " ", why)[:200]
 
 
 _ALIAS = re.compile(r"^(?P<served>[^=\s]+)=(?P<catalog>[^=\s]+)$")

@@ -86,6 +86,8 @@ class FrontState:
                 request = {**request, "model": served}
                 body = json.dumps(request).encode()
                 renamed = (served, catalog_id) if served != catalog_id else None
+        if self.backend.swaps:  # it loads the model the request names: the agent reports that one warm
+            self.backend.note_request(request if request is not None else _object(body))
         self.inflight += 1
         try:
             upstream = await self.backend.relay.post(path, body)

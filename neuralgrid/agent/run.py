@@ -94,6 +94,14 @@ class Agent:
         self.secret: str | None = None
         self.interval_s = 5.0
         self._tunnel_task: asyncio.Task[None] | None = None
+        # Pre-warm: the models a server that loads on demand can load (catalog names; None for one that
+        # serves what it started with), the load under way (one at a time), and the answers the next
+        # heartbeat carries.
+        self.available: list[str] | None = None
+        self._loading: asyncio.Task[None] | None = None
+        self._loaded: list[str] = []
+        self._refused: list[dict[str, str]] = []
+        self._prewarm_heard = False  # the gateway has answered with `load`: it takes the answers
 
     @property
     def endpoint_url(self) -> str:
@@ -131,11 +139,19 @@ class Agent:
         their catalog names. BackendError when it cannot serve at all."""
         info = await self.backend.detect()
         served = await self.backend.models()
-        info, warm = await self.backend.verify(served)
+        states = await self.backend.model_states()
+        # A server that loads models on demand is warmed up on what it holds (else its first model):
+        # warming every model up would load them all.
+        info, warm = await self.backend.verify(served if states is None else states[0] or served[:1])
         if not warm:
             raise BackendError(f"the backend at {self.config.backend_url} serves {served} but none answered")
         log.info("backend: %s; warm: %s", info, warm)
-        return [self.config.model_aliases.get(m, m) for m in warm]
+        self.available = None if states is None else self._catalog([m for m in served if m not in warm])
+        return self._catalog(warm)
+
+    def _catalog(self, served: list[str]) -> list[str]:
+        """The server's names for models, as the catalog's ids."""
+        return [self.config.model_aliases.get(m, m) for m in served]
 
     async def _beat(
         self, http: httpx.AsyncClient, stop: asyncio.Event, models: list[str], specs: Specs
@@ -159,16 +175,60 @@ class Agent:
                     models = await self._models_or(models)
                     changed = self._specs_if_changed(specs)
                     specs = changed or specs
+                if up and self.available is not None:  # it loads and lets go of models itself: every beat
+                    models = await self._states(models)
                 slow = health == "slow"
             except Exception as err:  # a server answering nonsense is a server that is not ready
                 log.warning("the backend is not ready: %r", err)
                 up = False
             backend = self.backend.info if self.backend.info != reported else None
-            if await self._heartbeat(http, "online", models, changed, up=up, backend=backend):
+            load = await self._heartbeat(http, "online", models, changed, up=up, backend=backend)
+            if load is not None:
                 reported = self.backend.info  # said once the gateway has it, so a lost beat says it again
+                if up:
+                    self._prewarm(load, models)
             beats += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+
+    async def _states(self, previous: list[str]) -> list[str]:
+        """What a server that loads on demand holds now: its loaded models (returned) and the ones it
+        can load (self.available), as catalog ids; the previous figures if it cannot say."""
+        try:
+            states = await self.backend.model_states()
+        except (BackendError, httpx.HTTPError) as err:
+            log.warning("%s; keeping the models reported before", err)
+            return previous
+        if states is None:
+            return previous
+        self.available = self._catalog(states[1])
+        return self._catalog(states[0])
+
+    def _prewarm(self, load: list[str], models: list[str]) -> None:
+        """Start loading what the platform asked for, as a task (heartbeats go on meanwhile). One
+        load at a time: the platform says it again in every reply until the answer reaches it."""
+        if not load or (self._loading is not None and not self._loading.done()):
+            return
+        model = load[0]
+        if model in self._loaded or any(r["model"] == model for r in self._refused):
+            return  # answered already: the next heartbeat says so
+        if model in models:
+            self._loaded.append(model)
+        elif not self._busy_and_fragile():  # else asked again next beat, when it may be idle
+            self._loading = asyncio.create_task(self._load(model))
+
+    async def _load(self, model: str) -> None:
+        served = self.front.served_names.get(model, model)
+        try:
+            why = await self.backend.load(served)
+        except Exception as err:  # whatever went wrong, the platform hears of it and stops asking
+            why = f"the load failed: {err!r}"[:200]
+        if why is None:
+            log.info("pre-warm: %s is loaded, as the platform asked", model)
+            self._loaded.append(model)
+        else:
+            log.info("pre-warm: %s not loaded: %s", model, why)
+            self._refused.append({"model": model, "reason": why})
 
     def _busy_and_fragile(self) -> bool:
         """A server that cuts running streams for any request is looked at only while idle."""
@@ -259,8 +319,9 @@ class Agent:
         *,
         up: bool = True,
         backend: ServerInfo | None = None,
-    ) -> bool:
-        """Send one heartbeat; True when the gateway took it."""
+    ) -> list[str] | None:
+        """Send one heartbeat; None when the gateway did not take it, else the models it asks the
+        node to pre-load (none or one)."""
         load = gpu.load()
         queued = await self.backend.queue_depth() if up else None
         beat = Heartbeat.model_construct(
@@ -271,20 +332,39 @@ class Agent:
             free_vram_gb=load[1] if load else None,
             backend_up=up,
         )
-        body = beat.model_dump(exclude={"specs", "backend"})
+        body = beat.model_dump(exclude={"specs", "backend", "available", "loaded", "refused"})
         if specs is not None:  # only when they changed since registration
             body["specs"] = dataclasses.asdict(specs)
         if backend is not None:  # only when it changed
             body["backend"] = BackendInfo.model_construct(**backend.as_json()).model_dump()
+        # Pre-warm's fields go only to a gateway that knows them (it answered with `load`): an older
+        # one refuses fields it does not know.
+        loaded, refused = self._loaded[:16], self._refused[:16]
+        if self._prewarm_heard:
+            if up and self.available is not None:
+                body["available"] = self.available
+            body.update({"loaded": loaded, "refused": refused} if loaded or refused else {})
         assert self.secret is not None
         try:
             resp = await self._post(http, f"/v1/nodes/{self.node_id}/heartbeat", body, self.secret)
         except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
-            return False
+            return None
         if resp.status_code != 200:
             log.warning("heartbeat refused: %s", _message(resp))
-        return resp.status_code == 200
+            return None
+        if self._prewarm_heard:  # the answers reached the platform
+            del self._loaded[: len(loaded)], self._refused[: len(refused)]
+        return self._load_asked(resp)
+
+    def _load_asked(self, resp: httpx.Response) -> list[str]:
+        """The models a heartbeat's reply asks the node to pre-load (`load`; absent from older gateways)."""
+        try:
+            load = resp.json().get("load")
+        except (ValueError, AttributeError):
+            return []
+        self._prewarm_heard = self._prewarm_heard or isinstance(load, list)
+        return [m for m in load if isinstance(m, str)] if isinstance(load, list) else []
 
     async def _post(
         self, http: httpx.AsyncClient, path: str, body: dict[str, Any], token: str
@@ -319,6 +399,10 @@ class Agent:
     async def _drain(self, http: httpx.AsyncClient, models: list[str]) -> None:
         """Take no new work, finish what is running, then go offline."""
         self.front.draining = True
+        if self._loading is not None:  # a pre-load is no use to a node on its way out
+            self._loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loading
         await self._heartbeat(http, "draining", models)
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
         while self.front.inflight and asyncio.get_running_loop().time() < deadline:

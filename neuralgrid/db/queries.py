@@ -188,6 +188,14 @@ class RegisteredNode:
 
 
 @dataclass(frozen=True)
+class HeartbeatReply:
+    """What a heartbeat gets back: the node's status, and the models it should pre-load now."""
+
+    status: str
+    load: list[str]
+
+
+@dataclass(frozen=True)
 class Swept:
     """One thing a sweep ended: a silent node set offline, or an abandoned job."""
 
@@ -360,8 +368,9 @@ REGISTER_NODE = Query(
 )
 AGENT_HEARTBEAT = Query(
     "agent_heartbeat",
-    "select public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[], %s::jsonb, %s, %s::jsonb)",
-    scalar_row,
+    "select status, load from public.agent_heartbeat(%s, %s, %s, %s, %s::real, %s::real, %s::text[],"
+    " %s::jsonb, %s, %s::jsonb, %s::text[], %s::text[], %s::jsonb)",
+    class_row(HeartbeatReply),
     subject="node_id",
 )
 NODE_HEARTBEAT = Query("node_heartbeat", "select public.node_heartbeat(%s)", scalar_row)

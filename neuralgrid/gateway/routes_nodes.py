@@ -67,9 +67,13 @@ async def heartbeat(node_id: UUID, request: Request, services: ServicesDep) -> d
         _jsonb(beat.specs),
         beat.backend_up,
         _jsonb(beat.backend),
+        beat.available,
+        beat.loaded,
+        Jsonb([r.model_dump() for r in beat.refused]),
     )
-    status = await services.store.get(q.AGENT_HEARTBEAT, params)
-    return {"node_id": node_id, "status": status}
+    reply = await services.store.get(q.AGENT_HEARTBEAT, params)
+    # `load`: the models the node should pre-load now (none or one); agents before pre-warm ignore it.
+    return {"node_id": node_id, "status": reply.status, "load": reply.load}
 
 
 def _jsonb(model: BaseModel | None) -> Jsonb | None:

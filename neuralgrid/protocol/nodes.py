@@ -17,6 +17,10 @@ Models = Annotated[
     Field(default_factory=list, max_length=1000),
     AfterValidator(lambda m: list(dict.fromkeys(m))),
 ]
+# The models a server can load on demand (null: the agent does not say), as many as it may list.
+AvailableModels = Annotated[
+    list[ModelName], Field(max_length=1000), AfterValidator(lambda m: list(dict.fromkeys(m)))
+]
 VramGb = Annotated[float, Field(gt=0, le=100_000)]  # all GPUs together
 Tflops = Annotated[float, Field(gt=0, le=1_000_000)]
 
@@ -63,6 +67,14 @@ class Specs(BaseModel):
     tflops: Tflops
 
 
+class Refusal(BaseModel):
+    """A pre-load the agent did not do, and why (its server serves one model, say)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelName
+    reason: str = Field(min_length=1, max_length=200, pattern=PRINTABLE)
+
+
 class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: AgentStatus = "online"
@@ -73,3 +85,8 @@ class Heartbeat(BaseModel):
     specs: Specs | None = None  # only when they changed since registration
     backend_up: bool = True  # false: the agent is alive but its inference server does not answer
     backend: BackendInfo | None = None  # only when it changed
+    # Pre-warm: the models the server can load on demand but holds unloaded (None: not said), and
+    # the answers to the platform's last `load` (the reply's field): loaded, or refused and why.
+    available: AvailableModels | None = None
+    loaded: list[ModelName] = Field(default_factory=list, max_length=16)
+    refused: list[Refusal] = Field(default_factory=list, max_length=16)

@@ -85,7 +85,6 @@ PRIVATE_HELPERS = sorted(
         "place",
         "prewarm_for",
         "proximity_component",
-        "record_prewarm_outcomes",
         "refresh_node_scores",
         "refresh_prewarm_demand",
         "refresh_vram_pressure",
