@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
-from neuralgrid.cli.common import database_url, fail, friendly_errors, integers, progress, report
+from neuralgrid.cli.common import database_url, fail, friendly_errors, integers, out, progress, report
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
 
@@ -266,3 +269,81 @@ def health(
         table.add_row(scenario, *(f"{v:.2f}" if v is not None else "never" for v in r.values()))
     targets = "silent node offline <= 15 s; dropped tunnel <= 1 s"
     report(table, out_file, "health", [result], targets=targets)
+
+
+@app.command("calibrate")
+def calibrate(
+    url: Annotated[
+        str | None, typer.Option(help="An OpenAI-compatible server's base URL (http://host:port).")
+    ] = None,
+    serve_built: Annotated[
+        bool,
+        typer.Option(
+            "--serve-built",
+            help="Instead of --url: the llama-server scripts/backends.sh built, on loopback, for the run.",
+        ),
+    ] = False,
+    model: Annotated[
+        str | None, typer.Option(help="The model to ask for; default: the server's first.")
+    ] = None,
+    parallel: Annotated[
+        str, typer.Option(help="Requests at once, comma-separated; 1 is always measured (the baseline).")
+    ] = "1,2,4,8",
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length, in the server's tokens.", min=1)] = 200,
+    output_tokens: Annotated[int, typer.Option(help="Tokens to generate per request.", min=2)] = 128,
+    rounds: Annotated[int, typer.Option(help="Rounds of p requests per parallelism.", min=1)] = 3,
+    out_file: OutFile = Path("bench-results/batching.json"),
+) -> None:
+    """Per-stream and aggregate decode speed by requests at once, and prefill speed, of a real server:
+    the simulator's batching model (`--out neuralgrid/sim/data/batching.json` replaces its file)."""
+    from neuralgrid.bench import calibrate as bench
+
+    levels = integers(parallel, "--parallel")
+    if (url is None) == (not serve_built):
+        raise fail("give --url or --serve-built (one of them)")
+    try:
+        with ExitStack() as stack:
+            pids: list[int] = []
+            if serve_built:
+                # llama.cpp splits -c among its slots: each gets room for a whole request, and more.
+                context = max(2048, 2 * (prompt_tokens + output_tokens))
+                served = stack.enter_context(bench.serve_built(max(levels), context))
+                url, pids = served.url, [served.pid]
+            assert url is not None
+            result = bench.calibrate(
+                url, model, levels, prompt_tokens, output_tokens, rounds, progress=progress, server_pids=pids
+            )
+    except bench.CalibrationError as err:
+        raise fail(str(err)) from err
+    raw = result["raw"]
+    table = Table(
+        "parallel",
+        "per-stream tok/s",
+        "rel",
+        "aggregate tok/s",
+        "rel",
+        "TTFT p50 ms",
+        "prefill tok/s",
+        "server CPU",
+        caption=f"{result['model']} on {result['measured_on']}; prompts of {raw['prompt_tokens']} tokens,"
+        f" {raw['output_tokens']} out; each level's fastest of {raw['rounds']} rounds; prefill: a round's"
+        " uncached prompt tokens over its slowest first token",
+    )
+    for level, per_stream, aggregate in zip(
+        raw["by_parallel"], result["per_stream_rel"], result["aggregate_rel"], strict=True
+    ):
+        cpu = level["server_cpu_cores"]
+        table.add_row(
+            str(level["parallel"]),
+            f"{level['per_stream_tokens_per_s']:.1f}",
+            f"{per_stream:.2f}",
+            f"{level['aggregate_tokens_per_s']:.1f}",
+            f"{aggregate:.2f}",
+            f"{level['ttft_p50_ms']:.0f}",
+            f"{level['prefill_tokens_per_s']:.0f}",
+            "-" if cpu is None else f"{cpu:.2f} cores",
+        )
+    (out if out.is_terminal else Console(width=160)).print(table)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print(f"wrote {out_file}")
