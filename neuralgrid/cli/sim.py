@@ -45,7 +45,7 @@ def simulate(
     poisson: Annotated[bool, typer.Option(envvar="NEURALGRID_SIM_POISSON", help="No bursts.")] = False,
     policies: Annotated[
         str, typer.Option(envvar="NEURALGRID_SIM_POLICIES", help="Comma-separated policies.")
-    ] = "seed,seed_warm,balanced,round_robin,least_loaded,random",
+    ] = "seed,seed_warm,balanced,balanced+prewarm,round_robin,least_loaded,random",
     seed: Annotated[
         int | None, typer.Option(envvar="NEURALGRID_SIM_SEED", help="Same seed, same results.")
     ] = None,
@@ -59,6 +59,13 @@ def simulate(
     show_progress: Annotated[
         bool, typer.Option("--progress", envvar="NEURALGRID_SIM_PROGRESS", help="Show a progress bar.")
     ] = False,
+    batching: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="NEURALGRID_SIM_BATCHING",
+            help="A measured batching curve (bench calibrate's JSON) instead of the analytic one.",
+        ),
+    ] = None,
 ) -> None:
     """Simulate the fleet under each policy on one scenario or all; write a markdown report, JSON
     and PNG plots. Options given override the scenario's own settings."""
@@ -91,7 +98,10 @@ def simulate(
     ]
     names = [p.strip() for p in policies.split(",") if p.strip()]
     with database(ctx) as conn:
-        world = World.load(conn)
+        try:
+            world = World.load(conn, batching)
+        except (OSError, ValueError) as err:  # an unreadable batching file
+            raise fail(str(err)) from err
     try:
         world.check(names)
     except ValueError as err:

@@ -39,6 +39,7 @@ import numpy as np
 from neuralgrid.sim import physics
 from neuralgrid.sim.physics import BIG_MODEL, MODELS, REGIONS, Batching, Platform
 from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, score
+from neuralgrid.sim.prewarm import Job, Prewarm, PrewarmSettings
 from neuralgrid.sim.scenarios import (
     MODEL_IDS,
     Fleet,
@@ -76,6 +77,9 @@ class Result:
     lost: int = 0  # failed over until no fallback was left
     load_waits: int = 0  # served requests that waited for a model load (started or under way)
     loads: int = 0  # model loads started
+    prewarm_loads: int = 0  # of those, started by pre-warm
+    prewarm_used: int = 0  # pre-loads a request used before the model was evicted or lost
+    prewarm_unused_gb_s: float = 0.0  # VRAM held by pre-loaded models until first use (or eviction)
     retries: int = 0
     tokens: int = 0
     bill_usd: float = 0.0
@@ -116,6 +120,9 @@ class Result:
             "bill_usd_per_mtok": round(1e6 * self.bill_usd / max(self.tokens, 1), 4),
             "cold_start_pct": _pct(self.load_waits, self.served),
             "loads": self.loads,
+            "prewarm_loads": self.prewarm_loads,
+            "prewarm_used_pct": _pct(self.prewarm_used, self.prewarm_loads),
+            "prewarm_unused_gb_s": round(self.prewarm_unused_gb_s, 1),
             "retries": self.retries,
             "lost_to_churn": self.lost,
             "refused": self.refused,
@@ -144,6 +151,7 @@ class Req:
         "caller",
         "claimed",
         "id",
+        "job",
         "kv_bytes",
         "left",
         "model",
@@ -168,6 +176,7 @@ class Req:
         self.state = "new"  # queued | loading | prefill | decode | doomed | served | failed
         self.waited_load = False
         self.placement: Placement | None = None
+        self.job: Job | None = None  # as pre-warm's demand counts it
 
 
 @dataclass
@@ -195,8 +204,10 @@ class Simulation:
         workload: list[Request] | None = None,
         platform: Platform | None = None,
         batching: Batching | None = None,
+        prewarm: PrewarmSettings | None = None,
     ) -> None:
-        """`policy` is a baseline (BASELINES) or a matching_policies row, whose `weights` rank."""
+        """`policy` is a baseline (BASELINES) or a matching_policies row, whose `weights` rank;
+        with `prewarm` (enabled), idle nodes pre-load models in demand as the platform asks them."""
         if policy not in BASELINES and weights is None:
             raise ValueError(f"policy {policy!r} is no baseline and has no weights")
         self.scenario, self.policy, self.weights, self.catalog = scenario, policy, weights, catalog
@@ -252,6 +263,8 @@ class Simulation:
         self.queues: list[deque[Req]] = [deque() for _ in range(m)]
         # The demand on each VRAM level, as the sweeper measures it every second (the reserve).
         self.pressure = VramPressure(self.need.tolist(), self.platform.reserve_window_s)
+        self.prewarm = Prewarm(prewarm) if prewarm is not None and prewarm.enabled else None
+        self.prewarmed: dict[tuple[int, int], float] = {}  # (node, model) -> pre-load started, unused yet
         self.placements: list[Placement] = []
         self.outcomes: dict[int, str] = {}  # request id -> served | failed, each exactly once
         self.rr = 0
@@ -273,7 +286,7 @@ class Simulation:
         for i, loss in enumerate(self.losses):
             self.push(loss.t, LOSE, i)
         end = self.end
-        if self.weights is not None and self.weights.reserve > 0:
+        if self.prewarm is not None or (self.weights is not None and self.weights.reserve > 0):
             self.push(0.0, SWEEP, None)
         handlers: dict[int, Callable[[float, Any], None]] = {
             ARRIVE: self._arrive,
@@ -302,11 +315,45 @@ class Simulation:
         return self.result
 
     def _sweep(self, t: float, _: Any) -> None:
-        """The sweeper's refresh_vram_pressure(): running jobs by VRAM need, against the slots."""
+        """Each second: the sweeper's refresh_vram_pressure() (running jobs by VRAM need, against the
+        slots), and the pre-warm asks of the nodes that heartbeat in that second."""
         needs = [float(self.need[req.model]) for running in self.running for req in running.values()]
         self.pressure.refresh(t, needs, self.fleet)
+        if self.prewarm is not None:
+            self._prewarm(t)
         if t + self.platform.sweep_interval_s <= self.end:
             self.push(t + self.platform.sweep_interval_s, SWEEP, None)
+
+    def _prewarm(self, t: float) -> None:
+        f, pw = self.fleet, self.prewarm
+        assert pw is not None
+        if pw.due(t):
+            warm: dict[tuple[int, int], int] = {}
+            usable = f.online & (self.cool_until <= t)
+            for model, node in zip(*np.nonzero(self.ready & usable[None, :]), strict=True):
+                key = (int(model), int(f.region[node]))
+                warm[key] = warm.get(key, 0) + int(f.max_concurrency[node])
+            pw.refresh(t, warm)
+        # The nodes whose heartbeat fell in the last second, idle and with no load under way.
+        interval, step = self.platform.heartbeat_interval_s, self.platform.sweep_interval_s
+        beat = ((t / interval - self.heartbeat_phase) % 1.0) * interval < step
+        idle = beat & f.online & self.alive & (f.inflight == 0) & (self.cool_until <= t)
+        for node in np.flatnonzero(idle).tolist():
+            models = self.models_on[node]
+            if any(ready_at > t for ready_at in models.values()):
+                continue
+            can_load = {int(m) for m in np.flatnonzero(self.holds[:, node] & ~self.resident[:, node])}
+            model = pw.pick(t, int(f.region[node]), can_load)
+            if model is not None and self._load(node, model, t) is not None:
+                self.result.prewarm_loads += 1
+                self.prewarmed[(int(node), model)] = t
+
+    def _prewarm_ended(self, node: int, model: int, t: float, used: bool) -> None:
+        """A pre-loaded model was used, evicted or lost: the VRAM it held unused until then."""
+        started = self.prewarmed.pop((node, model), None)
+        if started is not None:
+            self.result.prewarm_unused_gb_s += float(self.need[model]) * (min(t, self.end) - started)
+            self.result.prewarm_used += used
 
     # Placing a request.
 
@@ -363,6 +410,8 @@ class Simulation:
         queue = self.queues[req.model]
         if req.attempt > 1 or not capable or len(queue) >= self.platform.queue_max_waiting:
             # failover_job() finds no free candidate, or place_job() has nothing to wait for.
+            if self.prewarm is not None and req.attempt == 1:  # a refused job: unmet demand
+                self.prewarm.record(Job(req.model, req.caller, t, True, ended=t))
             self._end(req, "failed", lost=req.attempt > 1)
             return
         req.state = "queued"
@@ -405,6 +454,10 @@ class Simulation:
             self.busy_gb[node] += self.need[model]
         self.users[model, node] += 1
         models = self.models_on[node]
+        self._prewarm_ended(node, model, t, used=True)
+        if self.prewarm is not None:
+            cold = model not in models or models[model] > t
+            req.job = self.prewarm.record(Job(model, req.caller, t, cold))
         ready_at = models.pop(model) if model in models else self._load(node, model, t)
         if ready_at is None:
             raise AssertionError("choose() gave a node the model does not fit on")
@@ -426,6 +479,7 @@ class Simulation:
             if self.resident_gb[node] + self.need[model] <= vram:
                 break
             if self.users[other, node] == 0:
+                self._prewarm_ended(node, other, t, used=False)
                 del models[other]
                 self.resident[other, node] = self.ready[other, node] = False
                 self.resident_gb[node] -= self.need[other]
@@ -546,6 +600,8 @@ class Simulation:
         del self.running[node][req.id]
         if req.placement is not None:
             req.placement.end = t
+        if req.job is not None:
+            req.job.ended = t
         if req.state != "doomed":
             self.users[model, node] -= 1
             if self.users[model, node] == 0:
@@ -633,6 +689,7 @@ class Simulation:
         for req in list(self.running[node].values()):
             self._fail(req, t)
         for model in list(self.models_on[node]):  # it comes back cold
+            self._prewarm_ended(node, model, t, used=False)
             self.resident[model, node] = self.ready[model, node] = False
         self.models_on[node] = {}
         self.waiting_load[node] = {}

@@ -53,6 +53,7 @@ def simulate_cli(db_url: str, out: Path, *args: str) -> dict:  # type: ignore[ty
 
 
 DEMO_FLEET = Path(__file__).resolve().parents[2] / "neuralgrid" / "data" / "demo_fleet.json"
+CALIBRATION = Path(__file__).resolve().parents[2] / "neuralgrid" / "sim" / "data" / "batching.json"
 
 
 def test_each_policy_runs_on_its_own_copy_of_the_fleet(db_url: str, tmp_path: Path) -> None:
@@ -94,6 +95,7 @@ def test_simulate_command_writes_the_report_for_every_scenario(db_url: str, tmp_
             "seed",
             "seed_warm",
             "balanced",
+            "balanced+prewarm",
             "round_robin",
             "least_loaded",
             "random",
@@ -121,6 +123,23 @@ def test_simulate_refuses_unknown_names(db_url: str) -> None:
     assert bad.exit_code == 1 and "unknown policy 'fastest'" in bad.stderr
     bad = CliRunner().invoke(app, ["simulate", "--scenario", "calm"], env=env)
     assert bad.exit_code == 1 and "unknown scenario 'calm'" in bad.stderr
+
+
+def test_a_measured_batching_curve_is_taken_only_when_asked(db_url: str, tmp_path: Path) -> None:
+    """The committed calibration (a 2-core CPU) slows batched streams far more than the analytic GPU
+    model does; the default stays analytic, and a bad file is one line."""
+    args = ["--nodes", "30", "--rps", "3", "--duration", "60", "--churn", "0", "--policies", "balanced"]
+    analytic = simulate_cli(db_url, tmp_path / "a", *args)
+    measured = simulate_cli(db_url, tmp_path / "m", *args, "--batching", str(CALIBRATION))
+    assert analytic["model"]["batching"] == "analytic"
+    assert measured["model"]["batching"].startswith("measured on")
+    p95 = [d["scenarios"]["default"]["policies"]["balanced"]["p95_s"] for d in (analytic, measured)]
+    assert p95[1] > p95[0]
+    bad = CliRunner().invoke(
+        app, ["simulate", "--batching", str(tmp_path / "none.json")], env={"DATABASE_URL": db_url}
+    )
+    assert bad.exit_code == 1 and "no such batching file" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_simulate_takes_a_fleet_file_and_a_trace(db_url: str, tmp_path: Path) -> None:
