@@ -53,7 +53,7 @@ def test_import_list_and_match_the_demo_fleet(db_url: str) -> None:
     ranking = json.loads(out)
     assert code == 0 and ranking
     assert [r["rank"] for r in ranking] == list(range(1, len(ranking) + 1))
-    assert {"node_id", "name", "score", "fit", "compute", "price", "warm"} <= ranking[0].keys()
+    assert {"node_id", "name", "score", "fit", "compute", "price", "warm", "reserve"} <= ranking[0].keys()
     scores = [r["score"] for r in ranking]
     assert scores == sorted(scores, reverse=True)
 
