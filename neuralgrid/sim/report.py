@@ -67,32 +67,25 @@ def load_catalog(conn: psycopg.Connection) -> tuple[dict[str, CatalogModel], dic
     return catalog, weights
 
 
-def load_platform(conn: psycopg.Connection) -> Platform:
-    """Heartbeats and cooldowns as the database sets them; the gateway's settings at their defaults."""
+def load_platform(conn: psycopg.Connection) -> tuple[Platform, PrewarmSettings]:
+    """Heartbeats, cooldowns, the reserve's window and pre-warm as the database sets them (one row of
+    platform_settings); the gateway's settings at their defaults."""
     row = conn.execute(
         "select heartbeat_interval_s, missed_heartbeats_offline, cooldown_base_s, cooldown_max_s,"
-        " reserve_window_s from public.platform_settings"
+        " reserve_window_s, prewarm_enabled, prewarm_window_s, prewarm_refresh_s, prewarm_interval_s,"
+        " prewarm_busy_ratio from public.platform_settings"
     ).fetchone()
     if row is None:
-        return Platform()
-    return Platform(
-        heartbeat_interval_s=float(row[0]),
-        missed_heartbeats_offline=int(row[1]),
-        cooldown_base_s=float(row[2]),
-        cooldown_max_s=float(row[3]),
-        reserve_window_s=float(row[4]),
+        return Platform(), PrewarmSettings()
+    heartbeat, missed, cooldown_base, cooldown_max, reserve_window, enabled, *prewarm = row
+    platform = Platform(
+        heartbeat_interval_s=float(heartbeat),
+        missed_heartbeats_offline=int(missed),
+        cooldown_base_s=float(cooldown_base),
+        cooldown_max_s=float(cooldown_max),
+        reserve_window_s=float(reserve_window),
     )
-
-
-def load_prewarm(conn: psycopg.Connection) -> PrewarmSettings:
-    """Pre-warm as the database sets it (platform_settings' prewarm_* columns)."""
-    row = conn.execute(
-        "select prewarm_enabled, prewarm_window_s, prewarm_refresh_s, prewarm_interval_s, prewarm_busy_ratio"
-        " from public.platform_settings"
-    ).fetchone()
-    if row is None:
-        return PrewarmSettings()
-    return PrewarmSettings(bool(row[0]), *(float(v) for v in row[1:]))
+    return platform, PrewarmSettings(bool(enabled), *(float(v) for v in prewarm))
 
 
 @dataclass
@@ -114,7 +107,8 @@ class World:
         curve = None if batching is None else read_batching(batching)
         if batching is not None and curve is None:
             raise ValueError(f"{batching}: no such batching file")
-        return cls(catalog, weights, load_platform(conn), curve, load_prewarm(conn))
+        platform, prewarm = load_platform(conn)
+        return cls(catalog, weights, platform, curve, prewarm)
 
     def check(self, policies: list[str]) -> None:
         unknown = [
