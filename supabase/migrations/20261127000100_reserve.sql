@@ -47,13 +47,14 @@ as $$
   ),
   -- Each running job at its level: the biggest level it needs at least (the smallest, for a job
   -- needing less than any).
-  running as (
+  running as materialized (
     select coalesce((select max(l.level_gb) from levels l where l.level_gb <= j.min_vram_gb),
                     (select min(l.level_gb) from levels l)) as level_gb
     from public.jobs j where j.status = 'running'
   ),
-  -- Slots by VRAM size first (a handful of sizes), so that nodes are read once, not once per level.
-  sizes as (
+  -- Slots by VRAM size first (a handful of sizes), so that nodes are read once, not once per level
+  -- (materialized: a correlated subquery would otherwise read them again for each level).
+  sizes as materialized (
     select n.vram_gb, sum(n.max_concurrency) as slots
     from public.nodes n where n.status in ('online', 'busy')
     group by n.vram_gb
