@@ -17,6 +17,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway.errors import Unauthorized
 from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.tokens import TokenKeyError
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,21 @@ ApiKeyDep = Annotated[ApiKey, Depends(api_key)]
 
 
 async def user_claims(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """A Supabase user's JWT (HS256, the project's JWT secret), as Supabase Auth issues it."""
+    """A Supabase user's JWT, as Supabase Auth issues it: signed with one of the project's signing keys
+    (ES256 or RS256, from its JWKS) or with the legacy JWT secret (HS256; the embedded stack's)."""
     header = request.headers.get("authorization") or ""
     if not header.lower().startswith("bearer "):
         raise Unauthorized("sign in: send 'Authorization: Bearer <Supabase access token>'")
+    token = header[7:].strip()
+    try:
+        found = await services.tokens.for_token(token)
+    except TokenKeyError as err:
+        raise Unauthorized(f"invalid access token: {err}") from err
     try:
         claims: dict[str, Any] = jwt.decode(
-            header[7:].strip(),
-            services.settings.jwt_secret,
-            algorithms=["HS256"],
+            token,
+            found.key,
+            algorithms=[found.algorithm],
             audience="authenticated",
             options={"require": ["exp", "sub"]},  # a token that never expires is no session's
         )

@@ -8,6 +8,8 @@ from typing import Any
 
 import jwt
 
+from neuralgrid.server.tokens import KEY_ROLES, NotAJwt, TokenKeyError, TokenKeys
+
 # The roles a token may act as. A signed token naming any other role (postgres, say) is refused
 # rather than trusted: Realtime runs its checks with SET ROLE to this value.
 API_ROLES = frozenset({"anon", "authenticated", "service_role"})
@@ -26,12 +28,29 @@ class AuthError(Exception):
         return str(self)
 
 
-def verify(token: str | None, secret: str, now: float | None = None) -> dict[str, Any]:
+# A claim set for an opaque API key (sb_publishable_…, sb_secret_…): the role it stands for, and an
+# expiry an hour ahead, renewed by nothing (a key does not expire; a socket that outlives the hour
+# sends an access_token, as supabase-js does, or reconnects).
+API_KEY_CLAIMS_S = 3600
+
+
+async def verify(token: str | None, keys: TokenKeys, now: float | None = None) -> dict[str, Any]:
     if not token:
         raise AuthError("Unauthorized", "an apikey or access_token is required")
+    if token.startswith(tuple(KEY_ROLES)):
+        role = keys.role_of_api_key(token)
+        if role is None:
+            raise AuthError("Unauthorized", "unknown API key")
+        return {"role": role, "exp": int(time.time() if now is None else now) + API_KEY_CLAIMS_S}
+    try:
+        found = await keys.for_token(token)
+    except NotAJwt as err:
+        raise AuthError("MalformedJWT", "The token provided is not a valid JWT") from err
+    except TokenKeyError as err:
+        raise AuthError("JwtSignatureError", f"Failed to validate JWT signature: {err}") from err
     try:
         claims: dict[str, Any] = jwt.decode(
-            token, secret, algorithms=["HS256"], options={"verify_exp": False, "verify_aud": False}
+            token, found.key, algorithms=[found.algorithm], options={"verify_exp": False, "verify_aud": False}
         )
     except jwt.InvalidSignatureError as err:
         raise AuthError("JwtSignatureError", "Failed to validate JWT signature") from err

@@ -31,6 +31,7 @@ from neuralgrid.realtime.limits import (
 )
 from neuralgrid.realtime.protocol import V1, VERSIONS, Message, Outgoing, ProtocolError, decode, outgoing
 from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.tokens import TokenKeys
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,11 @@ class Connection:
     writes (or, under another ASGI server, a queue drained by a writer task)."""
 
     def __init__(
-        self, ws: WebSocket, hub: Hub, secret: str, vsn: str, claims: dict[str, Any], limits: Limits
+        self, ws: WebSocket, hub: Hub, keys: TokenKeys, vsn: str, claims: dict[str, Any], limits: Limits
     ) -> None:
         self.ws = ws
         self.hub = hub
-        self.secret = secret
+        self.keys = keys
         self.vsn = vsn
         self.claims = claims
         self.limits = limits
@@ -224,7 +225,7 @@ class Connection:
             self.reply(msg, "error", {"reason": "MalformedJWT: The token provided is not a valid JWT"})
             return
         try:
-            claims = self.claims if not token or token.startswith("sb_") else verify(token, self.secret)
+            claims = self.claims if not token or token.startswith("sb_") else await verify(token, self.keys)
         except AuthError as err:
             self.reply(msg, "error", {"reason": err.reason})
             return
@@ -325,7 +326,7 @@ class Connection:
         if not isinstance(token, str) or token.startswith("sb_"):
             return  # publishable keys are ignored, as on Supabase
         try:
-            claims = verify(token, self.secret)
+            claims = await verify(token, self.keys)
         except AuthError as err:
             await self.close_channel(channel, err.reason)
             return
@@ -392,16 +393,16 @@ class Connection:
 
 @router.websocket("/realtime/v1/websocket")
 async def realtime_websocket(ws: WebSocket, services: ServicesDep) -> None:
-    hub, secret = services.realtime, services.settings.jwt_secret
+    hub, keys = services.realtime, services.tokens
     apikey = ws.query_params.get("apikey") or ws.headers.get("apikey") or ""
     vsn = ws.query_params.get("vsn") or V1
     try:
         if vsn not in VERSIONS:
             raise AuthError("UnsupportedProtocolVersion", f"vsn {vsn!r}: use one of {VERSIONS}")
-        claims = verify(apikey, secret)
+        claims = await verify(apikey, keys)
     except AuthError as err:
         log.info("realtime: refused a connection: %s", err.reason)
         await ws.close(code=1008, reason=err.reason[:120])  # before accept: an HTTP 403
         return
     await ws.accept()
-    await Connection(ws, hub, secret, vsn, claims, Limits.from_settings(services.settings)).run()
+    await Connection(ws, hub, keys, vsn, claims, Limits.from_settings(services.settings)).run()

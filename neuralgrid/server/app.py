@@ -48,6 +48,7 @@ from neuralgrid.server.liveness import check_in, keep_checking_in
 from neuralgrid.server.services import Services, ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
+from neuralgrid.server.tokens import TokenKeys, stack_api_keys
 from neuralgrid.web import routes as web_routes
 from neuralgrid.web.stats import StatsCache
 
@@ -131,7 +132,13 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         await check_in(store, gateway_id, internal_url)  # known before it places a job or holds a tunnel
         pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id)
         hub = Hub(pool, session_url)
-        app.state.services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache())
+        tokens = TokenKeys(
+            settings.jwt_secret,
+            settings.signing_keys_url,
+            api_keys=tuple(stack_api_keys(settings.jwt_secret).values()),
+        )
+        services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache(), tokens)
+        app.state.services = services
         stop = asyncio.Event()
         tasks = [
             asyncio.create_task(
@@ -159,6 +166,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             limiter.close()
             await nodes.close()
             await peers.close()
+            await tokens.aclose()
             await jobs_pool.close()
             await pool.close()
 

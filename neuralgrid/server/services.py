@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from neuralgrid.gateway.tunnel import Tunnels
     from neuralgrid.realtime.hub import Hub
     from neuralgrid.server.settings import Settings
+    from neuralgrid.server.tokens import TokenKeys
     from neuralgrid.web.stats import StatsCache
 
 
@@ -30,6 +31,7 @@ class Services:
     tunnels: Tunnels
     realtime: Hub
     stats: StatsCache
+    tokens: TokenKeys  # what verifies users' JWTs and the stack's opaque API keys
 
 
 def get_services(connection: HTTPConnection) -> Services:

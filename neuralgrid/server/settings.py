@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     # stack, where the gateway itself serves both.
     supabase_url: str | None = Field(None, alias="NEURALGRID_SUPABASE_URL")
     supabase_anon_key: str | None = Field(None, alias="NEURALGRID_SUPABASE_ANON_KEY")
+    # Where the project publishes its asymmetric signing keys (ES256/RS256 user tokens). Unset: the
+    # project's own JWKS when NEURALGRID_SUPABASE_URL is set, else none (HS256 tokens only).
+    jwks_url: str | None = Field(None, alias="NEURALGRID_JWKS_URL", pattern=r"^https?://\S+$")
     # What one Realtime socket may send (see docs/realtime.md#limits): message sizes, a message and a
     # byte rate (token buckets of two and four seconds' worth), channels and presences at once, and
     # public topics only the platform (and service_role) writes to. A JSON list in the environment.
@@ -87,6 +90,13 @@ class Settings(BaseSettings):
     # transaction port): no server-side prepared statements, no session settings (so the request
     # path commits durably whatever NEURALGRID_ASYNC_COMMIT says).
     transaction_pooler: bool = Field(False, alias="NEURALGRID_DB_TRANSACTION_POOLER")
+
+    @property
+    def signing_keys_url(self) -> str | None:
+        """The JWKS user tokens are verified with, besides the JWT secret."""
+        if self.jwks_url or not self.supabase_url:
+            return self.jwks_url
+        return self.supabase_url.rstrip("/") + "/auth/v1/.well-known/jwks.json"
 
     @property
     def private_endpoints_allowed(self) -> bool:
