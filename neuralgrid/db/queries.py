@@ -518,3 +518,11 @@ ADD_USER = Query(
     scalar_row,
 )
 USER_ID = Query("user_id", "select id from auth.users where email = %s", scalar_row)
+
+# Whether this database carries the embedded Realtime server's feed (db/sql/realtime_feed.sql). It is
+# left out where Supabase's Realtime runs (it reads the WAL itself): then the gateway serves none.
+REALTIME_FEED_INSTALLED = Query(
+    "realtime_feed_installed",
+    "select to_regprocedure('realtime.feed_notify(jsonb)') is not null",
+    scalar_row,
+)

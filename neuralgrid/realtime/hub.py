@@ -140,6 +140,8 @@ class Hub:
         self.parked_at: float | None = None  # when a client event last may have overflowed
         self.coalescer = Coalescer()
         self.listening = asyncio.Event()
+        # Why this gateway serves no Realtime (its feed is not installed on this database); None: on.
+        self.off: str | None = None
 
     # -- channels ---------------------------------------------------------------------------------
 

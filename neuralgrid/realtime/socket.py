@@ -397,6 +397,8 @@ async def realtime_websocket(ws: WebSocket, services: ServicesDep) -> None:
     apikey = ws.query_params.get("apikey") or ws.headers.get("apikey") or ""
     vsn = ws.query_params.get("vsn") or V1
     try:
+        if hub.off:
+            raise AuthError("RealtimeDisabled", hub.off)
         if vsn not in VERSIONS:
             raise AuthError("UnsupportedProtocolVersion", f"vsn {vsn!r}: use one of {VERSIONS}")
         claims = await verify(apikey, keys)

@@ -149,12 +149,16 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                     reconnected=lambda: _missed(keys, room),
                 )
             ),
-            asyncio.create_task(hub.run(stop)),
             asyncio.create_task(keep_checking_in(store, gateway_id, stop, internal_url)),
         ]
-        # Serve only once the Realtime feed listens, so no change committed after startup is missed.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(hub.listening.wait(), 10)
+        if await store.get(q.REALTIME_FEED_INSTALLED):
+            tasks.append(asyncio.create_task(hub.run(stop)))
+            # Serve only once the Realtime feed listens, so no change committed after startup is missed.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hub.listening.wait(), 10)
+        else:
+            hub.off = "Supabase's Realtime serves this database: connect to the project's /realtime/v1"
+            log.info("embedded Realtime off: %s", hub.off)
         if sweep:
             tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop)))
         try:
