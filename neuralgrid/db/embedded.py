@@ -39,6 +39,9 @@ class EmbeddedPostgres:
     root: Path
     port: int = 54322
     fast_unsafe: bool = False  # fsync off: for throwaway test clusters only
+    # The bootstrap superuser, set at initdb. Supabase's images bootstrap as supabase_admin and demote
+    # postgres (the test suite builds such a cluster: tests/supabase/shaped.py).
+    superuser: str = SUPERUSER
 
     @property
     def pgdata(self) -> Path:
@@ -52,12 +55,13 @@ class EmbeddedPostgres:
     def log_file(self) -> Path:
         return self.root / "postgres.log"
 
-    def url(self, database: str = DATABASE) -> str:
+    def url(self, database: str = DATABASE, user: str | None = None) -> str:
         """A URL psql, psycopg and the Supabase CLI accept (unix socket; TCP is open as well)."""
-        return f"postgresql://{SUPERUSER}@localhost:{self.port}/{database}?host={self.socket_dir}"
+        role = user or self.superuser
+        return f"postgresql://{role}@localhost:{self.port}/{database}?host={self.socket_dir}"
 
     def tcp_url(self, database: str = DATABASE) -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{self.superuser}@127.0.0.1:{self.port}/{database}"
 
     def _run_as(self) -> str | None:
         if os.geteuid() != 0:
@@ -90,7 +94,7 @@ class EmbeddedPostgres:
         if not (self.pgdata / "PG_VERSION").exists():
             self._call(
                 pg.initdb,  # type: ignore[attr-defined]
-                ["--auth=trust", "--encoding=utf8", "--no-locale", "-U", SUPERUSER],
+                ["--auth=trust", "--encoding=utf8", "--no-locale", "-U", self.superuser],
                 user,
             )
         if self.is_running():

@@ -8,6 +8,7 @@ what the other applied, and applying twice is a no-op.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -16,6 +17,8 @@ from pathlib import Path
 import psycopg
 
 from neuralgrid.db.errors import MigrationError
+
+log = logging.getLogger(__name__)
 
 MIGRATION_NAME = re.compile(r"^(?P<version>\d{14})_(?P<name>[A-Za-z0-9_\-]+)\.sql$")
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
@@ -172,20 +175,33 @@ def migrate(conn: psycopg.Connection, migrations_dir: Path | None = None) -> lis
             conn.execute(statement.encode())
     done = applied_versions(conn)
     applied: list[Migration] = []
-    for migration in migrations:
-        if migration.version in done:
-            continue
-        statements = migration.statements
-        try:
-            with conn.transaction():
-                for statement in statements:
-                    conn.execute(statement.encode())
-                conn.execute(
-                    "insert into supabase_migrations.schema_migrations (version, statements, name)"
-                    " values (%s, %s, %s)",
-                    (migration.version, statements, migration.name),
-                )
-        except psycopg.Error as err:
-            raise MigrationError(f"{migration.path.name}: {err}") from err
-        applied.append(migration)
+    current = ""
+
+    def warn(diag: psycopg.errors.Diagnostic) -> None:
+        # A migration that skips something it cannot do here says so with RAISE WARNING (as psql and
+        # the Supabase CLI show it): so do we, rather than let it pass unseen.
+        if diag.severity_nonlocalized == "WARNING":
+            log.warning("%s: %s", current, diag.message_primary)
+
+    conn.add_notice_handler(warn)
+    try:
+        for migration in migrations:
+            if migration.version in done:
+                continue
+            current = migration.path.name
+            statements = migration.statements
+            try:
+                with conn.transaction():
+                    for statement in statements:
+                        conn.execute(statement.encode())
+                    conn.execute(
+                        "insert into supabase_migrations.schema_migrations (version, statements, name)"
+                        " values (%s, %s, %s)",
+                        (migration.version, statements, migration.name),
+                    )
+            except psycopg.Error as err:
+                raise MigrationError(f"{migration.path.name}: {err}") from err
+            applied.append(migration)
+    finally:
+        conn.remove_notice_handler(warn)
     return applied

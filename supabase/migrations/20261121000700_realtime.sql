@@ -95,10 +95,20 @@ create trigger jobs_broadcast_finish
   for each row when (old.status = 'running' and new.status <> 'running')
   execute function public.broadcast_job_change();
 
--- Private topics: a signed-in user may receive (and send on) only their own.
-create policy "Users receive broadcasts on their own private topics" on realtime.messages
-  for select to authenticated
-  using (realtime.topic() in ('owner:' || (select auth.uid()), 'jobs:' || (select auth.uid())));
-create policy "Users broadcast on their own private topics" on realtime.messages
-  for insert to authenticated
-  with check (realtime.topic() in ('owner:' || (select auth.uid()), 'jobs:' || (select auth.uid())));
+-- Private topics: a signed-in user may receive (and send on) only their own. realtime.messages belongs
+-- to Supabase Realtime (supabase_realtime_admin): hosted projects let postgres add policies to it
+-- (supautils); a Postgres with Supabase's roles and no supautils does not. There the policies are
+-- skipped with a warning rather than failing the push: private topics then stay closed to users
+-- (Realtime authorizes nothing without a policy) until the table's owner creates them.
+do $$
+begin
+  create policy "Users receive broadcasts on their own private topics" on realtime.messages
+    for select to authenticated
+    using (realtime.topic() in ('owner:' || (select auth.uid()), 'jobs:' || (select auth.uid())));
+  create policy "Users broadcast on their own private topics" on realtime.messages
+    for insert to authenticated
+    with check (realtime.topic() in ('owner:' || (select auth.uid()), 'jobs:' || (select auth.uid())));
+exception when insufficient_privilege then
+  raise warning 'NeuralGrid: the private-topic policies on realtime.messages were skipped: % (this database lacks supautils, which lets postgres add them on Supabase). Private topics (owner:<id>, jobs:<id>) stay closed until the owner of realtime.messages runs the two CREATE POLICY statements of 20261121000700_realtime.sql. See docs/deployment.md.', sqlerrm;
+end
+$$;
