@@ -71,6 +71,7 @@ class Pipeline:
                 placed.candidates,
                 answer_tokens=admitted.max_output_tokens,
                 speeds=placed.speeds,
+                content_type=admitted.content_type,
             )
         except Rejected as rejected:  # reject_job() has ended the job: no tokens were used
             self.metering.later(self.metering.limiter.release(meter.tpm_hold))
@@ -103,23 +104,37 @@ class Pipeline:
             raise
 
         meter.first_byte = time.perf_counter()
-        overhead = meter.sent - call.received - delivery.waited - placed.waited
-        self.metrics.overhead.observe(overhead)
+        # The gateway's overhead is everything from arrival to answering but the node's own time
+        # (sending to it until its first byte; a whole answer's first byte comes with its end) and the
+        # time spent waiting for a slot or on nodes that failed. A whole answer is timed once it is
+        # metered, just before it leaves; a stream when its first event does.
+        not_ours = meter.first_byte - meter.sent + delivery.waited + placed.waited
         headers = {
             **admitted.limit_headers,
             "x-neuralgrid-node": str(meter.node_id),
             "x-neuralgrid-attempts": str(delivery.node.attempt),
             "x-neuralgrid-job": str(meter.job_id),
-            "x-neuralgrid-overhead-ms": f"{overhead * 1000:.3f}",
             "x-neuralgrid-queue-ms": f"{placed.waited * 1000:.3f}",
         }
         if admitted.stream:
+            self._stamp_overhead(headers, call.received, not_ours)
             events = self.relay.events(admitted, delivery, meter, placed.candidates)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers | STREAM_HEADERS)
-        return await self._answer(admitted, delivery, meter, headers)
+        return await self._answer(admitted, delivery, meter, headers, call.received, not_ours)
+
+    def _stamp_overhead(self, headers: dict[str, str], received: float, not_ours: float) -> None:
+        overhead = time.perf_counter() - received - not_ours
+        self.metrics.overhead.observe(overhead)
+        headers["x-neuralgrid-overhead-ms"] = f"{overhead * 1000:.3f}"
 
     async def _answer(
-        self, admitted: Admitted, delivery: Delivery, meter: Meter, headers: dict[str, str]
+        self,
+        admitted: Admitted,
+        delivery: Delivery,
+        meter: Meter,
+        headers: dict[str, str],
+        received: float,
+        not_ours: float,
     ) -> Response:
         """A whole (non-streamed) answer, metered from the usage it reports."""
         resp, content = delivery.response, delivery.first
@@ -133,6 +148,7 @@ class Pipeline:
             usage = None
         meter.usage = usage or Usage()
         await self.metering.end(meter, outcome, error)  # the slot is free first
+        self._stamp_overhead(headers, received, not_ours)
         if resp.status >= 400:
             return errors.from_node(resp.status, content, resp.content_type, headers)
         if resp.status in (204, 205, 304):
