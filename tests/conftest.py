@@ -30,6 +30,11 @@ from neuralgrid.db.embedded import EmbeddedPostgres
 TEMPLATE = "ng_template"
 _counter = itertools.count()
 
+# The Supabase CLI the tests run reports usage to PostHog unless told not to: tests send nothing
+# beyond loopback.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("SUPABASE_TELEMETRY_DISABLED", "1")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -238,6 +243,7 @@ def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
             "kind": config.kind,
             "continues": config.continues,
             "usage_in_streams": config.usage_in_streams,
+            "routes": list(config.routes),
         }
         node_fields.setdefault("backend", Jsonb(found))
         node_id = make_node(conn, name, models=models, endpoint_url=server.url, **node_fields)

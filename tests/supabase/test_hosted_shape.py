@@ -7,6 +7,8 @@ Every other test runs as a superuser, which hides what a project's `postgres` ma
 from __future__ import annotations
 
 import logging
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +23,8 @@ POLICIES = (
     " and policyname like 'Users % their own private topics'"
 )
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
+ROOT = Path(__file__).resolve().parents[2]
+SUPABASE_CLI = ROOT / "node_modules" / ".bin" / "supabase"
 
 
 def test_the_migrations_apply_as_postgres_on_a_hosted_project(
@@ -69,3 +73,25 @@ def test_the_gateway_serves_developers_and_owners_as_postgres(
     headers = {"authorization": f"Bearer {operator_key}"}
     registered = httpx.post(f"{gateway}/v1/nodes", json=body, headers=headers)
     assert registered.status_code == 201, registered.text
+
+
+def test_the_supabase_cli_pushes_as_postgres_without_supautils(
+    shaped: ShapedCluster, hosted_template: str
+) -> None:
+    shaped.database("cli_push", supautils=False)
+    url = f"postgresql://postgres@127.0.0.1:{shaped.server.port}/cli_push"
+    try:
+        pushed = subprocess.run(
+            [str(SUPABASE_CLI), "migration", "up", f"--remote={url}", "--yes"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    finally:
+        shaped.database("after_cli_push", supautils=True)  # the cluster back as hosted
+    assert pushed.returncode == 0, pushed.stderr[-2000:]
+    with psycopg.connect(url) as conn:
+        applied = conn.execute("select count(*) from supabase_migrations.schema_migrations").fetchone()
+        assert applied == (len(migrate.discover(migrate.default_migrations_dir())),)
+        assert conn.execute(POLICIES).fetchone() == (0,)
