@@ -3,19 +3,52 @@
 from __future__ import annotations
 
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
 from neuralgrid.db import queries as q
-from neuralgrid.db.errors import InvalidRequest
+from neuralgrid.db.errors import InvalidRequest, NotFound
 from neuralgrid.db.queries import CreatedKey
 from neuralgrid.db.store import SyncStore
+from neuralgrid.web.signin import LOCAL_OWNER_EMAIL
 
 
 def create(
-    conn: psycopg.Connection[Any], name: str, rpm: int | None, tpm: int | None, budget_usd: float | None
+    conn: psycopg.Connection[Any],
+    name: str,
+    rpm: int | None,
+    tpm: int | None,
+    budget_usd: float | None,
+    owner: UUID | None = None,
 ) -> CreatedKey:
-    return SyncStore(conn).get(q.CREATE_KEY, (name, rpm, tpm, budget_usd))
+    """A key owned by `owner`, created as that user exactly as the web page's API does (so its page
+    lists it, and the nodes registered with it are theirs); with no owner, the service's own."""
+    store = SyncStore(conn)
+    params = (name, rpm, tpm, budget_usd)
+    if owner is None:
+        return store.get(q.CREATE_KEY, params)
+    with store.transaction():
+        store.get(q.ACT_AS_USER, (owner,))
+        return store.get(q.CREATE_KEY, params)
+
+
+def find_user(conn: psycopg.Connection[Any], id_or_email: str) -> UUID:
+    """A user by id or email; NotFound when the database has none."""
+    user: UUID | None = SyncStore(conn).one(q.USER_BY_ID_OR_EMAIL, {"who": id_or_email})
+    if user is None:
+        raise NotFound(f"no user with id or email {id_or_email!r} (a user exists once they have signed in)")
+    return user
+
+
+def local_owner(conn: psycopg.Connection[Any], *, create: bool) -> UUID | None:
+    """The local owner, whom `neuralgrid signin` signs in: created if asked (the embedded stack,
+    whose users are ours to make), else only found (never invent a user in someone's project)."""
+    store = SyncStore(conn)
+    if create:
+        store.one(q.ADD_USER, {"email": LOCAL_OWNER_EMAIL})
+    user: UUID | None = store.one(q.USER_ID, (LOCAL_OWNER_EMAIL,))
+    return user
 
 
 def list_keys(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:

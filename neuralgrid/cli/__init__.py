@@ -11,9 +11,11 @@ import typer
 from neuralgrid.cli import bench, dev, fleet, keys, node, platform, sim
 from neuralgrid.cli.common import Options
 
-app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
+HELP = (
+    "NeuralGrid: route OpenAI-compatible inference to other people's GPUs. `neuralgrid up` runs the"
+    " platform on this machine; the other commands talk to it."
 )
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=HELP, pretty_exceptions_show_locals=False)
 
 
 def _print_version(asked: bool) -> None:
@@ -26,7 +28,8 @@ def _print_version(asked: bool) -> None:
 def main(
     ctx: typer.Context,
     home: Annotated[
-        Path | None, typer.Option(envvar="NEURALGRID_HOME", help="State directory (embedded DB).")
+        Path | None,
+        typer.Option(envvar="NEURALGRID_HOME", help="State directory: the embedded DB, the running stack."),
     ] = None,
     database_url: Annotated[
         str | None,
@@ -40,7 +43,6 @@ def main(
         typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
-    """NeuralGrid: route OpenAI-compatible inference to other people's GPUs."""
     chosen: dict[str, Any] = {
         "NEURALGRID_HOME": home,
         "DATABASE_URL": database_url,

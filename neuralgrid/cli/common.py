@@ -38,6 +38,25 @@ def progress(message: str) -> None:
     Console(stderr=True).print(f"[dim]{message}[/]")
 
 
+class StartupProgress:
+    """A long start's steps on stderr, a line each. A count (migrations) moves in place on a
+    terminal; in a log it is one line when it starts, so a log stays short and shows where it hung."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, highlight=False)
+
+    def step(self, text: str) -> None:
+        self.console.print(f"[dim]{text}[/]", soft_wrap=True)
+
+    def count(self, text: str, done: int, total: int) -> None:
+        if not self.console.is_terminal:
+            if done == 0:
+                self.step(f"{text}: {total}")
+            return
+        end = "\n" if done == total else "\r"
+        self.console.print(f"[dim]{text} {done}/{total}[/]", end=end, soft_wrap=True)
+
+
 def friendly_errors(command: Callable[P, R]) -> Callable[P, R]:
     """Database and embedded-server errors as one line each."""
 
@@ -64,22 +83,40 @@ class Options:
 
     overrides: dict[str, Any]
     _settings: Settings | None = field(default=None, repr=False)
+    _configured: Settings | None = field(default=None, repr=False)
+
+    @property
+    def configured(self) -> Settings:
+        """The settings from options, the environment and `.env` alone (what `up` starts with)."""
+        if self._configured is None:
+            self._configured = self._read(with_running_stack=False)
+        return self._configured
 
     @property
     def settings(self) -> Settings:
+        """The settings that talk to the stack `neuralgrid up` runs from this home, where the
+        options and environment leave its gateway or database unsaid."""
         if self._settings is None:
-            from pydantic import ValidationError
-
-            from neuralgrid.server.settings import Settings
-            from neuralgrid.server.stack import with_stack_secret
-
-            try:
-                self._settings = with_stack_secret(Settings(**self.overrides))
-            except ValidationError as err:
-                raise fail(err.errors()[0]["msg"]) from err
-            _check_url("DATABASE_URL", self._settings.database_url)
-            _check_url("NEURALGRID_SESSION_DATABASE_URL", self._settings.session_database_url)
+            self._settings = self._read(with_running_stack=True)
         return self._settings
+
+    def _read(self, *, with_running_stack: bool) -> Settings:
+        from pydantic import ValidationError
+
+        from neuralgrid.server import running
+        from neuralgrid.server.settings import Settings
+        from neuralgrid.server.stack import with_stack_secret
+
+        try:
+            config = Settings(**self.overrides)
+        except ValidationError as err:
+            raise fail(err.errors()[0]["msg"]) from err
+        if with_running_stack:  # before the secret: the stack's database decides where it comes from
+            config = running.with_running_stack(config, running.find(config))
+        config = with_stack_secret(config)
+        _check_url("DATABASE_URL", config.database_url)
+        _check_url("NEURALGRID_SESSION_DATABASE_URL", config.session_database_url)
+        return config
 
 
 def _check_url(name: str, url: str | None) -> None:
@@ -106,10 +143,11 @@ def settings(ctx: typer.Context) -> Settings:
 
 
 def database_url(ctx: typer.Context) -> str:
-    """The database's URL, the embedded one started and migrated when it is the one."""
+    """The database's URL, the embedded one started and migrated when it is the one; a DATABASE_URL
+    that lacks migrations is one line saying what to run."""
     from neuralgrid.db import connect
 
-    return connect.prepare(settings(ctx))
+    return connect.prepare(settings(ctx), StartupProgress())
 
 
 @contextmanager

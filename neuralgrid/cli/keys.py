@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from neuralgrid.cli.common import database, friendly_errors, out
+from neuralgrid.cli.common import database, friendly_errors, out, progress, settings
 from neuralgrid.cli.fleet import JsonOption
 
 app = typer.Typer(no_args_is_help=True, help="Developer API keys (shown in clear once, stored hashed).")
@@ -23,13 +23,44 @@ def create(
     budget_usd: Annotated[
         float | None, typer.Option(envvar="NEURALGRID_KEY_BUDGET_USD", help="Spending cap in USD.")
     ] = None,
+    owner: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NEURALGRID_KEY_OWNER",
+            help="The user it belongs to, by email or id (default: the local owner `signin` signs in).",
+        ),
+    ] = None,
 ) -> None:
-    """Create a key and print it: this is the only time it is shown."""
-    from neuralgrid.admin import keys
+    """Create a key and print it: this is the only time it is shown.
 
+    It belongs to a user (--owner; by default the local owner): their API keys page lists it, and the
+    nodes registered with it are theirs."""
+    from neuralgrid.admin import keys
+    from neuralgrid.web.signin import LOCAL_OWNER_EMAIL
+
+    config = settings(ctx)
     with database(ctx) as conn:
-        row = keys.create(conn, name, rpm, tpm, budget_usd)
-    out.print(f"created key {row.prefix}… ({row.id}); it is shown once, keep it safe:")
+        if owner is not None:
+            owner_id, whose = keys.find_user(conn, owner), owner
+        elif config.supabase_url:  # Supabase Auth signs users in: there is no local owner
+            owner_id, whose = None, ""
+        else:
+            owner_id, whose = keys.local_owner(conn, create=config.embedded), LOCAL_OWNER_EMAIL
+        row = keys.create(conn, name, rpm, tpm, budget_usd, owner_id)
+    if owner_id is None:
+        why = (
+            "this stack signs users in through Supabase Auth (NEURALGRID_SUPABASE_URL)"
+            if config.supabase_url
+            else f"this database has no local owner yet ({LOCAL_OWNER_EMAIL} appears at the first sign-in"
+            " with a `neuralgrid signin` link; it is never made up in a database not the embedded one)"
+        )
+        progress(
+            f"note: the key belongs to no user, since {why}: no API keys page lists it and nodes"
+            " registered with it belong to nobody; --owner EMAIL gives it to a user"
+        )
+        whose = "the service"
+    shown = f"created key {row.prefix}… ({row.id}) for {whose}; it is shown once, keep it safe:"
+    out.print(shown, soft_wrap=True)
     print(row.api_key)
 
 

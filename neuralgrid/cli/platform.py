@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 
-from neuralgrid.cli.common import database_url, fail, friendly_errors, log_to_stderr, out, settings
+from neuralgrid.cli.common import (
+    Options,
+    StartupProgress,
+    database_url,
+    fail,
+    friendly_errors,
+    log_to_stderr,
+    out,
+    settings,
+)
+
+if TYPE_CHECKING:
+    import socket
+
+    from neuralgrid.server.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True, help="The database: migrations and its URL.")
 
@@ -22,7 +37,10 @@ def up(
         ),
     ] = 0,
     host: Annotated[str | None, typer.Option(envvar="NEURALGRID_HOST", help="Gateway address.")] = None,
-    port: Annotated[int | None, typer.Option(envvar="NEURALGRID_PORT", help="Gateway port.")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(envvar="NEURALGRID_PORT", help="Gateway port (0: any free one).", min=0, max=65535),
+    ] = None,
 ) -> None:
     """Start the platform: database, migrations, gateway and health sweeper (Ctrl-C stops it)."""
     from neuralgrid.db import connect
@@ -30,34 +48,70 @@ def up(
     from neuralgrid.server.run import serve
     from neuralgrid.server.serving import run_fast
 
-    chosen = {k: v for k, v in {"host": host, "port": port}.items() if v}
-    config = settings(ctx).model_copy(update=chosen)
+    options: Options = ctx.obj
+    chosen = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    config = options.configured.model_copy(update=chosen)  # never the running stack's: this is a new one
     if not 0 <= demo <= DEMO_NODES:
         raise fail(f"--demo takes 0 to {DEMO_NODES} nodes")
+    listener = _listen(config)  # first: a taken port fails before the database starts
+    progress = StartupProgress()
     server = connect.embedded_server(config) if config.embedded else None
     started_here = server is not None and not server.is_running()
-    url = connect.prepare(config)
-    log_to_stderr()
     try:
-        run_fast(serve(config, url, demo, lambda line: out.print(line, soft_wrap=True)))
+        url = connect.prepare(config, progress)
+        log_to_stderr()
+        run_fast(serve(config, url, demo, _say, listener, progress))
     finally:
-        if server is not None and started_here:  # leave a server someone else started alone
+        listener.close()
+        if server is not None and started_here and server.is_running():  # leave others' servers alone
             server.stop()
             out.print("stopped the embedded database")
+
+
+def _say(line: str) -> None:
+    out.print(line, soft_wrap=True)
+
+
+def _listen(config: Settings) -> socket.socket:
+    """The gateway's socket, or one line that names the port and what to do."""
+    import errno
+
+    from neuralgrid.server import running
+    from neuralgrid.server.run import listen
+
+    where = f"{config.host}:{config.port}"
+    try:
+        return listen(config.host, config.port)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            stack = running.find(config)
+            holder = (
+                f"`neuralgrid up` (pid {stack.pid}) serves it already"
+                if stack is not None and stack.port == config.port
+                else "another program holds it"
+            )
+            reason = f"the port is in use ({holder}); pick another with --port (or NEURALGRID_PORT)"
+        elif err.errno == errno.EACCES:
+            reason = "permission denied (ports below 1024 need root); pick another with --port"
+        else:
+            reason = f"{err.strerror or err}; check --host (or NEURALGRID_HOST)"
+        raise fail(f"cannot start the gateway on {where}: {reason}") from err
 
 
 def status(
     ctx: typer.Context,
     output: Annotated[str, typer.Option("--output", "-o", help="pretty, json or env.")] = "pretty",
 ) -> None:
-    """Print the stack's URLs and keys (API, Realtime, database, anon and service_role), as
-    `supabase status` does."""
+    """Print whether the stack runs, with its URLs and keys, as `supabase status` does.
+
+    The API, map, Realtime and database URLs, the JWT secret, the anon and service_role keys."""
     from neuralgrid.db import connect
     from neuralgrid.server import stack
 
     config = settings(ctx)
     if output not in ("pretty", "json", "env"):
         raise fail("--output takes pretty, json or env")
+    state, running_now = _running_state(config)
     info = stack.status(config, connect.database_url(config, start=False))
     if output == "json":
         print(json.dumps(info, indent=2))
@@ -65,11 +119,28 @@ def status(
         for name, value in info.items():
             print(f'{name}="{value}"')
     else:
+        out.print(state, highlight=False, soft_wrap=True)
         width = max(len(n) for n in info)
         for name, value in info.items():
             out.print(f"{name.replace('_', ' ').lower():>{width}}: {value}", highlight=False, soft_wrap=True)
-        if config.embedded and not connect.embedded_server(config).is_running():
-            out.print("the embedded database is not running: start the stack with `neuralgrid up`")
+    if output != "pretty" and not running_now:  # stdout stays JSON or env; the news goes to stderr
+        Console(stderr=True).print(state, highlight=False, soft_wrap=True)
+
+
+def _running_state(config: Settings) -> tuple[str, bool]:
+    """One line on the stack `neuralgrid up` runs from this home (or ran: a stale record), and whether
+    it runs."""
+    from neuralgrid.server import running
+
+    recorded = running.read(config)
+    if recorded is not None and recorded.alive:
+        since = recorded.started_at.replace("T", " ").replace("+00:00", " UTC")
+        return f"running: `neuralgrid up` (pid {recorded.pid}) since {since}, at {recorded.gateway_url}", True
+    start = "start it with `neuralgrid up`"
+    if recorded is not None:
+        path = running.state_file(config)
+        return f"not running: the stack recorded in {path} (pid {recorded.pid}) is gone; {start}", False
+    return f"not running: no `neuralgrid up` runs from {config.home}; {start}", False
 
 
 def signin(ctx: typer.Context) -> None:
@@ -78,10 +149,18 @@ def signin(ctx: typer.Context) -> None:
     from neuralgrid.web.signin import signin_link
 
     config = settings(ctx)
-    link = signin_link(config, stack.public_base_url(config))
+    base_url = stack.public_base_url(config)
+    link = signin_link(config, base_url)
     if link is None:
         raise fail(
             "this stack signs in through Supabase Auth (NEURALGRID_SUPABASE_URL): use the page's email form"
+        )
+    state, running_now = _running_state(config)
+    if not running_now:
+        Console(stderr=True).print(
+            f"{state}; the link works on {base_url} once a gateway serves there (for 10 minutes)",
+            highlight=False,
+            soft_wrap=True,
         )
     print(link)
 
@@ -96,7 +175,12 @@ def watch(
     from neuralgrid.realtime.watch import watch as watch_feed
     from neuralgrid.server import stack
 
-    info = stack.status(settings(ctx), "")
+    config = settings(ctx)
+    state, running_now = _running_state(config)
+    named = bool({"host", "port"} & config.model_fields_set) or config.supabase_url is not None
+    if not running_now and not named:  # fail now, not after the Realtime client's retries
+        raise fail(f"{state} (or name a gateway with NEURALGRID_HOST and NEURALGRID_PORT)")
+    info = stack.status(config, "")
     try:
         asyncio.run(
             watch_feed(

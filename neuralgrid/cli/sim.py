@@ -67,8 +67,9 @@ def simulate(
         ),
     ] = None,
 ) -> None:
-    """Simulate the fleet under each policy on one scenario or all; write a markdown report, JSON
-    and PNG plots. Options given override the scenario's own settings."""
+    """Simulate the fleet under each matching policy; write a markdown report, JSON and PNG plots.
+
+    One scenario or all; options given override the scenario's own settings."""
     from rich.progress import Progress, TaskID
 
     from neuralgrid.admin import fleet

@@ -2,34 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import psycopg
 
 from neuralgrid.db import migrate
 from neuralgrid.db.embedded import EmbeddedPostgres
+from neuralgrid.db.migrate import Progress, Quiet
 from neuralgrid.server.settings import Settings
 
 
 def embedded_server(settings: Settings) -> EmbeddedPostgres:
-    return EmbeddedPostgres(settings.home / "postgres", port=settings.db_port)
+    """The embedded server under home; when it already runs, on the port it really listens on (one
+    cluster runs once, whatever port a later command names)."""
+    server = EmbeddedPostgres(settings.home / "postgres", port=settings.db_port)
+    running = server.running_port()
+    return server if running in (None, server.port) else dataclasses.replace(server, port=running)
 
 
-def database_url(settings: Settings, *, start: bool = True) -> str:
+def database_url(settings: Settings, *, start: bool = True, progress: Progress | None = None) -> str:
     """The URL to connect to; with no DATABASE_URL, the embedded server (started if asked)."""
     if settings.database_url:
         return settings.database_url
     server = embedded_server(settings)
-    if start:
+    if start and not server.is_running():
+        first = "" if server.initialized else f"; first run: creating its cluster in {server.root}"
+        (progress or Quiet()).step(f"starting the embedded Postgres on port {server.port}{first}")
         server.start()
     return server.url()
 
 
-def prepare(settings: Settings) -> str:
+def prepare(settings: Settings, progress: Progress | None = None) -> str:
     """Make the database ready: start the embedded one with its compat layer and migrations.
 
-    With DATABASE_URL nothing is applied; `neuralgrid db migrate` does that when asked.
+    With DATABASE_URL nothing is applied (`neuralgrid db migrate` does that when asked), but a
+    database that lacks migrations is refused here, with what to run, before anything queries it.
     """
-    url = database_url(settings)
-    if settings.embedded:
-        with psycopg.connect(url, autocommit=True) as conn:
-            migrate.setup_database(conn)
+    url = database_url(settings, progress=progress)
+    with psycopg.connect(url, autocommit=True) as conn:
+        if settings.embedded:
+            migrate.setup_database(conn, progress)
+        else:
+            migrate.check_applied(conn)
     return url

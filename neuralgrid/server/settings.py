@@ -115,7 +115,7 @@ class Settings(BaseSettings):
                 raise ValueError("NEURALGRID_INTERNAL_SECRET must be at least 32 characters")
         if (self.supabase_url is None) != (self.supabase_anon_key is None):
             raise ValueError("set NEURALGRID_SUPABASE_URL and NEURALGRID_SUPABASE_ANON_KEY together")
-        self.home = self.home.expanduser()
+        self.home = self.home.expanduser().absolute()  # Postgres runs in pgdata: relative paths break
         return self
 
     @property

@@ -138,6 +138,8 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
             time.sleep(0.3)
         else:
             pytest.fail("the gateway never became ready")
+        state = json.loads((tmp_path / "home" / "stack.json").read_text())
+        assert (state["pid"], state["port"]) == (proc.pid, gateway_port)
         url = server.url()
         with psycopg.connect(url) as conn:
             assert conn.execute("select count(*) from nodes where status = 'online'").fetchone() == (24,)
@@ -211,6 +213,7 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
     assert "Traceback" not in output  # the demo node shuts down gracefully too
     assert f"sign in   http://127.0.0.1:{gateway_port}/signin#token=" in output
     assert not server.is_running()
+    assert not (tmp_path / "home" / "stack.json").exists()  # a clean exit takes its record away
 
 
 def test_keys_commands(db_url: str) -> None:

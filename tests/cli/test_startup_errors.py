@@ -1,0 +1,107 @@
+"""What goes wrong at start, as one line that names the cause and the fix, and a non-zero exit: a
+taken gateway port, a taken embedded Postgres port, a database nobody migrated, a relative home."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from typer.testing import CliRunner, Result
+
+from neuralgrid.cli import app
+from neuralgrid.db.embedded import EmbeddedPostgres
+from tests.conftest import free_port
+
+CLI = [sys.executable, "-m", "neuralgrid.cli"]
+WHERE = ("DATABASE_URL", "NEURALGRID_PORT", "NEURALGRID_HOST", "NEURALGRID_DB_PORT")
+
+
+def invoke(*args: str, **env: str) -> Result:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **env})
+
+
+def plain_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in WHERE}, **extra}
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A port another program listens on."""
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        yield other.getsockname()[1]
+
+
+def test_help_describes_the_cli() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    assert "route OpenAI-compatible inference to other people's GPUs" in result.stdout
+    assert "assembled here" not in result.stdout  # the module's docstring is for its readers
+
+
+def test_up_on_a_port_in_use_is_one_line_and_starts_nothing(held_port: int, tmp_path: Path) -> None:
+    env = plain_env(NEURALGRID_HOME=str(tmp_path / "home"), NEURALGRID_DB_PORT=str(free_port()))
+    started = time.monotonic()
+    up = subprocess.run(
+        [*CLI, "up", "--port", str(held_port)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert up.returncode == 1 and time.monotonic() - started < 30  # it used to hang, SIGTERM or not
+    [line] = up.stderr.splitlines()
+    assert f"127.0.0.1:{held_port}" in line and "in use" in line and "--port" in line
+    assert "another program" in line and "Traceback" not in up.stdout
+    assert not (tmp_path / "home" / "postgres").exists()  # the database was never started
+
+
+def test_an_embedded_postgres_port_in_use_is_one_line(held_port: int, tmp_path: Path) -> None:
+    result = invoke("nodes", "ls", NEURALGRID_HOME=str(tmp_path), NEURALGRID_DB_PORT=str(held_port))
+    assert result.exit_code == 1
+    starting, line = result.stderr.splitlines()  # the step it was at, then what went wrong
+    assert starting.startswith("starting the embedded Postgres") and line.startswith("error:")
+    assert f"127.0.0.1:{held_port}" in line and "in use" in line and "--db-port" in line
+    assert result.stdout == ""
+
+
+def test_a_database_without_migrations_says_to_migrate(pg_server: EmbeddedPostgres, tmp_path: Path) -> None:
+    name = f"empty_{os.getpid()}"
+    with psycopg.connect(pg_server.url(), autocommit=True) as conn:
+        conn.execute(f"create database {name}")
+    url = pg_server.url(name)
+    try:
+        for command in (["keys", "ls"], ["up", "--port", str(free_port())]):
+            result = invoke(*command, DATABASE_URL=url, NEURALGRID_HOME=str(tmp_path))
+            assert result.exit_code == 1, command
+            [line] = result.stderr.splitlines()
+            assert "has none of NeuralGrid's" in line and "`neuralgrid db migrate`" in line
+            assert url not in line  # never echo a URL: it may carry a password
+        assert invoke("db", "migrate", DATABASE_URL=url, NEURALGRID_HOME=str(tmp_path)).exit_code == 0
+        listed = invoke("keys", "ls", "--json", DATABASE_URL=url, NEURALGRID_HOME=str(tmp_path))
+        assert listed.exit_code == 0 and listed.stdout.strip() == "[]"
+        with psycopg.connect(url, autocommit=True) as conn:  # one migration behind
+            latest = "select max(version) from supabase_migrations.schema_migrations"
+            conn.execute(f"delete from supabase_migrations.schema_migrations where version = ({latest})")
+        behind = invoke("keys", "ls", DATABASE_URL=url, NEURALGRID_HOME=str(tmp_path))
+        assert behind.exit_code == 1 and "lacks 1 of NeuralGrid's" in behind.stderr
+    finally:
+        with psycopg.connect(pg_server.url(), autocommit=True) as conn:
+            conn.execute(f"drop database {name} with (force)")
+
+
+def test_a_relative_home_works(tmp_path: Path) -> None:
+    """NEURALGRID_HOME=.ng: the embedded Postgres runs in its data directory, where a relative
+    socket directory does not exist."""
+    port = free_port()
+    env = plain_env(NEURALGRID_HOME=".ng", NEURALGRID_DB_PORT=str(port))
+    try:
+        result = subprocess.run(
+            [*CLI, "db", "url"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"host={tmp_path / '.ng' / 'postgres' / 'run'}" in result.stdout
+    finally:
+        EmbeddedPostgres(tmp_path / ".ng" / "postgres", port=port).stop()
