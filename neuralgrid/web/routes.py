@@ -1,5 +1,6 @@
 """The web UI's routes: its pages and files, the browser libraries from node_modules, and the small
-JSON API the pages read (the public map as `anon`, aggregate stats, sign-in, a user's own nodes)."""
+JSON API the pages read (the public map as `anon`, aggregate stats, sign-in, a user's own nodes, and
+an owner's earnings from web/earnings.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from neuralgrid.gateway.errors import BadRequest, NotFound, Unauthorized
 from neuralgrid.server.services import ServicesDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.stack import api_key, user_token
+from neuralgrid.web import earnings
 from neuralgrid.web.signin import LOCAL_OWNER_EMAIL, SESSION_TTL_S, consume_signin_token, ensure_local_owner
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["web"])
+router.include_router(earnings.router)
 
 STATIC_DIR = Path(__file__).parent / "static"
 REPO_NODE_MODULES = Path(__file__).parents[2] / "node_modules"
@@ -92,6 +95,11 @@ async def keys_page(request: Request, services: ServicesDep) -> FileResponse:
 @router.get("/operator", include_in_schema=False)
 async def operator_page(request: Request, services: ServicesDep) -> FileResponse:
     return _page(request, services.settings, "operator.html")
+
+
+@router.get("/nodes", include_in_schema=False)
+async def owner_page(request: Request, services: ServicesDep) -> FileResponse:
+    return _page(request, services.settings, "nodes.html")
 
 
 @router.get("/signin", include_in_schema=False)

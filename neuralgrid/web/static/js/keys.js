@@ -86,13 +86,13 @@ async function refresh() {
     const { data } = await call('/v1/keys');
     const keys = [...data].reverse(); // newest first
     $('keys-body').replaceChildren(...keys.map((key) => h('tr', { 'data-id': key.id, 'data-revoked': key.revoked_at ? 'true' : 'false' },
-      h('th', { scope: 'row' }, key.name),
-      h('td', {}, h('code', {}, `${key.prefix}…`)),
-      h('td', {}, limits(key)),
-      h('td', {}, spend(key)),
-      h('td', {}, timeAgo(key.last_used_at)),
-      h('td', {}, timeAgo(key.created_at)),
-      h('td', {}, stateCell(key)))));
+      h('th', { scope: 'row', 'data-label': 'Name' }, key.name),
+      h('td', { 'data-label': 'Key' }, h('code', {}, `${key.prefix}…`)),
+      h('td', { 'data-label': 'Limits' }, limits(key)),
+      h('td', { 'data-label': 'Spent / budget' }, spend(key)),
+      h('td', { 'data-label': 'Last used' }, timeAgo(key.last_used_at)),
+      h('td', { 'data-label': 'Created' }, timeAgo(key.created_at)),
+      h('td', { 'data-label': 'State' }, stateCell(key)))));
     $('keys-empty').hidden = keys.length > 0;
     showAlert($('keys-error'), null);
   } catch (err) {

@@ -382,7 +382,7 @@ function renderTable() {
   // Rows are rebuilt on every update: keep keyboard focus on the same node's row.
   const focused = document.activeElement?.closest?.('#nodes-body tr')?.dataset.id;
   $('nodes-body').replaceChildren(...rows.map((node) => h('tr', { 'data-id': node.id, 'data-status': displayStatus(node), class: node.id === shown ? 'selected' : null },
-    COLUMNS.map((col) => h(col.key === 'name' ? 'th' : 'td', { class: col.num ? 'num' : null, scope: col.key === 'name' ? 'row' : null }, col.cell(node))))));
+    COLUMNS.map((col) => h(col.key === 'name' ? 'th' : 'td', { class: col.num ? 'num' : null, scope: col.key === 'name' ? 'row' : null, 'data-label': col.label }, col.cell(node))))));
   if (focused) $('nodes-body').querySelector(`tr[data-id="${focused}"] button`)?.focus({ preventScroll: true });
   $('nodes-empty').hidden = nodes.size > 0;
   const offMap = [...nodes.values()].filter((n) => !positions.has(n.id)).length;

@@ -50,14 +50,14 @@ async function showMyNodes(cfg) {
   try {
     const { data } = await api('/api/my/nodes', { token: session.access_token });
     $('mine-body').replaceChildren(...data.map((n) => h('tr', { 'data-id': n.id },
-      h('td', {}, statusBadge(displayStatus(n))),
-      h('th', { scope: 'row' }, n.name),
-      h('td', {}, `${n.gpu_count} × ${n.gpu_model}`),
-      h('td', { class: 'num' }, usd(n.hourly_rate)),
-      h('td', {}, n.region),
-      h('td', { class: 'num' }, `${n.inflight}/${n.max_concurrency}`),
-      h('td', {}, `${n.successes} ok / ${n.failures} failed`),
-      h('td', {}, timeAgo(n.last_heartbeat_at)))));
+      h('td', { 'data-label': 'Status' }, statusBadge(displayStatus(n))),
+      h('th', { scope: 'row', 'data-label': 'Node' }, n.name),
+      h('td', { 'data-label': 'GPU' }, `${n.gpu_count} × ${n.gpu_model}`),
+      h('td', { class: 'num', 'data-label': '$/h' }, usd(n.hourly_rate)),
+      h('td', { 'data-label': 'Region' }, n.region),
+      h('td', { class: 'num', 'data-label': 'Load' }, `${n.inflight}/${n.max_concurrency}`),
+      h('td', { 'data-label': 'Reputation' }, `${n.successes} ok / ${n.failures} failed`),
+      h('td', { 'data-label': 'Last heartbeat' }, timeAgo(n.last_heartbeat_at)))));
     $('mine-empty').hidden = data.length > 0;
     $('mine').hidden = false;
   } catch (err) {
