@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import re
 import ssl
 import urllib.parse
+import wave
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +27,8 @@ from typing import Any, Literal, cast
 import httptools
 import httpx
 
+from neuralgrid.agent.routes import detect_routes
+from neuralgrid.protocol.routes import DEFAULT_ROUTES, Route, path
 from neuralgrid.protocol.sse import SseEvents
 
 log = logging.getLogger(__name__)
@@ -66,9 +70,14 @@ class ServerInfo:
     continues: bool = False  # verified: continue_final_message goes on with the open message
     tokenize: bool = False  # the agent can count tokens with the server's own tokenizer
     interrupts: bool = False  # any new request cuts a running stream: probe only while idle
+    routes: tuple[Route, ...] | None = None  # the OpenAI routes it serves (None: not known yet)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def serves(self) -> tuple[Route, ...]:
+        """The routes the node takes requests for: those found (or the owner's), else the default."""
+        return self.routes or DEFAULT_ROUTES
 
 
 @dataclass(frozen=True)
@@ -184,8 +193,11 @@ class Backend:
     """One inference server, reached over HTTP. Holds the clients every request to it goes through:
     `http` for the agent's own (probes, warm-ups, counts), `relay` for the gateway's."""
 
-    def __init__(self, url: str, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, url: str, http: httpx.AsyncClient | None = None, routes: tuple[Route, ...] | None = None
+    ) -> None:
         self.url = url.rstrip("/")
+        self.routes_given = routes  # the owner's list (--routes), in place of what detection finds
         # A new connection per request: llama.cpp's server sometimes closes a kept-alive connection
         # after a stream just as the next request goes out on it ("Server disconnected without
         # sending a response", 3 in 40 measured), which would fail a request the server never saw.
@@ -196,6 +208,7 @@ class Backend:
             event_hooks={"request": [self._noting]},
         )
         self.kind = GENERIC
+        self.identity: Any = None  # the answer that identified the kind (llama.cpp's /props)
         self.info = ServerInfo(GENERIC.name)
         self.relay = Relay(self.url)  # the gateway's requests: kept-alive connections, a C parser
         self.served: list[str] = []  # its models, as /v1/models last listed them
@@ -224,7 +237,7 @@ class Backend:
             except httpx.HTTPError as err:
                 raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
             if data is not None and kind.recognise(data):
-                self.kind = kind
+                self.kind, self.identity = kind, data
                 self.info = replace(
                     self.info,
                     kind=kind.name,
@@ -233,7 +246,8 @@ class Backend:
                     interrupts=kind.interrupts,
                 )
                 return self.info
-        self.kind, self.info = GENERIC, replace(self.info, kind=GENERIC.name, version=None, parallel=None)
+        self.kind, self.identity = GENERIC, None
+        self.info = replace(self.info, kind=GENERIC.name, version=None, parallel=None)
         return self.info
 
     async def models(self) -> list[str]:
@@ -281,12 +295,16 @@ class Backend:
     # Verifying (generations: only while the node takes no work) ----------------------------------
 
     async def verify(self, models: list[str]) -> tuple[ServerInfo, list[str]]:
-        """Warm each model up with a real request and verify what the server does; returns the new
-        info and the models that answered (the warm ones)."""
+        """Find the routes the server serves (unless the owner named them), warm each model up with
+        a real request on one of them and verify what the server does; returns the new info and the
+        models that answered (the warm ones)."""
+        routes = self.routes_given or await detect_routes(
+            self.http, self.url, self.kind.name, self.identity, self.info.version, next(iter(models), None)
+        )
         warm, usage_in_streams, continues = [], False, False
         for model in models:
             try:
-                answered = await self._warm_up(model)
+                answered = await self._warm_up(model, routes)
             except Exception as err:  # whatever the server sent, it is not a warm model
                 log.warning("model %s did not answer its warm-up (%r): not reported warm", model, err)
                 continue
@@ -300,24 +318,28 @@ class Backend:
                 continues = continues or await self._continues(model, text)
         tokenize = bool(warm) and await self._can_tokenize(warm[0])
         self.info = replace(
-            self.info, usage_in_streams=usage_in_streams, continues=continues, tokenize=tokenize
+            self.info,
+            usage_in_streams=usage_in_streams,
+            continues=continues,
+            tokenize=tokenize,
+            routes=routes,
         )
         return self.info, warm
 
-    async def _warm_up(self, model: str) -> tuple[str | None, bool] | None:
-        """A first request to the model: a streamed chat (its text and whether usage came), else a
-        completion, else an embedding (no text). None when the model answers none of them."""
-        chat = {"model": model, "messages": PROBE_PROMPT, "max_tokens": 24, "temperature": 0}
-        streamed = await self._stream(chat)
-        if streamed is not None:
-            return streamed
-        for path, body in (
-            ("/v1/completions", {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}),
-            ("/v1/embeddings", {"model": model, "input": "warm-up"}),
-        ):
-            resp = await self.http.post(self.url + path, json=body, timeout=WARMUP_TIMEOUT_S)
-            if resp.is_success:
-                return None, False
+    async def _warm_up(self, model: str, routes: tuple[Route, ...]) -> tuple[str | None, bool] | None:
+        """A first request to the model on a route the server serves: a streamed chat (its text and
+        whether usage came), else a completion, an embedding, a rerank, a score, a transcription of
+        a moment of silence or a line of speech (no text). None when the model answers none."""
+        if "chat/completions" in routes:
+            chat = {"model": model, "messages": PROBE_PROMPT, "max_tokens": 24, "temperature": 0}
+            streamed = await self._stream(chat)
+            if streamed is not None:
+                return streamed
+        for route, request in _warm_ups(model):
+            if route in routes:
+                resp = await self.http.post(self.url + path(route), timeout=WARMUP_TIMEOUT_S, **request)
+                if resp.is_success:
+                    return None, False
         return None
 
     async def _continues(self, model: str, text: str) -> bool:
@@ -516,6 +538,20 @@ class Backend:
 # Relaying the gateway's requests ---------------------------------------------------------------
 
 
+JSON = "application/json"
+_JSON_TYPE = b"Content-Type: application/json\r\n"
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
+
+
+def _content_type(value: str) -> bytes:
+    """The Content-Type header line; ValueError for a value no header may hold (a line break)."""
+    if value == JSON:
+        return _JSON_TYPE
+    if not _HEADER_VALUE.fullmatch(value):
+        raise ValueError(f"not a content type: {value[:80]!r}")
+    return b"Content-Type: " + value.encode("ascii") + b"\r\n"
+
+
 class RelayError(Exception):
     """The server broke an answer off: closed the connection, wrote what is not HTTP, fell silent."""
 
@@ -551,10 +587,11 @@ class Relay:
         self.connections: set[_Connection] = set()
         self._lines: dict[str, bytes] = {}
 
-    async def post(self, path: str, body: bytes) -> RelayResponse:
+    async def post(self, path: str, body: bytes, content_type: str = JSON) -> RelayResponse:
         """The server's answer once its status and headers are in. OSError when it cannot be
-        reached, RelayError when it does not answer."""
-        head = self._line(path) + b"Content-Length: %d\r\n\r\n" % len(body)
+        reached, RelayError when it does not answer. `content_type`: the body's, passed on as the
+        gateway gave it (a multipart upload's names its boundary)."""
+        head = self._line(path) + _content_type(content_type) + b"Content-Length: %d\r\n\r\n" % len(body)
         conn = self._take()
         if conn is not None:
             try:
@@ -578,8 +615,7 @@ class Relay:
             if len(self._lines) > 64:  # paths come from the gateway: a handful
                 self._lines.clear()
             target = urllib.parse.quote(self.base + path, safe="/:@!$&'()*+,;=-._~%").encode()
-            line = b"POST " + target + b" HTTP/1.1\r\n" + self.host_header
-            line = self._lines[path] = line + b"Content-Type: application/json\r\n"
+            line = self._lines[path] = b"POST " + target + b" HTTP/1.1\r\n" + self.host_header
         return line
 
     def _take(self) -> _Connection | None:
@@ -894,3 +930,32 @@ def parse_aliases(pairs: list[str]) -> dict[str, str]:
             raise BackendError(f"--model-alias {pair!r}: write SERVED=CATALOG, e.g. my-model.gguf=Org/Model")
         aliases[match["served"]] = match["catalog"]
     return aliases
+
+
+def _silence(seconds: float = 0.25, rate: int = 16_000) -> bytes:
+    """A WAV file of silence: what a transcription model is warmed up on."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as audio:
+        audio.setnchannels(1)
+        audio.setsampwidth(2)
+        audio.setframerate(rate)
+        audio.writeframes(b"\0\0" * int(seconds * rate))
+    return out.getvalue()
+
+
+SILENCE = _silence()
+
+
+def _warm_ups(model: str) -> list[tuple[Route, dict[str, Any]]]:
+    """A small request on each route but chat (the warm-up's first choice), as httpx's arguments."""
+    return [
+        ("completions", {"json": {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}}),
+        ("embeddings", {"json": {"model": model, "input": "warm-up"}}),
+        ("rerank", {"json": {"model": model, "query": "warm-up", "documents": ["warm-up"]}}),
+        ("score", {"json": {"model": model, "text_1": "warm-up", "text_2": "warm-up"}}),
+        (
+            "audio/transcriptions",
+            {"files": {"file": ("warm-up.wav", SILENCE, "audio/wav")}, "data": {"model": model}},
+        ),
+        ("audio/speech", {"json": {"model": model, "input": "Warm-up."}}),
+    ]

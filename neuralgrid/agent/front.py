@@ -1,8 +1,10 @@
 """The agent's way to its server, for requests from the gateway (direct mode: an HTTP front on a
 port, where only requests signed by the gateway get through; tunnel mode: tunnel.py).
 
-On the way in, a catalog model id is turned back into the name the server serves it under. On the
-way out, a stream whose server sent no usage gets its exact usage added before its end (see
+Only the routes the node advertises (Backend.info.serves()) reach the server; any other path is
+refused here. On the way in, a catalog model id in a JSON body is turned back into the name the
+server serves it under (other bodies, a multipart upload, pass unchanged, with their content type).
+On the way out, a stream whose server sent no usage gets its exact usage added before its end (see
 Backend.usage): the gateway bills tokens, never events.
 
 The hop is meant to cost next to nothing: the front is a bare ASGI app (Starlette's routing,
@@ -23,8 +25,9 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from neuralgrid.agent.backend import Backend, RelayError, RelayResponse, dig
+from neuralgrid.agent.backend import JSON, Backend, RelayError, RelayResponse, dig
 from neuralgrid.protocol import signing
+from neuralgrid.protocol.routes import route_of
 from neuralgrid.protocol.sse import SseEvents, Usage
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -35,6 +38,18 @@ HELD_BYTES = 1 << 16
 
 class BackendUnreachable(Exception):
     """The server did not take the request (refused, reset, timed out before answering)."""
+
+
+class Refused(Exception):
+    """A request the agent does not pass on: a route the node does not advertise, a bad header."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+# A header value: printable ASCII, no line break (the relay writes it into the server's request).
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
 
 
 class Answer:
@@ -74,11 +89,21 @@ class FrontState:
     draining: bool = False
     served: int = 0
 
-    async def forward(self, path: str, body: bytes) -> Answer:
-        """Send a gateway's request to the server. The caller must aclose() the answer."""
+    def check(self, path: str, content_type: str) -> None:
+        """Refused unless `path` is a route the node advertises and the content type is a header."""
+        route = route_of(path)
+        if route is None or route not in self.backend.info.serves():
+            raise Refused(404, f"this node does not serve {path[:100]}")
+        if not _HEADER_VALUE.fullmatch(content_type):
+            raise Refused(400, "the request's content type is not a valid header value")
+
+    async def forward(self, path: str, body: bytes, content_type: str = JSON) -> Answer:
+        """Send a gateway's request to the server. The caller must aclose() the answer. Refused
+        for a route the node does not advertise."""
+        self.check(path, content_type)
         request: dict[str, Any] | None = None
         renamed: tuple[str, str] | None = None
-        if self.served_names:  # a node without aliases never needs the request read
+        if self.served_names and content_type == JSON:  # without aliases, no request is read
             request = _object(body)
             catalog_id = request.get("model") if request is not None else None
             if request is not None and isinstance(catalog_id, str) and catalog_id in self.served_names:
@@ -86,11 +111,11 @@ class FrontState:
                 request = {**request, "model": served}
                 body = json.dumps(request).encode()
                 renamed = (served, catalog_id) if served != catalog_id else None
-        if self.backend.swaps:  # it loads the model the request names: the agent reports that one warm
+        if self.backend.swaps and content_type == JSON:  # it loads the model a request names: now warm
             self.backend.note_request(request if request is not None else _object(body))
         self.inflight += 1
         try:
-            upstream = await self.backend.relay.post(path, body)
+            upstream = await self.backend.relay.post(path, body, content_type)
         except BaseException as err:  # cancelled too: the request never started here
             self.inflight -= 1
             if isinstance(err, OSError | RelayError):
@@ -344,14 +369,21 @@ class Front:
             body = b"".join(parts)
         if message["type"] == "http.disconnect":
             return
-        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == _SIGNATURE), None)
+        headers = dict(scope["headers"])
+        signature = headers.get(_SIGNATURE)
         path = scope["path"]
-        if state.key is None or not state.signatures.verify(state.key, header, path, body):
+        if state.key is None or not state.signatures.verify(
+            state.key, signature.decode("latin-1") if signature else None, path, body
+        ):
             return await _error(send, 401, "requests to this node must be signed by the NeuralGrid gateway")
         if state.draining:
             return await _error(send, 503, "this node is draining: it takes no new work")
         try:
-            answer = await state.forward(path, body)
+            answer = await state.forward(
+                path, body, headers.get(b"content-type", b"").decode("latin-1") or JSON
+            )
+        except Refused as refused:
+            return await _error(send, refused.status, refused.message)
         except BackendUnreachable as err:
             return await _error(send, 502, str(err))
         await _relay(answer, receive, send)

@@ -20,6 +20,7 @@ from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import AgentStatus, BackendInfo, Heartbeat, NodeRegistration
+from neuralgrid.protocol.routes import Route
 from neuralgrid.server.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class AgentConfig:
     drain_timeout_s: float = 60.0
     tunnel: bool = False  # dial out to the gateway instead of listening (for nodes behind NAT)
     model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # served name -> catalog id
+    routes: tuple[Route, ...] | None = None  # the owner's list of routes served (None: detected)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Agent:
         self.config = config
         self.gateways = gateway_urls(config.gateway_url)
         self._gateway = 0  # the gateway that answered last: asked first next time
-        self.backend = Backend(config.backend_url)
+        self.backend = Backend(config.backend_url, routes=config.routes)
         self.front = FrontState(self.backend, {v: k for k, v in config.model_aliases.items()})
         self.node_id: str | None = None
         self.secret: str | None = None

@@ -9,9 +9,11 @@ only once every gateway has failed in a row.
 from __future__ import annotations
 
 import asyncio
+import base64
 import codecs
 import contextlib
 import functools
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -20,8 +22,19 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from neuralgrid.agent.backend import RelayError
-from neuralgrid.agent.front import BackendUnreachable, FrontState
-from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, encode, gateway_frame
+from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
+from neuralgrid.protocol.tunnel import (
+    Cancel,
+    Data,
+    End,
+    Err,
+    Req,
+    Start,
+    encode,
+    gateway_frame,
+    is_text,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +110,24 @@ class TunnelClient:
     async def _handle(self, frame: Req, send: Send) -> None:
         request_id = frame.id
         if self.front.draining:
-            await send(Start(id=request_id, status=503))
-            await send(Data(id=request_id, b='{"error": {"message": "this node is draining"}}'))
-            await send(End(id=request_id))
-            return
+            return await _refuse(send, request_id, 503, "this node is draining")
         try:
-            answer = await self.front.forward(frame.path, frame.body.encode())
+            try:
+                body = unpack(frame.body, frame.b64)
+                answer = await self.front.forward(frame.path, body, frame.type or "application/json")
+            except Refused as refused:
+                return await _refuse(send, request_id, refused.status, refused.message)
             try:
                 await send(Start(id=request_id, status=answer.status, type=answer.media_type))
-                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                # Text goes as it is (a chunk may end mid-character: decoded across chunks); other
+                # bytes (audio) in base64.
+                decoder = (
+                    codecs.getincrementaldecoder("utf-8")("replace") if is_text(answer.media_type) else None
+                )
                 async for chunk in answer.chunks:
-                    if text := decoder.decode(chunk):
+                    if decoder is None:
+                        await send(Data(id=request_id, b=base64.b64encode(chunk).decode("ascii"), b64=True))
+                    elif text := decoder.decode(chunk):
                         await send(Data(id=request_id, b=text))
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
                 await answer.aclose()
@@ -117,6 +137,13 @@ class TunnelClient:
                 log.exception("request %s failed in the agent", request_id)
             with contextlib.suppress(WebSocketException):
                 await send(Err(id=request_id, message=f"the backend failed: {err!r}"))
+
+
+async def _refuse(send: Send, request_id: int, status: int, message: str) -> None:
+    """An answer of the agent's own, in OpenAI's error shape."""
+    await send(Start(id=request_id, status=status))
+    await send(Data(id=request_id, b=json.dumps({"error": {"message": message, "code": status}})))
+    await send(End(id=request_id))
 
 
 def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: asyncio.Task[None]) -> None:

@@ -1,4 +1,5 @@
-"""`neuralgrid node run`: the agent a GPU owner runs next to an inference server.
+"""`neuralgrid node run`: the agent a GPU owner runs next to an inference server; `neuralgrid node
+earnings`: what the owner's nodes earned, asked of the gateway with the owner's API key.
 
 Only the agent's dependencies are imported here: a node owner's install has no server packages.
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich import box
+from rich.table import Table
 
-from neuralgrid.cli.common import fail, log_to_stderr
+from neuralgrid.cli.common import fail, log_to_stderr, out
 
 app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")
 # Panels are tables of their own, so no column is shared with the widest option of another panel:
@@ -106,17 +109,30 @@ def run(
             help="Dial out to the gateway (behind NAT: no open port).",
         ),
     ] = False,
+    routes: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NEURALGRID_NODE_ROUTES",
+            help="The OpenAI routes to serve, comma-separated (chat/completions, completions, embeddings,"
+            " responses, rerank, score, audio/transcriptions, audio/translations, audio/speech);"
+            " default: those the server is found to serve.",
+        ),
+    ] = None,
 ) -> None:
     """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
     import socket
 
     from neuralgrid.agent.backend import BackendError, parse_aliases
     from neuralgrid.agent.run import Agent, AgentConfig, AgentError
+    from neuralgrid.protocol.routes import parse_routes
 
     try:
         aliases = parse_aliases(model_alias or [])
+        served = parse_routes(routes) if routes is not None else None
     except BackendError as err:
         raise fail(str(err)) from err
+    except ValueError as err:
+        raise fail(f"--routes: {err}") from err
     log_to_stderr()
     config = AgentConfig(
         gateway_url=gateway,
@@ -135,6 +151,7 @@ def run(
         longitude=longitude,
         tunnel=tunnel,
         model_aliases=aliases,
+        routes=served,
     )
 
     async def main() -> None:
@@ -148,3 +165,112 @@ def run(
         asyncio.run(main())
     except AgentError as err:
         raise fail(str(err)) from err
+
+
+# Earnings ------------------------------------------------------------------------------------------
+
+MAX_DAYS = 3660
+
+
+def _days(value: int) -> int:
+    """One line, not typer's usage box, for a period out of range."""
+    if not 1 <= value <= MAX_DAYS:
+        raise fail(f"--days takes 1 to {MAX_DAYS} (today and the days before it), not {value}")
+    return value
+
+
+def _usd(value: float) -> str:
+    """Cents from one cent up; below that, enough decimals to show a single job's share."""
+    return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.6f}"
+
+
+def _fetch_earnings(gateway: str, token: str, days: int) -> dict[str, Any]:
+    import httpx
+
+    url = f"{gateway.rstrip('/')}/api/my/earnings"
+    try:
+        reply = httpx.get(
+            url, params={"days": days}, headers={"authorization": f"Bearer {token}"}, timeout=30
+        )
+    except httpx.HTTPError as err:
+        raise fail(f"cannot reach the gateway at {gateway}: {err}") from err
+    try:
+        body: dict[str, Any] = reply.json()
+    except ValueError as err:
+        raise fail(
+            f"the gateway at {gateway} answered {reply.status_code} without JSON: is it a gateway?"
+        ) from err
+    if reply.status_code >= 400:
+        message = (body.get("error") or {}).get("message") or reply.reason_phrase
+        raise fail(f"the gateway refused ({reply.status_code}): {message}")
+    return body
+
+
+Sums = tuple[int, float, float, float]  # jobs, charged, fee, earned
+
+
+def _sums(rows: list[dict[str, Any]]) -> Sums:
+    return (
+        sum(r["jobs"] for r in rows),
+        sum(r["gross_usd"] for r in rows),
+        sum(r["fee_usd"] for r in rows),
+        sum(r["net_usd"] for r in rows),
+    )
+
+
+def _per_node_and_model(by_day: list[dict[str, Any]]) -> list[tuple[str, Sums, list[tuple[str, Sums]]]]:
+    """The period's days summed per node (by name) and, within each node, per model."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in by_day:
+        grouped.setdefault(row["node_name"] or f"(deleted {str(row['node_id'])[:8]})", []).append(row)
+    result = []
+    for name, rows in sorted(grouped.items()):
+        models = sorted({r["model_id"] for r in rows})
+        per_model = [(m, _sums([r for r in rows if r["model_id"] == m])) for m in models]
+        result.append((name, _sums(rows), per_model))
+    return result
+
+
+@app.command("earnings")
+def earnings(
+    gateway: Annotated[str, typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL.")],
+    token: Annotated[
+        str, typer.Option(envvar="NEURALGRID_NODE_TOKEN", help="Your API key (the one your nodes run with).")
+    ],
+    days: Annotated[
+        int,
+        typer.Option(
+            envvar="NEURALGRID_EARNINGS_DAYS", callback=_days, help="The period: the last N days (UTC)."
+        ),
+    ] = 30,
+) -> None:
+    """What your nodes earned over a period, per node and model, after the platform's fee."""
+    data = _fetch_earnings(gateway, token, days)
+    if not data["nodes"]:
+        raise fail("you have no nodes: connect one with `neuralgrid node run`, using a key of yours")
+    if not data["by_day"]:
+        count = len(data["nodes"])
+        raise fail(f"no earnings in the last {days} days: none of your {count} nodes served a paid job")
+    out.print(
+        f"Earnings of your nodes over the last {days} days (UTC), from {data['first_day']}", highlight=False
+    )
+    # A line per node with its sums, its models indented under it: the one wide column fits a model
+    # id at 80 columns, and a long one folds rather than being cut.
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("node / model", overflow="fold")
+    for header in ("jobs", "charged $", "fee $", "earned $"):
+        table.add_column(header, justify="right", no_wrap=True)
+
+    def add(label: str, sums: Sums, style: str | None = None) -> None:
+        jobs, gross, fee, net = sums
+        table.add_row(label, str(jobs), _usd(gross), _usd(fee), _usd(net), style=style)
+
+    for node, node_sums, per_model in _per_node_and_model(data["by_day"]):
+        add(node, node_sums, style="bold")
+        for model, sums in per_model:
+            add(f"  {model}", sums)
+    totals = data["totals"]
+    table.add_section()
+    add("total", (totals["jobs"], totals["gross_usd"], totals["fee_usd"], totals["net_usd"]), style="bold")
+    out.print(table)
+    out.print(f"platform fee: {data['fee_rate'] * 100:g}% of what developers were charged", highlight=False)

@@ -43,6 +43,7 @@ class MatchRequest:
     latitude: float | None = None
     longitude: float | None = None
     max_hourly_rate: float | None = None
+    route: str | None = None  # the path after /v1/ (neuralgrid.protocol.routes); None: any route
 
     def params(self) -> dict[str, object]:
         return {
@@ -53,6 +54,7 @@ class MatchRequest:
             "lat": self.latitude,
             "lon": self.longitude,
             "max_rate": self.max_hourly_rate,
+            "route": self.route,
         }
 
 
@@ -127,6 +129,9 @@ class Match:
     busy: bool = False  # PLACE_JOB asked to wait: every capable node is busy, and no job was recorded
     # PLACE_JOB: the decode speed of the node, then of each fallback (None: unknown), for timeouts
     tokens_per_s: list[float | None] = field(default_factory=list)
+    # PLACE_JOB, when no node was claimed: none (no capable node online), route (capable nodes online,
+    # none serving the request's route), busy or cooling
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,7 @@ class TunnelRoute:
 SCORE_NODES = Query(
     "score_nodes",
     "select * from public.score_nodes(%(model)s, %(min_vram)s::real, %(policy)s, %(region)s,"
-    " %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(explain)s, %(limit)s::int)",
+    " %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(explain)s, %(limit)s::int, %(route)s::text)",
     class_row(RankedNode),
     subject="model",
 )
@@ -229,9 +234,10 @@ MATCH_JOB = Query(
     class_row(Match),
     subject="model",
 )
-# The gateway's call: the budget hold is priced in SQL from the catalog (the request's size and its
-# answer at max_tokens), by the same prices complete_jobs() charges. With `wait`, a request that
-# finds every capable node busy comes back `busy`, unrecorded, to wait for a slot.
+# The gateway's call: only nodes serving the request's route (20261128000100_node_routes.sql). The
+# budget hold is priced in SQL from the catalog (the request's size and its answer at max_tokens), by
+# the same prices complete_jobs() charges. With `wait`, a request that finds every capable node busy
+# comes back `busy`, unrecorded, to wait for a slot.
 # The gateway names itself and the request's end user (its `user` field) for this statement only
 # (set local; the lateral join runs place_job() after it): the job records which gateway placed it,
 # and ends soon if that gateway dies, and whose request it was.
@@ -241,7 +247,7 @@ PLACE_JOB = Query(
     " set_config('neuralgrid.end_user', coalesce(%(end_user)s::text, ''), true)) as g,"
     " lateral public.place_job(%(model)s, %(key)s, %(policy)s, %(min_vram)s::real,"
     " %(region)s, %(lat)s::float8, %(lon)s::float8, %(max_rate)s::numeric, %(stream)s,"
-    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int, %(wait)s) as m",
+    " %(fallbacks)s, %(prompt_bytes)s::int, %(max_out)s::int, %(wait)s, %(route)s::text) as m",
     class_row(Match),
     subject="model",
 )
@@ -302,6 +308,36 @@ left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
 group by m.id order by m.id
 """,
     class_row(ServedModel),
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model for GET /v1/models/{model}: its online nodes, its catalog kind (None when it is
+    not in the catalog), and the routes its online nodes serve."""
+
+    id: str
+    online_nodes: int
+    in_catalog: bool
+    kind: str | None
+    routes: list[str]
+
+
+# No row: neither in the catalog nor held by any node.
+MODEL = Query(
+    "model",
+    """
+select %(model)s::text as id, count(distinct n.id) as online_nodes, c.id is not null as in_catalog, c.kind,
+  coalesce(array_agg(distinct r.route order by r.route) filter (where r.route is not null), '{}') as routes
+from (select 1) one
+left join public.models c on c.id = %(model)s
+left join public.node_models nm on nm.model_id = %(model)s
+left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
+left join lateral unnest(n.routes) as r (route) on true
+group by c.id, c.kind
+having c.id is not null or count(nm.node_id) > 0
+""",
+    class_row(ModelInfo),
 )
 KEY_USAGE = Query(
     "key_usage",
@@ -519,10 +555,67 @@ ADD_USER = Query(
 )
 USER_ID = Query("user_id", "select id from auth.users where email = %s", scalar_row)
 
+# --- An owner's earnings and nodes (issue 19), read as the owner: RLS keeps them to their own --------
+
+# A period of `days` is whole UTC days: today and the days before it, as the page's chart draws them.
+# Money as float8 for JSON: the ledger's exact numeric figures stay in SQL (docs/earnings.md).
+MY_EARNINGS = Query(
+    "my_earnings",
+    """
+select day, node_id, node_name, model_id, jobs, gross_usd::float8 as gross_usd, fee_usd::float8 as fee_usd,
+  net_usd::float8 as net_usd
+from public.my_earnings(
+  (date_trunc('day', now(), 'UTC') at time zone 'UTC' - make_interval(days => %(days)s - 1))
+    at time zone 'UTC')
+""",
+    dict_row,
+)
+MY_EARNINGS_TOTALS = Query(
+    "my_earnings_totals",
+    """
+with period as (
+  select date_trunc('day', now(), 'UTC') at time zone 'UTC' - make_interval(days => %(days)s - 1) as first_day
+)
+select p.first_day::date as first_day, t.jobs, t.gross_usd::float8 as gross_usd, t.fee_usd::float8 as fee_usd,
+  t.net_usd::float8 as net_usd
+from period p, public.my_earnings_totals(p.first_day at time zone 'UTC') t
+""",
+    dict_row,
+)
+MY_NODE_STATS = Query(
+    "my_node_stats",
+    """
+select node_id, name, status, gpu_model, gpu_count, region, hourly_rate::float8 as hourly_rate, uptime,
+  observed_s, jobs_served, failures, reputation, warm_models, last_heartbeat_at
+from public.my_node_stats(make_interval(days => %(days)s))
+""",
+    dict_row,
+)
+PLATFORM_FEE_RATE = Query(
+    "platform_fee_rate", "select platform_fee_rate::float8 from public.platform_settings", scalar_row
+)
+
 # Whether this database carries the embedded Realtime server's feed (db/sql/realtime_feed.sql). It is
 # left out where Supabase's Realtime runs (it reads the WAL itself): then the gateway serves none.
 REALTIME_FEED_INSTALLED = Query(
     "realtime_feed_installed",
     "select to_regprocedure('realtime.feed_notify(jsonb)') is not null",
+    scalar_row,
+)
+
+# --- keys the CLI creates for a user (`neuralgrid keys create --owner`) ----------------------------
+
+# For the rest of the transaction, act as this signed-in user, as the API does (db/roles.py): what
+# create_api_key() then creates, auth.uid() makes theirs.
+ACT_AS_USER = Query(
+    "act_as_user",
+    "select set_config('role', 'authenticated', true), set_config('request.jwt.claims',"
+    " json_build_object('role', 'authenticated', 'sub', %s::uuid)::text, true)",
+    scalar_row,
+)
+# Supabase Auth keeps emails lower-case; an id is matched as text so that any string is a fair question.
+USER_BY_ID_OR_EMAIL = Query(
+    "user_by_id_or_email",
+    "select id from auth.users where id::text = %(who)s or email = lower(%(who)s)",
     scalar_row,
 )

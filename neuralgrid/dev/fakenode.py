@@ -1,14 +1,17 @@
 """A small OpenAI-compatible inference server with knobs, standing in for a GPU node.
 
-Tests and `neuralgrid up --demo` run it on loopback ports. It answers chat, completions and
-embeddings (with `stream: true` as SSE) with deterministic text, and can be told to be slow, to fail,
-or to drop a stream half-way, so that the gateway's failover and metering can be exercised for real.
+Tests and `neuralgrid up --demo` run it on loopback ports. It answers chat, completions, embeddings
+and (when told to serve it) OpenAI's Responses API, streams as SSE, with deterministic text, and can
+be told to be slow, to fail, or to drop a stream half-way, so that the gateway's failover and
+metering can be exercised for real. A route it is not told to serve is refused as the server it
+mimics refuses one (`routes`).
 
 By default it behaves like vLLM where the platform cares. `FakeNodeConfig.like()` makes it behave
 like llama.cpp's server or llama-cpp-python's instead, in each way the backend conformance suite
 (tests/test_backends.py) found them to differ, and the suite holds each preset against the real
 server: the endpoints that identify it, its parallelism, usage in streams, whether it continues an
-open assistant message, what it answers to bad parameters, and whether a new request cuts a stream.
+open assistant message, what it answers to bad parameters, whether a new request cuts a stream, and
+which routes it serves.
 """
 
 from __future__ import annotations
@@ -28,20 +31,32 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from neuralgrid.protocol.routes import DEFAULT_ROUTES
+from neuralgrid.protocol.routes import Route as ApiRoute  # starlette's Route is the app's own
+
 WORDS = ("grid", "node", "token", "light", "river", "stone", "cloud", "signal", "orbit", "amber")
 
 
 # How each server differs from the fake's default (vLLM-like), as tests/test_backends.py measured.
 LIKE: dict[str, dict[str, Any]] = {
     "vllm": {},
-    "llama.cpp": {"parallel": 4},
+    # Started without --embeddings or --reranking: chat, completions and the Responses API.
+    "llama.cpp": {"parallel": 4, "routes": ("chat/completions", "completions", "responses")},
     "llama-cpp-python": {
         "usage_in_streams": False,
         "continues": False,
         "parallel": 1,
         "interrupts": True,
         "bad_request_status": 500,
+        "routes": ("chat/completions", "completions"),  # embeddings only for a model loaded for them
     },
+}
+# What each route's request is, to the fake (its answers' shapes).
+KINDS = {
+    "chat/completions": "chat",
+    "completions": "completion",
+    "embeddings": "embedding",
+    "responses": "responses",
 }
 
 
@@ -65,6 +80,8 @@ class FakeNodeConfig:
     bad_request_status: int = 400  # the answer to a parameter of the wrong type
     linger_after_done_s: float = 0.0  # keep a stream open this long after [DONE] before ending it
     context_length: int = 8192  # an answer stops where the context is full, as a real server's does
+    # The OpenAI routes it serves, of the ones it can answer: chat, completions, embeddings, responses.
+    routes: tuple[ApiRoute, ...] = DEFAULT_ROUTES
 
     @classmethod
     def like(cls, kind: str, **knobs: Any) -> FakeNodeConfig:
@@ -103,6 +120,21 @@ def _count_prompt_tokens(body: dict[str, object]) -> int:
     return max(1, len(text) // 4)
 
 
+def _not_served(config: FakeNodeConfig, path: str) -> JSONResponse:
+    """A route the fake is not told to serve, refused as the server it mimics refuses it."""
+    if config.kind == "llama.cpp" and path == "/v1/embeddings":
+        message = "This server does not support embeddings. Start it with `--embeddings`"
+        return JSONResponse({"error": {"code": 501, "message": message, "type": "not_supported_error"}}, 501)
+    if config.kind == "llama-cpp-python" and path == "/v1/embeddings":
+        message = "Llama model must be created with embedding=True to call this method"
+        return JSONResponse({"error": {"message": message, "type": "internal_server_error"}}, 500)
+    if config.kind == "llama.cpp":
+        return JSONResponse(
+            {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}, 404
+        )
+    return JSONResponse({"detail": "Not Found"}, 404)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "server_error", "code": status}}, status)
 
@@ -117,6 +149,8 @@ async def _models(request: Request) -> Response:
 
 async def _generate(request: Request, kind: str) -> Response:
     config: FakeNodeConfig = request.app.state.config
+    if request.url.path.removeprefix("/v1/") not in config.routes:
+        return _not_served(config, request.url.path)
     request.app.state.requests += 1
     try:
         body = await request.json()
@@ -149,10 +183,17 @@ async def _answer_request(
     if kind == "embedding":
         slot.release()
         return JSONResponse(_embeddings(body, model, prompt_tokens))
-    asked = int(body.get("max_tokens") or body.get("max_completion_tokens") or config.default_max_tokens)
+    asked = int(
+        body.get("max_tokens")
+        or body.get("max_completion_tokens")
+        or body.get("max_output_tokens")
+        or config.default_max_tokens
+    )
     n = max(0, min(asked, config.context_length - prompt_tokens))
     tokens = _text_tokens(body, n, config.continues)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if kind == "responses":
+        return _responses(config, slot, body, model, tokens, usage)
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -252,6 +293,63 @@ async def _events(
         await asyncio.sleep(config.linger_after_done_s)
 
 
+def _responses(
+    config: FakeNodeConfig,
+    slot: _Slot,
+    body: dict[str, Any],
+    model: str,
+    tokens: list[str],
+    usage: dict[str, int],
+) -> Response:
+    """OpenAI's Responses API, shaped as llama.cpp's server answers it: one message of output text;
+    usage as input and output tokens; a stream of `response.*` events, usage in response.completed."""
+    ident, item = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
+    used = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    used["total_tokens"] = usage["total_tokens"]
+    text = "".join(tokens)
+    message = {
+        "type": "message",
+        "id": item,
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+    whole = {
+        "id": ident,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed",
+        "model": model,
+        "output": [message],
+        "usage": used,
+    }
+    if not body.get("stream"):
+        slot.release()
+        return JSONResponse(whole)
+
+    async def events() -> AsyncIterator[bytes]:
+        started = {"id": ident, "object": "response", "status": "in_progress", "model": model}
+        said: list[dict[str, Any]] = [
+            {"type": "response.created", "response": started},
+            {"type": "response.output_item.added", "output_index": 0, "item": {**message, "content": []}},
+        ]
+        said += [{"type": "response.output_text.delta", "item_id": item, "delta": t} for t in tokens]
+        said += [
+            {"type": "response.output_text.done", "item_id": item, "text": text},
+            {"type": "response.output_item.done", "output_index": 0, "item": message},
+            {"type": "response.completed", "response": whole},
+        ]
+        for number, event in enumerate(said):
+            if config.drop_after_chunks is not None and number >= config.drop_after_chunks:
+                raise ConnectionError(f"{config.name} dropped the stream on purpose")
+            if config.tokens_per_s and event["type"] == "response.output_text.delta":
+                await asyncio.sleep(1 / config.tokens_per_s)
+            event["sequence_number"] = number
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
+    return StreamingResponse(_holding(slot, events()), media_type="text/event-stream")
+
+
 def _embeddings(body: dict[str, object], model: str, prompt_tokens: int) -> dict[str, object]:
     raw = body.get("input")
     inputs = raw if isinstance(raw, list) else [raw]
@@ -274,6 +372,10 @@ async def _completions(request: Request) -> Response:
 
 async def _embed(request: Request) -> Response:
     return await _generate(request, "embedding")
+
+
+async def _respond(request: Request) -> Response:
+    return await _generate(request, "responses")
 
 
 class _Slot:
@@ -313,7 +415,15 @@ async def _identity(request: Request) -> Response:
     if config.kind == "llama.cpp" and path == "/props":
         return JSONResponse({"total_slots": config.parallel or 1, "build_info": "fake"})
     if config.kind == "llama-cpp-python" and path == "/openapi.json":
-        return JSONResponse({"openapi": "3.1.0", "info": {"title": "🦙 llama.cpp Python API (fake)"}})
+        # Its paths as the real server lists them: /v1/embeddings whether or not the model embeds.
+        paths: dict[str, Any] = {
+            p: {"post": {}} for p in ("/v1/completions", "/v1/embeddings", "/v1/chat/completions")
+        }
+        info = {"title": "🦙 llama.cpp Python API (fake)"}
+        return JSONResponse({"openapi": "3.1.0", "info": info, "paths": paths})
+    if config.kind == "vllm" and path == "/openapi.json":  # vLLM lists what its model's tasks allow
+        served: dict[str, Any] = {f"/v1/{route}": {"post": {}} for route in config.routes}
+        return JSONResponse({"openapi": "3.1.0", "info": {"title": "FastAPI"}, "paths": served})
     if config.kind == "vllm" and path == "/version":
         return JSONResponse({"version": "fake"})
     if path == "/health" and config.kind != "llama-cpp-python":
@@ -341,6 +451,7 @@ def create_fake_node(config: FakeNodeConfig | None = None) -> Starlette:
             Route("/v1/chat/completions", _chat, methods=["POST"]),
             Route("/v1/completions", _completions, methods=["POST"]),
             Route("/v1/embeddings", _embed, methods=["POST"]),
+            Route("/v1/responses", _respond, methods=["POST"]),
             *(Route(path, _identity) for path in ("/props", "/openapi.json", "/version", "/health")),
             Route("/tokenize", _tokenize, methods=["POST"]),
             Route("/extras/tokenize/count", _tokenize, methods=["POST"]),

@@ -110,6 +110,14 @@ class NoCapacity(GatewayError):
     status, type, code = 503, "server_error", "no_capacity"
 
 
+class RouteNotServed(GatewayError):
+    """Capable nodes are online for the model, but none serves the route asked for: not a busy
+    fleet (asking again soon does not help), so the SDKs are told not to retry."""
+
+    status, type, code = 503, "server_error", "route_not_served"
+    should_retry = False
+
+
 class UpstreamTimeout(GatewayError):
     status, type, code = 504, "server_error", "upstream_timeout"
 

@@ -19,12 +19,15 @@ endian) and the payload: S (JSON status and content type), D (body bytes), E (en
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import math
+import re
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -38,7 +41,7 @@ from starlette.responses import StreamingResponse
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.errors import BadRequest, GatewayError, Unauthorized
-from neuralgrid.gateway.pipeline.send import PATHS
+from neuralgrid.gateway.pipeline.kinds import PATHS
 from neuralgrid.gateway.routes_openai import read_body
 from neuralgrid.gateway.tunnel import Tunnel, TunnelClosed, TunnelUnreachable
 from neuralgrid.gateway.upstream import NodeError, NodeTimeout
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 # /internal/gateways/{holder}/tunnels/{node}/v1/...: a signature is good at the gateway it names only.
 PREFIX = "/internal/gateways"
 FRAMES = "application/x-neuralgrid-frames"
+JSON = "application/json"
 FORWARDED_PATHS = frozenset(PATHS.values())  # only inference reaches an agent this way
 START, DATA, END, ERROR = b"S", b"D", b"E", b"X"
 HEADER = struct.Struct("!cI")
@@ -66,6 +70,7 @@ MAX_WAIT_S = 3600.0  # the longest wait for a node's status line an asking gatew
 # How reading from the holder fails: reset, closed early, silent past the margin, a malformed frame.
 BROKEN_OFF = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, TimeoutError, ValueError)
 _KEY_LABEL = b"neuralgrid inter-gateway forwarding v1"
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
 
 
 def forwarding_key(settings: Settings) -> bytes:
@@ -124,10 +129,11 @@ class Peers:
         self.session = aiohttp.ClientSession(timeout=timeout)
 
     async def open(
-        self, node_id: UUID, path: str, body: bytes, first_byte_timeout_s: float
+        self, node_id: UUID, path: str, body: bytes, first_byte_timeout_s: float, content_type: str = JSON
     ) -> ForwardedResponse:
         """Ask the node through the gateway holding its tunnel; returns once the node's status line is
-        in. TunnelUnreachable for whatever is not the node's doing."""
+        in. TunnelUnreachable for whatever is not the node's doing. The body's content type (an
+        upload's, with its boundary) travels in the signed query, so no one on the way changes it."""
         route = await self.store.one(q.TUNNEL_ROUTE, (node_id,))
         if route is None:
             raise TunnelUnreachable("no live gateway holds the node's tunnel")
@@ -139,9 +145,11 @@ class Peers:
             )
         # The holder waits for the node's status line as long as this gateway would (a whole answer's
         # first byte comes with its last token), and signs the wait with the rest.
-        wait = f"?first_byte_timeout_s={first_byte_timeout_s:.3f}"
-        target = f"{PREFIX}/{route.gateway_id}/tunnels/{node_id}{path}{wait}"
-        headers = {"content-type": "application/json", signing.HEADER: signing.sign(self.key, target, body)}
+        query = f"?first_byte_timeout_s={first_byte_timeout_s:.3f}"
+        if content_type != JSON:  # in base64: no client re-quotes it, so the signature holds
+            query += "&content_type=" + base64.urlsafe_b64encode(content_type.encode()).decode()
+        target = f"{PREFIX}/{route.gateway_id}/tunnels/{node_id}{path}{query}"
+        headers = {"content-type": content_type, signing.HEADER: signing.sign(self.key, target, body)}
         where = route.internal_url
         try:
             resp = await self.session.post(where + target, data=body, headers=headers, allow_redirects=False)
@@ -292,11 +300,26 @@ async def forwarded(
     link = services.tunnels.get(node_id)
     if link is None:
         raise Misdirected(f"this gateway does not hold node {node_id}'s tunnel")
+    content_type = _content_type(request.query_params.get("content_type"))
+    if content_type == JSON:  # an upload's bytes travel in base64 over the tunnel; JSON as text
+        try:
+            body.decode()
+        except UnicodeDecodeError:
+            raise BadRequest("the request body is not UTF-8") from None
+    return StreamingResponse(_relay(link, target, body, timeout_s, content_type), media_type=FRAMES)
+
+
+def _content_type(given: str | None) -> str:
+    """The body's content type, as the asking gateway gave it (URL-safe base64); JSON by default."""
+    if given is None:
+        return JSON
     try:
-        body.decode()
-    except UnicodeDecodeError:
-        raise BadRequest("the request body is not UTF-8") from None
-    return StreamingResponse(_relay(link, target, body, timeout_s), media_type=FRAMES)
+        content_type = base64.urlsafe_b64decode(given.encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        content_type = ""
+    if not _HEADER_VALUE.fullmatch(content_type):
+        raise BadRequest("content_type must be a header value in URL-safe base64", param="content_type")
+    return content_type
 
 
 def _wait(given: str | None, default: float) -> float:
@@ -312,10 +335,12 @@ def _wait(given: str | None, default: float) -> float:
     return seconds
 
 
-async def _relay(link: Tunnel, path: str, body: bytes, first_byte_timeout_s: float) -> AsyncIterator[bytes]:
+async def _relay(
+    link: Tunnel, path: str, body: bytes, first_byte_timeout_s: float, content_type: str
+) -> AsyncIterator[bytes]:
     """The node's answer over the tunnel, in frames; the asking gateway leaving cancels it."""
     try:
-        resp = await link.request(path, body)
+        resp = await link.request(path, body, content_type)
     except NodeError as err:
         yield _failure_frame(err)
         return

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible API: models, chat, completions, embeddings, and a key's usage."""
+"""The OpenAI-compatible API: models, chat, completions, embeddings, responses, rerank and score,
+audio (transcriptions, translations, speech), and a key's usage. Every request but the models' goes
+through the pipeline to a node that serves its route."""
 
 from __future__ import annotations
 
@@ -9,17 +11,43 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
-from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, ClientGone, RequestTimeout, invalid
+from neuralgrid.gateway.errors import (
+    BadRequest,
+    BodyTooLarge,
+    ClientGone,
+    ModelNotFound,
+    RequestTimeout,
+    invalid,
+)
 from neuralgrid.gateway.pipeline import Call
-from neuralgrid.gateway.schema import END_USER, SCHEMAS
+from neuralgrid.gateway.schema import END_USER, SCHEMAS, AudioForm, FormError, ModelId, read_audio_form
 from neuralgrid.protocol import wire_json
 from neuralgrid.server.services import ServicesDep
+
+_MODEL_ID: TypeAdapter[str] = TypeAdapter(ModelId)
+
+
+def _json_body(kind: str) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its own JSON (its schema has no $defs)."""
+    schema = SCHEMAS[kind].model_json_schema()
+    assert "$defs" not in schema, f"{kind}'s schema must be self-contained"
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _form_schema() -> dict[str, Any]:
+    schema = AudioForm.model_json_schema()
+    schema["properties"] = {"file": {"type": "string", "format": "binary"}, **schema["properties"]}
+    schema["required"] = ["file", *schema.get("required", [])]
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
+_AUDIO_FORM = _form_schema()
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -41,6 +69,28 @@ async def list_models(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
+    """One model: the catalog's or held by some node, with the routes its online nodes serve."""
+    try:
+        _MODEL_ID.validate_python(model)
+    except ValidationError:
+        raise ModelNotFound(f"the model {model[:256]!r} does not exist", param="model") from None
+    row = await services.store.one(q.MODEL, {"model": model})
+    if row is None:
+        raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+    return {
+        "id": row.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "neuralgrid",
+        "online_nodes": row.online_nodes,
+        "in_catalog": row.in_catalog,
+        "kind": row.kind,
+        "routes": [f"/v1/{route}" for route in row.routes],
+    }
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
     return await _proxy(request, key, services, "chat")
@@ -54,6 +104,42 @@ async def completions(request: Request, key: ApiKeyDep, services: ServicesDep) -
 @router.post("/embeddings")
 async def embeddings(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
     return await _proxy(request, key, services, "embedding")
+
+
+@router.post("/responses", openapi_extra=_json_body("responses"))
+async def responses(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """OpenAI's Responses API, streamed (response.* events) or not; stateless (no stored responses)."""
+    return await _proxy(request, key, services, "responses")
+
+
+@router.post("/rerank", openapi_extra=_json_body("rerank"))
+async def rerank(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """vLLM's and llama.cpp's rerank: the documents ordered by relevance to the query."""
+    return await _proxy(request, key, services, "rerank")
+
+
+@router.post("/score", openapi_extra=_json_body("score"))
+async def score(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """vLLM's score: a relevance score for each pair of texts."""
+    return await _proxy(request, key, services, "score")
+
+
+@router.post("/audio/transcriptions", openapi_extra=_AUDIO_FORM)
+async def transcriptions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """The audio's text (multipart/form-data: `file` and `model`), passed to the node as it came."""
+    return await _upload(request, key, services, "transcription")
+
+
+@router.post("/audio/translations", openapi_extra=_AUDIO_FORM)
+async def translations(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """The audio's text in English (multipart/form-data: `file` and `model`)."""
+    return await _upload(request, key, services, "translation")
+
+
+@router.post("/audio/speech", openapi_extra=_json_body("speech"))
+async def speech(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+    """Text to speech: the node's audio bytes, with its content type."""
+    return await _proxy(request, key, services, "speech")
 
 
 @router.get("/usage")
@@ -88,6 +174,35 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
         SCHEMAS[kind].model_validate(body)
     except ValidationError as err:
         raise invalid(err.errors()) from err
+    return await services.pipeline.handle(_call(request, key, kind, body))
+
+
+async def _upload(request: Request, key: ApiKeyDep, services: ServicesDep, kind: str) -> Response:
+    """An audio upload: validated (a file, a model, the fields' types), then passed on unchanged."""
+    settings = services.settings
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    content_type = request.headers.get("content-type") or ""
+    try:
+        fields = read_audio_form(raw, content_type)
+        AudioForm.model_validate(fields)
+    except FormError as err:
+        raise BadRequest(str(err), param="file") from None
+    except ValidationError as err:
+        raise invalid(err.errors()) from err
+    return await services.pipeline.handle(
+        _call(request, key, kind, {"model": fields["model"]}, upload=raw, content_type=content_type)
+    )
+
+
+def _call(
+    request: Request,
+    key: ApiKeyDep,
+    kind: str,
+    body: dict[str, Any],
+    upload: bytes | None = None,
+    content_type: str = "application/json",
+) -> Call:
+    """The pipeline's call: the request and the routing headers it came with."""
     max_price = request.headers.get("x-neuralgrid-max-price")
     try:
         max_rate = float(max_price) if max_price else None
@@ -95,7 +210,7 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
         raise BadRequest("x-neuralgrid-max-price must be a number of USD per hour") from None
     if max_rate is not None and max_rate < 0:
         raise BadRequest("x-neuralgrid-max-price must not be negative")
-    call = Call(
+    return Call(
         kind=kind,
         body=body,
         key=key,
@@ -103,8 +218,9 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
         max_hourly_rate=max_rate,
         policy=request.headers.get("x-neuralgrid-policy") or "balanced",
         received=request.scope.get("state", {}).get("received", time.perf_counter()),
+        upload=upload,
+        content_type=content_type,
     )
-    return await services.pipeline.handle(call)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

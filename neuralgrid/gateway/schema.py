@@ -1,5 +1,5 @@
-"""OpenAI's request schema for chat, completions and embeddings: types and ranges, checked before any
-node sees a request.
+"""OpenAI's request schema (chat, completions, embeddings, responses, audio) and vLLM's and
+llama.cpp's (rerank, score): types and ranges, checked before any node sees a request.
 
 A malformed request is the client's 400 here, never a node's failure: servers answer bad input in
 their own ways (llama-cpp-python with HTTP 500 for `"temperature": "hot"`), and a 5xx would cool the
@@ -10,9 +10,12 @@ their own: `top_k`, `min_p`, `continue_final_message`, guided decoding).
 
 from __future__ import annotations
 
+from email.message import EmailMessage
+from email.parser import BytesParser
+from email.policy import HTTP
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Temperature = Annotated[float, Field(ge=0, le=2)]
 Probability = Annotated[float, Field(ge=0, le=1)]
@@ -101,8 +104,146 @@ class EmbeddingRequest(_Strict):
     user: EndUser | None = None
 
 
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API. Stateless here: a response is not kept where the next request may
+    run (any node), so continuing one (previous_response_id, conversation) is refused."""
+
+    model: ModelId
+    input: str | Annotated[list[str | dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    stream: bool = False
+    max_output_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: EndUser | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+
+    @field_validator("previous_response_id", "conversation", mode="before")
+    @classmethod
+    def _not_kept(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                "continuing a stored response is not supported: the next request may run on another node;"
+                " send the conversation as input"
+            )
+
+
+# A text to rank or score: a string, or (vLLM) a content part such as an image.
+Document = str | dict[str, Any]
+Documents = Annotated[list[Document], Field(min_length=1, max_length=10_000)]
+
+
+class RerankRequest(_Strict):
+    """vLLM's and llama.cpp's rerank (Jina's and Cohere's shape): the documents by relevance to the query."""
+
+    model: ModelId
+    query: str | dict[str, Any]
+    documents: Documents
+    top_n: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    return_documents: bool | None = None
+
+
+# vLLM's score: pairs of texts, named in one of its four ways.
+SCORE_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+class ScoreRequest(_Strict):
+    """vLLM's score: a relevance score for each pair of texts (one against many, or pairwise)."""
+
+    model: ModelId
+    text_1: Document | Documents | None = None
+    text_2: Document | Documents | None = None
+    queries: Document | Documents | None = None
+    documents: Document | Documents | None = None
+    items: Document | Documents | None = None
+    data_1: Document | Documents | None = None
+    data_2: Document | Documents | None = None
+
+    @model_validator(mode="after")
+    def _one_pair(self) -> ScoreRequest:
+        if not any(getattr(self, a) is not None and getattr(self, b) is not None for a, b in SCORE_PAIRS):
+            raise ValueError("give the texts to score as text_1 and text_2 (or queries and documents)")
+        return self
+
+
+class SpeechRequest(_Strict):
+    """OpenAI's text to speech. The audio comes back whole (stream_format "sse" is not relayed)."""
+
+    model: ModelId
+    input: Annotated[str, Field(min_length=1, max_length=100_000)]
+    voice: str | dict[str, Any] | None = None
+    instructions: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] | None = None
+    speed: Annotated[float, Field(ge=0.25, le=4)] | None = None
+    stream_format: Literal["audio"] | None = None
+
+
 SCHEMAS: dict[str, type[BaseModel]] = {
     "chat": ChatRequest,
     "completion": CompletionRequest,
     "embedding": EmbeddingRequest,
+    "responses": ResponsesRequest,
+    "rerank": RerankRequest,
+    "score": ScoreRequest,
+    "speech": SpeechRequest,
 }
+
+
+# Audio uploads (transcriptions and translations): multipart/form-data ------------------------------
+
+
+class AudioForm(_Strict):
+    """The text fields of an audio upload, as OpenAI's and vLLM's servers read them (forms carry
+    text only: numbers and booleans arrive as strings). The file is checked on its own."""
+
+    model: ModelId
+    language: Annotated[str, Field(max_length=32)] | None = None
+    prompt: str | None = None
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] | None = None
+    temperature: Annotated[str, Field(pattern=r"^\s*(0(\.\d+)?|1(\.0+)?)\s*$")] | None = None
+    stream: Literal["false", "False", "0"] | None = Field(
+        None, description="Streamed transcripts are not relayed: leave stream out or false."
+    )
+
+
+class FormError(ValueError):
+    """An upload that is not the multipart form its route takes; the message says what is wrong."""
+
+
+def read_audio_form(body: bytes, content_type: str) -> dict[str, str]:
+    """The text fields of a multipart/form-data audio upload, once it is known to carry a non-empty
+    `file` part; FormError otherwise. The body itself is passed to the node unchanged."""
+    if content_type.split(";", 1)[0].strip().lower() != "multipart/form-data":
+        raise FormError("send the audio as multipart/form-data, with `file` and `model` fields")
+    message = BytesParser(policy=HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body
+    )
+    if not isinstance(message, EmailMessage) or not message.is_multipart() or message.defects:
+        raise FormError("the multipart/form-data body is malformed (no boundary, or parts that do not end)")
+    fields: dict[str, str] = {}
+    audio: bytes | None = None
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            raise FormError("every part of the form must be named (Content-Disposition: form-data; name=...)")
+        payload = part.get_payload(decode=True)
+        data = payload if isinstance(payload, bytes) else b""
+        if name == "file":
+            audio = data
+        else:
+            try:
+                fields[name] = data.decode()
+            except UnicodeDecodeError:
+                raise FormError(f"the form field {name!r} is not UTF-8 text") from None
+    if audio is None:
+        raise FormError("the form has no `file`: attach the audio as a file part named file")
+    if not audio:
+        raise FormError("the audio file is empty")
+    return fields

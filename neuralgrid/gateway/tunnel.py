@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
-from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, agent_frame, encode
+from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, agent_frame, encode, pack, unpack
 
 if TYPE_CHECKING:
     from neuralgrid.gateway.forward import Peers
@@ -52,12 +52,14 @@ class Tunnel:
         async with self.send_lock:
             await self.ws.send_text(encode(frame))
 
-    async def request(self, path: str, body: bytes) -> TunnelResponse:
+    async def request(self, path: str, body: bytes, content_type: str = "application/json") -> TunnelResponse:
         request_id = next(self.ids)
         queue: asyncio.Queue[AgentFrame] = asyncio.Queue()
         self.pending[request_id] = queue
+        text, b64 = pack(body)  # an upload that is not UTF-8 goes in base64
         try:
-            await self.send(Req(id=request_id, path=path, body=body.decode()))
+            kind = None if content_type == "application/json" else content_type
+            await self.send(Req(id=request_id, path=path, body=text, type=kind, b64=b64))
         except (WebSocketDisconnect, RuntimeError) as err:
             self.pending.pop(request_id, None)
             raise TunnelClosed(f"the tunnel to node {self.node_id} is closed") from err
@@ -124,7 +126,11 @@ class TunnelResponse:
                 await self.close()
                 raise NodeTimeout("timeout: the agent stopped sending") from None
             if isinstance(frame, Data):
-                yield frame.b.encode()
+                try:
+                    yield unpack(frame.b, frame.b64)
+                except ValueError:  # base64 that is not: the agent is broken
+                    await self.close()
+                    raise TunnelClosed("the agent sent a chunk that is not base64") from None
             elif isinstance(frame, End):
                 self._done()
             else:
@@ -158,15 +164,22 @@ class Tunnels:
     def get(self, node_id: UUID) -> Tunnel | None:
         return self.by_node.get(node_id)
 
-    async def open(self, node_id: UUID, path: str, body: bytes, first_byte_timeout_s: float) -> NodeResponse:
+    async def open(
+        self,
+        node_id: UUID,
+        path: str,
+        body: bytes,
+        first_byte_timeout_s: float,
+        content_type: str = "application/json",
+    ) -> NodeResponse:
         """Ask the node through its tunnel, here or at the gateway holding it; returns once its
         status line is in. TunnelUnreachable when no gateway could take the request to the node."""
         link = self.by_node.get(node_id)
         if link is None:
             if self.peers is None:
                 raise TunnelUnreachable("the node's tunnel is not connected to this gateway")
-            return await self.peers.open(node_id, path, body, first_byte_timeout_s)
-        resp = await link.request(path, body)
+            return await self.peers.open(node_id, path, body, first_byte_timeout_s, content_type)
+        resp = await link.request(path, body, content_type)
         await resp.start(first_byte_timeout_s)
         return resp
 

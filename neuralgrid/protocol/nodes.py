@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from neuralgrid.protocol.routes import Route
+
 # Every number has a range a real machine fits in (64 GPUs of today's largest), so nothing
 # out of Postgres's range, or absurd, reaches the matcher.
 # Text is a name or a version: printable, no control characters (Postgres cannot even hold NUL).
@@ -39,6 +41,15 @@ class BackendInfo(BaseModel):
     continues: bool = False
     tokenize: bool = False
     interrupts: bool = False
+    # The OpenAI routes the server serves (None: not said; the node then serves DEFAULT_ROUTES).
+    routes: (
+        Annotated[
+            list[Route],
+            Field(min_length=1, max_length=32),
+            AfterValidator(lambda r: list(dict.fromkeys(r))),
+        ]
+        | None
+    ) = None
 
 
 class NodeRegistration(BaseModel):

@@ -22,11 +22,17 @@ class Usage:
 
     @classmethod
     def parse(cls, payload: Any) -> Usage | None:
-        """The node's own account of usage, if it is a plausible one (nodes are not trusted)."""
+        """The node's own account of usage, if it is a plausible one (nodes are not trusted): OpenAI's
+        prompt and completion tokens, the Responses API's input and output tokens, or (rerank and
+        score, vLLM's older rerank) total tokens alone, which are all prompt."""
         usage = payload.get("usage") if isinstance(payload, dict) else None
         if not isinstance(usage, dict):
             return None
-        counts = [usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0]
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        if prompt is None and completion is None:
+            prompt = usage.get("total_tokens")
+        counts = [prompt or 0, completion or 0]
         if not all(type(c) is int and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):  # not bools
             return None
         return cls(counts[0], counts[1])
@@ -137,6 +143,45 @@ class SseEvents:
             if choice.get("finish_reason"):
                 self.finished = True
         return carried
+
+
+# The events that end a Responses API stream (it sends no [DONE]).
+RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+
+
+class ResponseEvents(SseEvents):
+    """A Responses API stream (`response.*` events) read as SseEvents reads chat: whole once its
+    final event has come (response.completed, .incomplete, .failed, or an error), usage from that
+    event's response (input and output tokens), a token per text delta when there is none. Never
+    resumed on another node: its events carry ids and positions a second node could not continue."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_usage_event=True)
+        self.plain_text = False
+
+    def _take(self, event: bytes) -> bytes | None:
+        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if not lines:
+            return event
+        data = b"\n".join(lines).strip()
+        if data == b"[DONE]":  # not the API's, but a server may add it: the stream is over
+            self.done = True
+            return event
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            payload = None
+        kind = payload.get("type") if isinstance(payload, dict) else None
+        if kind == "response.output_text.delta":
+            delta = payload.get("delta") if isinstance(payload, dict) else None
+            self.chunks += 1
+            if isinstance(delta, str):
+                self.text.append(delta)
+        elif kind in RESPONSE_ENDS:
+            self.done = self.finished = True
+            usage = Usage.parse(payload.get("response") if isinstance(payload, dict) else None)
+            self.usage = usage or self.usage
+        return event
 
 
 def _usage_fields(usage: Usage) -> dict[str, int]:

@@ -1,12 +1,14 @@
 """Tunnel frames: what the gateway and an agent say to each other over one WebSocket, one model each.
 
 Many requests share the socket, so every frame carries its request's id. The gateway sends `req` and
-`cancel`; the agent answers `start` (status line), `data` chunks, then `end` or `err`. Bodies are text
-(JSON and SSE are UTF-8). Frames travel as JSON text and are validated on arrival at both ends.
+`cancel`; the agent answers `start` (status line), `data` chunks, then `end` or `err`. Bodies travel
+as text (JSON and SSE are UTF-8) or, for bytes that are not (an audio upload, speech), in base64
+(`b64`). Frames travel as JSON text and are validated on arrival at both ends.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -17,12 +19,17 @@ class _Frame(BaseModel):
     id: int
 
 
+HEADER_VALUE = r"^[\x20-\x7e]*$"  # printable ASCII: what a header may hold
+
+
 class Req(_Frame):
-    """Gateway → agent: forward this body to the inference server's `path`."""
+    """Gateway → agent: forward this body (of content type `type`) to the inference server's `path`."""
 
     t: Literal["req"] = "req"
     path: str
     body: str
+    type: str | None = Field(None, min_length=1, max_length=256, pattern=HEADER_VALUE)  # None: JSON
+    b64: Literal[True] | None = None  # the body is base64 (bytes that are not UTF-8 text)
 
 
 class Cancel(_Frame):
@@ -36,7 +43,7 @@ class Start(_Frame):
 
     t: Literal["start"] = "start"
     status: int = Field(ge=200, le=599)  # a final status: 1xx is no answer to relay
-    type: str = Field("application/json", pattern=r"^[\x20-\x7e]*$")  # a header value: printable ASCII
+    type: str = Field("application/json", pattern=HEADER_VALUE)
 
 
 class Data(_Frame):
@@ -44,6 +51,7 @@ class Data(_Frame):
 
     t: Literal["data"] = "data"
     b: str
+    b64: Literal[True] | None = None  # the chunk is base64 (a body that is not text, such as audio)
 
 
 class End(_Frame):
@@ -66,8 +74,27 @@ _gateway_frames: TypeAdapter[Req | Cancel] = TypeAdapter(GatewayFrame)
 _agent_frames: TypeAdapter[Start | Data | End | Err] = TypeAdapter(AgentFrame)
 
 
+def is_text(media_type: str) -> bool:
+    """Bodies of this type travel as text (JSON, SSE, plain text); others (audio) in base64."""
+    kind = media_type.split(";", 1)[0].strip().lower()
+    return kind.startswith("text/") or kind.endswith("json")
+
+
+def pack(body: bytes) -> tuple[str, Literal[True] | None]:
+    """A body for a frame: as text when it is UTF-8, else in base64 (second item True)."""
+    try:
+        return body.decode(), None
+    except UnicodeDecodeError:
+        return base64.b64encode(body).decode("ascii"), True
+
+
+def unpack(text: str, b64: bool | None) -> bytes:
+    """A frame's body back as bytes (ValueError for base64 that is not)."""
+    return base64.b64decode(text, validate=True) if b64 else text.encode()
+
+
 def encode(frame: _Frame) -> str:
-    return frame.model_dump_json()
+    return frame.model_dump_json(exclude_none=True)  # text frames as before: no b64, no type
 
 
 def gateway_frame(text: str | bytes) -> Req | Cancel:

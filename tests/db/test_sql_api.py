@@ -39,8 +39,12 @@ PUBLIC_API = sorted(
         "handoff_job",
         "match_job",  # the hold given in USD
         "match_job",  # the hold priced in SQL from the request's size
+        "my_earnings",  # an owner's earnings (issue 19)
+        "my_earnings_totals",
+        "my_node_stats",
         "node_heartbeat",
         "place_job",  # the gateway's: match_job() that may wait for a slot
+        "place_job",  # with the request's route: only nodes serving it
         "register_node",
         "register_node",
         "reject_job",
@@ -80,10 +84,13 @@ PRIVATE_HELPERS = sorted(
         "node_scores_after_node_update",
         "node_scores_after_nodes_insert",
         "nodes_derive_outside_load",
+        "nodes_derive_routes",
         "notify_api_key_change",
         "parse_ipv4",
         "place",
         "prewarm_for",
+        "record_earning",
+        "record_node_status",
         "proximity_component",
         "refresh_node_scores",
         "refresh_prewarm_demand",

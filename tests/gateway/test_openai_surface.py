@@ -152,7 +152,7 @@ def test_every_404_and_405_is_openai_shaped(gateway: str, api_key: str, client: 
     assert is_openai_error(wrong, 405)["code"] == "method_not_allowed" and wrong.headers["allow"] == "POST"
     is_openai_error(httpx.delete(f"{gateway}/v1/models", headers=auth), 405)
     with pytest.raises(openai.NotFoundError) as missing:
-        client.models.retrieve(LLAMA8)  # a route the gateway does not have
+        client.files.list()  # a route the gateway does not have
     assert missing.value.code == "not_found"
     # A known route's 404 names what was not found: not a model here.
     beat = httpx.post(f"{gateway}/v1/nodes/{uuid.uuid4()}/heartbeat", json={"models": []}, headers=auth)

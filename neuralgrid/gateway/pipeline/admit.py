@@ -13,6 +13,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.auth import ApiKey
+from neuralgrid.gateway.pipeline.kinds import ANSWER_LIMIT, PATHS, SERVED_BY, STREAMING
 from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold, estimate_tokens
 
 CATALOG_TTL_S = 60.0
@@ -21,17 +22,22 @@ CATALOG_TTL_S = 60.0
 UNCATALOGUED_MAX_TOKENS = 131_072
 
 
+JSON = "application/json"
+
+
 @dataclass(frozen=True)
 class Call:
     """A client's request as the gateway received it."""
 
-    kind: str  # chat, completion or embedding
-    body: dict[str, Any]
+    kind: str  # chat, completion, embedding, responses, rerank, score, transcription, translation, speech
+    body: dict[str, Any]  # the JSON body; for an upload, its text fields
     key: ApiKey
     region: str | None = None
     max_hourly_rate: float | None = None
     policy: str = "balanced"
     received: float = field(default_factory=time.perf_counter)
+    upload: bytes | None = None  # a multipart body, passed to the node unchanged
+    content_type: str = JSON  # the upload's (its boundary with it)
 
     @property
     def model(self) -> str:
@@ -50,13 +56,15 @@ class Admitted:
     max_output_tokens: int  # over all choices (n)
     tpm_hold: TokenHold | None = None  # the estimate held on the key's tpm limit, settled at the end
     limit_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*, for the answer
+    content_type: str = JSON  # the payload's
 
     def capped(self, max_output_tokens: int) -> Admitted:
         """The same call told to answer in fewer tokens (what its key's budget pays for)."""
-        if max_output_tokens >= self.max_output_tokens:
+        limit = ANSWER_LIMIT.get(self.call.kind)
+        if max_output_tokens >= self.max_output_tokens or limit is None:
             return self
         choices = max(1, int(self.body.get("n") or 1))
-        body = {**self.body, "max_tokens": max(1, max_output_tokens // choices)}
+        body = {**self.body, limit: max(1, max_output_tokens // choices)}
         payload = json.dumps(body).encode()
         return replace(self, body=body, payload=payload, max_output_tokens=max_output_tokens)
 
@@ -84,39 +92,40 @@ class Admission:
 
     async def admit(self, call: Call) -> Admitted:
         entry = await self.catalog.get(call.model)
-        if entry and (entry.kind == "embedding") != (call.kind == "embedding"):
+        if entry is not None and call.kind not in SERVED_BY.get(entry.kind, {call.kind}):
             # A server would fail it (HTTP 500 or 501), which is no node's fault.
-            what = "embeddings" if call.kind == "embedding" else "chat or completions"
             raise errors.BadRequest(
-                f"{call.model} is a {entry.kind} model: it does not serve {what}", param="model"
+                f"{call.model} is a {entry.kind} model: it does not serve {PATHS[call.kind]}", param="model"
             )
-        stream = bool(call.body.get("stream")) and call.kind != "embedding"
+        stream = bool(call.body.get("stream")) and call.kind in STREAMING
         body = dict(call.body)
-        if stream:  # ask for usage to meter; stripped again if the client did not ask
+        if stream and call.kind != "responses":  # ask for usage to meter; stripped if the client did not
             body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
         max_out = 0
-        if call.kind != "embedding":
+        if call.kind in ANSWER_LIMIT:
             max_out = self._max_tokens(call, body, entry)
             max_out *= max(1, int(call.body.get("n") or 1))
-        payload = json.dumps(body).encode()
+        payload = call.upload if call.upload is not None else json.dumps(body).encode()
         # Limited last, once the request is known to be valid: its tpm charge is this estimate.
         allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
-        return Admitted(call, body, payload, stream, max_out, allowed.hold, allowed.headers)
+        hold, headers = allowed.hold, allowed.headers
+        return Admitted(call, body, payload, stream, max_out, hold, headers, content_type=call.content_type)
 
     def _max_tokens(self, call: Call, body: dict[str, Any], entry: q.ModelKind | None) -> int:
         """The answer's length per choice, at most the model's context. A key with a budget always
         tells the node (its hold assumes that length, so the charge can never exceed it); a key
         without one leaves the server's default when the client gave none."""
-        asked = body.pop("max_tokens", None) or body.pop("max_completion_tokens", None)
+        field_name = ANSWER_LIMIT[call.kind]  # max_tokens; the Responses API's max_output_tokens
+        asked = body.pop(field_name, None) or body.pop("max_completion_tokens", None)
         body.pop("max_completion_tokens", None)  # one field for every server; null never reaches one
         limit = entry.context_length if entry else UNCATALOGUED_MAX_TOKENS
         if asked is not None and asked > limit:
             raise errors.BadRequest(
-                f"max_tokens is too large: {asked}. {call.model} supports at most {limit} tokens",
-                param="max_tokens",
+                f"{field_name} is too large: {asked}. {call.model} supports at most {limit} tokens",
+                param=field_name,
             )
         if asked is None and call.key.budget_usd is None:
             return limit
         max_tokens = int(asked or min(self.default_max_tokens, limit))
-        body["max_tokens"] = max_tokens
+        body[field_name] = max_tokens
         return max_tokens

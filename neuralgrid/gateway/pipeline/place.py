@@ -14,7 +14,9 @@ from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
+from neuralgrid.gateway.pipeline.kinds import ROUTES
 from neuralgrid.gateway.waiting import LineFull, WaitingRoom
+from neuralgrid.protocol.routes import DEFAULT_ROUTES
 
 
 class Node(NamedTuple):
@@ -53,27 +55,36 @@ class Placement:
         self.queue_timeout_s = queue_timeout_s
 
     async def place(self, admitted: Admitted) -> Placed:
-        """Claim a node; when every capable node is busy, wait in the model's line for a slot, up
-        to the queue's deadline."""
+        """Claim a node serving the call's route; when every capable node is busy, wait in the
+        model's line for a slot, up to the queue's deadline."""
         call = admitted.call
         request = q.MatchRequest(
-            model=call.model, policy=call.policy, region=call.region, max_hourly_rate=call.max_hourly_rate
+            model=call.model,
+            policy=call.policy,
+            region=call.region,
+            max_hourly_rate=call.max_hourly_rate,
+            route=ROUTES[call.kind],
         )
         fallbacks = self.max_attempts - 1
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
         params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
         params["gateway"] = self.gateway_id
         params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
+        # Requests for the routes every node serves wait in the model's line; the others in a line of
+        # their own, so that none waits behind requests that the node it could take cannot serve.
+        line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
         seen = self.room.announcements
         match = None
-        if not self.room.waiting(call.model):  # nobody ahead in line: ask at once
+        if not self.room.waiting(line):  # nobody ahead in line: ask at once
             match = await self._match(params)
         waited = 0.0
         if match is None or match.busy:
             queued = time.perf_counter()
-            match = await self._wait(call.model, call.key.id, params, seen)
+            match = await self._wait(call.model, line, call.key.id, params, seen)
             waited = time.perf_counter() - queued
         self.metrics.queue_wait.observe(waited)
+        if match.refusal == "route":  # no wait makes a node serve another route
+            raise errors.RouteNotServed(match.error or f"no online node serves {request.route}")
         if match.node_id is None or match.endpoint_url is None:
             raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
@@ -82,7 +93,9 @@ class Placement:
         speeds = dict(zip([match.node_id, *match.fallback_ids], match.tokens_per_s, strict=False))
         return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
 
-    async def _wait(self, model: str, key_id: UUID, params: dict[str, object], seen: int) -> q.Match:
+    async def _wait(
+        self, model: str, line: str, key_id: UUID, params: dict[str, object], seen: int
+    ) -> q.Match:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
 
         async def ask() -> q.Match | None:
@@ -90,7 +103,7 @@ class Placement:
             return None if match.busy else match
 
         try:
-            match = await self.room.wait(model, key_id, deadline, ask, seen)
+            match = await self.room.wait(line, key_id, deadline, ask, seen)
         except LineFull as full:
             self.metrics.queue_refused.labels("full").inc()
             raise errors.NoCapacity(
@@ -100,7 +113,7 @@ class Placement:
         if match is None:  # the deadline: one last ask, which records the refusal if it is one
             self.metrics.queue_refused.labels("deadline").inc()
             match = await self._match({**params, "wait": False})
-            if match.node_id is None:
+            if match.node_id is None and match.refusal != "route":  # that one: said by place()
                 raise errors.NoCapacity(match.error or f"no node for {model}", retry_after=1)
         return match
 

@@ -21,7 +21,7 @@ from neuralgrid.gateway.pipeline.meter import Meter, Metering
 from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Sender
 from neuralgrid.gateway.upstream import NodeError
-from neuralgrid.protocol.sse import SseEvents
+from neuralgrid.protocol.sse import ResponseEvents, SseEvents
 
 log = logging.getLogger(__name__)
 # Streams are passed on as they come: no cache keeps one, and no proxy in front (nginx reads
@@ -45,24 +45,25 @@ class Relay:
         self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[UUID]
     ) -> AsyncIterator[bytes]:
         """The client's stream; the job ends (metered) however the stream does. A whole answer's
-        job is ended before its [DONE] is passed on, so the slot is free when the client is told."""
+        job is ended before its last event ([DONE]; the Responses API's response.completed) is
+        passed on, so the slot is free when the client is told."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
-        events = SseEvents(keep_usage_event=wants_usage)
+        events = ResponseEvents() if admitted.call.kind == "responses" else SseEvents(wants_usage)
         outcome: JobOutcome = "succeeded"
         error: str | None = None
         ended = False
         try:
             while True:
                 try:
-                    # Until [DONE]: the answer is then whole, whenever the node hangs up (a tunnel's
-                    # end frame may come later than a client that has read [DONE] and left).
+                    # Until the last event: the answer is then whole, whenever the node hangs up (a
+                    # tunnel's end frame may come later than a client that has read it and left).
                     last = events.feed(delivery.first)
                     while not events.done:
                         for event in last:
                             yield event
                         raw = await anext(delivery.chunks, None)
                         if raw is None:
-                            raise NodeError("the node ended the stream without [DONE]")
+                            raise NodeError("the node ended the stream before its last event")
                         last = events.feed(raw)
                     break
                 except NodeError as err:
@@ -75,7 +76,7 @@ class Relay:
                 yield event
             meter.usage, ended = events.used(), True
             await self.metering.end(meter, outcome, error)
-            yield last[-1]  # [DONE]
+            yield last[-1]  # [DONE], or the Responses API's last event
         except NodeError as err:
             outcome, error = "failed", f"the node dropped the stream: {err}"
             body = {

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.pipeline.kinds import PATHS
 from neuralgrid.gateway.pipeline.meter import Meter
 from neuralgrid.gateway.pipeline.place import Node, Placement
 from neuralgrid.gateway.tunnel import MISDIRECTED, Tunnels, TunnelUnreachable
@@ -23,7 +24,7 @@ SLACK = 3.0
 SLOWEST_TOKENS_PER_S = 5.0
 LONGEST_ANSWER_S = 600.0
 
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+JSON = "application/json"
 
 
 class ClientError(Exception):
@@ -104,12 +105,14 @@ class Sender:
         resuming: bool = False,
         answer_tokens: int = 0,
         speeds: Mapping[UUID, float | None] | None = None,
+        content_type: str = JSON,
     ) -> Delivery:
         """Send to `node`; each time a node fails before its first byte, move the job on (failover, or
         handoff when resuming a stream) and send there. The meter follows the job from node to node.
         When a second node fails a new request exactly as the one before it did, the request is at
         fault: the job is rejected (no node to blame). A whole answer of up to `answer_tokens` is
-        given the time those take at each node's speed (`speeds`, see first_byte_timeout_s)."""
+        given the time those take at each node's speed (`speeds`, see first_byte_timeout_s). The
+        payload goes with its `content_type` (an upload's, with its boundary)."""
         move: Move = self.placement.handoff if resuming else self.placement.failover
         waited = 0.0
         earlier: Retryable | None = None
@@ -117,7 +120,9 @@ class Sender:
             meter.node_id, meter.sent = node.id, time.perf_counter()
             try:
                 timeout_s = self.first_byte_timeout(stream, answer_tokens, (speeds or {}).get(node.id))
-                response, chunks, first = await self.send(node, PATHS[kind], payload, stream, timeout_s)
+                response, chunks, first = await self.send(
+                    node, PATHS[kind], payload, stream, timeout_s, content_type
+                )
                 return Delivery(node, response, chunks, first, waited)
             except Retryable as failure:
                 waited += time.perf_counter() - meter.sent
@@ -144,12 +149,18 @@ class Sender:
         return min(self.first_byte_timeout_s + SLACK * answer_tokens / speed, LONGEST_ANSWER_S)
 
     async def send(
-        self, node: Node, path: str, payload: bytes, stream: bool, timeout_s: float | None = None
+        self,
+        node: Node,
+        path: str,
+        payload: bytes,
+        stream: bool,
+        timeout_s: float | None = None,
+        content_type: str = JSON,
     ) -> tuple[NodeResponse, AsyncIterator[bytes], bytes]:
         """Ask one node. Returns once the answer is committed to: a status that is not a failure,
         and the whole body (plain) or its first chunk (streams). Anything before that is Retryable."""
         try:
-            resp = await self._open(node, path, payload, timeout_s or self.first_byte_timeout_s)
+            resp = await self._open(node, path, payload, timeout_s or self.first_byte_timeout_s, content_type)
             try:
                 if (
                     resp.status == 429
@@ -176,11 +187,13 @@ class Sender:
         except StopAsyncIteration:
             raise Retryable("the node ended the stream before its first event") from None
 
-    async def _open(self, node: Node, path: str, payload: bytes, timeout_s: float) -> NodeResponse:
+    async def _open(
+        self, node: Node, path: str, payload: bytes, timeout_s: float, content_type: str
+    ) -> NodeResponse:
         if not node.url.startswith("tunnel:"):
-            headers = {"content-type": "application/json"}
+            headers = {"content-type": content_type}
             if node.key is not None:  # the node runs an agent: it checks the gateway's signature
                 headers[signing.HEADER] = signing.sign(node.key, path, payload)
             return await self.nodes.post(node.url.rstrip("/") + path, payload, headers, timeout_s)
         # Over the agent's tunnel, held here or by another gateway (which the request goes through).
-        return await self.tunnels.open(node.id, path, payload, timeout_s)
+        return await self.tunnels.open(node.id, path, payload, timeout_s, content_type)

@@ -1,0 +1,48 @@
+"""The OpenAI routes a node may serve, named as the path after /v1/ (what agents report, what the
+matcher filters on: nodes.routes in SQL lists the same names)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Route = Literal[
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    "rerank",
+    "score",
+    "audio/transcriptions",
+    "audio/translations",
+    "audio/speech",
+]
+ROUTES: tuple[Route, ...] = get_args(Route)
+# What every node served before nodes reported their routes (and what one that does not say serves).
+DEFAULT_ROUTES: tuple[Route, ...] = ("chat/completions", "completions", "embeddings")
+
+
+def path(route: Route) -> str:
+    return "/v1/" + route
+
+
+def route_of(path_: str) -> Route | None:
+    """The route a /v1/... path names, or None when it names none."""
+    name = path_.removeprefix("/v1/")
+    return next((route for route in ROUTES if route == name), None) if path_.startswith("/v1/") else None
+
+
+def parse_routes(text: str) -> tuple[Route, ...]:
+    """A comma-separated list of routes (`responses,rerank` or `/v1/responses,/v1/rerank`), in the
+    order given, each once; ValueError naming the first one that is no known route."""
+    routes: list[Route] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        route = route_of(part if part.startswith("/v1/") else "/v1/" + part.lstrip("/"))
+        if route is None:
+            raise ValueError(f"{part!r} is not a route a node can serve; known: {', '.join(ROUTES)}")
+        if route not in routes:
+            routes.append(route)
+    if not routes:
+        raise ValueError("name at least one route")
+    return tuple(routes)
