@@ -14,6 +14,8 @@ FAST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # vLLM's buckets for the same two measures, so that dashboards read alike.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# vLLM's inter-token buckets, with three below 10 ms for small models on fast GPUs.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, *TPOT_BUCKETS, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 NODE_STATUSES = ("online", "busy", "draining", "offline")
 
 
@@ -107,6 +109,14 @@ class Metrics:
             "Streams: time per token after the first (a stream's average).",
             ["model"],
             buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "neuralgrid_inter_token_latency_seconds",
+            "Streams: the time between one token event and the next, as relayed to the client (events"
+            " arriving together share the wait before them).",
+            ["model"],
+            buckets=ITL_BUCKETS,
             registry=self.registry,
         )
         # The fleet as the database has it, read when /metrics is scraped (see fleet()).

@@ -64,6 +64,27 @@ def test_jobs_tokens_cost_and_stream_latencies_per_model(
     assert seen[("neuralgrid_time_per_output_token_seconds_count", model)] == 1
 
 
+def test_every_gap_between_streamed_tokens_is_observed(fake_nodes: Any, gateway: str, api_key: str) -> None:
+    """vLLM's inter_token_latency: one observation per token after the first, each the wait the
+    client saw (a node sending 50 tokens/s: 20 ms each), not one average per stream."""
+    fake_nodes(tokens_per_s=50)
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0) as sdk:
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=12, stream=True)
+            if c.choices
+        )
+    assert len(text.split()) == 12
+    seen = scrape(gateway)
+    model = (("model", LLAMA8),)
+    count = seen[("neuralgrid_inter_token_latency_seconds_count", model)]
+    assert count == 11, count
+    mean = seen[("neuralgrid_inter_token_latency_seconds_sum", model)] / count
+    assert 0.015 <= mean <= 0.04, mean
+    fast = seen[("neuralgrid_inter_token_latency_seconds_bucket", (("le", "0.005"), *model))]
+    assert fast <= 1, fast  # at 20 ms a token, (nearly) no gap is under 5 ms
+
+
 def test_fleet_gauges_follow_the_database(conn: psycopg.Connection, gateway: str) -> None:
     make_node(conn, "a", vram_gb=24, max_concurrency=4, inflight=1)
     make_node(conn, "b", vram_gb=80, max_concurrency=8, status="busy", inflight=8)
