@@ -142,6 +142,37 @@ export async function showSession(cfg, onSignOut = () => location.reload()) {
   return session;
 }
 
+/** A page for signed-in users (its #signin-needed and #signed-in boxes): the config and the session,
+ * with #signed-in shown; or null, once #signin-needed says why not (the gateway is unreachable, or
+ * nobody is signed in: the sign-in form). */
+export async function enterSignedIn() {
+  const needed = document.getElementById('signin-needed');
+  let cfg;
+  try {
+    cfg = await loadConfig();
+  } catch (err) {
+    needed.hidden = false;
+    needed.replaceChildren(h('p', { class: 'alert error', role: 'alert' }, `Cannot reach the gateway: ${err.message}`));
+    return null;
+  }
+  const session = await showSession(cfg);
+  if (!session) {
+    showSignIn(cfg);
+    return null;
+  }
+  needed.hidden = true;
+  document.getElementById('signed-in').hidden = false;
+  return { cfg, session };
+}
+
+/** Hides a signed-in page's content and shows how to sign in (again, with `reason`). */
+export function showSignIn(cfg, reason = '') {
+  document.getElementById('signed-in').hidden = true;
+  const needed = document.getElementById('signin-needed');
+  needed.hidden = false;
+  renderSignIn(needed, cfg, { reason });
+}
+
 /** What a page that needs a user shows to a visitor: how to sign in, for this kind of stack. */
 export function renderSignIn(box, cfg, { reason = '' } = {}) {
   const intro = reason ? h('p', { class: 'alert error', role: 'alert' }, reason) : null;

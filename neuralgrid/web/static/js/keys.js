@@ -1,7 +1,7 @@
 // API keys: list, create and revoke the signed-in user's keys through the gateway's /v1/keys.
 
 import {
-  api, fieldError, h, loadConfig, renderSignIn, showAlert, showSession, startClock, timeAgo, usd, wireCopy,
+  api, enterSignedIn, fieldError, h, showAlert, showSignIn, startClock, timeAgo, usd, wireCopy,
 } from './common.js';
 
 const $ = (id) => document.getElementById(id);
@@ -16,16 +16,10 @@ async function call(path, options = {}) {
   } catch (err) {
     if (err.status === 401) {
       session = null;
-      showSignIn(`Your session has ended (${err.message}). Sign in again.`);
+      showSignIn(cfg, `Your session has ended (${err.message}). Sign in again.`);
     }
     throw err;
   }
-}
-
-function showSignIn(reason) {
-  $('signed-in').hidden = true;
-  $('signin-needed').hidden = false;
-  renderSignIn($('signin-needed'), cfg, { reason });
 }
 
 // The list --------------------------------------------------------------------------------------------
@@ -172,20 +166,9 @@ async function create(event) {
 async function main() {
   startClock();
   for (const el of document.querySelectorAll('.base-url')) el.textContent = `${location.origin}/v1`;
-  try {
-    cfg = await loadConfig();
-  } catch (err) {
-    $('signin-needed').hidden = false;
-    $('signin-needed').replaceChildren(h('p', { class: 'alert error', role: 'alert' }, `Cannot reach the gateway: ${err.message}`));
-    return;
-  }
-  session = await showSession(cfg);
-  if (!session) {
-    showSignIn();
-    return;
-  }
-  $('signin-needed').hidden = true;
-  $('signed-in').hidden = false;
+  const entered = await enterSignedIn();
+  if (!entered) return;
+  ({ cfg, session } = entered);
   $('create-form').addEventListener('submit', create);
   wireCopy($('copy-key'), () => $('new-key-value').textContent);
   wireCopy($('copy-snippet'), () => $('snippet').textContent);

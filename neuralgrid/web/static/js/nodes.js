@@ -3,8 +3,7 @@
 // a table per node and model. Everything comes from /api/my/earnings, read as the owner (RLS).
 
 import {
-  api, displayStatus, fmt, h, loadConfig, renderSignIn, showAlert, showSession, startClock, statusBadge, svg,
-  timeAgo,
+  api, displayStatus, enterSignedIn, fmt, h, showAlert, showSignIn, startClock, statusBadge, svg, timeAgo,
 } from './common.js';
 
 const $ = (id) => document.getElementById(id);
@@ -153,12 +152,6 @@ function renderTotals(data) {
 
 // Loading ---------------------------------------------------------------------------------------------
 
-function showSignIn(reason) {
-  $('signed-in').hidden = true;
-  $('signin-needed').hidden = false;
-  renderSignIn($('signin-needed'), cfg, { reason });
-}
-
 async function load() {
   if (!session) return;
   try {
@@ -172,7 +165,7 @@ async function load() {
   } catch (err) {
     if (err.status === 401) {
       session = null;
-      showSignIn(`Your session has ended (${err.message}). Sign in again.`);
+      showSignIn(cfg, `Your session has ended (${err.message}). Sign in again.`);
     } else {
       showAlert($('load-error'), `Could not load your nodes and earnings: ${err.message}`);
     }
@@ -181,20 +174,9 @@ async function load() {
 
 async function main() {
   startClock();
-  try {
-    cfg = await loadConfig();
-  } catch (err) {
-    $('signin-needed').hidden = false;
-    $('signin-needed').replaceChildren(h('p', { class: 'alert error', role: 'alert' }, `Cannot reach the gateway: ${err.message}`));
-    return;
-  }
-  session = await showSession(cfg);
-  if (!session) {
-    showSignIn();
-    return;
-  }
-  $('signin-needed').hidden = true;
-  $('signed-in').hidden = false;
+  const entered = await enterSignedIn();
+  if (!entered) return;
+  ({ cfg, session } = entered);
   $('period').addEventListener('change', load);
   window.addEventListener('resize', () => { if (shown) renderChart(shown); });
   await load();
