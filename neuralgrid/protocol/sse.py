@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 MAX_REPORTED_TOKENS = 10_000_000
 
@@ -36,6 +36,9 @@ class Usage:
         if not all(type(c) is int and 0 <= c <= MAX_REPORTED_TOKENS for c in counts):  # not bools
             return None
         return cls(counts[0], counts[1])
+
+
+PASS_ON: Final = object()  # SseEvents._payload: an event passed on unread
 
 
 class SseEvents:
@@ -86,19 +89,26 @@ class SseEvents:
         """The stream's usage, for metering: the nodes' account, else counted here."""
         return self.usage or Usage(0, self.tokens())
 
-    def _take(self, event: bytes) -> bytes | None:
+    def _payload(self, event: bytes) -> Any:
+        """The JSON an event's data holds (None when it is not JSON), or PASS_ON for an event to pass on
+        unread: a comment (keep-alive), a field we do not use, or [DONE] (which ends the stream)."""
         # An event's data is its `data:` lines (a space after the colon is optional), joined.
         lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:  # a comment (keep-alive) or a field we do not use
-            return event
+        if not lines:
+            return PASS_ON
         data = b"\n".join(lines).strip()
-        if data == b"[DONE]":
+        if data == b"[DONE]":  # the Responses API has none, but a server may add it: over either way
             self.done = True
-            return event
+            return PASS_ON
         try:
-            payload = json.loads(data)
+            return json.loads(data)
         except ValueError:
-            payload = None
+            return None
+
+    def _take(self, event: bytes) -> bytes | None:
+        payload = self._payload(event)
+        if payload is PASS_ON:
+            return event
         if not isinstance(payload, dict):
             self.chunks += 1
             self.plain_text = False  # something we cannot read: no telling what a resume would repeat
@@ -160,17 +170,9 @@ class ResponseEvents(SseEvents):
         self.plain_text = False
 
     def _take(self, event: bytes) -> bytes | None:
-        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
+        payload = self._payload(event)
+        if payload is PASS_ON:
             return event
-        data = b"\n".join(lines).strip()
-        if data == b"[DONE]":  # not the API's, but a server may add it: the stream is over
-            self.done = True
-            return event
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            payload = None
         kind = payload.get("type") if isinstance(payload, dict) else None
         if kind == "response.output_text.delta":
             delta = payload.get("delta") if isinstance(payload, dict) else None
