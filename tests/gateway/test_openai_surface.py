@@ -99,6 +99,25 @@ def test_answers_tell_the_keys_rate_limits_as_openai_does(
         assert resp.read().endswith(b"data: [DONE]\n\n")
 
 
+def test_refusals_after_admission_tell_the_keys_limits_too(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str
+) -> None:
+    """A spent budget (429) and a fleet with no node for the model (503) are refused after the key's
+    limits admitted the request: their answers carry x-ratelimit-* as a served answer does."""
+    fake_nodes(max_concurrency=16)
+    url, body = f"{gateway}/v1/chat/completions", {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 2}
+    spent = {"authorization": f"Bearer {new_key(conn, rpm=5, budget=0)}"}
+    refused = httpx.post(url, json=body, headers=spent, timeout=20)
+    assert is_openai_error(refused, 429)["code"] == "insufficient_quota"
+    assert refused.headers["x-ratelimit-limit-requests"] == "5"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "4"
+    conn.execute("update nodes set status = 'offline'")
+    limited = {"authorization": f"Bearer {new_key(conn, rpm=5)}"}
+    none_online = httpx.post(url, json=body, headers=limited, timeout=20)
+    assert none_online.status_code == 503, none_online.text
+    assert none_online.headers["x-ratelimit-remaining-requests"] == "4"
+
+
 def test_a_rate_limited_request_tells_the_limits_it_hit(
     conn: psycopg.Connection, fake_nodes: Any, gateway: str
 ) -> None:

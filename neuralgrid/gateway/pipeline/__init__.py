@@ -15,6 +15,7 @@ import time
 
 from starlette.responses import Response, StreamingResponse
 
+from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobOutcome
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
@@ -47,6 +48,17 @@ class Pipeline:
 
     async def handle(self, call: Call) -> Response:
         admitted = await self.admission.admit(call)
+        try:
+            return await self._serve(call, admitted)
+        except errors.GatewayError as err:  # a refusal after admission still tells the key's limits
+            err.headers = {**admitted.limit_headers, **(err.headers or {})}
+            raise
+        except DatabaseError as err:  # e.g. the budget is spent: the same, in the API's terms
+            refusal = errors.from_database(err)
+            refusal.headers = dict(admitted.limit_headers)
+            raise refusal from err
+
+    async def _serve(self, call: Call, admitted: Admitted) -> Response:
         try:
             placed = await self.placement.place(admitted)
         except BaseException:  # refused, or the client left while waiting in line: nothing was used
