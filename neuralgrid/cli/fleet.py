@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from neuralgrid.cli.common import database, friendly_errors, out
+from neuralgrid.cli.common import database, fail, friendly_errors, out
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Import and list the fleet of GPU nodes.")
 JsonOption = Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")]
@@ -108,27 +108,53 @@ def match(
     explain: Annotated[
         bool, typer.Option(envvar="NEURALGRID_EXPLAIN", help="Also list rejected nodes and why.")
     ] = False,
+    route: Annotated[
+        str | None,
+        typer.Option(envvar="NEURALGRID_ROUTE", help="Only nodes serving this route (e.g. rerank)."),
+    ] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="Every score component.")] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Rank the nodes for a request (score_nodes), best first, without claiming any."""
     from neuralgrid.db import matching
+    from neuralgrid.protocol.routes import parse_routes
 
+    try:
+        routes = parse_routes(route) if route is not None else ()
+    except ValueError as err:
+        raise fail(f"--route: {err}") from err
+    if len(routes) > 1:
+        raise fail("--route: one route at a time")
     request = matching.MatchRequest(
-        model=model, min_vram_gb=min_vram, policy=policy, region=region, max_hourly_rate=max_rate
+        model=model,
+        min_vram_gb=min_vram,
+        policy=policy,
+        region=region,
+        max_hourly_rate=max_rate,
+        route=routes[0] if routes else None,
     )
     with database(ctx) as conn:
         rows = matching.score_nodes(conn, request, explain=explain, limit=limit)
     if as_json:
         print(json.dumps([asdict(r) for r in rows], default=str, indent=2))
         return
-    components = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity", "reserve")
-    table = Table("#", "node", "score", *components, "rejected because")
+    components = _MATCH_COMPONENTS if wide else _MATCH_EXPLAIN if explain else _MATCH_NARROW
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for header in ("#", "node", "score", *components):
+        table.add_column(header, no_wrap=True)
+    if explain:
+        table.add_column("rejected because", min_width=24)  # wraps: the sentence is as long as it needs
     for r in rows:
-        cells = [getattr(r, c) for c in components]
-        table.add_row(
-            str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(c) for c in cells), r.reject_reason or ""
-        )
+        cells = [str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(getattr(r, c)) for c in components)]
+        table.add_row(*cells, *([r.reject_reason or ""] if explain else []))
     out.print(table)
+
+
+# The default view fits 80 columns with the components that weigh most by default (fewer beside the
+# reasons of --explain); --wide shows them all.
+_MATCH_COMPONENTS = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity", "reserve")
+_MATCH_NARROW = ("fit", "warm", "compute", "price", "reserve")
+_MATCH_EXPLAIN = ("fit", "warm", "price")
 
 
 def _fmt(value: float | None) -> str:

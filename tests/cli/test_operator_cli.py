@@ -64,3 +64,34 @@ def test_a_malformed_database_url_is_one_line_naming_it() -> None:
     [line] = result.stderr.splitlines()
     assert "DATABASE_URL" in line and "postgresql://" in line
     assert "not-a-url" not in line  # a URL is never echoed: it may carry a password
+
+
+def test_match_fits_80_columns_and_wide_shows_every_component(db_url: str) -> None:
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+
+    narrow = invoke("match", "--model", model, "--explain", DATABASE_URL=db_url)
+    assert narrow.exit_code == 0, narrow.output
+    assert CUT not in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
+    for cell in ("score", "fit", "warm", "price", "rejected because", "tokyo-rtx4090"):
+        assert cell in narrow.stdout
+    assert "proximity" not in narrow.stdout
+    big = invoke(
+        "match", "--model", "meta-llama/Llama-3.3-70B-Instruct-AWQ", "--explain", DATABASE_URL=db_url
+    )
+    assert max(len(line) for line in big.stdout.splitlines()) <= 80 and CUT not in big.stdout
+    assert "VRAM" in big.stdout  # the small cards' reason, wrapped within the table
+    ranked = invoke("match", "--model", model, DATABASE_URL=db_url)
+    assert max(len(line) for line in ranked.stdout.splitlines()) <= 80 and CUT not in ranked.stdout
+    assert "reserve" in ranked.stdout and "rejected because" not in ranked.stdout
+
+    wide = invoke("match", "--model", model, "--wide", DATABASE_URL=db_url, columns=200)
+    assert wide.exit_code == 0 and CUT not in wide.stdout
+    for cell in ("capacity", "reputation", "proximity"):
+        assert cell in wide.stdout
+
+    no_rerank = invoke("match", "--model", model, "--route", "rerank", DATABASE_URL=db_url)
+    assert no_rerank.exit_code == 0 and "tokyo-rtx4090" not in no_rerank.stdout
+    bad = invoke("match", "--model", model, "--route", "teleport", DATABASE_URL=db_url)
+    assert bad.exit_code == 1 and "--route" in bad.stderr and len(bad.stderr.splitlines()) == 1
