@@ -14,6 +14,7 @@ import psycopg
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.protocol.routes import Route
 from neuralgrid.server.serving import free_port, make_server, running
 
 log = logging.getLogger(__name__)
@@ -27,16 +28,24 @@ DEMO_MODELS = (
     "BAAI/bge-large-en-v1.5",
 )
 
-# What an agent would find of the demo's fake node: vLLM-like, usage in streams, and it goes on with
-# its own answers when asked to continue (so demo streams resume on another node).
-FAKE_BACKEND = {"kind": "vllm", "version": "fake", "usage_in_streams": True, "continues": True}
+# The routes the demo's fake node serves: OpenAI's Responses API too, so the tour can try it.
+DEMO_ROUTES: tuple[Route, ...] = ("chat/completions", "completions", "embeddings", "responses")
+# What an agent would find of the demo's fake node: vLLM-like, usage in streams, it goes on with its
+# own answers when asked to continue (so demo streams resume on another node), and its routes.
+FAKE_BACKEND = {
+    "kind": "vllm",
+    "version": "fake",
+    "usage_in_streams": True,
+    "continues": True,
+    "routes": list(DEMO_ROUTES),
+}
 
 
 @contextlib.asynccontextmanager
 async def backend() -> AsyncIterator[str]:
     """Serve one fake node on a loopback port while the block runs; yields its base URL."""
     port = free_port()
-    config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node")
+    config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node", routes=DEMO_ROUTES)
     async with running(make_server(create_fake_node(config), "127.0.0.1", port)):
         yield f"http://127.0.0.1:{port}"
 

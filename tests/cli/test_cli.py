@@ -155,6 +155,8 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
             reply = sdk.chat.completions.create(model=LLAMA8, messages=[{"role": "user", "content": "hi"}])
             assert reply.choices[0].message.content
             assert LLAMA8 in {m.id for m in sdk.models.list()}
+            # The tour's other API: the demo's nodes serve OpenAI's Responses API too.
+            assert sdk.responses.create(model=LLAMA8, input="hi", max_output_tokens=8).output_text
         listed = subprocess.run(
             [*cli, "keys", "ls", "--json"], env=env, capture_output=True, text=True, check=True
         )
