@@ -35,3 +35,16 @@ def test_match_function(pg_server, db_url: str) -> None:  # type: ignore[no-unty
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+def test_functions_are_lint_clean() -> None:
+    """`deno lint` as the Supabase CLI's functions template runs it (dependencies in deno.json)."""
+    result = subprocess.run(
+        [str(DENO), "lint", "--config", "supabase/functions/deno.json", "supabase/functions/"],
+        cwd=ROOT,
+        env={**os.environ, "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

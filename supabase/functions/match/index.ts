@@ -7,7 +7,7 @@
 //   curl -X POST "$SUPABASE_URL/functions/v1/match" -H "Authorization: Bearer $ANON_KEY" \
 //        -d '{"model": "meta-llama/Llama-3.1-8B-Instruct", "region": "eu-west", "limit": 5}'
 
-import postgres from "npm:postgres@3.4.5";
+import postgres from "postgres";
 
 type Sql = ReturnType<typeof postgres>;
 

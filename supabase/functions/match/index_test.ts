@@ -1,6 +1,6 @@
 // Runs under `deno test` against a real Postgres with the migrations applied (DB_URL), as
 // tests/test_edge_functions.py arranges.
-import postgres from "npm:postgres@3.4.5";
+import postgres from "postgres";
 import { createHandler } from "./index.ts";
 
 const MODEL = "meta-llama/Llama-3.1-8B-Instruct";
