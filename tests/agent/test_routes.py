@@ -227,7 +227,9 @@ def test_the_responses_api_on_the_real_llama_server_is_billed_from_its_usage(
         kinds = [event.type for event in seen]
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
         usage = seen[-1].response.usage  # type: ignore[union-attr]
-        assert usage is not None and usage.output_tokens == kinds.count("response.output_text.delta")
+        # A delta may carry several tokens, or none show (CI saw 6 tokens in 2 deltas): the bill is
+        # the server's usage, never a count of deltas.
+        assert usage is not None and 1 <= kinds.count("response.output_text.delta") <= usage.output_tokens
         wait_for(lambda: len(stack.jobs()) == 2 and stack.jobs()[-1][0] != "running")
         status, prompt, completion, cost, _ = stack.jobs()[-1]
         assert (status, prompt, completion) == ("succeeded", usage.input_tokens, usage.output_tokens)
