@@ -9,6 +9,7 @@ with probability `busy_bias` among the busy nodes (weighted by requests in fligh
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,42 @@ class Fleet:
     def __len__(self) -> int:
         return len(self.gpu)
 
+    @classmethod
+    def at_rest(
+        cls,
+        *,
+        gpu: list[str],
+        vram_gb: Sequence[float],
+        tflops: Sequence[float],
+        hourly_rate: Sequence[float] | np.ndarray,
+        region: Sequence[int] | np.ndarray,
+        max_concurrency: Sequence[int],
+        bandwidth_gb_s: Sequence[float],
+        warm: list[list[int]],
+        heartbeat_phase: np.ndarray,
+        online: Sequence[bool] | None = None,
+    ) -> Fleet:
+        """A fleet before its first request: nothing in flight, no successes or failures, every node
+        online unless `online` says otherwise."""
+        n = len(gpu)
+        return cls(
+            arrays=FleetArrays(
+                vram_gb=np.array(vram_gb, dtype=np.float64),
+                tflops=np.array(tflops, dtype=np.float64),
+                hourly_rate=np.array(hourly_rate, dtype=np.float64),
+                region=np.array(region, dtype=np.int64),
+                inflight=np.zeros(n, dtype=np.int64),
+                max_concurrency=np.array(max_concurrency, dtype=np.int64),
+                successes=np.zeros(n),
+                failures=np.zeros(n),
+                online=np.ones(n, dtype=bool) if online is None else np.array(online, dtype=bool),
+            ),
+            gpu=gpu,
+            bandwidth_gb_s=np.array(bandwidth_gb_s, dtype=np.float64),
+            warm=warm,
+            heartbeat_phase=heartbeat_phase,
+        )
+
 
 def model_shares(scenario: Scenario) -> np.ndarray:
     shares = np.array([m.share for m in MODELS])
@@ -133,20 +170,14 @@ def make_fleet(scenario: Scenario, need_gb: np.ndarray) -> Fleet:
     jitter = rng.uniform(0.8, 1.25, size=n)
     shares = model_shares(scenario)
     gpus = [GPUS[k] for k in kinds]
-    return Fleet(
-        arrays=FleetArrays(
-            vram_gb=np.array([g.vram_gb for g in gpus], dtype=np.float64),
-            tflops=np.array([g.tflops for g in gpus], dtype=np.float64),
-            hourly_rate=np.round(np.array([g.usd_per_hour for g in gpus]) * jitter, 2),
-            region=regions.astype(np.int64),
-            inflight=np.zeros(n, dtype=np.int64),
-            max_concurrency=np.array([g.slots for g in gpus], dtype=np.int64),
-            successes=np.zeros(n),
-            failures=np.zeros(n),
-            online=np.ones(n, dtype=bool),
-        ),
+    return Fleet.at_rest(
         gpu=[g.name for g in gpus],
-        bandwidth_gb_s=np.array([g.bandwidth_gb_s for g in gpus], dtype=np.float64),
+        vram_gb=[g.vram_gb for g in gpus],
+        tflops=[g.tflops for g in gpus],
+        hourly_rate=np.round(np.array([g.usd_per_hour for g in gpus]) * jitter, 2),
+        region=regions,
+        max_concurrency=[g.slots for g in gpus],
+        bandwidth_gb_s=[g.bandwidth_gb_s for g in gpus],
         warm=[_draw_warm(g.vram_gb, need_gb, shares, rng) for g in gpus],
         heartbeat_phase=rng.uniform(0, 1, size=n),
     )
@@ -163,25 +194,19 @@ def fleet_from_specs(specs: list[Any]) -> Fleet:
     gpus = sorted(set(names) - GPU_BY_NAME.keys())
     if gpus:
         raise ValueError(f"the simulator knows GPUs {', '.join(GPU_BY_NAME)}; not {', '.join(gpus)}")
-    n = len(specs)
-    return Fleet(
-        arrays=FleetArrays(
-            vram_gb=np.array([s.vram_gb for s in specs], dtype=np.float64),
-            tflops=np.array([s.tflops for s in specs], dtype=np.float64),
-            hourly_rate=np.array([s.hourly_rate for s in specs], dtype=np.float64),
-            region=np.array([known[s.region] for s in specs], dtype=np.int64),
-            inflight=np.zeros(n, dtype=np.int64),
-            max_concurrency=np.array([s.max_concurrency for s in specs], dtype=np.int64),
-            successes=np.zeros(n),
-            failures=np.zeros(n),
-            online=np.array([s.status == "online" for s in specs], dtype=bool),
-        ),
+    return Fleet.at_rest(
         gpu=names,
-        bandwidth_gb_s=np.array(
-            [GPU_BY_NAME[g].bandwidth_gb_s * s.gpu_count for g, s in zip(names, specs, strict=True)]
-        ),
+        vram_gb=[s.vram_gb for s in specs],
+        tflops=[s.tflops for s in specs],
+        hourly_rate=[s.hourly_rate for s in specs],
+        region=[known[s.region] for s in specs],
+        max_concurrency=[s.max_concurrency for s in specs],
+        bandwidth_gb_s=[
+            GPU_BY_NAME[g].bandwidth_gb_s * s.gpu_count for g, s in zip(names, specs, strict=True)
+        ],
         warm=[[MODEL_IDS.index(m) for m in s.models if m in MODEL_IDS] for s in specs],
-        heartbeat_phase=np.random.default_rng(0).uniform(0, 1, size=n),
+        heartbeat_phase=np.random.default_rng(0).uniform(0, 1, size=len(specs)),
+        online=[s.status == "online" for s in specs],
     )
 
 

@@ -7,7 +7,6 @@ import psycopg
 import pytest
 
 from neuralgrid.sim.physics import GPU_BY_NAME, REGIONS
-from neuralgrid.sim.policies import FleetArrays
 from neuralgrid.sim.report import World
 from neuralgrid.sim.scenarios import MODEL_IDS, Fleet
 
@@ -21,21 +20,14 @@ def fleet_of(*nodes: tuple[str, str, list[str]], rate: list[float] | None = None
     """Nodes as (GPU, region, models loaded at the start), at the GPU table's prices and slots; every
     node's heartbeats at 0, 5, 10 s..."""
     gpus = [GPU_BY_NAME[gpu] for gpu, _, _ in nodes]
-    n = len(nodes)
-    return Fleet(
-        arrays=FleetArrays(
-            vram_gb=np.array([g.vram_gb for g in gpus], dtype=np.float64),
-            tflops=np.array([g.tflops for g in gpus], dtype=np.float64),
-            hourly_rate=np.array(rate or [g.usd_per_hour for g in gpus], dtype=np.float64),
-            region=np.array([REGIONS.index(region) for _, region, _ in nodes], dtype=np.int64),
-            inflight=np.zeros(n, dtype=np.int64),
-            max_concurrency=np.array([g.slots for g in gpus], dtype=np.int64),
-            successes=np.zeros(n),
-            failures=np.zeros(n),
-            online=np.ones(n, dtype=bool),
-        ),
+    return Fleet.at_rest(
         gpu=[g.name for g in gpus],
-        bandwidth_gb_s=np.array([g.bandwidth_gb_s for g in gpus], dtype=np.float64),
+        vram_gb=[g.vram_gb for g in gpus],
+        tflops=[g.tflops for g in gpus],
+        hourly_rate=rate or [g.usd_per_hour for g in gpus],
+        region=[REGIONS.index(region) for _, region, _ in nodes],
+        max_concurrency=[g.slots for g in gpus],
+        bandwidth_gb_s=[g.bandwidth_gb_s for g in gpus],
         warm=[[MODEL_IDS.index(m) for m in models] for _, _, models in nodes],
-        heartbeat_phase=np.zeros(n),
+        heartbeat_phase=np.zeros(len(nodes)),
     )
