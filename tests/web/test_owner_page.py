@@ -16,6 +16,7 @@ from playwright.sync_api import expect
 from neuralgrid.server import stack
 from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from tests.conftest import LLAMA8, make_node, make_user
+from tests.db.test_earnings import set_history
 from tests.web.test_web import Opener, screenshot, sign_in
 
 QWEN = "Qwen/Qwen2.5-32B-Instruct-AWQ"
@@ -31,15 +32,6 @@ def earned(
         " now() - make_interval(days => %s) from (select %s::numeric as g) x",
         (node, owner, model, days_ago, gross),
     )
-
-
-def set_history(conn: psycopg.Connection, node: uuid.UUID, *changes: tuple[str, str]) -> None:
-    conn.execute("delete from node_status_changes where node_id = %s", (node,))
-    for status, ago in changes:
-        conn.execute(
-            "insert into node_status_changes (node_id, status, changed_at) values (%s, %s, now() - %s::interval)",
-            (node, status, ago),
-        )
 
 
 def owner_world(conn: psycopg.Connection, owner: uuid.UUID) -> dict[str, uuid.UUID]:
