@@ -55,18 +55,19 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 @router.get("/models")
 async def list_models(key: ApiKeyDep, services: ServicesDep) -> dict[str, Any]:
     """Models servable now (held by online nodes) and the catalog's."""
-    data = [
-        {
-            "id": m.id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "neuralgrid",
-            "online_nodes": m.online_nodes,
-            "in_catalog": m.in_catalog,
-        }
-        for m in await services.store.all(q.MODELS)
-    ]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model(m) for m in await services.store.all(q.MODELS)]}
+
+
+def _model(row: Any) -> dict[str, Any]:
+    """OpenAI's model object, with how many online nodes hold it and whether the catalog has it."""
+    return {
+        "id": row.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "neuralgrid",
+        "online_nodes": row.online_nodes,
+        "in_catalog": row.in_catalog,
+    }
 
 
 @router.get("/models/{model:path}")
@@ -79,16 +80,7 @@ async def retrieve_model(model: str, key: ApiKeyDep, services: ServicesDep) -> d
     row = await services.store.one(q.MODEL, {"model": model})
     if row is None:
         raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-    return {
-        "id": row.id,
-        "object": "model",
-        "created": 0,
-        "owned_by": "neuralgrid",
-        "online_nodes": row.online_nodes,
-        "in_catalog": row.in_catalog,
-        "kind": row.kind,
-        "routes": [f"/v1/{route}" for route in row.routes],
-    }
+    return {**_model(row), "kind": row.kind, "routes": [f"/v1/{route}" for route in row.routes]}
 
 
 @router.post("/chat/completions")
