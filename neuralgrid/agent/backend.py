@@ -73,7 +73,10 @@ class ServerInfo:
     routes: tuple[Route, ...] | None = None  # the OpenAI routes it serves (None: not known yet)
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        fields = asdict(self)
+        if self.routes is not None:  # JSON's arrays, as the protocol's model holds them
+            fields["routes"] = list(self.routes)
+        return fields
 
     def serves(self) -> tuple[Route, ...]:
         """The routes the node takes requests for: those found (or the owner's), else the default."""

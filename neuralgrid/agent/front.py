@@ -17,6 +17,7 @@ when they must be renamed or, once the server has not sent usage by its end, cou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -57,8 +58,8 @@ class Answer:
     body's chunks. Whoever takes it must aclose() it, read or not: that ends the request (its slot
     here, its connection there)."""
 
-    def __init__(self, state: FrontState, upstream: RelayResponse) -> None:
-        self.state, self.upstream = state, upstream
+    def __init__(self, state: FrontState, upstream: RelayResponse, holds_turn: bool) -> None:
+        self.state, self.upstream, self.holds_turn = state, upstream, holds_turn
         self.status = upstream.status
         self.media_type = upstream.content_type.decode("latin-1")
         self.length = upstream.length
@@ -75,8 +76,8 @@ class Answer:
     async def aclose(self) -> None:
         if not self.closed:
             self.closed = True
-            self.state.inflight -= 1
             self.upstream.release()
+            self.state.ended(self.holds_turn)
 
 
 @dataclass
@@ -88,6 +89,33 @@ class FrontState:
     inflight: int = 0
     draining: bool = False
     served: int = 0
+    # A server that ends a running stream for any new request (Backend.info.interrupts) gets one
+    # request at a time from this agent, the gateway's or the agent's own: the others wait their turn.
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def fragile(self) -> bool:
+        return self.backend.info.interrupts
+
+    def busy(self) -> bool:
+        """A fragile server is running (or about to run) someone's request: do not look at it now."""
+        return self.fragile and (self.inflight > 0 or self.turn.locked())
+
+    @contextlib.asynccontextmanager
+    async def own_turn(self) -> AsyncIterator[None]:
+        """For the agent's own requests to the server (probes, warm-ups, loads): on a fragile
+        server, taken between the gateway's requests, which wait meanwhile."""
+        if not self.fragile:
+            yield
+            return
+        async with self.turn:
+            yield
+
+    def ended(self, held_turn: bool) -> None:
+        """A request of the gateway's has ended here."""
+        self.inflight -= 1
+        if held_turn:
+            self.turn.release()
 
     def check(self, path: str, content_type: str) -> None:
         """Refused unless `path` is a route the node advertises and the content type is a header."""
@@ -113,16 +141,19 @@ class FrontState:
                 renamed = (served, catalog_id) if served != catalog_id else None
         if self.backend.swaps and content_type == JSON:  # it loads the model a request names: now warm
             self.backend.note_request(request if request is not None else _object(body))
+        takes_turn = self.fragile
+        if takes_turn:
+            await self.turn.acquire()
         self.inflight += 1
         try:
             upstream = await self.backend.relay.post(path, body, content_type)
         except BaseException as err:  # cancelled too: the request never started here
-            self.inflight -= 1
+            self.ended(takes_turn)
             if isinstance(err, OSError | RelayError):
                 raise BackendUnreachable(f"the backend is unreachable: {err!r}") from err
             raise
         self.served += 1
-        answer = Answer(self, upstream)
+        answer = Answer(self, upstream, takes_turn)
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
         count = False
         # Usage is counted only for streams that asked for it: the gateway writes its bodies with

@@ -172,9 +172,11 @@ class Agent:
                         log.warning("the backend stopped answering: the node takes no work until it is back")
                     up = False
                 elif health == "up" and not up and not self.front.inflight:
-                    models, up = await self._ready(), True
-                elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self._busy_and_fragile():
-                    models = await self._models_or(models)
+                    async with self.front.own_turn():  # its warm-up is requests too
+                        models, up = await self._ready(), True
+                elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self.front.busy():
+                    async with self.front.own_turn():
+                        models = await self._models_or(models)
                     changed = self._specs_if_changed(specs)
                     specs = changed or specs
                 if up and self.available is not None:  # it loads and lets go of models itself: every beat
@@ -216,13 +218,14 @@ class Agent:
             return  # answered already: the next heartbeat says so
         if model in models:
             self._loaded.append(model)
-        elif not self._busy_and_fragile():  # else asked again next beat, when it may be idle
+        elif not self.front.busy():  # else asked again next beat, when it may be idle
             self._loading = asyncio.create_task(self._load(model))
 
     async def _load(self, model: str) -> None:
         served = self.front.served_names.get(model, model)
         try:
-            why = await self.backend.load(served)
+            async with self.front.own_turn():  # a load is a request: it would cut a running stream
+                why = await self.backend.load(served)
         except Exception as err:  # whatever went wrong, the platform hears of it and stops asking
             why = f"the load failed: {err!r}"[:200]
         if why is None:
@@ -231,10 +234,6 @@ class Agent:
         else:
             log.info("pre-warm: %s not loaded: %s", model, why)
             self._refused.append({"model": model, "reason": why})
-
-    def _busy_and_fragile(self) -> bool:
-        """A server that cuts running streams for any request is looked at only while idle."""
-        return self.backend.info.interrupts and self.front.inflight > 0
 
     def _concurrency(self) -> int:
         """Requests at once: what the server runs at once, capped by the owner's --max-concurrency."""

@@ -64,15 +64,14 @@ async def serve(
             heartbeats = asyncio.create_task(demo_fleet.keep_alive(url, stop), name="demo heartbeats")
             heartbeats.add_done_callback(_report_early_end)
             tasks.append(heartbeats)
+        # Recorded before the gateway answers its first request (the socket already listens), so
+        # whoever sees /readyz answer also finds the record.
+        me = running.this_process(settings, url, settings.host, settings.port)
+        if other := running.record(settings, me):
+            say(f"note      commands keep talking to the stack of pid {other.pid} ({other.gateway_url})")
+        resources.callback(running.forget, settings, me.pid)  # on every way out but kill -9
         progress.step(f"starting the gateway on {settings.host}:{settings.port}")
         tasks.append(asyncio.create_task(gateway.serve(sockets=[listener])))
-        while not gateway.started and not tasks[-1].done():
-            await asyncio.sleep(0.05)
-        if gateway.started:
-            me = running.this_process(settings, url, settings.host, settings.port)
-            if other := running.record(settings, me):
-                say(f"note      commands keep talking to the stack of pid {other.pid} ({other.gateway_url})")
-            resources.callback(running.forget, settings, me.pid)  # on every way out but kill -9
         gateway_url = stack.public_base_url(settings)
         realtime_url = gateway_url.replace("http", "ws", 1)
         say(f"database  {url}")

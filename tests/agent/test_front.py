@@ -412,3 +412,36 @@ async def test_forwarding_to_a_server_that_is_down_raises_backend_unreachable() 
     with pytest.raises(BackendUnreachable):
         await front.forward(CHAT, chat())
     assert front.inflight == 0
+
+
+async def test_a_server_that_cuts_streams_gets_one_request_at_a_time() -> None:
+    """llama-cpp-python ends a running stream, without a finish_reason, when any request comes in
+    (GET /v1/models too). A second request of the gateway's and the agent's own probe wait for the
+    running stream's end instead of cutting it."""
+    config = FakeNodeConfig.like("llama-cpp-python", models=(LLAMA8,), tokens_per_s=50)
+    with ThreadedServer(create_fake_node(config)) as node:
+        front = FrontState(Backend(node.url))
+        try:
+            await front.backend.detect()
+            assert front.fragile
+
+            async def whole(max_tokens: int) -> list[Any]:
+                answer = await front.forward(CHAT, chat(stream=True, max_tokens=max_tokens))
+                body = b"".join([chunk async for chunk in answer.chunks])
+                await answer.aclose()
+                return events(body.decode())
+
+            async def probe() -> list[str]:
+                async with front.own_turn():
+                    return await front.backend.models()
+
+            first = asyncio.create_task(whole(10))
+            while not front.inflight:
+                await asyncio.sleep(0.005)
+            assert front.busy()
+            answers = await asyncio.gather(first, whole(3), probe())
+        finally:
+            await front.backend.aclose()
+    assert [e["choices"][0]["finish_reason"] for e in answers[0] if e["choices"]][-1] == "length"
+    assert [e["choices"][0]["finish_reason"] for e in answers[1] if e["choices"]][-1] == "length"
+    assert answers[2] == [LLAMA8] and front.inflight == 0 and not front.busy()
