@@ -212,10 +212,12 @@ def db_migrate(ctx: typer.Context) -> None:
         applied = migrate.migrate(conn)
         if migrate.apply_realtime_feed(conn):
             out.print("installed the embedded Realtime feed")
+        sweep = migrate.schedule_sweep(conn)
     for m in applied:
         out.print(f"applied {m.version}_{m.name}")
     if not applied:
         out.print("database is up to date")
+    out.print(f"sweeper: {sweep}")
 
 
 @db_app.command("url")

@@ -183,6 +183,17 @@ def setup_database(conn: psycopg.Connection, progress: Progress | None = None) -
     return applied
 
 
+def schedule_sweep(conn: psycopg.Connection) -> str:
+    """Have pg_cron sweep from the database where it is enabled (20261129000300_sweep_schedule.sql);
+    says what was done, or why nothing was."""
+    try:
+        with conn.transaction():
+            row = conn.execute("select public.schedule_sweep()").fetchone()
+    except psycopg.Error as err:
+        return f"pg_cron could not schedule the sweep: {err.diag.message_primary or err}"
+    return str(row[0]) if row else "pg_cron did not answer"
+
+
 def applied_versions(conn: psycopg.Connection) -> set[str]:
     if conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone() == (None,):
         return set()

@@ -2,8 +2,8 @@
 completion will not come: those of a gateway silent for platform_settings.gateway_timeout_s (see
 server/liveness.py), and any still running past platform_settings.job_deadline_s.
 
-On Supabase, pg_cron runs the same function instead; running both is harmless (the updates are
-idempotent), so every gateway instance may run a sweeper.
+Where pg_cron is enabled, the database runs it too (public.schedule_sweep()); running both is
+harmless (the updates are idempotent), so every gateway instance may run a sweeper.
 """
 
 from __future__ import annotations

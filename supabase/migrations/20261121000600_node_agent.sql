@@ -113,15 +113,9 @@ comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, rea
 revoke execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb) from public, anon, authenticated;
 grant execute on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb) to service_role;
 
--- On Supabase (pg_cron installed), sweep every second from the database itself; elsewhere the
--- gateway's sweeper does it. Running both is harmless.
-do $$
-begin
-  if exists (select from pg_extension where extname = 'pg_cron') then
-    perform cron.schedule('neuralgrid-sweep-stale-nodes', '1 seconds', 'select public.sweep_stale_nodes()');
-  end if;
-end
-$$;
+-- pg_cron's schedule of the sweep is made by public.schedule_sweep() (20261129000300_sweep_schedule.sql),
+-- for every version of pg_cron, enabled before the push or after it. (This migration scheduled it
+-- in seconds, which failed the push on pg_cron < 1.5.)
 
 create function public.sweep_stale_jobs(p_max_age interval default interval '1 hour')
 returns table (job_id uuid)

@@ -867,19 +867,8 @@ comment on function public.sweep(interval) is 'One sweep: silent nodes offline (
 revoke execute on function public.sweep(interval) from public, anon, authenticated;
 grant execute on function public.sweep(interval) to service_role;
 
--- On Supabase (pg_cron installed) the database sweeps itself every second with sweep(), in place of
--- the job that ran sweep_stale_nodes() alone; elsewhere the gateway's sweeper does it. Running both
--- is harmless.
-do $$
-begin
-  if exists (select from pg_extension where extname = 'pg_cron') then
-    if exists (select from cron.job where jobname = 'neuralgrid-sweep-stale-nodes') then
-      perform cron.unschedule('neuralgrid-sweep-stale-nodes');
-    end if;
-    perform cron.schedule('neuralgrid-sweep', '1 seconds', 'select public.sweep()');
-  end if;
-end
-$$;
+-- pg_cron's schedule of sweep() is made by public.schedule_sweep() (20261129000300_sweep_schedule.sql),
+-- which also removes the job that ran sweep_stale_nodes() alone.
 
 -- Triggers: the functions move, the triggers (bound by OID) keep firing them ---------------------
 

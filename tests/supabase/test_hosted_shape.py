@@ -47,8 +47,11 @@ def test_without_supautils_the_push_succeeds_and_says_what_it_skipped(
         assert len(applied) == len(migrate.discover(migrate.default_migrations_dir()))
         assert conn.execute(POLICIES).fetchone() == (0,)
     skipped = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(skipped) == 1 and "20261121000700_realtime.sql" in skipped[0], skipped
+    assert len(skipped) == 2 and "20261121000700_realtime.sql" in skipped[0], skipped
     assert "private-topic policies on realtime.messages were skipped" in skipped[0]
+    # No pg_cron, and no right to watch for it (an event trigger): the push says what to run later.
+    assert skipped[1].startswith("20261129000300_sweep_schedule.sql: pg_cron is not enabled")
+    assert "run select public.schedule_sweep();" in skipped[1]
     shaped.database("after_bare", supautils=True)  # the cluster back as hosted, for the tests after
 
 
