@@ -10,7 +10,6 @@ import json
 import re
 import uuid
 from decimal import Decimal
-from pathlib import Path
 from typing import Any, get_args
 
 import psycopg
@@ -18,8 +17,6 @@ import pytest
 
 from neuralgrid.db.queries import JobOutcome, JobStatus, NodeStatus
 from tests.conftest import LLAMA8, make_key, make_node
-
-MIGRATION = Path(__file__).resolve().parents[2] / "supabase/migrations/20261123000200_api_surface.sql"
 
 # What Python, the web page, the Edge Functions and the node agents call, overloads counted.
 PUBLIC_API = sorted(
