@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -80,12 +79,3 @@ def import_fleet(conn: psycopg.Connection, specs: list[NodeSpec]) -> list[UUID]:
 
 def list_nodes(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
     return SyncStore(conn).all(q.FLEET)
-
-
-def to_json(rows: list[dict[str, Any]]) -> str:
-    def default(value: object) -> str:
-        if isinstance(value, datetime | UUID):
-            return str(value)
-        raise TypeError(type(value).__name__)
-
-    return json.dumps(rows, default=default, indent=2)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from neuralgrid.cli import bench, dev, fleet, keys, node, platform, sim
+from neuralgrid.cli import account, bench, dev, fleet, keys, node, platform, sim
 from neuralgrid.cli.common import Options
 
 HELP = (
@@ -52,6 +52,8 @@ def main(
 
 
 platform.register(app)
+app.command("login")(account.login)
+app.command("logout")(account.logout)
 app.command("match")(fleet.match)
 app.command("simulate")(sim.simulate)
 app.command("fake-node")(dev.fake_node)

@@ -1,17 +1,22 @@
-"""`neuralgrid nodes …` and `neuralgrid match`: the fleet as the operator sees it."""
+"""`neuralgrid nodes …` and `neuralgrid match`: the fleet as the operator sees it, or a GPU owner's
+own nodes when `neuralgrid login` signed them in to a hosted project."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import date
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
+from uuid import UUID
 
 import typer
 from rich import box
 from rich.table import Table
 
+from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import database, fail, friendly_errors, out
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Import and list the fleet of GPU nodes.")
@@ -33,11 +38,25 @@ def nodes_import(
     out.print(f"imported {len(ids)} nodes from {file}")
 
 
+def print_json(rows: list[dict[str, Any]]) -> None:
+    """Rows as JSON, whether psycopg or the Data API read them (no server package needed)."""
+
+    def default(value: object) -> str | float:
+        if isinstance(value, date | UUID):  # datetimes too
+            return str(value)
+        if isinstance(value, Decimal):
+            return float(value)
+        raise TypeError(type(value).__name__)
+
+    print(json.dumps(rows, default=default, indent=2))
+
+
 class _Column(NamedTuple):
     header: str
     cell: Callable[[dict[str, Any]], str]
     narrow: bool  # in the default view, which fits 80 columns; --wide adds the others
     wraps: bool = False  # only cells of several words: wrapping a one-word cell would cut it
+    only_with: str | None = None  # shown only for rows that carry this field (an owner's own nodes)
 
 
 def _heartbeat(r: dict[str, Any]) -> str:
@@ -61,27 +80,33 @@ _NODE_COLUMNS = (
     _Column("heartbeat", _heartbeat, narrow=True),
     _Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}", narrow=False),
     _Column("warm models", lambda r: ", ".join(r["warm_models"]), narrow=False, wraps=True),
+    _Column(
+        "endpoint", lambda r: r["endpoint_url"] or "", narrow=False, wraps=True, only_with="endpoint_url"
+    ),
 )
 
 
 @nodes_app.command("ls")
-@friendly_errors
+@hosted_errors
 def nodes_ls(
     ctx: typer.Context,
     as_json: JsonOption = False,
     wide: Annotated[
-        bool, typer.Option("--wide", help="Every column: VRAM, TFLOPS, price, ok/fail, warm models.")
+        bool,
+        typer.Option(
+            "--wide", help="Every column: VRAM, TFLOPS, price, ok/fail, warm models (endpoint: yours)."
+        ),
     ] = False,
 ) -> None:
-    """List nodes with status, last heartbeat, load and hardware (--wide: reputation, warm models)."""
-    from neuralgrid.admin import fleet
+    """List nodes with status, last heartbeat, load and hardware (--wide: reputation, warm models).
 
-    with database(ctx) as conn:
-        rows = fleet.list_nodes(conn)
+    Signed in to a hosted project (`neuralgrid login`): your own nodes, with their endpoints."""
+    api = signed_in(ctx)
+    rows = api.nodes() if api is not None else _fleet_in_database(ctx)
     if as_json:
-        print(fleet.to_json(rows))
+        print_json(rows)
         return
-    columns = [c for c in _NODE_COLUMNS if wide or c.narrow]
+    columns = [c for c in _NODE_COLUMNS if (wide or c.narrow) and (c.only_with is None or _carry(rows, c))]
     # No outer edges or rules between columns: the narrow ones fit 80 with the GPU wrapped.
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for c in columns:
@@ -89,6 +114,18 @@ def nodes_ls(
     for r in rows:
         table.add_row(*(c.cell(r) for c in columns))
     out.print(table)
+
+
+def _carry(rows: list[dict[str, Any]], column: _Column) -> bool:
+    return bool(rows) and column.only_with in rows[0]
+
+
+@friendly_errors
+def _fleet_in_database(ctx: typer.Context) -> list[dict[str, Any]]:
+    from neuralgrid.admin import fleet
+
+    with database(ctx) as conn:
+        return fleet.list_nodes(conn)
 
 
 @friendly_errors

@@ -1,20 +1,27 @@
-"""`neuralgrid keys …`: developers' API keys, as the service."""
+"""`neuralgrid keys …`: developers' API keys, as the service (through the database), or as the user
+`neuralgrid login` signed in (through a hosted project's Data API)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich import box
 from rich.table import Table
 
-from neuralgrid.cli.common import database, friendly_errors, out, progress, settings
-from neuralgrid.cli.fleet import JsonOption
+from neuralgrid.cli.account import hosted_errors, signed_in
+from neuralgrid.cli.common import database, fail, friendly_errors, out, progress, settings
+from neuralgrid.cli.fleet import JsonOption, print_json
+from neuralgrid.cli.node import MAX_DAYS
+
+if TYPE_CHECKING:
+    from neuralgrid.db.queries import CreatedKey
 
 app = typer.Typer(no_args_is_help=True, help="Developer API keys (shown in clear once, stored hashed).")
 
 
 @app.command("create")
-@friendly_errors
+@hosted_errors
 def create(
     ctx: typer.Context,
     name: Annotated[str, typer.Option(envvar="NEURALGRID_KEY_NAME", help="A name to recognise it by.")],
@@ -33,8 +40,27 @@ def create(
 ) -> None:
     """Create a key and print it: this is the only time it is shown.
 
-    It belongs to a user (--owner; by default the local owner): their API keys page lists it, and the
-    nodes registered with it are theirs."""
+    It belongs to a user (--owner; by default the local owner, or you when signed in with `neuralgrid
+    login`): their API keys page lists it, and the nodes registered with it are theirs."""
+    api = signed_in(ctx)
+    if api is None:
+        _create_in_database(ctx, name, rpm, tpm, budget_usd, owner)
+        return
+    if owner is not None:
+        raise fail(f"--owner: signed in to {api.project.url}, the keys you create are yours ({api.email})")
+    row = api.create_api_key(name, rpm, tpm, budget_usd)
+    _print_created(row["prefix"], row["id"], api.email, row["api_key"])
+
+
+@friendly_errors
+def _create_in_database(
+    ctx: typer.Context,
+    name: str,
+    rpm: int | None,
+    tpm: int | None,
+    budget_usd: float | None,
+    owner: str | None,
+) -> None:
     from neuralgrid.admin import keys
     from neuralgrid.web.signin import LOCAL_OWNER_EMAIL
 
@@ -46,7 +72,7 @@ def create(
             owner_id, whose = None, ""
         else:
             owner_id, whose = keys.local_owner(conn, create=config.embedded), LOCAL_OWNER_EMAIL
-        row = keys.create(conn, name, rpm, tpm, budget_usd, owner_id)
+        row: CreatedKey = keys.create(conn, name, rpm, tpm, budget_usd, owner_id)
     if owner_id is None:
         why = (
             "this stack signs users in through Supabase Auth (NEURALGRID_SUPABASE_URL)"
@@ -59,21 +85,23 @@ def create(
             " registered with it belong to nobody; --owner EMAIL gives it to a user"
         )
         whose = "the service"
-    shown = f"created key {row.prefix}… ({row.id}) for {whose}; it is shown once, keep it safe:"
+    _print_created(row.prefix, row.id, whose, row.api_key)
+
+
+def _print_created(prefix: str, key_id: object, whose: str, api_key: str) -> None:
+    shown = f"created key {prefix}… ({key_id}) for {whose}; it is shown once, keep it safe:"
     out.print(shown, soft_wrap=True)
-    print(row.api_key)
+    print(api_key)
 
 
 @app.command("ls")
-@friendly_errors
+@hosted_errors
 def ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
     """List keys (never the keys themselves): limits, spend, last use, revocation."""
-    from neuralgrid.admin import fleet, keys
-
-    with database(ctx) as conn:
-        rows = keys.list_keys(conn)
+    api = signed_in(ctx)
+    rows = api.api_keys() if api is not None else _keys_in_database(ctx)
     if as_json:
-        print(fleet.to_json(rows))
+        print_json(rows)
         return
     table = Table("id", "name", "prefix", "rpm", "tpm", "budget $", "spent $", "last used", "revoked")
     for r in rows:
@@ -91,15 +119,79 @@ def ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
     out.print(table)
 
 
-@app.command("revoke")
 @friendly_errors
+def _keys_in_database(ctx: typer.Context) -> list[dict[str, Any]]:
+    from neuralgrid.admin import keys
+
+    with database(ctx) as conn:
+        return keys.list_keys(conn)
+
+
+@app.command("revoke")
+@hosted_errors
 def revoke(
     ctx: typer.Context,
     key: Annotated[str, typer.Argument(help="The key's id or prefix (as `keys ls` shows).")],
 ) -> None:
     """Revoke a key; every gateway refuses it within a second."""
+    api = signed_in(ctx)
+    revoked = api.revoke_api_key(key) if api is not None else _revoke_in_database(ctx, key)
+    out.print(f"revoked {revoked}")
+
+
+@friendly_errors
+def _revoke_in_database(ctx: typer.Context, key: str) -> str:
     from neuralgrid.admin import keys
 
     with database(ctx) as conn:
-        revoked = keys.revoke(conn, key)
-    out.print(f"revoked {revoked}")
+        return keys.revoke(conn, key)
+
+
+@app.command("usage")
+@hosted_errors
+def usage(
+    ctx: typer.Context,
+    days: Annotated[
+        int, typer.Option(envvar="NEURALGRID_USAGE_DAYS", help="The period: the last N days (UTC).")
+    ] = 30,
+    as_json: JsonOption = False,
+) -> None:
+    """Your requests per day, key and model: tokens and cost (signed in with `neuralgrid login`)."""
+    if not 1 <= days <= MAX_DAYS:
+        raise fail(f"--days takes 1 to {MAX_DAYS} (today and the days before it), not {days}")
+    api = signed_in(ctx)
+    if api is None:
+        raise fail(
+            "usage is read as a signed-in user: `neuralgrid login --project https://<ref>.supabase.co …`"
+            " first (with an API key instead: GET /v1/usage on the gateway)"
+        )
+    rows = api.usage(days)
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        out.print(f"no requests in the last {days} days (UTC)", highlight=False)
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("day", no_wrap=True)
+    table.add_column("key", no_wrap=True)
+    table.add_column("model", overflow="fold")
+    for header in ("requests", "failed", "tokens in", "tokens out", "cost $"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(*_usage_cells(r))
+    out.print(table)
+
+
+def _usage_cells(r: dict[str, Any]) -> list[str]:
+    key = r["key_name"] or "(deleted key)"
+    return [
+        str(r["day"]),
+        f"{key} {r['key_prefix'] or ''}".strip(),
+        r["model_id"],
+        str(r["requests"]),
+        str(r["failed"]),
+        str(r["prompt_tokens"]),
+        str(r["completion_tokens"]),
+        f"{r['cost_usd']:.6f}",
+    ]
