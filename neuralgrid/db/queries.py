@@ -485,41 +485,11 @@ TUNNEL_ROUTE = Query(
 
 # --- the web pages -----------------------------------------------------------------------------
 
-# Read as anon: node_map holds the public columns and the models; the load columns come from nodes.
-MAP_NODES = Query(
-    "map_nodes",
-    """
-select m.id, m.name, m.gpu_model, m.gpu_count, m.vram_gb, m.tflops, m.hourly_rate::float8 as hourly_rate,
-  m.region, m.latitude, m.longitude, m.status, m.max_concurrency, m.inflight, m.last_heartbeat_at,
-  m.successes, m.failures, m.ewma_latency_ms, m.ewma_tokens_per_s, m.cooldown_until, m.warm_models,
-  m.available_models, n.missed_heartbeats, n.gpu_utilization, n.free_vram_gb, n.queue_depth
-from public.node_map m join public.nodes n on n.id = m.id
-order by m.name, m.id
-""",
-    dict_row,
-)
-# Online means able to serve: 'busy' nodes are online with every slot taken. Jobs are private:
-# this runs as the gateway and the page gets aggregates only.
-FLEET_STATS = Query(
-    "fleet_stats",
-    """
-with live as (
-  select gpu_model, vram_gb, tflops, hourly_rate from public.nodes where status in ('online', 'busy')
-)
-select
-  (select count(*) from live) as online_nodes,
-  (select coalesce(sum(vram_gb), 0)::float8 from live) as online_vram_gb,
-  (select coalesce(sum(tflops), 0)::float8 from live) as online_tflops,
-  (select count(*) from public.jobs where created_at > now() - interval '1 minute') as jobs_last_minute,
-  (select percentile_cont(0.5) within group (order by latency_ms) from public.jobs
-    where finished_at > now() - interval '5 minutes' and latency_ms is not null) as p50_latency_ms,
-  (select coalesce(jsonb_agg(jsonb_build_object('gpu_model', gpu_model, 'hourly_rate', rate)
-                             order by rate, gpu_model), '[]')
-     from (select gpu_model, min(hourly_rate)::float8 as rate from live group by gpu_model) c
-  ) as cheapest
-""",
-    dict_row,
-)
+# Read as anon: the public map (node_map), each row as JSON as the Data API renders it (numbers as
+# numbers, times in ISO 8601), which is how a hosted project's page reads the same view.
+MAP_NODES = Query("map_nodes", "select to_jsonb(m) from public.node_map m order by m.name, m.id", scalar_row)
+# The map's totals (fleet_stats(): jobs are private, it returns aggregates only).
+FLEET_STATS = Query("fleet_stats", "select * from public.fleet_stats()", dict_row)
 # The fleet gauges of /metrics: per node status, nodes, VRAM, and slots (free: claimable now).
 FLEET_GAUGES = Query(
     "fleet_gauges",

@@ -5,6 +5,7 @@ Screenshots go to $TEST_ARTIFACTS_DIR/web (default test-artifacts/web)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -654,6 +655,55 @@ def test_on_a_hosted_project_the_pages_sign_in_by_email(
         form.get_by_role("button", name="Email me a sign-in link").click()
         expect(form.locator("#signin-msg")).to_contain_text("Could not send the link")
         assert not [p for p in watch.problems if "off loopback" in p]
+
+
+def test_on_a_hosted_project_the_map_reads_the_fleet_through_the_data_api(
+    conn: psycopg.Connection, gateway_settings: dict[str, Any], db_url: str, open_page: Opener
+) -> None:
+    """supabase-js reads the node_map view and fleet_stats() from the project's PostgREST, as anon.
+    PostgREST cannot run here: its answers are made by the query it runs for them (the rows as
+    JSON, json_agg'd, in a transaction as the key's role), where the page sends the requests."""
+    fleet(conn)
+    port = free_port()
+    project = f"http://127.0.0.1:{port}"
+    anon_key = stack.api_key(PLACEHOLDER_SECRET, "anon")
+    hosted = Settings(
+        **gateway_settings, NEURALGRID_SUPABASE_URL=project, NEURALGRID_SUPABASE_ANON_KEY=anon_key
+    )
+    asked: list[tuple[str, str | None]] = []
+
+    def postgrest(route: Any) -> None:
+        path = urlsplit(route.request.url).path
+        asked.append((path, route.request.headers.get("apikey")))
+        with psycopg.connect(db_url) as db, db.transaction():
+            db.execute("set local role anon")
+            if path == "/rest/v1/rpc/fleet_stats":  # .single(): one object, not a list
+                row = db.execute("select to_jsonb(s) from public.fleet_stats() s").fetchone()
+            else:
+                row = db.execute(
+                    "select coalesce(json_agg(m order by m.name), '[]') from public.node_map m"
+                ).fetchone()
+        route.fulfill(
+            status=200,
+            content_type="application/json; charset=utf-8",
+            body=json.dumps(row[0] if row else None),
+        )
+
+    with ThreadedServer(create_app(hosted, db_url, sweep=False), port=port):
+        page, _ = open_page("about:blank")
+        page.route(f"{project}/rest/v1/**", postgrest)
+        gateway_reads: list[str] = []
+        page.on(
+            "request",
+            lambda r: gateway_reads.append(r.url) if "/api/nodes" in r.url or "/api/stats" in r.url else None,
+        )
+        page.goto(project)
+        expect(page.locator("#nodes-body tr")).to_have_count(5)
+        expect(page.locator('#nodes-body tr[data-status="busy"]', has_text="bravo-busy")).to_have_count(1)
+        expect(page.locator("#stat-online")).to_have_text("3")
+        expect(page.locator("#cheapest")).to_contain_text("$0.10")
+    assert ("/rest/v1/node_map", anon_key) in asked and ("/rest/v1/rpc/fleet_stats", anon_key) in asked
+    assert gateway_reads == []  # the fleet came through the Data API only
 
 
 def test_api_my_nodes_needs_a_user_and_shows_only_theirs(conn: psycopg.Connection, gateway: str) -> None:

@@ -86,7 +86,10 @@ export async function api(path, { method = 'GET', body, token } = {}) {
 
 let configPromise = null;
 export function loadConfig() {
-  configPromise ??= api('/api/config');
+  configPromise ??= api('/api/config').catch((err) => {
+    configPromise = null; // asked again next time: the gateway may be back
+    throw err;
+  });
   return configPromise;
 }
 

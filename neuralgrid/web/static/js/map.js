@@ -1,5 +1,5 @@
 // The fleet map: a world map with a marker per node, a node card, fleet stats and a sortable table.
-// A snapshot comes from /api/nodes; after that Realtime (supabase-js, channel 'node-map') keeps it
+// A snapshot comes from /api/nodes (a hosted project's Data API); after that Realtime (supabase-js, channel 'node-map') keeps it
 // current, and the page falls back to polling while the channel is down.
 
 import {
@@ -86,10 +86,27 @@ function applySnapshot(rows) {
   for (const row of rows) mergeNode(row);
 }
 
+// Where the fleet is read: the gateway's API, or, on a hosted project, Supabase's Data API (the
+// node_map view and fleet_stats(), as anon) with supabase-js: the same view and function either way.
+async function readNodes() {
+  const cfg = await loadConfig();
+  if (cfg.mode !== 'supabase') return (await api('/api/nodes')).data;
+  const { data, error } = await supabaseClient(cfg).from('node_map').select('*').order('name');
+  if (error) throw new Error(error.message);
+  return data;
+}
+
+async function readStats() {
+  const cfg = await loadConfig();
+  if (cfg.mode !== 'supabase') return api('/api/stats');
+  const { data, error } = await supabaseClient(cfg).rpc('fleet_stats').single();
+  if (error) throw new Error(error.message);
+  return data;
+}
+
 async function refreshNodes() {
   try {
-    const { data } = await api('/api/nodes');
-    applySnapshot(data);
+    applySnapshot(await readNodes());
     showAlertIn('nodes-error', null);
   } catch (err) {
     showAlertIn('nodes-error', `Could not load the nodes: ${err.message}`);
@@ -405,7 +422,7 @@ function scheduleRender() {
 
 async function refreshStats() {
   try {
-    const stats = await api('/api/stats');
+    const stats = await readStats();
     $('stat-online').textContent = fmt(stats.online_nodes);
     $('stat-vram').textContent = `${fmt(stats.online_vram_gb)} GB`;
     $('stat-tflops').textContent = `${fmt(stats.online_tflops)} TFLOPS`;
