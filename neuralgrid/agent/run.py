@@ -53,6 +53,10 @@ class AgentConfig:
     tunnel: bool = False  # dial out to the gateway instead of listening (for nodes behind NAT)
     model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # served name -> catalog id
     routes: tuple[Route, ...] | None = None  # the owner's list of routes served (None: detected)
+    # Heartbeats to this URL instead of the gateways (the `heartbeat` Edge Function of a Supabase
+    # project, which takes the gateway's heartbeat path): a direct-mode node stays alive through
+    # Supabase alone once registered.
+    heartbeat_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -346,8 +350,13 @@ class Agent:
                 body["available"] = self.available
             body.update({"loaded": loaded, "refused": refused} if loaded or refused else {})
         assert self.secret is not None
+        path = f"/v1/nodes/{self.node_id}/heartbeat"
         try:
-            resp = await self._post(http, f"/v1/nodes/{self.node_id}/heartbeat", body, self.secret)
+            if self.config.heartbeat_url:
+                auth = {"authorization": f"Bearer {self.secret}"}
+                resp = await http.post(self.config.heartbeat_url.rstrip("/") + path, json=body, headers=auth)
+            else:
+                resp = await self._post(http, path, body, self.secret)
         except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
             return None

@@ -1,5 +1,6 @@
 """`neuralgrid node run`: the agent a GPU owner runs next to an inference server; `neuralgrid node
-earnings`: what the owner's nodes earned, asked of the gateway with the owner's API key.
+earnings`: what the owner's nodes earned, asked of the gateway with the owner's API key, or of a
+hosted project's Data API as the owner `neuralgrid login` signed in.
 
 Only the agent's dependencies are imported here: a node owner's install has no server packages.
 """
@@ -14,6 +15,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import fail, log_to_stderr, out
 
 app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")
@@ -118,6 +120,16 @@ def run(
             " default: those the server is found to serve.",
         ),
     ] = None,
+    heartbeat_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NEURALGRID_NODE_HEARTBEAT_URL",
+            rich_help_panel=REACH,
+            help="Send heartbeats here instead of to the gateway: a Supabase project's `heartbeat`"
+            " Edge Function (https://<ref>.supabase.co/functions/v1/heartbeat), so that the node"
+            " stays alive through Supabase alone once registered.",
+        ),
+    ] = None,
 ) -> None:
     """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
     import socket
@@ -152,6 +164,7 @@ def run(
         tunnel=tunnel,
         model_aliases=aliases,
         routes=served,
+        heartbeat_url=heartbeat_url,
     )
 
     async def main() -> None:
@@ -232,11 +245,20 @@ def _per_node_and_model(by_day: list[dict[str, Any]]) -> list[tuple[str, Sums, l
 
 
 @app.command("earnings")
+@hosted_errors
 def earnings(
-    gateway: Annotated[str, typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL.")],
+    ctx: typer.Context,
+    gateway: Annotated[
+        str | None,
+        typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL (not when signed in)."),
+    ] = None,
     token: Annotated[
-        str, typer.Option(envvar="NEURALGRID_NODE_TOKEN", help="Your API key (the one your nodes run with).")
-    ],
+        str | None,
+        typer.Option(
+            envvar="NEURALGRID_NODE_TOKEN",
+            help="Your API key, the one your nodes run with (not when signed in).",
+        ),
+    ] = None,
     days: Annotated[
         int,
         typer.Option(
@@ -244,8 +266,25 @@ def earnings(
         ),
     ] = 30,
 ) -> None:
-    """What your nodes earned over a period, per node and model, after the platform's fee."""
-    data = _fetch_earnings(gateway, token, days)
+    """What your nodes earned over a period, per node and model, after the platform's fee.
+
+    Asked of the gateway with your API key (--gateway, --token), or, signed in to a hosted project
+    with `neuralgrid login`, of its Data API."""
+    if (gateway is None) != (token is None):
+        raise fail("--gateway and --token go together: the gateway, and your API key for it")
+    if gateway is not None and token is not None:  # said explicitly: the gateway, signed in or not
+        data = _fetch_earnings(gateway, token, days)
+    elif (api := signed_in(ctx)) is not None:
+        data = api.earnings(days)
+    else:
+        raise fail(
+            "--gateway and --token are needed (your API key, the one your nodes run with), or sign in"
+            " to the hosted project first with `neuralgrid login`"
+        )
+    _print_earnings(data, days)
+
+
+def _print_earnings(data: dict[str, Any], days: int) -> None:
     if not data["nodes"]:
         raise fail("you have no nodes: connect one with `neuralgrid node run`, using a key of yours")
     if not data["by_day"]:

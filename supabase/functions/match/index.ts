@@ -1,83 +1,83 @@
-// Supabase Edge Function `match`: the node ranking of score_nodes(), over HTTP.
+// Supabase Edge Function `match`: the node ranking of score_nodes(), over HTTP, as the caller.
 //
 // For tools that want to see where a request would go without sending it (dashboards, the map,
-// a node owner checking their price). Supabase verifies the caller's JWT before this runs; the
-// function reads only what score_nodes() returns, which is public map data.
+// a node owner checking their price). The function verifies the caller's JWT or API key itself
+// (../_shared/auth.ts) and calls score_nodes() as that caller's role (../_shared/caller.ts), so the
+// grants decide as they do through the Data API: authenticated and service_role may rank nodes;
+// anon may only if score_nodes() is granted to anon (it is not, as migrated: anon gets 403).
 //
-//   curl -X POST "$SUPABASE_URL/functions/v1/match" -H "Authorization: Bearer $ANON_KEY" \
+//   curl -X POST "$SUPABASE_URL/functions/v1/match" -H "Authorization: Bearer $USER_JWT" \
 //        -d '{"model": "meta-llama/Llama-3.1-8B-Instruct", "region": "eu-west", "limit": 5}'
 
 import postgres from "postgres";
+import { Authenticator } from "../_shared/auth.ts";
+import { asCaller, type Sql } from "../_shared/caller.ts";
+import { databaseError, error, HttpError, readJson } from "../_shared/http.ts";
 
-type Sql = ReturnType<typeof postgres>;
+const MAX_BODY_BYTES = 16 * 1024;
 
 interface MatchQuery {
   model: string;
   min_vram_gb?: number | null;
-  policy?: string;
+  policy?: string | null;
   region?: string | null;
   latitude?: number | null;
   longitude?: number | null;
   max_hourly_rate?: number | null;
-  explain?: boolean;
+  explain?: boolean | null;
   limit?: number | null;
+  route?: string | null;
 }
 
-const SQLSTATE_STATUS: Record<string, number> = {
-  P0002: 404, // unknown model
-  "22023": 400, // invalid parameter (policy, VRAM, coordinates, limit)
-  "22P02": 400,
-};
-
-function error(status: number, message: string, param: string | null = null): Response {
-  const type = status >= 500 ? "server_error" : "invalid_request_error";
-  return Response.json({ error: { message, type, param, code: null } }, { status });
-}
+const NUMBERS = ["min_vram_gb", "latitude", "longitude", "max_hourly_rate", "limit"];
+const STRINGS = ["policy", "region", "route"];
+const FIELDS = new Set(["model", "explain", ...NUMBERS, ...STRINGS]);
 
 function parse(body: unknown): MatchQuery | string {
   if (typeof body !== "object" || body === null || Array.isArray(body)) return "the body must be a JSON object";
   const q = body as Record<string, unknown>;
+  const unknown = Object.keys(q).find((key) => !FIELDS.has(key));
+  if (unknown !== undefined) return `${unknown}: not a parameter of match`;
   if (typeof q.model !== "string" || q.model.length === 0) return "model: a model id is required";
-  for (const key of ["min_vram_gb", "latitude", "longitude", "max_hourly_rate", "limit"]) {
+  for (const key of NUMBERS) {
     if (q[key] !== undefined && q[key] !== null && typeof q[key] !== "number") return `${key}: must be a number`;
   }
-  for (const key of ["policy", "region"]) {
+  for (const key of STRINGS) {
     if (q[key] !== undefined && q[key] !== null && typeof q[key] !== "string") return `${key}: must be a string`;
+  }
+  if (q.explain !== undefined && q.explain !== null && typeof q.explain !== "boolean") {
+    return "explain: must be true or false";
   }
   return q as unknown as MatchQuery;
 }
 
-export function createHandler(sql: Sql): (req: Request) => Promise<Response> {
+export function createHandler(sql: Sql, auth: Authenticator): (req: Request) => Promise<Response> {
   return async (req: Request) => {
     if (req.method !== "POST") return error(405, "POST a JSON body: {model, region?, limit?, ...}");
-    let body: unknown;
     try {
-      body = await req.json();
-    } catch {
-      return error(400, "the body is not valid JSON");
-    }
-    const q = parse(body);
-    if (typeof q === "string") return error(400, q, q.split(":")[0]);
-    try {
-      const rows = await sql`
-        select node_id, name, rank, score, fit, compute, price, warm, capacity, reputation, proximity,
-               reject_reason
-        from public.score_nodes(${q.model}, ${q.min_vram_gb ?? null}::real, ${q.policy ?? "balanced"},
-                                ${q.region ?? null}, ${q.latitude ?? null}::float8,
-                                ${q.longitude ?? null}::float8, ${q.max_hourly_rate ?? null}::numeric,
-                                ${q.explain ?? false}, ${q.limit ?? null}::int)`;
+      const caller = await auth.caller(req);
+      const q = parse(await readJson(req, MAX_BODY_BYTES));
+      if (typeof q === "string") return error(400, q, q.split(":")[0]);
+      const rows = await asCaller(sql, caller, (tx) =>
+        tx`
+          select node_id, name, rank, score, fit, compute, price, warm, capacity, reputation, proximity,
+                 reserve, reject_reason
+          from public.score_nodes(${q.model}, ${q.min_vram_gb ?? null}::real, ${q.policy ?? "balanced"},
+                                  ${q.region ?? null}, ${q.latitude ?? null}::float8,
+                                  ${q.longitude ?? null}::float8, ${q.max_hourly_rate ?? null}::numeric,
+                                  ${q.explain ?? false}, ${q.limit ?? null}::int, ${q.route ?? null})`
+      );
       return Response.json({ object: "list", model: q.model, data: rows });
     } catch (err) {
-      const code = (err as { code?: string }).code ?? "";
-      const status = SQLSTATE_STATUS[code];
-      if (status) return error(status, (err as Error).message, status === 404 ? "model" : null);
-      throw err;
+      if (err instanceof HttpError) return err.response;
+      return databaseError(err, (status) => (status === 404 ? "model" : null));
     }
   };
 }
 
 if (import.meta.main) {
-  // SUPABASE_DB_URL is set for every Edge Function on Supabase; prepare: false suits Supavisor.
+  // SUPABASE_DB_URL is set for every Edge Function on Supabase (it connects as `postgres`, which
+  // then acts as each caller); prepare: false suits Supavisor's transaction mode.
   const sql = postgres(Deno.env.get("SUPABASE_DB_URL")!, { prepare: false });
-  Deno.serve(createHandler(sql));
+  Deno.serve(createHandler(sql, Authenticator.fromEnv()));
 }

@@ -1,48 +1,111 @@
 // Runs under `deno test` against a real Postgres with the migrations applied (DB_URL), as
-// tests/test_edge_functions.py arranges.
-import postgres from "postgres";
+// tests/web/test_edge_functions.py arranges.
+
+import { Authenticator } from "../_shared/auth.ts";
+import type { Sql } from "../_shared/caller.ts";
+import { assert, assertEquals, connect, hs256, inAnHour, JWT_SECRET, makeUser, MODEL } from "../_shared/testing.ts";
 import { createHandler } from "./index.ts";
 
-const MODEL = "meta-llama/Llama-3.1-8B-Instruct";
+const SCORE_NODES =
+  "public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer, text)";
 
-function assert(condition: unknown, message: string): asserts condition {
-  if (!condition) throw new Error(message);
+type Handler = (r: Request) => Promise<Response>;
+
+async function post(handler: Handler, body: unknown, token?: string): Promise<Response> {
+  const headers: Record<string, string> = token ? { authorization: `Bearer ${token}` } : {};
+  return await handler(new Request("http://localhost/match", { method: "POST", body: JSON.stringify(body), headers }));
 }
 
-async function post(handler: (r: Request) => Promise<Response>, body: unknown): Promise<Response> {
-  return await handler(new Request("http://localhost/match", { method: "POST", body: JSON.stringify(body) }));
+async function fleet(sql: Sql): Promise<void> {
+  for (const [name, vram, region] of [["small-eu", 24, "eu-west"], ["big-us", 80, "us-east"], ["tiny", 8, "eu-west"]]) {
+    const [node] = await sql`
+      insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region, status, last_heartbeat_at)
+      values (${name}, 'NVIDIA L4', ${vram}, 121, 0.45, ${region}, 'online', now()) returning id`;
+    await sql`insert into public.node_models (node_id, model_id) values (${node.id}, ${MODEL})`;
+  }
 }
 
 Deno.test("ranks nodes with score_nodes, explains rejections, refuses bad input", async () => {
-  const sql = postgres(Deno.env.get("DB_URL")!, { prepare: false, onnotice: () => {} });
+  const sql = connect();
   try {
-    for (const [name, vram, region] of [["small-eu", 24, "eu-west"], ["big-us", 80, "us-east"], ["tiny", 8, "eu-west"]]) {
-      const [node] = await sql`
-        insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region, status, last_heartbeat_at)
-        values (${name}, 'NVIDIA L4', ${vram}, 121, 0.45, ${region}, 'online', now()) returning id`;
-      await sql`insert into public.node_models (node_id, model_id) values (${node.id}, ${MODEL})`;
-    }
-    const handler = createHandler(sql);
+    await fleet(sql);
+    const handler = createHandler(sql, new Authenticator({ jwtSecret: JWT_SECRET }));
+    const { token } = await makeUser(sql, "owner@example.test");
 
-    const ranked = await post(handler, { model: MODEL, region: "eu-west", limit: 5 });
-    assert(ranked.status === 200, `status ${ranked.status}`);
+    const ranked = await post(handler, { model: MODEL, region: "eu-west", limit: 5 }, token);
+    assert(ranked.status === 200, `status ${ranked.status}: ${await ranked.clone().text()}`);
     const { data } = await ranked.json();
     assert(data.map((r: { name: string }) => r.name).join(",") === "small-eu,big-us", JSON.stringify(data));
     assert(data[0].rank === "1" || data[0].rank === 1, "ranks start at 1");
 
-    const explained = await (await post(handler, { model: MODEL, explain: true })).json();
+    const explained = await (await post(handler, { model: MODEL, explain: true }, token)).json();
     const tiny = explained.data.find((r: { name: string }) => r.name === "tiny");
     assert(tiny.reject_reason === "8 GB VRAM, needs 18 GB", tiny.reject_reason);
 
-    const unknown = await post(handler, { model: "no/such-model" });
+    const unknown = await post(handler, { model: "no/such-model" }, token);
     assert(unknown.status === 404, `unknown model: ${unknown.status}`);
     assert((await unknown.json()).error.param === "model", "names the param");
-    assert((await post(handler, { model: MODEL, policy: "fancy" })).status === 400, "bad policy");
-    assert((await post(handler, { model: MODEL, limit: "five" })).status === 400, "bad limit");
-    assert((await post(handler, { nope: 1 })).status === 400, "missing model");
-    const notJson = await handler(new Request("http://localhost/match", { method: "POST", body: "{" }));
+    assert((await post(handler, { model: MODEL, policy: "fancy" }, token)).status === 400, "bad policy");
+    assert((await post(handler, { model: MODEL, limit: "five" }, token)).status === 400, "bad limit");
+    assert((await post(handler, { model: MODEL, limit: 0 }, token)).status === 400, "limit 0");
+    assert((await post(handler, { nope: 1, model: MODEL }, token)).status === 400, "unknown field");
+    assert((await post(handler, { nope: 1 }, token)).status === 400, "missing model");
+    const notJson = await handler(
+      new Request("http://localhost/match", { method: "POST", body: "{", headers: { authorization: `Bearer ${token}` } }),
+    );
     assert(notJson.status === 400, "malformed JSON");
     assert((await handler(new Request("http://localhost/match"))).status === 405, "GET");
+  } finally {
+    await sql.end();
+  }
+});
+
+Deno.test("acts as the caller: the grants on score_nodes decide, role by role", async () => {
+  const sql = connect();
+  try {
+    const handler = createHandler(sql, new Authenticator({ jwtSecret: JWT_SECRET }));
+    const anon = await hs256({ role: "anon", iss: "supabase" }); // the legacy anon key
+    const service = await hs256({ role: "service_role", iss: "supabase" });
+    const { token: user } = await makeUser(sql, "someone@example.test");
+    const query = { model: MODEL, limit: 5 };
+    const status = async (token: string) => (await post(handler, query, token)).status;
+
+    // As migrated: the function answers each role as the grants say.
+    const [granted] = await sql`
+      select has_function_privilege('anon', ${SCORE_NODES}, 'execute') as anon,
+             has_function_privilege('authenticated', ${SCORE_NODES}, 'execute') as authenticated`;
+    assertEquals(await status(anon), granted.anon ? 200 : 403, "anon as migrated");
+    assertEquals(await status(user), granted.authenticated ? 200 : 403, "authenticated as migrated");
+    assertEquals(await status(service), 200, "service_role");
+
+    // The function follows the grants both ways: it runs as the caller, not as postgres.
+    await sql.unsafe(`grant execute on function ${SCORE_NODES} to anon`);
+    assertEquals(await status(anon), 200, "anon, granted");
+    await sql.unsafe(`revoke execute on function ${SCORE_NODES} from anon`);
+    const denied = await post(handler, query, anon);
+    assertEquals(denied.status, 403, "anon, revoked");
+    const body = await denied.json();
+    assertEquals([body.error.type, body.error.code], ["invalid_request_error", "forbidden"]);
+    assert(/permission denied for function score_nodes/.test(body.error.message), body.error.message);
+    await sql.unsafe(`revoke execute on function ${SCORE_NODES} from authenticated`);
+    assertEquals(await status(user), 403, "authenticated, revoked");
+    assertEquals(await status(service), 200, "service_role keeps its own grant");
+    await sql.unsafe(`grant execute on function ${SCORE_NODES} to authenticated`);
+    assertEquals(await status(user), 200, "authenticated, granted again");
+
+    // No verified caller, no query: missing, forged, expired, or a role that is not an API role.
+    for (
+      const [token, why] of [
+        [undefined, "no token"],
+        [await hs256({ role: "authenticated" }, "not-the-project-secret-but-as-long-as-it"), "another secret"],
+        [await hs256({ role: "authenticated", exp: Math.floor(Date.now() / 1000) - 5 }), "expired"],
+        [await hs256({ role: "postgres", exp: inAnHour() }), "role postgres"],
+      ] as const
+    ) {
+      const refused = await post(handler, query, token);
+      assertEquals(refused.status, 401, why);
+      assertEquals((await refused.json()).error.code, "invalid_api_key", why);
+    }
   } finally {
     await sql.end();
   }
