@@ -24,6 +24,7 @@ PUBLIC_API = sorted(
         "agent_heartbeat",  # the agent's current heartbeat
         "agent_heartbeat",  # agents of the earlier version
         "agent_heartbeat",  # with pre-warm: the models a server can load, the answers, the load asked
+        "agent_heartbeat_with_secret",  # the Edge Function heartbeat's, as anon: checks the node's secret
         "attach_tunnel",
         "complete_job",
         "complete_jobs",
@@ -31,6 +32,7 @@ PUBLIC_API = sorted(
         "create_api_key",
         "detach_tunnel",
         "failover_job",
+        "fleet_stats",  # the map's totals through the Data API (issue 18)
         "gateway_alive",
         "gateway_alive",  # with the address other gateways reach it at
         "handoff_job",
@@ -39,12 +41,14 @@ PUBLIC_API = sorted(
         "my_earnings",  # an owner's earnings (issue 19)
         "my_earnings_totals",
         "my_node_stats",
+        "my_nodes",  # an owner's nodes with their endpoints, through the Data API (issue 18)
         "node_heartbeat",
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
         "register_node",
         "register_node",
         "reject_job",
+        "revoke_api_key",  # a user revokes their own key through the Data API (issue 18)
         "schedule_sweep",  # pg_cron's schedule of sweep(), as its version allows
         "score_nodes",
         "set_tunnel",
