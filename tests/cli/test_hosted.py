@@ -98,20 +98,16 @@ def one_line_error(result: Result) -> str:
     return line
 
 
+def login_with_password(home: Path, password: str) -> Any:
+    return neuralgrid(
+        home, "login", "--project", PROJECT, "--key", KEY, "--email", EMAIL, "--password-stdin",
+        input=f"{password}\n",
+    )  # fmt: skip
+
+
 def login(home: Path, project: Project) -> None:
     project.serve("auth.token.password")
-    result = neuralgrid(
-        home,
-        "login",
-        "--project",
-        PROJECT,
-        "--key",
-        KEY,
-        "--email",
-        EMAIL,
-        "--password-stdin",
-        input="s3cret\n",
-    )
+    result = login_with_password(home, "s3cret")
     assert result.exit_code == 0, result.output
 
 
@@ -151,18 +147,7 @@ def test_login_with_a_password_keeps_a_session_only_its_owner_can_read(home: Pat
 
 def test_a_wrong_password_is_one_line_and_keeps_nothing(home: Path, project: Project) -> None:
     project.serve("auth.token.password.invalid")
-    result = neuralgrid(
-        home,
-        "login",
-        "--project",
-        PROJECT,
-        "--key",
-        KEY,
-        "--email",
-        EMAIL,
-        "--password-stdin",
-        input="nope\n",
-    )
+    result = login_with_password(home, "nope")
     assert one_line_error(result) == "error: the project's Auth refused: wrong email or password"
     assert not (home / "session.json").exists()
 
