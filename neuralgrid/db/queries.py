@@ -259,7 +259,7 @@ FAILOVER_JOB = Query(
 )
 HANDOFF_JOB = Query(
     "handoff_job",
-    "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::uuid[])",
+    "select node_id, endpoint_url, node_key, attempt from public.handoff_job(%s, %s, %s::int, %s::uuid[])",
     class_row(Assignment),
 )
 CONTINUING_NODES = Query("continuing_nodes", "select unnest(public.continuing_nodes(%s::uuid[]))", scalar_row)

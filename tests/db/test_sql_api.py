@@ -36,6 +36,7 @@ PUBLIC_API = sorted(
         "gateway_alive",
         "gateway_alive",  # with the address other gateways reach it at
         "handoff_job",
+        "handoff_job",  # saying whose failure it was (421: the gateway holding the tunnel broke off)
         "match_job",  # the hold given in USD
         "match_job",  # the hold priced in SQL from the request's size
         "my_earnings",  # an owner's earnings (issue 19)

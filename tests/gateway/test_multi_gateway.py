@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -224,6 +225,61 @@ def test_no_gateway_blames_a_node_for_a_tunnel_it_cannot_reach(
             resp = ask(gateway, operator_key)
             assert resp.status_code == 502 and "no live gateway holds" in resp.json()["error"]["message"]
         assert reputation(conn, node["node_id"]) == (0, 0, None)
+
+
+def test_a_holder_dying_mid_stream_is_not_the_nodes_failure(
+    conn: psycopg.Connection, db_url: str, operator_key: str, tmp_path: Path
+) -> None:
+    """C streams from a node whose tunnel A holds; A dies after the stream's first event reached the
+    client. The client's stream ends with an error event, and the node is not to blame: the job and
+    its attempt end cancelled, its failures and cooldown stay as they were, its slot is free."""
+    conn.execute("update platform_settings set heartbeat_interval_s = 60")
+    first = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "Hi"}}],
+    }
+    got_first = threading.Event()
+
+    def read_stream(gateway: str) -> list[str]:
+        with stream_chat(gateway, operator_key, STREAM) as resp:
+            assert resp.status_code == 200, resp.read()
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    got_first.set()
+            return events
+
+    with three_gateways(db_url, tmp_path) as gw:
+        node = register_tunnel_node(gw.b, operator_key, "raw-box")
+        secret = {"authorization": f"Bearer {node['node_secret']}"}
+        with connect(tunnel_url(gw.a, node), additional_headers=secret) as ws, ThreadPoolExecutor(1) as pool:
+            wait_for(lambda: route_of(conn, node["node_id"]) is not None)
+            streamed = pool.submit(read_stream, gw.c)
+            request = gateway_frame(ws.recv(timeout=10))
+            ws.send(encode(Start(id=request.id, status=200, type="text/event-stream")))
+            ws.send(encode(Data(id=request.id, b=f"data: {json.dumps(first)}\n\n")))
+            assert got_first.wait(timeout=10)
+            gw.kill_a()  # the holder dies with the stream under way
+            events = streamed.result(timeout=20)
+        assert json.loads(events[0][6:]) == first and events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert (
+            error["code"] == "upstream_dropped"
+            and "the gateway holding the node's tunnel" in error["message"]
+        )
+        jobs = wait_for(  # written once the stream is over
+            lambda: conn.execute(
+                "select status from jobs where node_id = %s and status <> 'running'", (node["node_id"],)
+            ).fetchall()
+        )
+        assert reputation(conn, node["node_id"]) == (0, 0, None)
+        attempts = conn.execute(
+            "select status from job_attempts where node_id = %s", (node["node_id"],)
+        ).fetchall()
+        assert jobs == [("cancelled",)] and attempts == [("cancelled",)]
+        assert conn.execute("select inflight from nodes where id = %s", (node["node_id"],)).fetchone() == (0,)
 
 
 def test_a_nodes_own_failure_through_another_gateway_is_still_its_own(

@@ -132,8 +132,9 @@ class Placement:
     async def handoff(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]
     ) -> Node | None:
-        """The next node, or None: then handoff_job() has left the job as it was."""
-        return _node(await self.store.one(q.HANDOFF_JOB, (job_id, error, candidates)))
+        """The next node, or None: then handoff_job() has left the job as it was. Status 421 (the
+        gateway holding the node's tunnel broke off) ends the dropped attempt neutral for the node."""
+        return _node(await self.store.one(q.HANDOFF_JOB, (job_id, error, status, candidates)))
 
     async def continuing(self, candidates: list[UUID]) -> list[UUID]:
         """The candidates whose servers were verified to go on with an open assistant message."""

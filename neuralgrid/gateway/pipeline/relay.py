@@ -21,6 +21,7 @@ from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.meter import Meter, Metering
 from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Sender
+from neuralgrid.gateway.tunnel import MISDIRECTED, TunnelUnreachable
 from neuralgrid.gateway.upstream import NodeError
 from neuralgrid.protocol.sse import ResponseEvents, SseEvents
 
@@ -80,12 +81,11 @@ class Relay:
             await self.metering.end(meter, outcome, error)
             yield last[-1]  # [DONE], or the Responses API's last event
         except NodeError as err:
-            outcome, error = "failed", f"the node dropped the stream: {err}"
-            body = {
-                "error": {"message": error, "type": "server_error", "param": None, "code": "upstream_dropped"}
-            }
-            yield f"data: {json.dumps(body)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            # A holder of the node's tunnel that broke off is the platform's failure: the job ends
+            # cancelled, neutral for the node; anything else the node dropped is the node's.
+            outcome, error = ("cancelled", str(err)) if _platforms(err) else ("failed", _dropped(err))
+            for event in _stream_error(admitted.call.kind, error):
+                yield event
         except BaseException:
             if not events.done:  # the client went away before the end (cancelled): keep what was used
                 outcome, error = "cancelled", "the client disconnected"
@@ -109,14 +109,15 @@ class Relay:
         payload = continuation(kind, admitted.body, events) if self.resume_streams else None
         if payload is None:
             return None
-        failure, dropped = f"the node dropped the stream: {err}", meter.node_id
+        dropped, platforms = meter.node_id, _platforms(err)
+        failure, status = (str(err), MISDIRECTED) if platforms else (_dropped(err), None)
         try:
             if kind == "chat":  # only a server verified to go on with an open message
                 candidates = await self.placement.continuing(candidates)
-            node = await self.placement.handoff(meter.job_id, failure, None, candidates)
+            node = await self.placement.handoff(meter.job_id, failure, status, candidates)
             if node is None:
                 return None
-            self.metrics.count(dropped, "failed")
+            self.metrics.count(dropped, "cancelled" if platforms else "failed")
             delivery = await self.sender.deliver(kind, payload, True, meter, node, candidates, resuming=True)
         except (NoNodeLeft, ClientError) as refused:
             log.warning("job %s: no node went on with the stream: %s", meter.job_id, refused)
@@ -132,6 +133,26 @@ class Relay:
         self.metrics.resumes.inc()
         events.resumed()
         return delivery
+
+
+def _stream_error(kind: str, message: str) -> list[bytes]:
+    """How a stream that cannot go on ends, in its API's own terms: the Responses API's `error` event
+    (its streams have no [DONE]), else an error body and [DONE] as OpenAI's chat streams end."""
+    if kind == "responses":
+        event = {"type": "error", "code": "upstream_dropped", "message": message, "param": None}
+        return [f"event: error\ndata: {json.dumps(event)}\n\n".encode()]
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_dropped"}}
+    return [f"data: {json.dumps(body)}\n\n".encode(), b"data: [DONE]\n\n"]
+
+
+def _platforms(err: NodeError) -> bool:
+    """Whether a dropped stream is the platform's failure (the gateway holding the node's tunnel broke
+    off), not the node's."""
+    return isinstance(err, TunnelUnreachable)
+
+
+def _dropped(err: NodeError) -> str:
+    return f"the node dropped the stream: {err}"
 
 
 async def _read_to_end(delivery: Delivery) -> None:

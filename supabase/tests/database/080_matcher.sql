@@ -5,7 +5,7 @@
 -- owner (only) sees the earning while the requester (only) sees the job.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(40);
+select plan(42);
 
 select tests.create_user('alice');  -- owns the node
 select tests.create_user('bob');    -- sends the request
@@ -65,6 +65,8 @@ select throws_ok($$ select * from public.failover_job(gen_random_uuid(), 'boom')
   '42501', 'permission denied for function failover_job', 'anon cannot fail a job over');
 select throws_ok($$ select * from public.handoff_job(gen_random_uuid(), 'boom') $$,
   '42501', 'permission denied for function handoff_job', 'anon cannot hand a job off');
+select throws_ok($$ select * from public.handoff_job(gen_random_uuid(), 'boom', 421, '{}'::uuid[]) $$,
+  '42501', 'permission denied for function handoff_job', 'anon cannot hand a job off (saying whose failure it was)');
 select throws_ok($$ select public.reject_job(gen_random_uuid(), 'bad request') $$,
   '42501', 'permission denied for function reject_job', 'anon cannot reject a job');
 select throws_ok($$ select public.continuing_nodes(array[gen_random_uuid()]) $$,
@@ -91,6 +93,8 @@ select throws_ok($$ select * from public.failover_job(gen_random_uuid(), 'boom')
   '42501', 'permission denied for function failover_job', 'a signed-in user cannot fail a job over');
 select throws_ok($$ select * from public.handoff_job(gen_random_uuid(), 'boom') $$,
   '42501', 'permission denied for function handoff_job', 'a signed-in user cannot hand a job off');
+select throws_ok($$ select * from public.handoff_job(gen_random_uuid(), 'boom', 421, '{}'::uuid[]) $$,
+  '42501', 'permission denied for function handoff_job', 'a signed-in user cannot hand a job off (saying whose failure it was)');
 select throws_ok($$ select public.reject_job(gen_random_uuid(), 'bad request') $$,
   '42501', 'permission denied for function reject_job', 'a signed-in user cannot reject a job');
 select throws_ok($$ select public.continuing_nodes(array[gen_random_uuid()]) $$,

@@ -146,6 +146,24 @@ def test_handoff_moves_a_job_as_failover_does(conn: psycopg.Connection) -> None:
     assert node_state(conn, first)["failures"] == 1 and node_state(conn, first)["cooldown"] is not None
 
 
+def test_a_handoff_for_a_tunnel_no_gateway_reaches_is_neutral_for_the_node(conn: psycopg.Connection) -> None:
+    """421: the gateway holding the node's tunnel broke off mid-stream. The platform's failure: the
+    attempt ends cancelled, the node keeps its record and cools down not at all."""
+    first, second = make_node(conn, "first", vram_gb=24), make_node(conn, "second", vram_gb=48)
+    match = match_job(conn, REQUEST)
+    moved = conn.execute(
+        "select node_id, attempt from handoff_job(%s, 'the holder broke off', 421, %s::uuid[])",
+        (match.job_id, match.fallback_ids),
+    ).fetchall()
+    assert moved == [(second, 2)]
+    state = node_state(conn, first)
+    assert (state["failures"], state["cooldown"], state["inflight"]) == (0, None, 0)
+    attempt = conn.execute(
+        "select status, http_status from job_attempts where job_id = %s and attempt = 1", (match.job_id,)
+    ).fetchone()
+    assert attempt == ("cancelled", 421)
+
+
 def test_handoff_with_no_node_left_changes_nothing(conn: psycopg.Connection) -> None:
     node = make_node(conn)
     key = make_key(conn)
