@@ -118,6 +118,18 @@ class RouteNotServed(GatewayError):
     should_retry = False
 
 
+class DatabaseUnavailable(GatewayError):
+    """The platform's database did not answer (restarting, unreachable, out of connections)."""
+
+    status, type, code = 503, "server_error", "database_unavailable"
+
+
+class InternalError(GatewayError):
+    """A bug: said in OpenAI's shape like every other answer, and logged in full."""
+
+    status, type, code = 500, "server_error", "internal_error"
+
+
 class UpstreamTimeout(GatewayError):
     status, type, code = 504, "server_error", "upstream_timeout"
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -30,7 +31,14 @@ from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
 from neuralgrid.gateway.completions import Completions
-from neuralgrid.gateway.errors import GatewayError, from_database, from_http, invalid
+from neuralgrid.gateway.errors import (
+    DatabaseUnavailable,
+    GatewayError,
+    InternalError,
+    from_database,
+    from_http,
+    invalid,
+)
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
@@ -204,6 +212,17 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, err: DatabaseError) -> JSONResponse:
         return from_database(err).response()
+
+    @app.exception_handler(psycopg.OperationalError)
+    async def database_unavailable(request: Request, err: psycopg.OperationalError) -> JSONResponse:
+        log.warning("%s %s: the database did not answer: %s", request.method, request.url.path, err)
+        return DatabaseUnavailable(
+            "the platform's database is not answering; try again shortly", retry_after=1
+        ).response()
+
+    @app.exception_handler(Exception)  # a bug: still an answer in OpenAI's shape (Starlette logs it)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        return InternalError("the gateway failed on this request; it has been logged").response()
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

@@ -158,3 +158,49 @@ def test_a_node_listing_a_model_twice_holds_it_once(
         "select count(*) from node_models m join nodes n on n.id = m.node_id where n.name = 'twice'"
     ).fetchone()
     assert held == (1,)
+
+
+# What is not the client's doing: still an answer in OpenAI's shape, never Starlette's plain text ------
+
+
+def test_a_bug_is_a_500_in_openais_shape(
+    gateway: str, api_key: str, fake_nodes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from neuralgrid.gateway.pipeline.place import Placement
+
+    async def broken(self: Placement, admitted: Any) -> Any:
+        raise RuntimeError("a bug in placement")
+
+    fake_nodes()
+    monkeypatch.setattr(Placement, "place", broken)
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {api_key}"}
+    )
+    assert resp.status_code == 500
+    assert resp.json()["error"] == {
+        "message": "the gateway failed on this request; it has been logged",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+
+
+def test_a_database_that_stops_answering_is_a_503_in_openais_shape(
+    conn: psycopg.Connection, gateway: str, api_key: str, fake_nodes: Any
+) -> None:
+    """Every connection the gateway holds is cut under it (as a database restart does): the next
+    request gets a 503 the SDK retries, and the gateway serves again once its pools reconnect."""
+    fake_nodes()
+    auth = {"authorization": f"Bearer {api_key}"}
+    assert httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+    conn.execute(
+        "select pg_terminate_backend(pid) from pg_stat_activity"
+        " where datname = current_database() and pid <> pg_backend_pid() and backend_type = 'client backend'"
+    )
+    resp = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "database_unavailable" and resp.headers["retry-after"] == "1"
+    wait_for(
+        lambda: httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200,
+        timeout=15,
+    )

@@ -101,6 +101,22 @@ def test_a_streamed_response_ends_with_response_completed_and_is_billed_from_it(
     assert (status, prompt, completion) == ("succeeded", usage.input_tokens, usage.output_tokens)
 
 
+def test_a_response_stream_a_node_drops_ends_with_the_responses_apis_error_event(
+    conn: psycopg.Connection, client: openai.OpenAI, fake_nodes: Any
+) -> None:
+    """No node goes on with it (Responses streams are not resumed): the SDK sees an `error` event, the
+    only way the Responses API ends a stream that failed, and the job is the node's failure."""
+    node = fake_nodes(routes=RESPONSES, drop_after_chunks=4)
+    with client.responses.create(model=LLAMA8, input="Say hello", max_output_tokens=5, stream=True) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.output_item.added"] and kinds[-1] == "error"
+    assert events[-1].code == "upstream_dropped"  # type: ignore[union-attr]
+    assert "dropped the stream" in events[-1].message  # type: ignore[union-attr]
+    status, _, completion, _, node_id = last_job(conn)
+    assert (status, completion, node_id) == ("failed", 2, node.node_id)
+
+
 def test_a_budget_caps_a_response_by_its_own_field(
     conn: psycopg.Connection, gateway: str, fake_nodes: Any
 ) -> None:
@@ -131,6 +147,10 @@ def test_rerank_is_the_nodes_answer_in_its_own_shape_and_metered(
     assert [json.loads(seen.body) for seen in app.app.state.seen] == [RERANK]
     usage = resp.json()["usage"]
     assert last_job(conn)[:3] == ("succeeded", usage["prompt_tokens"], 0)
+    # The official SDK has no rerank method: its generic post, as vLLM's docs show.
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0) as sdk:
+        ranked = sdk.post("/rerank", body=RERANK, cast_to=httpx.Response)
+    assert ranked.json() == recorded(server, "POST /v1/rerank")
 
 
 def test_score_is_the_nodes_answer_and_metered(
@@ -156,6 +176,7 @@ def test_a_transcription_passes_the_upload_to_the_node_unchanged(
         "POST", "http://x", files={"file": ("hello.wav", AUDIO, "audio/wav")}, data={"model": WHISPER}
     )
     body = upload.read()
+    # Translations by raw HTTP: the official SDK marks audio.translations.create deprecated.
     resp = post(
         gateway,
         api_key,
