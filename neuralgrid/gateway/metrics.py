@@ -17,11 +17,16 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 # vLLM's inter-token buckets, with three below 10 ms for small models on fast GPUs.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, *TPOT_BUCKETS, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 NODE_STATUSES = ("online", "busy", "draining", "offline")
+# Nodes named in per-node series; the rest share node="other", so a fleet of 100,000 cannot blow up a
+# scrape (per-node history of every node is in SQL: nodes.successes, failures, node_status_history).
+MAX_NODE_SERIES = 256
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, max_node_series: int = MAX_NODE_SERIES) -> None:
         self.registry = CollectorRegistry()
+        self.max_node_series = max_node_series
+        self._named_nodes: set[str] = set()
         self.requests = Counter(
             "neuralgrid_requests_total",
             "Requests by endpoint and status.",
@@ -162,6 +167,13 @@ class Metrics:
         self.fleet_slots.labels("busy").set(sum(row["busy_slots"] for row in rows))
 
     def count(self, node_id: object, outcome: JobOutcome) -> None:
-        """One attempt's outcome, overall and for its node."""
+        """One attempt's outcome, overall and for its node (the first max_node_series nodes by
+        name, the others as "other")."""
         self.attempts.labels(outcome).inc()
-        self.node_outcomes.labels(str(node_id), outcome).inc()
+        node = str(node_id)
+        if node not in self._named_nodes:
+            if len(self._named_nodes) >= self.max_node_series:
+                node = "other"
+            else:
+                self._named_nodes.add(node)
+        self.node_outcomes.labels(node, outcome).inc()
