@@ -51,7 +51,9 @@ def print_json(rows: list[dict[str, Any]]) -> None:
     print(json.dumps(rows, default=default, indent=2))
 
 
-class _Column(NamedTuple):
+class Column(NamedTuple):
+    """A column of a listing that fits 80 columns by default (--wide: every column)."""
+
     header: str
     cell: Callable[[dict[str, Any]], str]
     narrow: bool  # in the default view, which fits 80 columns; --wide adds the others
@@ -69,20 +71,18 @@ def _gpu(r: dict[str, Any]) -> str:
 
 # What an operator checks first (is it up, how busy, which hardware, where) is narrow.
 _NODE_COLUMNS = (
-    _Column("name", lambda r: r["name"], narrow=True),
-    _Column("gpu", _gpu, narrow=True, wraps=True),
-    _Column("vram", lambda r: f"{r['vram_gb']:g}", narrow=False),
-    _Column("tflops", lambda r: f"{r['tflops']:g}", narrow=False),
-    _Column("$/h", lambda r: f"{r['hourly_rate']:.2f}", narrow=False),
-    _Column("region", lambda r: r["region"], narrow=True),
-    _Column("status", lambda r: r["status"], narrow=True),
-    _Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}", narrow=True),
-    _Column("heartbeat", _heartbeat, narrow=True),
-    _Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}", narrow=False),
-    _Column("warm models", lambda r: ", ".join(r["warm_models"]), narrow=False, wraps=True),
-    _Column(
-        "endpoint", lambda r: r["endpoint_url"] or "", narrow=False, wraps=True, only_with="endpoint_url"
-    ),
+    Column("name", lambda r: r["name"], narrow=True),
+    Column("gpu", _gpu, narrow=True, wraps=True),
+    Column("vram", lambda r: f"{r['vram_gb']:g}", narrow=False),
+    Column("tflops", lambda r: f"{r['tflops']:g}", narrow=False),
+    Column("$/h", lambda r: f"{r['hourly_rate']:.2f}", narrow=False),
+    Column("region", lambda r: r["region"], narrow=True),
+    Column("status", lambda r: r["status"], narrow=True),
+    Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}", narrow=True),
+    Column("heartbeat", _heartbeat, narrow=True),
+    Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}", narrow=False),
+    Column("warm models", lambda r: ", ".join(r["warm_models"]), narrow=False, wraps=True),
+    Column("endpoint", lambda r: r["endpoint_url"] or "", narrow=False, wraps=True, only_with="endpoint_url"),
 )
 
 
@@ -106,17 +106,22 @@ def nodes_ls(
     if as_json:
         print_json(rows)
         return
-    columns = [c for c in _NODE_COLUMNS if (wide or c.narrow) and (c.only_with is None or _carry(rows, c))]
-    # No outer edges or rules between columns: the narrow ones fit 80 with the GPU wrapped.
+    out.print(column_table(rows, _NODE_COLUMNS, wide))
+
+
+def column_table(rows: list[dict[str, Any]], columns: tuple[Column, ...], wide: bool) -> Table:
+    """The narrow columns (or, wide, all of them) of rows; no outer edges or rules between columns,
+    so that the narrow ones fit 80 with their cells of several words wrapped."""
+    shown = [c for c in columns if (wide or c.narrow) and (c.only_with is None or _carry(rows, c))]
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for c in columns:
+    for c in shown:
         table.add_column(c.header, no_wrap=not c.wraps)
     for r in rows:
-        table.add_row(*(c.cell(r) for c in columns))
-    out.print(table)
+        table.add_row(*(c.cell(r) for c in shown))
+    return table
 
 
-def _carry(rows: list[dict[str, Any]], column: _Column) -> bool:
+def _carry(rows: list[dict[str, Any]], column: Column) -> bool:
     return bool(rows) and column.only_with in rows[0]
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import database, fail, friendly_errors, out, progress, settings
-from neuralgrid.cli.fleet import JsonOption, print_json
+from neuralgrid.cli.fleet import Column, JsonOption, column_table, print_json
 from neuralgrid.cli.node import MAX_DAYS
 
 if TYPE_CHECKING:
@@ -94,29 +94,56 @@ def _print_created(prefix: str, key_id: object, whose: str, api_key: str) -> Non
     print(api_key)
 
 
+def _when(value: object, length: int) -> str:
+    return str(value)[:length] if value else ""
+
+
+def _limits(r: dict[str, Any]) -> str:
+    return f"{r['rpm_limit'] or '-'}/{r['tpm_limit'] or '-'}"
+
+
+def _budget(r: dict[str, Any]) -> str:
+    return "-" if r["budget_usd"] is None else f"{r['budget_usd']:.2f}"
+
+
+# What a key's owner checks first (which key, its limits, what it spent, is it in use) fits 80
+# columns; --wide has ids, each limit and exact times.
+_KEYS_NARROW = (
+    Column("prefix", lambda r: r["prefix"], narrow=True),
+    Column("name", lambda r: r["name"], narrow=True, wraps=True),
+    Column("rpm/tpm", _limits, narrow=True),
+    Column("spent/budget $", lambda r: f"{r['spent_usd']:.6f}/{_budget(r)}", narrow=True),
+    Column("last used", lambda r: _when(r["last_used_at"], 16) or "never", narrow=True),
+    Column("state", lambda r: "revoked" if r["revoked_at"] else "active", narrow=True),
+)
+_KEYS_WIDE = (
+    Column("id", lambda r: str(r["id"]), narrow=False),
+    Column("name", lambda r: r["name"], narrow=False),
+    Column("prefix", lambda r: r["prefix"], narrow=False),
+    Column("rpm", lambda r: str(r["rpm_limit"] or "-"), narrow=False),
+    Column("tpm", lambda r: str(r["tpm_limit"] or "-"), narrow=False),
+    Column("budget $", _budget, narrow=False),
+    Column("spent $", lambda r: f"{r['spent_usd']:.6f}", narrow=False),
+    Column("last used", lambda r: _when(r["last_used_at"], 19) or "never", narrow=False),
+    Column("revoked", lambda r: _when(r["revoked_at"], 19), narrow=False),
+)
+
+
 @app.command("ls")
 @hosted_errors
-def ls(ctx: typer.Context, as_json: JsonOption = False) -> None:
-    """List keys (never the keys themselves): limits, spend, last use, revocation."""
+def ls(
+    ctx: typer.Context,
+    as_json: JsonOption = False,
+    wide: Annotated[bool, typer.Option("--wide", help="Every column: ids, each limit, exact times.")] = False,
+) -> None:
+    """List keys (never the keys themselves): limits, spend, last use, revocation (--wide: ids and
+    exact times). `keys revoke` takes the prefix shown."""
     api = signed_in(ctx)
     rows = api.api_keys() if api is not None else _keys_in_database(ctx)
     if as_json:
         print_json(rows)
         return
-    table = Table("id", "name", "prefix", "rpm", "tpm", "budget $", "spent $", "last used", "revoked")
-    for r in rows:
-        table.add_row(
-            str(r["id"]),
-            r["name"],
-            r["prefix"],
-            str(r["rpm_limit"] or "-"),
-            str(r["tpm_limit"] or "-"),
-            "-" if r["budget_usd"] is None else f"{r['budget_usd']:.2f}",
-            f"{r['spent_usd']:.6f}",
-            str(r["last_used_at"] or "never")[:19],
-            str(r["revoked_at"] or "")[:19],
-        )
-    out.print(table)
+    out.print(column_table(rows, _KEYS_WIDE if wide else _KEYS_NARROW, wide=True))
 
 
 @friendly_errors

@@ -1,10 +1,12 @@
-"""What an operator sees at an 80-column terminal: the version, help, `nodes ls`, bad settings."""
+"""What an operator sees at an 80-column terminal: the version, help, `nodes ls`, `keys ls`, bad
+settings."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
 
+import psycopg
 import typer
 from typer.core import TyperGroup
 from typer.testing import CliRunner, Result
@@ -55,6 +57,32 @@ def test_nodes_ls_fits_80_columns_and_wide_shows_every_column(db_url: str) -> No
     assert CUT not in wide.stdout
     for cell in ("vram", "tflops", "$/h", "ok/fail", "warm models", "BAAI/bge-large-en-v1.5"):
         assert cell in wide.stdout
+
+
+def test_keys_ls_fits_80_columns_and_wide_shows_every_column(conn: psycopg.Connection, db_url: str) -> None:
+    create = "select api_key from create_api_key(%s, %s, %s, %s)"
+    conn.execute(create, ("a laptop of mine", 600, 100_000, 5))
+    conn.execute(create, ("ci", None, None, None))
+    conn.execute(
+        "update api_keys set last_used_at = now(), spent_usd = 0.012345 where name = 'a laptop of mine'"
+    )
+    conn.execute("update api_keys set revoked_at = now() where name = 'ci'")
+    prefixes = [row[0] for row in conn.execute("select prefix from api_keys order by created_at")]
+
+    narrow = invoke("keys", "ls", DATABASE_URL=db_url)
+    assert narrow.exit_code == 0, narrow.output
+    assert CUT not in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
+    laptop = next(line for line in narrow.stdout.splitlines() if prefixes[0] in line)
+    for cell in ("600/100000", "0.012345/5.00", "active"):
+        assert cell in laptop
+    ci = next(line for line in narrow.stdout.splitlines() if prefixes[1] in line)
+    assert "-/-" in ci and "never" in ci and "revoked" in ci
+
+    wide = invoke("keys", "ls", "--wide", DATABASE_URL=db_url, columns=200)
+    assert wide.exit_code == 0 and CUT not in wide.stdout
+    ids = [str(row[0]) for row in conn.execute("select id from api_keys")]
+    assert all(key_id in wide.stdout for key_id in ids)
 
 
 def test_a_malformed_database_url_is_one_line_naming_it() -> None:
