@@ -126,6 +126,12 @@ def reputation(conn: psycopg.Connection, node: Any) -> tuple[Any, ...]:
     return tuple(row)
 
 
+def counted_failed(gateway: str, node: Any) -> bool:
+    """Whether the gateway's /metrics counts an attempt of the node as failed."""
+    metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    return f'neuralgrid_node_outcomes_total{{node="{node}",outcome="failed"}}' in metrics
+
+
 def ask(gateway: str, key: str, body: dict[str, Any] = PLAIN) -> httpx.Response:
     return httpx.post(
         f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=20
@@ -214,6 +220,7 @@ def test_no_gateway_blames_a_node_for_a_tunnel_it_cannot_reach(
             "select status, http_status from job_attempts where node_id = %s", (node["node_id"],)
         ).fetchall()
         assert attempts == [("cancelled", 421)] * 2
+        assert not counted_failed(gw.c, node["node_id"])  # nor in the gateway's own metrics
         assert conn.execute("select inflight from nodes where id = %s", (node["node_id"],)).fetchone() == (0,)
 
         # A's silence judged (4 s, swept by B every 0.2 s): the route is forgotten, the node offline.
@@ -279,6 +286,7 @@ def test_a_holder_dying_mid_stream_is_not_the_nodes_failure(
             "select status from job_attempts where node_id = %s", (node["node_id"],)
         ).fetchall()
         assert jobs == [("cancelled",)] and attempts == [("cancelled",)]
+        assert not counted_failed(gw.c, node["node_id"])
         assert conn.execute("select inflight from nodes where id = %s", (node["node_id"],)).fetchone() == (0,)
 
 

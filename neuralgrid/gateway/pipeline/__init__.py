@@ -94,7 +94,7 @@ class Pipeline:
             ) from None
         except NoNodeLeft as gone:  # failover_job() has ended the job as failed, no tokens used
             self.metering.later(self.metering.limiter.release(meter.tpm_hold))
-            self.metrics.count(meter.node_id, "failed")
+            self.metrics.count(meter.node_id, gone.failure.outcome)
             kind = errors.UpstreamTimeout if gone.failure.timeout else errors.UpstreamFailed
             raise kind(f"no node could serve the request; last error: {gone.failure}") from None
         except ClientError as refusal:  # passed through; neutral for the node's reputation

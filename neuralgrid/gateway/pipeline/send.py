@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from uuid import UUID
 
+from neuralgrid.db.queries import JobOutcome
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.kinds import PATHS
 from neuralgrid.gateway.pipeline.meter import Meter
@@ -42,6 +43,12 @@ class Retryable(Exception):
         super().__init__(message)
         self.status = status
         self.timeout = timeout
+
+    @property
+    def outcome(self) -> JobOutcome:
+        """How the attempt ended, as failover_job() records it: 421 (no gateway reached the node's
+        tunnel) is the platform's failure, cancelled; anything else is the node's."""
+        return "cancelled" if self.status == MISDIRECTED else "failed"
 
     def same_as(self, other: Retryable | None) -> bool:
         """The same HTTP 500 (status and body) as the node before: what the request, not a node,
@@ -133,7 +140,7 @@ class Sender:
                 nxt = await move(meter.job_id, str(failure), failure.status, candidates)
                 if nxt is None:  # counted by whoever ends the job
                     raise NoNodeLeft(failure) from None
-                self.metrics.count(node.id, "failed")
+                self.metrics.count(node.id, failure.outcome)
                 self.metrics.failovers.inc()
                 node = nxt
 
