@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import psycopg
@@ -81,9 +81,8 @@ class Relay:
             await self.metering.end(meter, outcome, error)
             yield last[-1]  # [DONE], or the Responses API's last event
         except NodeError as err:
-            # A holder of the node's tunnel that broke off is the platform's failure: the job ends
-            # cancelled, neutral for the node; anything else the node dropped is the node's.
-            outcome, error = ("cancelled", str(err)) if _platforms(err) else ("failed", _dropped(err))
+            drop = Drop.of(err)
+            outcome, error = drop.outcome, drop.message
             for event in _stream_error(admitted.call.kind, error):
                 yield event
         except BaseException:
@@ -109,15 +108,14 @@ class Relay:
         payload = continuation(kind, admitted.body, events) if self.resume_streams else None
         if payload is None:
             return None
-        dropped, platforms = meter.node_id, _platforms(err)
-        failure, status = (str(err), MISDIRECTED) if platforms else (_dropped(err), None)
+        dropped, drop = meter.node_id, Drop.of(err)
         try:
             if kind == "chat":  # only a server verified to go on with an open message
                 candidates = await self.placement.continuing(candidates)
-            node = await self.placement.handoff(meter.job_id, failure, status, candidates)
+            node = await self.placement.handoff(meter.job_id, drop.message, drop.status, candidates)
             if node is None:
                 return None
-            self.metrics.count(dropped, "cancelled" if platforms else "failed")
+            self.metrics.count(dropped, drop.outcome)
             delivery = await self.sender.deliver(kind, payload, True, meter, node, candidates, resuming=True)
         except (NoNodeLeft, ClientError) as refused:
             log.warning("job %s: no node went on with the stream: %s", meter.job_id, refused)
@@ -145,14 +143,20 @@ def _stream_error(kind: str, message: str) -> list[bytes]:
     return [f"data: {json.dumps(body)}\n\n".encode(), b"data: [DONE]\n\n"]
 
 
-def _platforms(err: NodeError) -> bool:
-    """Whether a dropped stream is the platform's failure (the gateway holding the node's tunnel broke
-    off), not the node's."""
-    return isinstance(err, TunnelUnreachable)
+class Drop(NamedTuple):
+    """Whose failure a dropped stream is, as the job and its attempt record it."""
 
+    outcome: JobOutcome
+    message: str
+    status: int | None  # for handoff_job(): 421 ends the dropped attempt neutral for the node
 
-def _dropped(err: NodeError) -> str:
-    return f"the node dropped the stream: {err}"
+    @classmethod
+    def of(cls, err: NodeError) -> Drop:
+        # A holder of the node's tunnel that broke off is the platform's failure; anything else the
+        # node dropped is the node's.
+        if isinstance(err, TunnelUnreachable):
+            return cls("cancelled", str(err), MISDIRECTED)
+        return cls("failed", f"the node dropped the stream: {err}", None)
 
 
 async def _read_to_end(delivery: Delivery) -> None:
