@@ -4,7 +4,7 @@ own nodes when `neuralgrid login` signed them in to a hosted project."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import date
 from decimal import Decimal
@@ -56,7 +56,7 @@ class Column(NamedTuple):
 
     header: str
     cell: Callable[[dict[str, Any]], str]
-    narrow: bool  # in the default view, which fits 80 columns; --wide adds the others
+    narrow: bool = True  # in the default view, which fits 80 columns; --wide adds the others
     wraps: bool = False  # only cells of several words: wrapping a one-word cell would cut it
     only_with: str | None = None  # shown only for rows that carry this field (an owner's own nodes)
 
@@ -106,13 +106,13 @@ def nodes_ls(
     if as_json:
         print_json(rows)
         return
-    out.print(column_table(rows, _NODE_COLUMNS, wide))
+    out.print(column_table(rows, [c for c in _NODE_COLUMNS if wide or c.narrow]))
 
 
-def column_table(rows: list[dict[str, Any]], columns: tuple[Column, ...], wide: bool) -> Table:
-    """The narrow columns (or, wide, all of them) of rows; no outer edges or rules between columns,
-    so that the narrow ones fit 80 with their cells of several words wrapped."""
-    shown = [c for c in columns if (wide or c.narrow) and (c.only_with is None or _carry(rows, c))]
+def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> Table:
+    """The given columns of rows (those only_with fields the rows carry); no outer edges or rules
+    between columns, so that a narrow choice fits 80 with its cells of several words wrapped."""
+    shown = [c for c in columns if c.only_with is None or _carry(rows, c)]
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for c in shown:
         table.add_column(c.header, no_wrap=not c.wraps)

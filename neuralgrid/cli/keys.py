@@ -109,23 +109,23 @@ def _budget(r: dict[str, Any]) -> str:
 # What a key's owner checks first (which key, its limits, what it spent, is it in use) fits 80
 # columns; --wide has ids, each limit and exact times.
 _KEYS_NARROW = (
-    Column("prefix", lambda r: r["prefix"], narrow=True),
-    Column("name", lambda r: r["name"], narrow=True, wraps=True),
-    Column("rpm/tpm", _limits, narrow=True),
-    Column("spent/budget $", lambda r: f"{r['spent_usd']:.6f}/{_budget(r)}", narrow=True),
-    Column("last used", lambda r: _when(r["last_used_at"], 16) or "never", narrow=True),
-    Column("state", lambda r: "revoked" if r["revoked_at"] else "active", narrow=True),
+    Column("prefix", lambda r: r["prefix"]),
+    Column("name", lambda r: r["name"], wraps=True),
+    Column("rpm/tpm", _limits),
+    Column("spent/budget $", lambda r: f"{r['spent_usd']:.6f}/{_budget(r)}"),
+    Column("last used", lambda r: _when(r["last_used_at"], 16) or "never"),
+    Column("state", lambda r: "revoked" if r["revoked_at"] else "active"),
 )
 _KEYS_WIDE = (
-    Column("id", lambda r: str(r["id"]), narrow=False),
-    Column("name", lambda r: r["name"], narrow=False),
-    Column("prefix", lambda r: r["prefix"], narrow=False),
-    Column("rpm", lambda r: str(r["rpm_limit"] or "-"), narrow=False),
-    Column("tpm", lambda r: str(r["tpm_limit"] or "-"), narrow=False),
-    Column("budget $", _budget, narrow=False),
-    Column("spent $", lambda r: f"{r['spent_usd']:.6f}", narrow=False),
-    Column("last used", lambda r: _when(r["last_used_at"], 19) or "never", narrow=False),
-    Column("revoked", lambda r: _when(r["revoked_at"], 19), narrow=False),
+    Column("id", lambda r: str(r["id"])),
+    Column("name", lambda r: r["name"]),
+    Column("prefix", lambda r: r["prefix"]),
+    Column("rpm", lambda r: str(r["rpm_limit"] or "-")),
+    Column("tpm", lambda r: str(r["tpm_limit"] or "-")),
+    Column("budget $", _budget),
+    Column("spent $", lambda r: f"{r['spent_usd']:.6f}"),
+    Column("last used", lambda r: _when(r["last_used_at"], 19) or "never"),
+    Column("revoked", lambda r: _when(r["revoked_at"], 19)),
 )
 
 
@@ -143,7 +143,7 @@ def ls(
     if as_json:
         print_json(rows)
         return
-    out.print(column_table(rows, _KEYS_WIDE if wide else _KEYS_NARROW, wide=True))
+    out.print(column_table(rows, _KEYS_WIDE if wide else _KEYS_NARROW))
 
 
 @friendly_errors
