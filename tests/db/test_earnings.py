@@ -339,9 +339,7 @@ def test_node_stats_uptime_jobs_reputation_and_warm_models(
     conn.execute("update nodes set successes = 40, failures = 3, speed_ratio = 0.1 where id = %s", (a,))
     ours = as_owner(conn, owners["alice"], "select reputation from my_node_stats() where node_id = %s", (a,))
     matcher = conn.execute(
-        "select c.reputation from nodes n, matching_policies w,"
-        " private.balanced_components(w, n.vram_gb, n.tflops, n.hourly_rate::float8, 'loaded', 0,"
-        " n.max_concurrency, n.successes, n.failures, n.speed_ratio, 8) c where n.id = %s and w.name = 'balanced'",
+        "select reputation from private.node_components where node_id = %s and policy = 'balanced' limit 1",
         (a,),
     ).fetchone()
     assert matcher is not None and ours == [(pytest.approx(matcher[0]),)]

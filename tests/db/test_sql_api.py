@@ -65,7 +65,6 @@ PRIVATE_HELPERS = sorted(
         "abandon_job",
         "address_is_public",
         "announce_free_slot",
-        "balanced_components",
         "broadcast_job_change",
         "broadcast_node_change",
         "budget_hold",

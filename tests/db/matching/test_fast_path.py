@@ -138,3 +138,23 @@ def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
     conn.execute("select node_heartbeat(%s)", (node,))
     after = conn.execute("select xmin::text from node_scores where node_id = %s", (node,)).fetchone()
     assert before == after
+
+
+def test_a_placement_runs_no_sql_function_per_candidate_but_its_request_terms(
+    conn: psycopg.Connection,
+) -> None:
+    """A SQL function the planner cannot inline (each pins its search_path, lint 0011) is a separate
+    execution per row. The components come from a view instead; per candidate, placing a request
+    runs only the walk's eligibility check and the request's own terms (proximity, reserve), once
+    each: the rescoring once evaluated both twice, and the components once more."""
+    for i in range(16):
+        make_node(conn, f"n{i}", hourly_rate=0.2 + i / 100)
+    per_candidate = {"node_is_eligible", "proximity_component", "reserve_component"}
+    with conn.transaction():
+        conn.execute("set local track_functions = 'all'")
+        match = match_job(conn, MatchRequest(model=MODELS[0]))
+        rows = conn.execute("select funcname::text, calls from pg_stat_xact_user_functions").fetchall()
+        calls: dict[str, int] = dict(rows)
+    assert match.node_id is not None
+    assert {name: calls.get(name) for name in per_candidate} == dict.fromkeys(per_candidate, 16)
+    assert {name: n for name, n in calls.items() if name not in per_candidate and n > 3} == {}
