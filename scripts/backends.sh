@@ -10,7 +10,8 @@ set -euo pipefail
 
 LLAMA_CPP_PYTHON=0.3.36
 SMOLLM2=0.1.2
-root=${NEURALGRID_BACKENDS:-${XDG_CACHE_HOME:-$HOME/.cache}/neuralgrid/backends/llama-cpp-python-$LLAMA_CPP_PYTHON}
+# The build's name says how it was built: a cache made another way is not reused.
+root=${NEURALGRID_BACKENDS:-${XDG_CACHE_HOME:-$HOME/.cache}/neuralgrid/backends/llama-cpp-python-$LLAMA_CPP_PYTHON-noamx}
 
 if [[ -f $root/READY ]]; then
   echo "$root"
@@ -30,7 +31,14 @@ src=$work/llama_cpp_python-$LLAMA_CPP_PYTHON
 
 # One compile of llama.cpp serves both servers: llama-server links it, and the Python package loads it.
 # No web UI (it would be downloaded), no TLS, no curl: the tests talk plain HTTP on loopback.
+# Built for this CPU, but without AMX: where the CPU has it and the kernel (or a sandbox) does not
+# grant it to the process, llama.cpp's AMX kernels die on the first request (SIGILL, SIGSEGV).
+flags=""
+if [[ $(uname -m) == x86_64 ]]; then
+  flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 cmake -S "$src/vendor/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \

@@ -38,8 +38,9 @@ from neuralgrid.bench import CHAT, CpuMeter
 from neuralgrid.server.serving import free_port, run_fast
 
 # What scripts/backends.sh builds and where (keep in step with it): llama.cpp's llama-server and
-# SmolLM2-135M-Instruct, the model both of its servers serve.
+# SmolLM2-135M-Instruct, the model both of its servers serve, in a folder named for the build.
 BUILT_VERSION = "0.3.36"
+BUILT_FOLDER = f"llama-cpp-python-{BUILT_VERSION}-noamx"
 BUILT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Common English words, one token each in the usual BPE vocabularies: a prompt of n of them is about
@@ -357,7 +358,7 @@ def _gpu() -> str | None:
 def built_root() -> Path:
     """Where scripts/backends.sh builds (its NEURALGRID_BACKENDS, else the per-machine cache)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    default = cache / "neuralgrid" / "backends" / f"llama-cpp-python-{BUILT_VERSION}"
+    default = cache / "neuralgrid" / "backends" / BUILT_FOLDER
     return Path(os.environ.get("NEURALGRID_BACKENDS") or default)
 
 

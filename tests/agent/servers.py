@@ -17,15 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-VERSION = "0.3.36"
+from neuralgrid.bench.calibrate import built_root
+
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its catalog id
 KINDS = ("llama.cpp", "llama-cpp-python")
 
 
 def built() -> Path:
     """The build's folder, or skip (fail under CI) saying how to make it."""
-    default = Path.home() / ".cache" / "neuralgrid" / "backends" / f"llama-cpp-python-{VERSION}"
-    root = Path(os.environ.get("NEURALGRID_BACKENDS") or default)
+    root = built_root()
     if not (root / "READY").exists():
         message = f"no real inference servers in {root}: `./dev test` (scripts/backends.sh) builds them"
         if os.environ.get("CI"):
