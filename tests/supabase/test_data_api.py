@@ -89,6 +89,7 @@ def test_everyone_reads_the_map_and_its_totals(
     conn: psycopg.Connection, world: dict[str, uuid.UUID], role: str
 ) -> None:
     user = world["alice"] if role == "authenticated" else None
+    conn.execute("select public.sweep()")  # the sweep counts every user's jobs (each second, live)
     with as_postgrest(conn, role, user) as cur:
         nodes = cur.execute("select * from public.node_map order by name").fetchall()
         assert [n["name"] for n in nodes] == ["alice-node", "bob-node", "platform-node"]
@@ -104,6 +105,7 @@ def test_everyone_reads_the_map_and_its_totals(
 def test_the_map_totals_are_the_gateways_own(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
     """fleet_stats() answers what /api/stats does (the gateway's FLEET_STATS query, run as the service)."""
     conn.execute("update jobs set latency_ms = 100 * completion_tokens, finished_at = now()")
+    conn.execute("select public.sweep()")
     with conn.cursor(row_factory=dict_row) as cur:
         gateway = cur.execute(q.FLEET_STATS.sql).fetchone()
     with as_postgrest(conn, "anon") as cur:

@@ -4,13 +4,13 @@
 -- policies fails here first; the other files test what the roles can and cannot do with them.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(79);
+select plan(80);
 
 -- What there is ---------------------------------------------------------------------------------------
 
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
-  'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests'
+  'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -39,7 +39,7 @@ select policies_are('public', 'node_models', array[
   'Owners can change models on their own nodes', 'Owners can remove models from their own nodes'
 ]);
 select policies_are('public', 'api_keys', array[
-  'Users can see their own keys', 'Users can rename or revoke their own keys'
+  'Users can see their own keys', 'Users can rename or revoke their own keys', 'Users can add keys of their own'
 ]);
 select policies_are('public', 'jobs', array['Users can see their own jobs']);
 select policies_are('public', 'job_attempts', array['Users can see the attempts of their own jobs']);
@@ -153,6 +153,18 @@ $$, array[
   'my_nodes()',
   'fleet_stats()'
 ], 'authenticated can execute only the functions meant for signed-in users');
+-- Supabase's advisor warns of each definer function anon or authenticated may execute (lints 0028,
+-- 0029); the Supabase CLI in this suite predates those lints. These three still need their owner's
+-- rights (docs/limits.md says why); a new one fails here.
+select set_eq($$
+  select p.oid::regprocedure::text from pg_catalog.pg_proc p
+  where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace) and p.prosecdef
+    and (has_function_privilege('anon', p.oid, 'EXECUTE') or has_function_privilege('authenticated', p.oid, 'EXECUTE'))
+$$, array[
+  'score_nodes(text,real,text,text,double precision,double precision,numeric,boolean,integer,text)',
+  'my_nodes()',
+  'agent_heartbeat_with_secret(uuid,text,text,integer,real,real,text[],jsonb,boolean,jsonb,text[],text[],jsonb)'
+], 'the definer functions the Data API exposes are the three known ones');
 select is_empty($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace) and p.prosecdef

@@ -3,7 +3,7 @@
 -- reads a key's hash or changes its limits and spend. anon has no access at all.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(34);
+select plan(37);
 
 select tests.create_user('alice');
 select tests.create_user('bob');
@@ -84,7 +84,8 @@ select throws_ok($$ update public.api_keys set owner_id = tests.user_id('bob') w
 select throws_ok($$ update public.api_keys set key_hash = sha256('chosen') where name = 'alice desktop' $$,
   '42501', 'permission denied for table api_keys', 'a user cannot choose their key''s hash');
 select throws_ok($$ insert into public.api_keys (name, prefix, key_hash) values ('forged', 'ng-forged00', sha256('forged')) $$,
-  '42501', 'permission denied for table api_keys', 'a user cannot insert a key of their choosing');
+  '42501', 'API keys are issued by create_api_key(): a key of one''s own choosing is not accepted',
+  'a user cannot insert a key of their choosing');
 select throws_ok($$ delete from public.api_keys where name = 'alice desktop' $$,
   '42501', 'permission denied for table api_keys', 'a user cannot delete a key (they revoke it)');
 
@@ -113,6 +114,19 @@ select results_eq($$ select name, revoked_at is not null from public.api_keys k 
                      order by name $$,
   $$ values ('alice desktop', false), ('alice server', true), ('bob ci', false), ('service key', false) $$,
   'service_role sees every user''s keys, with the users'' own changes');
+
+-- create_api_key() runs as its caller: the insert it makes is one the caller may make -------------------
+select tests.as_postgres();
+select isnt_definer('public', 'create_api_key', array['text', 'integer', 'integer', 'numeric'],
+  'create_api_key() runs as its caller (no definer the Data API exposes)');
+select tests.as_user('alice');
+select throws_ok($$ insert into public.api_keys (owner_id, name, prefix, key_hash)
+                   select tests.user_id('bob'), 'for bob', k.prefix, sha256(convert_to(k.api_key, 'UTF8'))
+                   from created_keys k where k.handle = 'alice' limit 1 $$,
+  '42501', 'API keys are issued by create_api_key(): a key of one''s own choosing is not accepted',
+  'nor copy a key create_api_key() made earlier, for someone else');
+select throws_ok($$ insert into public.api_keys (name, prefix, key_hash, spent_usd) values ('paid', 'ng-paid0001', sha256('paid'), 0) $$,
+  '42501', 'permission denied for table api_keys', 'nor set what a key has spent');
 
 select * from finish();
 rollback;

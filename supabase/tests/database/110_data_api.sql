@@ -5,7 +5,7 @@
 -- which has no user, reads nothing through them (not everyone's rows).
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(33);
+select plan(34);
 
 select tests.create_user('alice');
 select tests.create_user('bob');
@@ -96,6 +96,8 @@ select tests.as_service_role();
 select is_empty($$ select * from public.my_nodes() $$, 'service_role (no user) reads no node through my_nodes()');
 
 -- fleet_stats() ----------------------------------------------------------------------------------------
+select tests.as_postgres();
+select private.refresh_fleet_activity();  -- sweep() does this every second (these nodes never beat)
 select tests.as_anon();
 select is((select online_nodes from public.fleet_stats()),
   (select count(*) from public.node_map where status in ('online', 'busy')),
@@ -110,6 +112,8 @@ select tests.as_user('alice');
 select is((select online_nodes from public.fleet_stats()),
   (select count(*) from public.node_map where status in ('online', 'busy')),
   'a signed-in user reads the same totals');
+select throws_ok($$ update public.fleet_activity set jobs_last_minute = 0 $$,
+  '42501', 'permission denied for table fleet_activity', 'and cannot change them');
 select tests.as_service_role();
 select lives_ok($$ select * from public.fleet_stats() $$, 'service_role reads them too');
 
@@ -121,7 +125,7 @@ select is_empty($$
     and not coalesce('security_invoker=true' = any (c.reloptions), false)
 $$, 'my_api_keys and my_usage run with their caller''s rights');
 select is_definer('public', 'my_nodes', '{}'::name[], 'my_nodes() is a definer (to read endpoints), kept to the caller by its owner filter');
-select is_definer('public', 'fleet_stats', '{}'::name[], 'fleet_stats() is a definer (to count every job), returning totals only');
+select isnt_definer('public', 'fleet_stats', '{}'::name[], 'fleet_stats() runs as its caller: the sweep counts the jobs');
 select isnt_definer('public', 'revoke_api_key', array['uuid'], 'revoke_api_key() runs as its caller, under row-level security');
 
 select * from finish();
