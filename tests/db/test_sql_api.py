@@ -72,6 +72,7 @@ PRIVATE_HELPERS = sorted(
         "capacity_state",
         "check_owner_endpoint",
         "claim_node",
+        "copy_node_endpoint",
         "cooldown_until",
         "end_attempt",
         "endpoint_is_private",

@@ -10,7 +10,8 @@ select plan(80);
 
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
-  'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity'
+  'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity',
+  'node_endpoints'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -107,8 +108,8 @@ select set_eq($$ select * from tests.columns_withheld('anon', 'public.nodes', 'S
   array['owner_id', 'endpoint_url', 'secret_hash', 'registered_by_key', 'tunnel_connected', 'outside_load']::name[],
   'anon reads every column of nodes but its owner, endpoint, secret and the gateway''s bookkeeping');
 select set_eq($$ select * from tests.columns_withheld('authenticated', 'public.nodes', 'SELECT') $$,
-  array['endpoint_url', 'secret_hash', 'registered_by_key', 'tunnel_connected', 'outside_load']::name[],
-  'authenticated reads the owner of nodes too, but no endpoint, secret or bookkeeping');
+  array['endpoint_url', 'secret_hash', 'registered_by_key', 'outside_load']::name[],
+  'authenticated reads the owner of nodes and whether a tunnel is up too, but no endpoint, secret or bookkeeping');
 select set_eq($$ select * from tests.columns_granted('authenticated', 'public.nodes', 'INSERT') $$,
   array['name', 'gpu_model', 'gpu_count', 'vram_gb', 'tflops', 'hourly_rate', 'region', 'latitude', 'longitude',
         'endpoint_url', 'max_concurrency']::name[],
@@ -154,7 +155,7 @@ $$, array[
   'fleet_stats()'
 ], 'authenticated can execute only the functions meant for signed-in users');
 -- Supabase's advisor warns of each definer function anon or authenticated may execute (lints 0028,
--- 0029); the Supabase CLI in this suite predates those lints. These three still need their owner's
+-- 0029); the Supabase CLI in this suite predates those lints. These two still need their owner's
 -- rights (docs/limits.md says why); a new one fails here.
 select set_eq($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
@@ -162,9 +163,8 @@ select set_eq($$
     and (has_function_privilege('anon', p.oid, 'EXECUTE') or has_function_privilege('authenticated', p.oid, 'EXECUTE'))
 $$, array[
   'score_nodes(text,real,text,text,double precision,double precision,numeric,boolean,integer,text)',
-  'my_nodes()',
   'agent_heartbeat_with_secret(uuid,text,text,integer,real,real,text[],jsonb,boolean,jsonb,text[],text[],jsonb)'
-], 'the definer functions the Data API exposes are the three known ones');
+], 'the definer functions the Data API exposes are the two known ones');
 select is_empty($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace) and p.prosecdef

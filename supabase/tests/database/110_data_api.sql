@@ -5,7 +5,7 @@
 -- which has no user, reads nothing through them (not everyone's rows).
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(34);
+select plan(37);
 
 select tests.create_user('alice');
 select tests.create_user('bob');
@@ -81,12 +81,18 @@ select is_empty($$ select * from public.my_usage $$, 'service_role (no user) rea
 select tests.as_anon();
 select throws_ok($$ select * from public.my_nodes() $$,
   '42501', 'permission denied for function my_nodes', 'anon cannot call my_nodes()');
+select throws_ok($$ select * from public.node_endpoints $$,
+  '42501', 'permission denied for table node_endpoints', 'nor read node_endpoints');
 select tests.as_user('alice');
 select results_eq($$ select name, endpoint_url, warm_models from public.my_nodes() $$,
   $$ values ('alice-4090', 'https://alice.example.com', array['meta-llama/Llama-3.1-8B-Instruct']) $$,
   'an owner reads their own nodes with their endpoints through my_nodes() (the one way to read them back)');
 select is_empty($$ select * from public.my_nodes() where endpoint_url = 'https://bob.example.com' $$,
   'an owner reads no other owner''s endpoint through my_nodes()');
+select results_eq($$ select endpoint_url from public.node_endpoints $$, $$ values ('https://alice.example.com') $$,
+  'an owner reads their own nodes'' endpoints in node_endpoints, and no one else''s');
+select throws_ok($$ insert into public.node_endpoints select id, 'https://elsewhere.example.com' from public.nodes limit 1 $$,
+  '42501', 'permission denied for table node_endpoints', 'and cannot write one (the platform copies nodes.endpoint_url)');
 select tests.as_user('bob');
 select results_eq($$ select name, endpoint_url from public.my_nodes() $$,
   $$ values ('bob-a100', 'https://bob.example.com') $$, 'the other owner reads only theirs');
@@ -124,7 +130,7 @@ select is_empty($$
   where c.oid in ('public.my_api_keys'::regclass, 'public.my_usage'::regclass)
     and not coalesce('security_invoker=true' = any (c.reloptions), false)
 $$, 'my_api_keys and my_usage run with their caller''s rights');
-select is_definer('public', 'my_nodes', '{}'::name[], 'my_nodes() is a definer (to read endpoints), kept to the caller by its owner filter');
+select isnt_definer('public', 'my_nodes', '{}'::name[], 'my_nodes() runs as its caller: owners read their endpoints from node_endpoints');
 select isnt_definer('public', 'fleet_stats', '{}'::name[], 'fleet_stats() runs as its caller: the sweep counts the jobs');
 select isnt_definer('public', 'revoke_api_key', array['uuid'], 'revoke_api_key() runs as its caller, under row-level security');
 
