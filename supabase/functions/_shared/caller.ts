@@ -15,9 +15,17 @@ import type { Claims } from "./auth.ts";
 export type Sql = postgres.Sql;
 export type Tx = postgres.TransactionSql;
 
+/** The role a node acts as (its heartbeat): no Data API role, and no token can claim it (auth.ts
+ * accepts only ROLES); supabase/migrations/20261201000400_node_role.sql grants it one function. */
+export const NODE_ROLE = "neuralgrid_node";
+
+/** A verified caller: a token's claims, or a node that brought its secret. */
+export type Caller = Claims | { role: typeof NODE_ROLE };
+
 /** Runs `work` in a transaction as the caller: `set local role <claims.role>` and
- * `request.jwt.claims`, as PostgREST sets them. The role is one of ROLES (auth.ts checked it). */
-export async function asCaller<T>(sql: Sql, claims: Claims, work: (tx: Tx) => Promise<T>): Promise<T> {
+ * `request.jwt.claims`, as PostgREST sets them. The role is one of ROLES (auth.ts checked it), or
+ * NODE_ROLE. */
+export async function asCaller<T>(sql: Sql, claims: Caller, work: (tx: Tx) => Promise<T>): Promise<T> {
   const result = await sql.begin(async (tx) => {
     // set_config('role', …, true) is `set local role`, with the role as a parameter (PostgREST's way).
     await tx`select set_config('role', ${claims.role}, true),

@@ -3,10 +3,11 @@
 //
 // The node proves itself as it does to the gateway: `Authorization: Bearer <node secret>` (the
 // secret register_node() returned once). It carries no user's JWT, so the platform's verify_jwt is
-// off for this function (supabase/config.toml), and the function acts as anon: the one thing anon
-// may do here is call agent_heartbeat_with_secret(), which checks the secret in SQL before it
-// records anything (supabase/migrations/20261129000200_edge_heartbeat.sql). The service-role key
-// is not used.
+// off for this function (supabase/config.toml), and the function acts as neuralgrid_node, a role
+// that may do one thing: call agent_heartbeat_with_secret(), which checks the secret in SQL before
+// it records anything (supabase/migrations/20261129000200_edge_heartbeat.sql,
+// 20261201000400_node_role.sql). No API key or user token can act as that role, and the
+// service-role key is not used.
 //
 // The body is the agent's (neuralgrid/protocol/nodes.py Heartbeat), checked as the gateway checks
 // it (./body.ts); the reply is the gateway's: {node_id, status, load}. Both paths work:
@@ -16,7 +17,7 @@
 //        with $SUPABASE_URL/functions/v1/heartbeat as its gateway URL)
 
 import postgres from "postgres";
-import { asCaller, type Sql } from "../_shared/caller.ts";
+import { asCaller, NODE_ROLE, type Sql } from "../_shared/caller.ts";
 import { databaseError, error, HttpError, readJson } from "../_shared/http.ts";
 import { Invalid, parseHeartbeat } from "./body.ts";
 
@@ -34,7 +35,7 @@ export function createHandler(sql: Sql): (req: Request) => Promise<Response> {
     if (secret === undefined) return error(401, "send the node's secret: 'Authorization: Bearer <node secret>'");
     try {
       const beat = parseHeartbeat(await readJson(req, MAX_BODY_BYTES));
-      const [reply] = await asCaller(sql, { role: "anon" }, (tx) => {
+      const [reply] = await asCaller(sql, { role: NODE_ROLE }, (tx) => {
         // Objects go as jsonb values (postgres.js serializes them itself).
         const json = (value: object | null) => (value === null ? null : tx.json(value as postgres.JSONValue));
         return tx`
@@ -56,8 +57,8 @@ export function createHandler(sql: Sql): (req: Request) => Promise<Response> {
 }
 
 if (import.meta.main) {
-  // SUPABASE_DB_URL is set for every Edge Function on Supabase; the function switches to anon in
-  // each transaction. prepare: false suits Supavisor's transaction mode.
+  // SUPABASE_DB_URL is set for every Edge Function on Supabase; the function switches to
+  // neuralgrid_node in each transaction. prepare: false suits Supavisor's transaction mode.
   const sql = postgres(Deno.env.get("SUPABASE_DB_URL")!, { prepare: false });
   // PORT: to serve it outside Supabase's runtime (the test suite does), which picks its own.
   Deno.serve({ port: Number(Deno.env.get("PORT") ?? 8000) }, createHandler(sql));

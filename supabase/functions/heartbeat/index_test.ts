@@ -1,6 +1,6 @@
 // The node heartbeat function against a migrated Postgres (DB_URL): a node registered with
 // register_node() keeps itself alive with its secret; a wrong secret, a missing one or a bad body
-// changes nothing; and the function acts as anon, so the grants decide what it can do.
+// changes nothing; and the function acts as neuralgrid_node, so that role's grants decide what it can do.
 
 import type { Sql } from "../_shared/caller.ts";
 import { assert, assertEquals, connect, MODEL } from "../_shared/testing.ts";
@@ -193,46 +193,47 @@ Deno.test("bad bodies: OpenAI-shaped 4xx naming the parameter, nothing stored", 
   }
 });
 
-Deno.test("it acts as anon: only the grant on agent_heartbeat_with_secret() lets it through", async () => {
+Deno.test("it acts as neuralgrid_node: only that role's grant on agent_heartbeat_with_secret() lets it through", async () => {
   const sql = connect();
   try {
     const handler = createHandler(sql);
     const node = await register(sql, "granted");
     const [grants] = await sql`
-      select has_function_privilege('anon', ${BY_SECRET}, 'execute') as by_secret,
+      select has_function_privilege('neuralgrid_node', ${BY_SECRET}, 'execute') as by_secret,
+             has_function_privilege('anon', ${BY_SECRET}, 'execute') as by_secret_anon,
              has_function_privilege('authenticated', ${BY_SECRET}, 'execute') as by_secret_authenticated,
-             has_function_privilege('anon', 'public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb, boolean, jsonb, text[], text[], jsonb)', 'execute') as by_hash,
-             has_column_privilege('anon', 'public.nodes', 'secret_hash', 'select') as reads_hash,
-             has_table_privilege('anon', 'public.nodes', 'update') as updates_nodes`;
+             has_function_privilege('neuralgrid_node', 'public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb, boolean, jsonb, text[], text[], jsonb)', 'execute') as by_hash,
+             has_column_privilege('neuralgrid_node', 'public.nodes', 'secret_hash', 'select') as reads_hash,
+             has_table_privilege('neuralgrid_node', 'public.nodes', 'update') as updates_nodes`;
     assertEquals(grants, {
       by_secret: true,
+      by_secret_anon: false,
       by_secret_authenticated: false,
       by_hash: false,
       reads_hash: false,
       updates_nodes: false,
     });
 
-    await sql.unsafe(`revoke execute on function ${BY_SECRET} from anon`);
+    await sql.unsafe(`revoke execute on function ${BY_SECRET} from neuralgrid_node`);
     const before = await state(sql, node.id);
     const denied = await beat(handler, node.id, node.secret, { models: [MODEL] });
-    assertEquals(denied.status, 403, "anon without the grant");
+    assertEquals(denied.status, 403, "the role without the grant");
     assertEquals((await denied.json()).error.code, "forbidden");
     assertEquals(await state(sql, node.id), before, "nothing changed");
 
-    await sql.unsafe(`grant execute on function ${BY_SECRET} to anon`);
+    await sql.unsafe(`grant execute on function ${BY_SECRET} to neuralgrid_node`);
     const allowed = await beat(handler, node.id, node.secret, { models: [MODEL] });
-    assertEquals(allowed.status, 200, "anon with the grant");
+    assertEquals(allowed.status, 200, "the role with the grant");
 
-    // Straight through SQL, as the Data API would call it as anon: the same checks.
+    // Through the Data API (as anon, with the publishable key) there is no way in, secret or not.
     const asAnon = (secret: string) =>
       sql.begin(async (tx) => {
         await tx`select set_config('role', 'anon', true)`;
         return await tx`select status from public.agent_heartbeat_with_secret(${node.id}::uuid, ${secret}, 'online', 0)`;
       });
-    assertEquals((await asAnon(node.secret))[0].status, "online");
     let code: string | undefined;
-    await asAnon("ngn-wrong").catch((err) => (code = err.code));
-    assertEquals(code, "28000", "a wrong secret through the Data API");
+    await asAnon(node.secret).catch((err) => (code = err.code));
+    assertEquals(code, "42501", "anon cannot call it, even with the node's secret");
   } finally {
     await sql.end();
   }

@@ -137,9 +137,8 @@ select set_eq($$
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace)
     and has_function_privilege('anon', p.oid, 'EXECUTE')
 $$, array[
-  'fleet_stats()',
-  'agent_heartbeat_with_secret(uuid,text,text,integer,real,real,text[],jsonb,boolean,jsonb,text[],text[],jsonb)'
-], 'anon can execute only the fleet''s totals and the heartbeat a node proves with its secret');
+  'fleet_stats()'
+], 'anon can execute only the fleet''s totals');
 select set_eq($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace)
@@ -155,16 +154,15 @@ $$, array[
   'fleet_stats()'
 ], 'authenticated can execute only the functions meant for signed-in users');
 -- Supabase's advisor warns of each definer function anon or authenticated may execute (lints 0028,
--- 0029); the Supabase CLI in this suite predates those lints. These two still need their owner's
+-- 0029); the Supabase CLI in this suite predates those lints. This one still needs its owner's
 -- rights (docs/limits.md says why); a new one fails here.
 select set_eq($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace) and p.prosecdef
     and (has_function_privilege('anon', p.oid, 'EXECUTE') or has_function_privilege('authenticated', p.oid, 'EXECUTE'))
 $$, array[
-  'score_nodes(text,real,text,text,double precision,double precision,numeric,boolean,integer,text)',
-  'agent_heartbeat_with_secret(uuid,text,text,integer,real,real,text[],jsonb,boolean,jsonb,text[],text[],jsonb)'
-], 'the definer functions the Data API exposes are the two known ones');
+  'score_nodes(text,real,text,text,double precision,double precision,numeric,boolean,integer,text)'
+], 'the one definer function the Data API still exposes is the known one');
 select is_empty($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace) and p.prosecdef
