@@ -15,12 +15,14 @@ import type { Claims } from "./auth.ts";
 export type Sql = postgres.Sql;
 export type Tx = postgres.TransactionSql;
 
-/** The role a node acts as (its heartbeat): no Data API role, and no token can claim it (auth.ts
- * accepts only ROLES); supabase/migrations/20261201000400_node_role.sql grants it one function. */
+/** Roles of ours that no token can claim (auth.ts accepts only ROLES) and no Data API request can
+ * become, each granted one function: a node's heartbeat (20261201000400_node_role.sql), and the
+ * ranking `match` runs for a signed-in user (20261201000500_matcher_role.sql). */
 export const NODE_ROLE = "neuralgrid_node";
+export const MATCHER_ROLE = "neuralgrid_matcher";
 
-/** A verified caller: a token's claims, or a node that brought its secret. */
-export type Caller = Claims | { role: typeof NODE_ROLE };
+/** Who the database sees: a verified caller's claims, with their API role or one of ours. */
+export type Caller = Omit<Claims, "role"> & { role: Claims["role"] | typeof NODE_ROLE | typeof MATCHER_ROLE };
 
 /** Runs `work` in a transaction as the caller: `set local role <claims.role>` and
  * `request.jwt.claims`, as PostgREST sets them. The role is one of ROLES (auth.ts checked it), or

@@ -2,16 +2,17 @@
 //
 // For tools that want to see where a request would go without sending it (dashboards, the map,
 // a node owner checking their price). The function verifies the caller's JWT or API key itself
-// (../_shared/auth.ts) and calls score_nodes() as that caller's role (../_shared/caller.ts), so the
-// grants decide as they do through the Data API: authenticated and service_role may rank nodes;
-// anon may only if score_nodes() is granted to anon (it is not, as migrated: anon gets 403).
+// (../_shared/auth.ts): signed-in users and the service may rank nodes, anon gets 403. score_nodes()
+// runs as its owner, so no Data API role may call it (Supabase's lint 0029): a user's ranking runs
+// as neuralgrid_matcher, a role that may call score_nodes() and nothing else, with the user's
+// claims; the service's as service_role (../_shared/caller.ts, 20261201000500_matcher_role.sql).
 //
 //   curl -X POST "$SUPABASE_URL/functions/v1/match" -H "Authorization: Bearer $USER_JWT" \
 //        -d '{"model": "meta-llama/Llama-3.1-8B-Instruct", "region": "eu-west", "limit": 5}'
 
 import postgres from "postgres";
 import { Authenticator } from "../_shared/auth.ts";
-import { asCaller, type Sql } from "../_shared/caller.ts";
+import { asCaller, type Caller, MATCHER_ROLE, type Sql } from "../_shared/caller.ts";
 import { databaseError, error, HttpError, readJson } from "../_shared/http.ts";
 
 const MAX_BODY_BYTES = 16 * 1024;
@@ -56,9 +57,11 @@ export function createHandler(sql: Sql, auth: Authenticator): (req: Request) => 
     if (req.method !== "POST") return error(405, "POST a JSON body: {model, region?, limit?, ...}");
     try {
       const caller = await auth.caller(req);
+      if (caller.role === "anon") return error(403, "ranking nodes needs a signed-in user's token or the service key");
       const q = parse(await readJson(req, MAX_BODY_BYTES));
       if (typeof q === "string") return error(400, q, q.split(":")[0]);
-      const rows = await asCaller(sql, caller, (tx) =>
+      const as: Caller = caller.role === "authenticated" ? { ...caller, role: MATCHER_ROLE } : caller;
+      const rows = await asCaller(sql, as, (tx) =>
         tx`
           select node_id, name, rank, score, fit, compute, price, warm, capacity, reputation, proximity,
                  reserve, reject_reason

@@ -60,7 +60,7 @@ Deno.test("ranks nodes with score_nodes, explains rejections, refuses bad input"
   }
 });
 
-Deno.test("acts as the caller: the grants on score_nodes decide, role by role", async () => {
+Deno.test("signed-in users rank as neuralgrid_matcher, the service as itself, anon not at all", async () => {
   const sql = connect();
   try {
     const handler = createHandler(sql, new Authenticator({ jwtSecret: JWT_SECRET }));
@@ -70,28 +70,28 @@ Deno.test("acts as the caller: the grants on score_nodes decide, role by role", 
     const query = { model: MODEL, limit: 5 };
     const status = async (token: string) => (await post(handler, query, token)).status;
 
-    // As migrated: the function answers each role as the grants say.
+    // No Data API role may call the definer score_nodes() but the service; neuralgrid_matcher may.
     const [granted] = await sql`
       select has_function_privilege('anon', ${SCORE_NODES}, 'execute') as anon,
-             has_function_privilege('authenticated', ${SCORE_NODES}, 'execute') as authenticated`;
-    assertEquals(await status(anon), granted.anon ? 200 : 403, "anon as migrated");
-    assertEquals(await status(user), granted.authenticated ? 200 : 403, "authenticated as migrated");
+             has_function_privilege('authenticated', ${SCORE_NODES}, 'execute') as authenticated,
+             has_function_privilege('neuralgrid_matcher', ${SCORE_NODES}, 'execute') as matcher,
+             has_table_privilege('neuralgrid_matcher', 'public.nodes', 'select') as matcher_reads_nodes`;
+    assertEquals(granted, { anon: false, authenticated: false, matcher: true, matcher_reads_nodes: false });
+    assertEquals(await status(user), 200, "a signed-in user");
     assertEquals(await status(service), 200, "service_role");
+    const refused = await post(handler, query, anon);
+    assertEquals(refused.status, 403, "anon");
+    assertEquals((await refused.json()).error.code, "forbidden");
 
-    // The function follows the grants both ways: it runs as the caller, not as postgres.
-    await sql.unsafe(`grant execute on function ${SCORE_NODES} to anon`);
-    assertEquals(await status(anon), 200, "anon, granted");
-    await sql.unsafe(`revoke execute on function ${SCORE_NODES} from anon`);
-    const denied = await post(handler, query, anon);
-    assertEquals(denied.status, 403, "anon, revoked");
-    const body = await denied.json();
-    assertEquals([body.error.type, body.error.code], ["invalid_request_error", "forbidden"]);
-    assert(/permission denied for function score_nodes/.test(body.error.message), body.error.message);
-    await sql.unsafe(`revoke execute on function ${SCORE_NODES} from authenticated`);
-    assertEquals(await status(user), 403, "authenticated, revoked");
+    // A user's ranking runs as neuralgrid_matcher: without its grant, the user is refused too.
+    await sql.unsafe(`revoke execute on function ${SCORE_NODES} from neuralgrid_matcher`);
+    const denied = await post(handler, query, user);
+    assertEquals(denied.status, 403, "the user, with the role's grant revoked");
+    const message = (await denied.json()).error.message;
+    assert(/permission denied for function score_nodes/.test(message), message);
     assertEquals(await status(service), 200, "service_role keeps its own grant");
-    await sql.unsafe(`grant execute on function ${SCORE_NODES} to authenticated`);
-    assertEquals(await status(user), 200, "authenticated, granted again");
+    await sql.unsafe(`grant execute on function ${SCORE_NODES} to neuralgrid_matcher`);
+    assertEquals(await status(user), 200, "the user, granted again");
 
     // No verified caller, no query: missing, forged, expired, or a role that is not an API role.
     for (

@@ -5,7 +5,7 @@
 -- owner (only) sees the earning while the requester (only) sees the job.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(42);
+select plan(43);
 
 select tests.create_user('alice');  -- owns the node
 select tests.create_user('bob');    -- sends the request
@@ -34,14 +34,17 @@ select tests.as_anon();
 select throws_ok($$ select * from public.score_nodes('pgtap/chat-8b') $$,
   '42501', 'permission denied for function score_nodes', 'anon cannot call score_nodes()');
 select tests.as_user('bob');
+select throws_ok($$ select * from public.score_nodes('pgtap/chat-8b') $$,
+  '42501', 'permission denied for function score_nodes',
+  'a signed-in user cannot call it through the Data API (the Edge Function match ranks for them)');
+select tests.as_service_role();
 select results_eq($$ select name, rank from public.score_nodes('pgtap/chat-8b') $$,
-  $$ values ('alice-4090', 1::bigint) $$, 'a signed-in user ranks the nodes for a model with score_nodes()');
+  $$ values ('alice-4090', 1::bigint) $$, 'service_role ranks the nodes for a model with score_nodes()');
 select results_eq($$ select name, reject_reason is not null
                      from public.score_nodes('pgtap/chat-8b', p_min_vram_gb => 40, p_explain => true) $$,
   $$ values ('alice-4090', true) $$, 'and sees why a node lost, with p_explain');
-select tests.as_service_role();
-select results_eq($$ select name from public.score_nodes('pgtap/chat-8b') $$, array['alice-4090'],
-  'service_role calls score_nodes() too');
+select ok(has_function_privilege('neuralgrid_matcher', 'public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer, text)', 'execute'),
+  'neuralgrid_matcher, the role match ranks as for a user, may call it');
 
 -- The gateway's functions, refused to anon and to signed-in users --------------------------------------
 select tests.as_anon();
