@@ -67,7 +67,8 @@ as $$
                    where m.node_id = n.id and m.state = 'available'), '{}'),
          n.agent_version, n.created_at
   from public.nodes n
-  join public.node_endpoints e on e.node_id = n.id
+  left join public.node_endpoints e on e.node_id = n.id
   where n.owner_id = (select auth.uid())
   order by n.name, n.id
 $$;
+comment on function public.my_nodes() is 'The signed-in owner''s nodes, each with what the map shows and what only its owner may see: endpoint_url (how the platform reaches it, from node_endpoints), whether its tunnel is connected and its server answers, the server found behind it (backend) and its routes. Runs as its caller. Uptime, earnings and reputation: my_node_stats().';

@@ -15,8 +15,16 @@ begin
 end
 $$;
 comment on role neuralgrid_node is 'What a node may do through Supabase''s Edge Functions: send its heartbeat with its secret (agent_heartbeat_with_secret()), nothing else. Not a Data API role.';
--- The Edge Functions connect as postgres (SUPABASE_DB_URL) and `set local role` to it.
-grant neuralgrid_node to postgres;
+-- The Edge Functions connect as postgres (SUPABASE_DB_URL) and `set local role` to it; a database
+-- without that role (no Supabase, no embedded stack) has no Edge Functions to run.
+do $$
+begin
+  if exists (select from pg_catalog.pg_roles where rolname = 'postgres') then
+    grant neuralgrid_node to postgres;
+  end if;
+end
+$$;
 
 revoke execute on function public.agent_heartbeat_with_secret(uuid, text, text, integer, real, real, text[], jsonb, boolean, jsonb, text[], text[], jsonb) from anon;
 grant execute on function public.agent_heartbeat_with_secret(uuid, text, text, integer, real, real, text[], jsonb, boolean, jsonb, text[], text[], jsonb) to neuralgrid_node;
+comment on function public.agent_heartbeat_with_secret(uuid, text, text, integer, real, real, text[], jsonb, boolean, jsonb, text[], text[], jsonb) is 'A node''s heartbeat proved with its secret (hashed and compared before anything is written), for the Edge Function heartbeat, which runs it as neuralgrid_node: the same checks and effect as the gateway''s agent_heartbeat(). Not callable through the Data API.';

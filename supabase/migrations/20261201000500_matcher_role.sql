@@ -15,8 +15,15 @@ begin
 end
 $$;
 comment on role neuralgrid_matcher is 'What the Edge Function match does for a signed-in user: rank nodes (score_nodes()), nothing else. Not a Data API role.';
--- The Edge Functions connect as postgres (SUPABASE_DB_URL) and `set local role` to it.
-grant neuralgrid_matcher to postgres;
+-- The Edge Functions connect as postgres (SUPABASE_DB_URL) and `set local role` to it; a database
+-- without that role (no Supabase, no embedded stack) has no Edge Functions to run.
+do $$
+begin
+  if exists (select from pg_catalog.pg_roles where rolname = 'postgres') then
+    grant neuralgrid_matcher to postgres;
+  end if;
+end
+$$;
 
 revoke execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer, text) from authenticated;
 grant execute on function public.score_nodes(text, real, text, text, double precision, double precision, numeric, boolean, integer, text) to neuralgrid_matcher;

@@ -24,7 +24,7 @@ PUBLIC_API = sorted(
         "agent_heartbeat",  # the agent's current heartbeat
         "agent_heartbeat",  # agents of the earlier version
         "agent_heartbeat",  # with pre-warm: the models a server can load, the answers, the load asked
-        "agent_heartbeat_with_secret",  # the Edge Function heartbeat's, as anon: checks the node's secret
+        "agent_heartbeat_with_secret",  # the Edge Function heartbeat's, as neuralgrid_node: checks the secret
         "attach_tunnel",
         "complete_job",
         "complete_jobs",

@@ -89,7 +89,7 @@ def test_everyone_reads_the_map_and_its_totals(
     conn: psycopg.Connection, world: dict[str, uuid.UUID], role: str
 ) -> None:
     user = world["alice"] if role == "authenticated" else None
-    conn.execute("select public.sweep()")  # the sweep counts every user's jobs (each second, live)
+    conn.execute("select public.sweep()")  # the sweep counts every user's jobs (every 5 s)
     with as_postgrest(conn, role, user) as cur:
         nodes = cur.execute("select * from public.node_map order by name").fetchall()
         assert [n["name"] for n in nodes] == ["alice-node", "bob-node", "platform-node"]

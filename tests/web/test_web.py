@@ -600,7 +600,7 @@ def test_api_stats_aggregates_the_fleet_and_recent_jobs(conn: psycopg.Connection
             " values (%s, 'balanced', 8, 'succeeded', %s, now() - %s::interval, now() - %s::interval)",
             (LLAMA8, latency, age, age),
         )
-    conn.execute("select public.sweep()")  # what the gateway's sweeper does each second
+    conn.execute("select public.sweep()")  # the gateway's sweeper measures the jobs (every 5 s)
     stats = httpx.get(f"{gateway}/api/stats").json()
     assert stats["online_nodes"] == 3
     assert (stats["online_vram_gb"], stats["online_tflops"]) == (128, 1319)

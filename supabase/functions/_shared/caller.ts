@@ -26,7 +26,7 @@ export type Caller = Omit<Claims, "role"> & { role: Claims["role"] | typeof NODE
 
 /** Runs `work` in a transaction as the caller: `set local role <claims.role>` and
  * `request.jwt.claims`, as PostgREST sets them. The role is one of ROLES (auth.ts checked it), or
- * NODE_ROLE. */
+ * one of ours (NODE_ROLE, MATCHER_ROLE) that a function chose for a caller it verified. */
 export async function asCaller<T>(sql: Sql, claims: Caller, work: (tx: Tx) => Promise<T>): Promise<T> {
   const result = await sql.begin(async (tx) => {
     // set_config('role', …, true) is `set local role`, with the role as a parameter (PostgREST's way).

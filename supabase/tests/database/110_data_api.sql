@@ -103,7 +103,7 @@ select is_empty($$ select * from public.my_nodes() $$, 'service_role (no user) r
 
 -- fleet_stats() ----------------------------------------------------------------------------------------
 select tests.as_postgres();
-select private.refresh_fleet_activity();  -- sweep() does this every second (these nodes never beat)
+select private.refresh_fleet_activity();  -- sweep() does this (these nodes never beat, so no sweep here)
 select tests.as_anon();
 select is((select online_nodes from public.fleet_stats()),
   (select count(*) from public.node_map where status in ('online', 'busy')),
