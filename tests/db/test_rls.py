@@ -175,9 +175,8 @@ def test_users_read_only_their_own_jobs(conn: psycopg.Connection, world: dict[st
         assert denied(c, "insert into job_attempts (job_id, attempt) values (%s, 9)", (world["alice_job"],))
         assert denied(c, "select * from match_job(%s)", (LLAMA8,))
         assert denied(c, "select * from complete_job(%s)", (world["alice_job"],))
-        assert denied(
-            c, "select * from score_nodes(%s)", (LLAMA8,)
-        )  # the Edge Function match ranks for users
+        # Signed-in users rank through the Edge Function match, which acts as neuralgrid_matcher.
+        assert denied(c, "select * from score_nodes(%s)", (LLAMA8,))
     with acting_as(conn, "neuralgrid_matcher", world["alice"]) as c:  # the role match ranks as
         assert count(c, "select * from score_nodes(%s)", (LLAMA8,)) == 3
         assert denied(c, "select id from nodes")

@@ -16,8 +16,8 @@ export type Sql = postgres.Sql;
 export type Tx = postgres.TransactionSql;
 
 /** Roles of ours that no token can claim (auth.ts accepts only ROLES) and no Data API request can
- * become, each granted one function: a node's heartbeat (20261201000400_node_role.sql), and the
- * ranking `match` runs for a signed-in user (20261201000500_matcher_role.sql). */
+ * become, each granted one function (20261201000400_edge_roles.sql): a node's heartbeat, and the
+ * ranking `match` runs for a signed-in user. */
 export const NODE_ROLE = "neuralgrid_node";
 export const MATCHER_ROLE = "neuralgrid_matcher";
 

@@ -6,7 +6,7 @@
 // off for this function (supabase/config.toml), and the function acts as neuralgrid_node, a role
 // that may do one thing: call agent_heartbeat_with_secret(), which checks the secret in SQL before
 // it records anything (supabase/migrations/20261129000200_edge_heartbeat.sql,
-// 20261201000400_node_role.sql). No API key or user token can act as that role, and the
+// 20261201000400_edge_roles.sql). No API key or user token can act as that role, and the
 // service-role key is not used.
 //
 // The body is the agent's (neuralgrid/protocol/nodes.py Heartbeat), checked as the gateway checks

@@ -5,7 +5,7 @@
 // (../_shared/auth.ts): signed-in users and the service may rank nodes, anon gets 403. score_nodes()
 // runs as its owner, so no Data API role may call it (Supabase's lint 0029): a user's ranking runs
 // as neuralgrid_matcher, a role that may call score_nodes() and nothing else, with the user's
-// claims; the service's as service_role (../_shared/caller.ts, 20261201000500_matcher_role.sql).
+// claims; the service's as service_role (../_shared/caller.ts, 20261201000400_edge_roles.sql).
 //
 //   curl -X POST "$SUPABASE_URL/functions/v1/match" -H "Authorization: Bearer $USER_JWT" \
 //        -d '{"model": "meta-llama/Llama-3.1-8B-Instruct", "region": "eu-west", "limit": 5}'

@@ -1,6 +1,6 @@
 -- The heartbeat a node sends through Supabase alone (20261129000200_edge_heartbeat.sql):
 -- agent_heartbeat_with_secret() is neuralgrid_node's (the role the Edge Function `heartbeat` acts as,
--- 20261201000400_node_role.sql; its Deno tests run it as that role) and the service's; the node's
+-- 20261201000400_edge_roles.sql; its Deno tests run it as that role) and the service's; the node's
 -- secret is the whole proof, checked before anything is written. The Data API's roles are refused
 -- it: anon (no Data API path) and signed-in users (a node carries no user's token).
 begin;
