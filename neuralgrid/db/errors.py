@@ -56,10 +56,13 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
 def translate(err: Exception, subject: str | None = None) -> Exception:
     """The domain error for a psycopg error we know, or the error itself. A NotFound is about
     `subject`, the parameter the statement looks up."""
-    sqlstate = getattr(err, "sqlstate", None)
-    kind = _BY_SQLSTATE.get(sqlstate or "")
-    if kind is None:
-        return err
     diag = getattr(err, "diag", None)
     message = getattr(diag, "message_primary", None) or str(err)
-    return kind(message, subject if kind is NotFound else None)
+    return from_sqlstate(getattr(err, "sqlstate", None), message, subject) or err
+
+
+def from_sqlstate(sqlstate: str | None, message: str, subject: str | None = None) -> DatabaseError | None:
+    """The domain error a SQLSTATE means (None for one we do not know), as translate() gives it; for
+    errors a function caught and reported in its rows (place_jobs())."""
+    kind = _BY_SQLSTATE.get(sqlstate or "")
+    return None if kind is None else kind(message, subject if kind is NotFound else None)

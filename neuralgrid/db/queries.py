@@ -135,6 +135,16 @@ class Match:
 
 
 @dataclass(frozen=True)
+class GroupedMatch(Match):
+    """One request's row of place_jobs(): its place in the group (from 1) and, when placing it
+    failed, the SQLSTATE and message place_job() raised (then the Match's fields are empty)."""
+
+    ord: int = 0
+    failure_state: str | None = None
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
 class Assignment:
     """A node a job runs on: the first (from a Match) or the next (failover_job, handoff_job)."""
 
@@ -251,6 +261,9 @@ PLACE_JOB = Query(
     class_row(Match),
     subject="model",
 )
+# Requests placed together (gateway/claims.py): each request's PLACE_JOB parameters but the gateway,
+# as a JSON array of objects.
+PLACE_JOBS = Query("place_jobs", "select * from public.place_jobs(%s, %s)", class_row(GroupedMatch))
 GATEWAY_ALIVE = Query("gateway_alive", "select public.gateway_alive(%s)", scalar_row)
 FAILOVER_JOB = Query(
     "failover_job",

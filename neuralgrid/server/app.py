@@ -30,6 +30,7 @@ from neuralgrid.db.queries import FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway.auth import KeyStore
+from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.errors import (
     DatabaseUnavailable,
@@ -268,9 +269,10 @@ def _pipeline(
     gateway_id: uuid.UUID,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
-    placement = Placement(store, metrics, settings.max_attempts, gateway_id, room, settings.queue_timeout_s)
-    sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
     metering = Metering(Completions(store), limiter, metrics)
+    claims = Claims(store, gateway_id, abandon=metering.abandon)
+    placement = Placement(store, claims, metrics, settings.max_attempts, room, settings.queue_timeout_s)
+    sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams)
     admission = Admission(Catalog(store), limiter, settings.default_max_tokens)
     return Pipeline(admission, placement, sender, relay, metering, metrics)

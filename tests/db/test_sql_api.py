@@ -46,6 +46,7 @@ PUBLIC_API = sorted(
         "node_heartbeat",
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
+        "place_jobs",  # the gateway's placements grouped (issue 16)
         "register_node",
         "register_node",
         "reject_job",

@@ -67,6 +67,17 @@ class Metering:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(written), RELEASE_WAIT_S)
 
+    def abandon(self, job_id: UUID) -> None:
+        """End a job placed for a client that had left by then (claims.py): nothing was sent."""
+        end = JobEnd(job_id, "cancelled", error="the client disconnected while its request was placed")
+        self.later(self._abandon(end))
+
+    async def _abandon(self, end: JobEnd) -> None:
+        try:
+            await self.completions.record(end)
+        except (psycopg.Error, DatabaseError, NotWritten):
+            log.error("could not end job %s, placed after its client left", end.job_id, exc_info=True)
+
     def later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._pending.add(task)

@@ -12,6 +12,7 @@ from uuid import UUID
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
+from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import ROUTES
@@ -41,16 +42,16 @@ class Placement:
     def __init__(
         self,
         store: Store,
+        claims: Claims,
         metrics: Metrics,
         max_attempts: int,
-        gateway_id: UUID,
         room: WaitingRoom,
         queue_timeout_s: float,
     ) -> None:
         self.store = store
+        self.claims = claims
         self.metrics = metrics
         self.max_attempts = max_attempts
-        self.gateway_id = str(gateway_id)  # recorded on each job (see server/liveness.py)
         self.room = room
         self.queue_timeout_s = queue_timeout_s
 
@@ -68,7 +69,6 @@ class Placement:
         fallbacks = self.max_attempts - 1
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
         params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
-        params["gateway"] = self.gateway_id
         params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
@@ -119,7 +119,7 @@ class Placement:
 
     async def _match(self, params: dict[str, object]) -> q.Match:
         started = time.perf_counter()
-        match = await self.store.get(q.PLACE_JOB, params)  # its domain errors: the app's one handler
+        match = await self.claims.place(params)  # its domain errors: the app's one handler
         self.metrics.matcher.observe(time.perf_counter() - started)
         return match
 

@@ -1,0 +1,90 @@
+"""place_jobs(): the gateway's placements grouped in one call (20261201000500_grouped_claims.sql).
+Each request is placed as place_job() places it, in order; one that fails fails alone."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from tests.conftest import LLAMA8, make_key, make_node
+
+GATEWAY = uuid.UUID("00000000-0000-4000-8000-00000000000a")
+PLACE_JOBS = (
+    "select ord, job_id, node_id, busy, refusal, failure_state, failure from place_jobs(%s, %s) order by ord"
+)
+
+
+def request(key: uuid.UUID, **fields: Any) -> dict[str, Any]:
+    return {
+        "model": LLAMA8,
+        "key": str(key),
+        "policy": "balanced",
+        "stream": False,
+        "fallbacks": 2,
+        "prompt_bytes": 100,
+        "max_out": 16,
+        "wait": True,
+        "route": "chat/completions",
+        **fields,
+    }
+
+
+def place_jobs(conn: psycopg.Connection, requests: list[dict[str, Any]]) -> list[Any]:
+    return conn.execute(PLACE_JOBS, (str(GATEWAY), Jsonb(requests))).fetchall()
+
+
+def test_each_request_is_placed_in_order_seeing_the_claims_before_it(conn: psycopg.Connection) -> None:
+    first, second = make_node(conn, max_concurrency=1), make_node(conn, max_concurrency=1)
+    key = make_key(conn)
+    rows = place_jobs(conn, [request(key), request(key), request(key)])
+    assert [row[0] for row in rows] == [1, 2, 3]
+    placed = {rows[0][2], rows[1][2]}
+    assert placed == {first, second}  # one slot each: the second request saw the first's claim
+    assert rows[2][1:5] == (None, None, True, "busy")  # the third waits: nothing recorded for it
+    jobs = conn.execute("select id, node_id, gateway_id from jobs order by created_at").fetchall()
+    assert {(job[0], job[1]) for job in jobs} == {(rows[0][1], rows[0][2]), (rows[1][1], rows[1][2])}
+    assert {job[2] for job in jobs} == {GATEWAY}
+
+
+def test_a_request_that_fails_fails_alone(conn: psycopg.Connection) -> None:
+    node = make_node(conn)
+    key, broke = make_key(conn), make_key(conn, budget_usd=0)
+    rows = place_jobs(conn, [request(key, end_user="alice"), request(broke), request(key, end_user="bob")])
+    assert [row[2] for row in rows] == [node, None, node]
+    assert rows[1][5] == "NG402" and "budget" in rows[1][6]
+    assert rows[0][5] is None and rows[2][5] is None
+    # Each placed job carries its own request's end user; the refused one recorded nothing.
+    users = conn.execute("select id, end_user, api_key_id from jobs").fetchall()
+    assert {(job[0], job[1]) for job in users} == {(rows[0][1], "alice"), (rows[2][1], "bob")}
+    assert conn.execute("select inflight from nodes where id = %s", (node,)).fetchone() == (2,)
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ({"model": LLAMA8}, "JSON array"),
+        ([{"model": LLAMA8}] * 33, "at most 32"),
+    ],
+)
+def test_a_group_that_is_not_an_array_of_at_most_32_is_refused(
+    conn: psycopg.Connection, requests: Any, message: str
+) -> None:
+    make_node(conn)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+        conn.execute(PLACE_JOBS, (str(GATEWAY), Jsonb(requests)))
+    conn.rollback()
+    assert conn.execute("select count(*) from jobs").fetchone() == (0,)
+
+
+def test_the_api_roles_cannot_place_jobs(conn: psycopg.Connection) -> None:
+    for role in ("anon", "authenticated"):
+        assert conn.execute(
+            "select has_function_privilege(%s, 'public.place_jobs(text, jsonb)', 'execute')", (role,)
+        ).fetchone() == (False,)
+    assert conn.execute(
+        "select has_function_privilege('service_role', 'public.place_jobs(text, jsonb)', 'execute')"
+    ).fetchone() == (True,)

@@ -1,0 +1,129 @@
+"""The gateway's Claims: placements grouped in place_jobs() calls that grow with the load, each
+request answered with its own match or its own error, and no slot left held by a client that left."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.errors import BudgetExhausted
+from neuralgrid.db.store import Params, Store
+from neuralgrid.gateway.claims import Claims
+from neuralgrid.gateway.completions import Completions
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.pipeline.meter import Metering
+from neuralgrid.gateway.ratelimit import RateLimiter
+from tests.conftest import LLAMA8, make_key, make_node, wait_for
+
+GATEWAY = uuid.UUID("00000000-0000-4000-8000-00000000000b")
+
+
+class CountingStore(Store):
+    """Counts the place_jobs() statements sent, and the requests in each (the real database's)."""
+
+    groups: list[int]
+
+    async def all(self, query: q.Query[Any], params: Params = None) -> list[Any]:
+        if query is q.PLACE_JOBS and isinstance(params, tuple):
+            self.groups = [*getattr(self, "groups", []), len(params[1].obj)]
+        return await super().all(query, params)
+
+
+def params(key: uuid.UUID) -> Mapping[str, Any]:
+    request = q.MatchRequest(model=LLAMA8, route="chat/completions")
+    return {
+        **q.match_params(request, key, False, 2, prompt_bytes=100, max_out=16, wait=True),
+        "end_user": None,
+    }
+
+
+def fleet(db_url: str, slots: int) -> uuid.UUID:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        make_node(conn, max_concurrency=slots)
+        return make_key(conn)
+
+
+async def test_placements_arriving_together_share_statements(db_url: str) -> None:
+    key = fleet(db_url, 64)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = CountingStore(pool)
+        claims = Claims(store, GATEWAY, abandon=lambda job: None)
+        matches = await asyncio.gather(*(claims.place(params(key)) for _ in range(40)))
+    assert len({match.job_id for match in matches}) == 40 and all(match.node_id for match in matches)
+    assert sum(store.groups) == 40 and len(store.groups) < 40 and max(store.groups) <= 32
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("select inflight from nodes").fetchone() == (40,)
+        assert conn.execute("select count(*) from jobs where gateway_id = %s", (GATEWAY,)).fetchone() == (40,)
+
+
+async def test_a_quiet_gateway_places_each_request_at_once(db_url: str) -> None:
+    key = fleet(db_url, 4)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = CountingStore(pool)
+        claims = Claims(store, GATEWAY, abandon=lambda job: None)
+        for _ in range(3):  # one at a time: nothing waits for company
+            assert (await claims.place(params(key))).node_id is not None
+    assert store.groups == [1, 1, 1]
+
+
+async def test_a_request_that_cannot_be_placed_fails_alone_with_its_own_error(db_url: str) -> None:
+    key = fleet(db_url, 8)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        broke = make_key(conn, budget_usd=0)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = CountingStore(pool)
+        claims = Claims(store, GATEWAY, abandon=lambda job: None)
+        results = await asyncio.gather(
+            *(claims.place(params(k)) for k in (key, key, broke, key)), return_exceptions=True
+        )
+    assert isinstance(results[2], BudgetExhausted)
+    assert all(isinstance(result, q.Match) and result.node_id for i, result in enumerate(results) if i != 2)
+    assert store.groups == [4]  # one statement: the failure among the others, which it did not fail
+
+
+@pytest.mark.parametrize("gone", ["in Postgres", "in line"])
+async def test_a_client_that_leaves_while_being_placed_holds_no_slot(db_url: str, gone: str) -> None:
+    """Its request may still get a node: that job is ended at once, not held until the sweep."""
+    key = fleet(db_url, 4)
+    async with AsyncConnectionPool(db_url, min_size=2, max_size=3, kwargs={"autocommit": True}) as pool:
+        store = Store(pool)
+        metering = Metering(Completions(store), RateLimiter(), Metrics())
+        claims = Claims(store, GATEWAY, abandon=metering.abandon)
+        with psycopg.connect(db_url) as blocker:  # holds the node's row: the claim waits for it
+            blocker.execute("select id from nodes for update")
+            ahead = asyncio.create_task(claims.place(params(key)))
+            leaving = asyncio.create_task(claims.place(params(key)))
+            await asyncio.to_thread(wait_for, lambda: _waiting_on_a_lock(db_url))
+            if gone == "in Postgres":  # the group under way: the first request's
+                ahead.cancel()
+            else:  # the next group, waiting its turn
+                leaving.cancel()
+            blocker.rollback()
+        stayed = await (leaving if gone == "in Postgres" else ahead)
+        assert stayed.node_id is not None
+        # Gone in line, it was never placed; gone in Postgres, its job was ended.
+        ended = {"in Postgres": {"cancelled", "running"}, "in line": {"running"}}[gone]
+        await asyncio.to_thread(wait_for, lambda: _statuses(db_url) == ended)
+        await metering.drain()
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("select inflight from nodes").fetchone() == (1,)  # the request that stayed
+
+
+def _waiting_on_a_lock(db_url: str) -> bool:
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
+        ).fetchone()
+    return row is not None and row[0] > 0
+
+
+def _statuses(db_url: str) -> set[str]:
+    with psycopg.connect(db_url) as conn:
+        return {row[0] for row in conn.execute("select status from jobs").fetchall()}
