@@ -4,6 +4,8 @@ As with job endings (completions.py), one call is in Postgres at a time and the 
 meanwhile go in the next: a quiet gateway places each request at once, a busy one many per statement,
 with no timer to tune. Postgres places them in arrival order, each as place_job() would alone.
 
+A group holds the rows it has claimed until it commits, so in Postgres only its first request may
+wait for a row lock; a later one that would have waited is asked again, first in the next group.
 A request whose client left while its group was in Postgres may still have been given a node: that
 job is handed to `abandon` (which ends it), so the slot is not held until the sweep ends it.
 """
@@ -22,6 +24,9 @@ from neuralgrid.db.errors import DatabaseError, from_sqlstate
 from neuralgrid.db.store import Store
 
 MAX_GROUP = 32  # place_jobs()'s limit (a subtransaction each; see its migration)
+# A request that would have waited for a row lock behind its group's own (lock_not_available), or
+# lost a deadlock: asked again, first in the next group, where it may wait as place_job() does.
+ASK_AGAIN = {"55P03", "40P01"}
 
 Waiting = tuple[Mapping[str, Any], asyncio.Future[q.Match]]
 
@@ -65,9 +70,12 @@ class Claims:
             for _, future in group:
                 future.cancel()
             raise
+        again: list[Waiting] = []
         for row in rows:
-            future = group[row.ord - 1][1]
-            if row.failure_state is not None:
+            params, future = group[row.ord - 1]
+            if row.failure_state in ASK_AGAIN and not future.done():
+                again.append((params, future))
+            elif row.failure_state is not None:
                 error = from_sqlstate(row.failure_state, row.failure or "", q.PLACE_JOB.subject)
                 _fail(future, error or DatabaseError(row.failure or row.failure_state))
             elif future.done():  # its client left meanwhile
@@ -75,8 +83,11 @@ class Claims:
                     self.abandon(row.job_id)
             else:
                 future.set_result(row)
+        self._waiting[:0] = again
+        asked_again = {future for _, future in again}
         for _, future in group:  # never left hanging (place_jobs() answers every request)
-            _fail(future, DatabaseError("place_jobs() gave no row for this request"))
+            if future not in asked_again:
+                _fail(future, DatabaseError("place_jobs() gave no row for this request"))
 
 
 def _fail(future: asyncio.Future[q.Match], error: Exception) -> None:

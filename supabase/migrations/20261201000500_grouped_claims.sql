@@ -7,6 +7,13 @@
 -- claims of those before it (a node's slots fill and its score drops, as between separate calls).
 -- One that fails (its key's budget spent, a bad parameter) fails alone: its row says how (the
 -- SQLSTATE and message place_job() raised) and the others are placed all the same.
+--
+-- Locks: the group holds the rows of the nodes (and budgeted keys) it has claimed until it commits,
+-- and it claims in ranking order, not in the id order completions lock in. A later request of the
+-- group that waited for a row a completion holds could deadlock with it (measured: a 1 s stall at
+-- 64 callers, Postgres's deadlock_timeout). So only the first request to place waits for locks as
+-- place_job() does; the others wait at most 10 ms and then fail with lock_not_available
+-- (55P03), and the gateway asks again for them in its next call, where one of them goes first.
 
 create function public.place_jobs(p_gateway text, p_requests jsonb)
 returns table (
@@ -18,6 +25,9 @@ set search_path = ''
 as $$
 declare
   r record;
+  v_placed record;
+  v_lock_timeout text := current_setting('lock_timeout');
+  v_holding boolean := false;  -- whether an earlier request of the group holds row locks
 begin
   if jsonb_typeof(p_requests) is distinct from 'array' then
     raise exception 'place_jobs takes a JSON array of requests' using errcode = 'invalid_parameter_value';
@@ -38,13 +48,17 @@ begin
                           prompt_bytes, max_out, wait, route, end_user, n)
   loop
     begin
-      perform set_config('neuralgrid.end_user', coalesce(r.end_user, ''), true);
-      return query
-      select r.n::integer, p.job_id, p.node_id, p.endpoint_url, p.node_key, p.attempt, p.fallback_ids,
-        p.error, p.max_output_tokens, p.busy, p.tokens_per_s, p.refusal, null::text, null::text
+      perform set_config('neuralgrid.end_user', coalesce(r.end_user, ''), true),
+              set_config('lock_timeout', case when v_holding then '10ms' else v_lock_timeout end, true);
+      select * into v_placed
       from public.place_job(r.model, r.key, r.policy, r.min_vram, r.region, r.lat, r.lon, r.max_rate,
                             coalesce(r.stream, false), coalesce(r.fallbacks, 0), r.prompt_bytes, r.max_out,
                             coalesce(r.wait, false), r.route) p;
+      v_holding := v_holding or v_placed.job_id is not null;
+      return query
+      select r.n::integer, v_placed.job_id, v_placed.node_id, v_placed.endpoint_url, v_placed.node_key,
+        v_placed.attempt, v_placed.fallback_ids, v_placed.error, v_placed.max_output_tokens, v_placed.busy,
+        v_placed.tokens_per_s, v_placed.refusal, null::text, null::text;
     exception when others then
       return query
       select r.n::integer, null::uuid, null::uuid, null::text, null::bytea, 0, '{}'::uuid[], null::text,
@@ -56,7 +70,8 @@ $$;
 
 comment on function public.place_jobs(text, jsonb) is
   'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 32), in '
-  'order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone.';
+  'order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: '
+  'it would have waited for a row lock behind the group''s own; ask again).';
 
 revoke execute on function public.place_jobs(text, jsonb) from public, anon, authenticated;
 grant execute on function public.place_jobs(text, jsonb) to service_role;

@@ -28,11 +28,13 @@ GATEWAY = uuid.UUID("00000000-0000-4000-8000-00000000000b")
 class CountingStore(Store):
     """Counts the place_jobs() statements sent, and the requests in each (the real database's)."""
 
-    groups: list[int]
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        super().__init__(pool)
+        self.groups: list[int] = []
 
     async def all(self, query: q.Query[Any], params: Params = None) -> list[Any]:
         if query is q.PLACE_JOBS and isinstance(params, tuple):
-            self.groups = [*getattr(self, "groups", []), len(params[1].obj)]
+            self.groups.append(len(params[1].obj))
         return await super().all(query, params)
 
 
@@ -127,3 +129,21 @@ def _waiting_on_a_lock(db_url: str) -> bool:
 def _statuses(db_url: str) -> set[str]:
     with psycopg.connect(db_url) as conn:
         return {row[0] for row in conn.execute("select status from jobs").fetchall()}
+
+
+async def test_a_request_that_would_wait_behind_its_groups_locks_is_asked_again(db_url: str) -> None:
+    """In the next group it goes first, and waits for the lock as a request placed alone does."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        nodes = {make_node(conn, max_concurrency=1), make_node(conn, max_concurrency=1)}
+        key = make_key(conn)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = CountingStore(pool)
+        claims = Claims(store, GATEWAY, abandon=lambda job: None)
+        with psycopg.connect(db_url) as completion:  # holds one node's row, as complete_jobs() does
+            completion.execute("select id from nodes order by id limit 1 for no key update")
+            placing = asyncio.gather(claims.place(params(key)), claims.place(params(key)))
+            # The second asked again, alone, and waits for the lock.
+            await asyncio.to_thread(wait_for, lambda: store.groups == [2, 1] and _waiting_on_a_lock(db_url))
+            completion.rollback()
+        matches = await placing
+    assert {match.node_id for match in matches} == nodes

@@ -88,3 +88,21 @@ def test_the_api_roles_cannot_place_jobs(conn: psycopg.Connection) -> None:
     assert conn.execute(
         "select has_function_privilege('service_role', 'public.place_jobs(text, jsonb)', 'execute')"
     ).fetchone() == (True,)
+
+
+def test_a_later_request_does_not_wait_for_a_row_lock_behind_the_groups_own(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """Waiting for a node a completion holds while the group holds another could deadlock with that
+    completion (which locks in id order): the request fails at once with 55P03, to be asked again."""
+    first, second = make_node(conn, max_concurrency=1), make_node(conn, max_concurrency=1)
+    key = make_key(conn)
+    conn.commit()
+    with psycopg.connect(db_url) as completion:  # holds one node's row, as complete_jobs() does
+        locked = completion.execute("select id from nodes order by id limit 1 for no key update").fetchone()
+        assert locked is not None
+        rows = place_jobs(conn, [request(key), request(key)])
+    free = ({first, second} - {locked[0]}).pop()
+    assert rows[0][2] == free  # the first passed the locked node by
+    assert rows[1][1:3] == (None, None) and rows[1][5] == "55P03"  # the second did not wait for it
+    assert conn.execute("select count(*) from jobs").fetchone() == (1,)
