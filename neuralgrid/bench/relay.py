@@ -89,7 +89,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
-    config = uvicorn.Config(Relay(args.node), host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(
+        Relay(args.node), host=args.host, port=args.port, log_level="warning", access_log=False
+    )
     run_fast(uvicorn.Server(config).serve())
 
 

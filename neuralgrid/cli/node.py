@@ -174,8 +174,10 @@ def run(
             loop.add_signal_handler(sig, stop.set)
         await Agent(config).run(stop)
 
+    from neuralgrid.server.serving import run_fast
+
     try:
-        asyncio.run(main())
+        run_fast(main())  # on uvloop: its event loop and transports cost a fraction of asyncio's
     except AgentError as err:
         raise fail(str(err)) from err
 

@@ -94,7 +94,11 @@ def make_server(
 
     http = type("HttpProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
     options = {"http": http, "ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
+    # No access log: at log level warning it is never written, yet uvicorn would still format each
+    # line's arguments (the client's address, the quoted path) for every request.
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="on", **options
+    )
     return Server(config)
 
 
