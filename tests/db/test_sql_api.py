@@ -66,6 +66,7 @@ PRIVATE_HELPERS = sorted(
         "abandon_job",
         "address_is_public",
         "announce_free_slot",
+        "answer_cap",  # the cap on an answer a key's budget pays for (place_job(), place_jobs())
         "api_keys_issued_only",
         "broadcast_job_change",
         "broadcast_node_change",
