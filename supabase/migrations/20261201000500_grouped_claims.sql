@@ -197,6 +197,7 @@ end;
 $$;
 comment on function private.answer_cap(text, uuid, integer, integer) is 'The longest answer (tokens, up to p_max_output_tokens) the key''s remaining budget pays for after a prompt of p_prompt_bytes, at the catalog''s prices; NG402 when not one token. place_job()''s and place_jobs()''s first step.';
 revoke execute on function private.answer_cap(text, uuid, integer, integer) from public, anon, authenticated;
+grant execute on function private.answer_cap(text, uuid, integer, integer) to service_role;  -- place_job()'s caller
 
 create or replace function public.place_job(
   p_model text,

@@ -5,7 +5,7 @@
 -- owner (only) sees the earning while the requester (only) sees the job.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(43);
+select plan(44);
 
 select tests.create_user('alice');  -- owns the node
 select tests.create_user('bob');    -- sends the request
@@ -102,6 +102,8 @@ select throws_ok($$ select public.reject_job(gen_random_uuid(), 'bad request') $
   '42501', 'permission denied for function reject_job', 'a signed-in user cannot reject a job');
 select throws_ok($$ select public.continuing_nodes(array[gen_random_uuid()]) $$,
   '42501', 'permission denied for function continuing_nodes', 'a signed-in user cannot ask which nodes continue a stream');
+select throws_ok($$ select * from public.place_jobs(null, '[]') $$,
+  '42501', 'permission denied for function place_jobs', 'a signed-in user cannot place jobs in a group');
 
 -- The gateway's path, as service_role ----------------------------------------------------------------------
 select tests.as_service_role();
@@ -122,10 +124,12 @@ select results_eq($$ select inflight, successes from public.nodes where name = '
   $$ values (0, 1::bigint) $$, 'completing it freed the slot and counted a success');
 select lives_ok($$
   insert into placed
-  select p.job_id, p.node_id, p.endpoint_url, p.error, p.refusal
-  from public.place_job('pgtap/chat-8b', (select id from public.api_keys where name = 'bob key'),
-                        'balanced', null, null, null, null, null, true, 2, 100, 50, false, 'chat/completions') p
-$$, 'service_role places a second job');
+  select p.job_id, p.node_id, p.endpoint_url, coalesce(p.error, p.failure), p.refusal
+  from public.place_jobs(gen_random_uuid()::text, jsonb_build_array(jsonb_build_object(
+    'model', 'pgtap/chat-8b', 'key', (select id from public.api_keys where name = 'bob key'), 'policy', 'balanced',
+    'stream', true, 'fallbacks', 2, 'prompt_bytes', 100, 'max_out', 50, 'wait', false,
+    'route', 'chat/completions'))) p
+$$, 'service_role places a second job, in a group of one (place_jobs())');
 select results_eq($$ select count(*)::integer from placed p
                      cross join lateral public.complete_jobs(array[p.job_id], array['failed'], array[10], array[0],
                                                              array[null::real], array[50::real], array['node hung up']) c
