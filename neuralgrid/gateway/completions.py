@@ -113,7 +113,7 @@ class Completions:
         try:
             costs = await self._complete([end for end, _ in batch])
         except (psycopg.Error, DatabaseError) as err:
-            if _database_unavailable(err):
+            if database_unavailable(err):
                 self._unavailable = err
                 return batch
             if len(batch) == 1:
@@ -191,7 +191,7 @@ class Completions:
             _settle(future, error=error)
 
 
-def _database_unavailable(err: Exception) -> bool:
+def database_unavailable(err: Exception) -> bool:
     """The database is down, unreachable or out of connections (psycopg's OperationalError, the
     pool's PoolTimeout among them), as opposed to bad data or a lost deadlock (TransactionRollback),
     where one ending may be to blame and writing each alone finds it."""

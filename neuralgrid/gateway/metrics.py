@@ -47,7 +47,7 @@ class Metrics:
         )
         self.matcher = Histogram(
             "neuralgrid_matcher_seconds",
-            "match_job() round trip.",
+            "Placing a request: its place_jobs() group's round trip, and the wait for the group before it.",
             buckets=FAST_BUCKETS,
             registry=self.registry,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from typing import Annotated, Any
@@ -200,6 +201,8 @@ def _call(
         max_rate = float(max_price) if max_price else None
     except ValueError:
         raise BadRequest("x-neuralgrid-max-price must be a number of USD per hour") from None
+    if max_rate is not None and not math.isfinite(max_rate):
+        raise BadRequest("x-neuralgrid-max-price must be a finite number of USD per hour")
     if max_rate is not None and max_rate < 0:
         raise BadRequest("x-neuralgrid-max-price must not be negative")
     return Call(

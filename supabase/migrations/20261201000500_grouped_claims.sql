@@ -16,14 +16,19 @@
 -- free slot). Two things would make the moved ranking differ from a fresh one, and either sends the
 -- next request to score_nodes() again: the claimed node falling to or below the last of a ranking
 -- cut at its limit, or leaving it (nodes left out might now rank), and a ranking with no free node
--- left (private.place() then ranks afresh itself).
+-- left (private.place() then ranks afresh itself). Exact, that is, as to the group's own claims:
+-- what other transactions commit during the group's few milliseconds (a slot freed, another
+-- gateway's claim) reaches the claims, which re-check status, slots and cooldown under the row's
+-- lock, but not the ranking until the next one is made.
 --
--- Locks: the group holds the rows of the nodes (and budgeted keys) it has claimed until it commits,
+-- Locks: the group holds the rows of the nodes (and budgeted keys) it has locked until it commits,
 -- and it claims in ranking order, not in the id order completions lock in. A later request of the
 -- group that waited for a row a completion holds could deadlock with it (measured: a 1 s stall at
--- 64 callers, Postgres's deadlock_timeout). So only the first request to place waits for locks as
--- place_job() does; the others wait at most 10 ms and then fail with lock_not_available
--- (55P03), and the gateway asks again for them in its next call, where one of them goes first.
+-- 64 callers, Postgres's deadlock_timeout). So only the first request to be placed (before any has
+-- reached a claim, which may lock rows even when it claims nothing) waits for a lock, and for at
+-- most 100 ms; the others wait at most 10 ms. Either then fails with lock_not_available (55P03):
+-- the gateway asks again, first in its next call, and places one that fails so again alone, with
+-- place_job() on a connection of its own, so that a row held long holds up that request only.
 
 drop function private.place(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric, boolean, text);
 create function private.place(
@@ -80,12 +85,13 @@ begin
     raise exception 'unknown route "%"', p_route using errcode = 'invalid_parameter_value';
   end if;
   -- A ranking handed in (place_jobs(): the one of the request before, moved on by its claim) is
-  -- tried first; when it has no free node left, nodes it left out may rank now: ranked afresh.
+  -- tried first; when it has no free node left, nodes it left out may rank now: ranked afresh. An
+  -- empty one is a ranking too: nothing was eligible, and the group has freed nothing since.
   if p_ranked is not null then
     v_ranked := p_ranked;
     select * into v_node from private.claim_node(v_ranked);
   end if;
-  if v_node.id is null then
+  if v_node.id is null and coalesce(cardinality(p_ranked), 1) > 0 then
     -- The best few are enough: a claim skips only nodes filled or locked since scoring.
     select array_agg(s.node_id order by s.rank) into v_ranked
     from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
@@ -254,8 +260,7 @@ declare
   r record;
   v_placed record;
   v_cap integer;
-  v_lock_timeout text := current_setting('lock_timeout');
-  v_holding boolean := false;  -- whether an earlier request of the group holds row locks
+  v_holding boolean := false;  -- whether an earlier request of the group may hold row locks
   -- The ranking the next request may start from, and what it was ranked for.
   v_for jsonb;
   v_key jsonb;
@@ -271,10 +276,11 @@ begin
   if jsonb_typeof(p_requests) is distinct from 'array' then
     raise exception 'place_jobs takes a JSON array of requests' using errcode = 'invalid_parameter_value';
   end if;
-  -- Each request runs in a subtransaction of its own (so that it can fail alone); past 64 in one
+  -- Each request runs in a subtransaction of its own (so that it can fail alone), and a claim that
+  -- fills a node runs up to two more (realtime.send(), for the map and the owner); past 64 in one
   -- transaction Postgres's per-backend cache of them overflows and every snapshot reads pg_subtrans.
-  if jsonb_array_length(p_requests) > 32 then
-    raise exception 'place_jobs takes at most 32 requests, not %', jsonb_array_length(p_requests)
+  if jsonb_array_length(p_requests) > 16 then
+    raise exception 'place_jobs takes at most 16 requests, not %', jsonb_array_length(p_requests)
       using errcode = 'invalid_parameter_value';
   end if;
   perform set_config('neuralgrid.gateway_id', coalesce(p_gateway, ''), true);  -- stamp_job_gateway()
@@ -288,7 +294,7 @@ begin
   loop
     begin
       perform set_config('neuralgrid.end_user', coalesce(r.end_user, ''), true),
-              set_config('lock_timeout', case when v_holding then '10ms' else v_lock_timeout end, true);
+              set_config('lock_timeout', case when v_holding then '10ms' else '100ms' end, true);
       v_cap := private.answer_cap(r.model, r.key, r.prompt_bytes, r.max_out);
       v_key := jsonb_build_array(r.model, r.policy, r.min_vram, r.region, r.lat, r.lon, r.max_rate, r.route,
                                  coalesce(r.fallbacks, 0));
@@ -300,7 +306,8 @@ begin
           into v_ids, v_scores, v_last, v_full
         from public.score_nodes(r.model, r.min_vram, r.policy, r.region, r.lat, r.lon, r.max_rate, false,
                                 greatest(32, 4 * (coalesce(r.fallbacks, 0) + 1)), r.route) s;
-        select w.capacity / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity + w.reserve)
+        -- In float8 over the weights' sum in real, as private.node_components divides.
+        select w.capacity::float8 / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity + w.reserve)::float8
           into v_share from public.matching_policies w where w.name = r.policy;  -- none for seed
         v_for := v_key;
       end if;
@@ -308,8 +315,8 @@ begin
       from private.place(r.model, r.key, r.policy, r.min_vram, r.region, r.lat, r.lon, r.max_rate,
                          coalesce(r.stream, false), coalesce(r.fallbacks, 0),
                          private.budget_hold(r.model, r.prompt_bytes, v_cap), coalesce(r.wait, false), r.route,
-                         v_ids) p;  -- none ranked: private.place() ranks
-      v_holding := v_holding or v_placed.job_id is not null;
+                         coalesce(v_ids, '{}')) p;
+      v_holding := true;  -- its claim may have locked rows, even one that claimed nothing
       v_at := array_position(v_ids, v_placed.node_id);
       if v_placed.reranked or v_at is null then
         v_for := null;  -- claimed from a fresh ranking, or nothing claimed: the next ranks afresh
@@ -346,9 +353,9 @@ end;
 $$;
 
 comment on function public.place_jobs(text, jsonb) is
-  'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 32), in '
+  'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 16), in '
   'order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: '
-  'it would have waited for a row lock behind the group''s own; ask again).';
+  'it waited for a row lock longer than a group may, 100 ms for the first, 10 ms for the others: ask again).';
 
 revoke execute on function public.place_jobs(text, jsonb) from public, anon, authenticated;
 grant execute on function public.place_jobs(text, jsonb) to service_role;

@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from neuralgrid.db import queries as q
-from neuralgrid.db.errors import BudgetExhausted
+from neuralgrid.db.errors import BudgetExhausted, InvalidRequest
 from neuralgrid.db.store import Params, Store
 from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.completions import Completions
@@ -59,7 +59,7 @@ async def test_placements_arriving_together_share_statements(db_url: str) -> Non
         claims = Claims(store, GATEWAY, abandon=lambda job: None)
         matches = await asyncio.gather(*(claims.place(params(key)) for _ in range(40)))
     assert len({match.job_id for match in matches}) == 40 and all(match.node_id for match in matches)
-    assert sum(store.groups) == 40 and len(store.groups) < 40 and max(store.groups) <= 32
+    assert sum(store.groups) == 40 and len(store.groups) < 40 and max(store.groups) <= 16
     with psycopg.connect(db_url) as conn:
         assert conn.execute("select inflight from nodes").fetchone() == (40,)
         assert conn.execute("select count(*) from jobs where gateway_id = %s", (GATEWAY,)).fetchone() == (40,)
@@ -142,8 +142,32 @@ async def test_a_request_that_would_wait_behind_its_groups_locks_is_asked_again(
         with psycopg.connect(db_url) as completion:  # holds one node's row, as complete_jobs() does
             completion.execute("select id from nodes order by id limit 1 for no key update")
             placing = asyncio.gather(claims.place(params(key)), claims.place(params(key)))
-            # The second asked again, alone, and waits for the lock.
+            # The second asked again, alone, and waits for the lock: 100 ms as the first of a group,
+            # then as long as it takes, placed with place_job() on a connection of its own.
             await asyncio.to_thread(wait_for, lambda: store.groups == [2, 1] and _waiting_on_a_lock(db_url))
+            await asyncio.sleep(0.5)
+            assert store.groups == [2, 1] and _waiting_on_a_lock(db_url)
             completion.rollback()
         matches = await placing
     assert {match.node_id for match in matches} == nodes
+
+
+async def test_a_request_postgres_cannot_read_fails_alone(db_url: str) -> None:
+    """A group refused whole (here a price cap that is not a number, which JSON cannot hold) is
+    placed request by request, so that only the request at fault fails."""
+    key = fleet(db_url, 8)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = CountingStore(pool)
+        claims = Claims(store, GATEWAY, abandon=lambda job: None)
+        unreadable = {**params(key), "max_rate": float("nan")}
+        results = await asyncio.gather(
+            *(claims.place(p) for p in (params(key), unreadable, {**params(key), "end_user": "a\x00b"})),
+            return_exceptions=True,
+        )
+    assert isinstance(results[1], InvalidRequest)
+    assert all(isinstance(result, q.Match) and result.node_id for result in (results[0], results[2]))
+    assert store.groups == [3, 1, 1, 1]
+    with psycopg.connect(db_url) as conn:  # text Postgres cannot hold arrives with U+FFFD in its place
+        assert conn.execute("select end_user from jobs where end_user is not null").fetchone() == (
+            "a\ufffdb",
+        )

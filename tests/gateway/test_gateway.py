@@ -367,6 +367,14 @@ def test_errors_are_openai_shaped(
             400,
         ),
         (httpx.post(url, content=b'{"model": "m", "messages": [], "temperature": NaN}', headers=auth), 400),
+        (
+            httpx.post(
+                url,
+                json={"model": LLAMA8, "messages": MESSAGES},
+                headers={**auth, "x-neuralgrid-max-price": "nan"},
+            ),
+            400,
+        ),
     ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text

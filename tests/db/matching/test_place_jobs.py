@@ -70,10 +70,10 @@ def test_a_request_that_fails_fails_alone(conn: psycopg.Connection) -> None:
     ("requests", "message"),
     [
         ({"model": LLAMA8}, "JSON array"),
-        ([{"model": LLAMA8}] * 33, "at most 32"),
+        ([{"model": LLAMA8}] * 17, "at most 16"),
     ],
 )
-def test_a_group_that_is_not_an_array_of_at_most_32_is_refused(
+def test_a_group_that_is_not_an_array_of_at_most_16_is_refused(
     conn: psycopg.Connection, requests: Any, message: str
 ) -> None:
     make_node(conn)
@@ -142,9 +142,9 @@ def test_a_group_places_as_the_same_requests_one_call_each_would(conn: psycopg.C
     while not score_nodes(conn, first, limit=1):  # one the fleet has room for
         first = random_request(rng)
     asked = (
-        [ranked(key, first, fallbacks)] * 14
-        + [ranked(key, second, 1)] * 3
-        + [ranked(key, first, fallbacks)] * 8
+        [ranked(key, first, fallbacks)] * 10
+        + [ranked(key, second, 1)] * 2
+        + [ranked(key, first, fallbacks)] * 4
     )
     with conn.transaction(force_rollback=True):  # both from the same fleet
         grouped = conn.execute(
