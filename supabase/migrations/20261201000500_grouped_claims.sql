@@ -10,8 +10,8 @@
 --
 -- Rankings: a request ranked like the one before it (same model, policy, need, place, price cap,
 -- route and fallbacks) starts from that request's ranking, moved on by its claim, rather than
--- scoring the fleet again. That is exact: a claim changes only the claimed node's score, by its
--- capacity term, which falls linearly with the node's load (private.node_components); the node is
+-- scoring the fleet again. That is exact: a claim changes only the claimed node's score, by the
+-- change in its capacity term (private.node_components, read again after the claim); the node is
 -- moved to its new place, or out of the ranking once full (score_nodes() ranks only nodes with a
 -- free slot). Two things would make the moved ranking differ from a fresh one, and either sends the
 -- next request to score_nodes() again: the claimed node falling to or below the last of a ranking
@@ -29,6 +29,16 @@
 -- most 100 ms; the others wait at most 10 ms. Either then fails with lock_not_available (55P03):
 -- the gateway asks again, first in its next call, and places one that fails so again alone, with
 -- place_job() on a connection of its own, so that a row held long holds up that request only.
+
+-- How many nodes a placement ranks: the best few are enough (a claim skips only nodes filled or
+-- locked since scoring), and enough for its fallbacks. private.place() and place_jobs() rank alike.
+create function private.ranking_limit(p_fallbacks integer) returns integer
+language sql immutable
+set search_path = ''
+return greatest(32, 4 * (p_fallbacks + 1));
+comment on function private.ranking_limit(integer) is 'How many nodes a placement with p_fallbacks fallbacks ranks (private.place(), place_jobs()).';
+revoke execute on function private.ranking_limit(integer) from public, anon, authenticated;
+grant execute on function private.ranking_limit(integer) to service_role;
 
 drop function private.place(text, uuid, text, real, text, double precision, double precision, numeric, boolean, integer, numeric, boolean, text);
 create function private.place(
@@ -95,7 +105,7 @@ begin
     -- The best few are enough: a claim skips only nodes filled or locked since scoring.
     select array_agg(s.node_id order by s.rank) into v_ranked
     from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
-                            p_max_hourly_rate, false, greatest(32, 4 * (p_fallbacks + 1)), p_route) s;
+                            p_max_hourly_rate, false, private.ranking_limit(p_fallbacks), p_route) s;
     v_reranked := p_ranked is not null;
     select * into v_node from private.claim_node(coalesce(v_ranked, '{}'));
   end if;
@@ -264,12 +274,14 @@ declare
   -- The ranking the next request may start from, and what it was ranked for.
   v_for jsonb;
   v_key jsonb;
+  v_limit integer;
   v_ids uuid[];
   v_scores float8[];
+  v_caps float8[];  -- each ranked node's capacity term (private.node_components) when ranked
   v_last float8;  -- the lowest score when ranked
   v_full boolean;  -- whether the ranking was cut at its limit (nodes were left out)
   v_share float8;  -- the policy's capacity weight over all its weights
-  v_drop float8;
+  v_cap_now float8;
   v_filled boolean;
   v_at integer;
 begin
@@ -301,11 +313,12 @@ begin
       if v_key is distinct from v_for then
         v_for := null;
         -- As private.place() ranks: the same call, with the scores kept.
-        select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank), min(s.score),
-               count(*) >= greatest(32, 4 * (coalesce(r.fallbacks, 0) + 1))
-          into v_ids, v_scores, v_last, v_full
+        v_limit := private.ranking_limit(coalesce(r.fallbacks, 0));
+        select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank),
+               array_agg(s.capacity order by s.rank), min(s.score), count(*) >= v_limit
+          into v_ids, v_scores, v_caps, v_last, v_full
         from public.score_nodes(r.model, r.min_vram, r.policy, r.region, r.lat, r.lon, r.max_rate, false,
-                                greatest(32, 4 * (coalesce(r.fallbacks, 0) + 1)), r.route) s;
+                                v_limit, r.route) s;
         -- In float8 over the weights' sum in real, as private.node_components divides.
         select w.capacity::float8 / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity + w.reserve)::float8
           into v_share from public.matching_policies w where w.name = r.policy;  -- none for seed
@@ -321,21 +334,24 @@ begin
       if v_placed.reranked or v_at is null then
         v_for := null;  -- claimed from a fresh ranking, or nothing claimed: the next ranks afresh
       else
-        -- The claimed node's capacity term, before and after its claim; and whether it is full now.
-        select greatest(0.0, 1.0 - (n.inflight + n.outside_load - 1)::float8 / n.max_concurrency)
-             - greatest(0.0, 1.0 - (n.inflight + n.outside_load)::float8 / n.max_concurrency),
-               n.inflight >= n.max_concurrency
-          into v_drop, v_filled from public.nodes n where n.id = v_placed.node_id;
-        v_scores[v_at] := v_scores[v_at] - coalesce(v_share, 0) * v_drop;
+        -- The claimed node's capacity term now (none for seed, which has none), and whether it is full.
+        select c.capacity, n.inflight >= n.max_concurrency into v_cap_now, v_filled
+        from public.nodes n
+        left join private.node_components c on c.node_id = n.id and c.policy = r.policy and c.model_id = r.model
+        where n.id = v_placed.node_id;
+        v_scores[v_at] := v_scores[v_at] - coalesce(v_share * (v_caps[v_at] - v_cap_now), 0);
+        v_caps[v_at] := v_cap_now;
         if v_full and (v_filled or v_scores[v_at] <= v_last) then
           v_for := null;  -- a node left out of the ranking may take its place now
         elsif v_filled then  -- no longer eligible: out of the ranking, as score_nodes() would leave it
           v_ids := v_ids[:v_at - 1] || v_ids[v_at + 1:];
           v_scores := v_scores[:v_at - 1] || v_scores[v_at + 1:];
+          v_caps := v_caps[:v_at - 1] || v_caps[v_at + 1:];
         else
-          select array_agg(u.id order by u.score desc, u.id), array_agg(u.score order by u.score desc, u.id)
-            into v_ids, v_scores
-          from unnest(v_ids, v_scores) as u (id, score);
+          select array_agg(u.id order by u.score desc, u.id), array_agg(u.score order by u.score desc, u.id),
+                 array_agg(u.capacity order by u.score desc, u.id)
+            into v_ids, v_scores, v_caps
+          from unnest(v_ids, v_scores, v_caps) as u (id, score, capacity);
         end if;
       end if;
       return query

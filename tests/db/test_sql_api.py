@@ -99,6 +99,7 @@ PRIVATE_HELPERS = sorted(
         "record_earning",
         "record_node_status",
         "proximity_component",
+        "ranking_limit",  # how many nodes a placement ranks (place(), place_jobs())
         "refresh_node_scores",
         "refresh_prewarm_demand",
         "refresh_vram_pressure",
