@@ -34,8 +34,9 @@ class Services:
     tokens: TokenKeys  # what verifies users' JWTs and the stack's opaque API keys
 
 
-def get_services(connection: HTTPConnection) -> Services:
-    """HTTP requests and websockets alike."""
+async def get_services(connection: HTTPConnection) -> Services:
+    """HTTP requests and websockets alike. A coroutine, though it awaits nothing: FastAPI runs a
+    plain function dependency in its thread pool, a handoff per request."""
     services: Services = connection.app.state.services
     return services
 

@@ -67,3 +67,38 @@ def test_postgres_errors_are_translated_once_and_mapped_once(
 def test_an_unknown_sqlstate_stays_what_it_was() -> None:
     err = _pg_error("XX000", "internal")
     assert db.translate(err) is err
+
+
+def test_no_route_hands_work_to_a_thread() -> None:
+    """FastAPI runs a plain `def` endpoint or dependency in its thread pool, a handoff per request
+    (measured: get_services, sync, sent every API request through a worker thread). Every route of
+    the running app and every dependency it takes are coroutines."""
+    import inspect
+
+    from fastapi.dependencies.models import Dependant
+    from fastapi.routing import APIRoute
+
+    from neuralgrid.server.app import create_app
+    from neuralgrid.server.settings import Settings
+
+    app = create_app(Settings(), "postgresql://unused@127.0.0.1:1/none", sweep=False)
+
+    def sync_calls(dependant: Dependant) -> list[str]:
+        found = (
+            [f"{dependant.call.__module__}.{dependant.call.__qualname__}"]
+            if (
+                dependant.call is not None
+                and not inspect.iscoroutinefunction(dependant.call)
+                and not inspect.isasyncgenfunction(dependant.call)
+            )
+            else []
+        )
+        return found + [name for sub in dependant.dependencies for name in sync_calls(sub)]
+
+    offenders = {
+        f"{route.path}: {name}"
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for name in sync_calls(route.dependant)
+    }
+    assert offenders == set()
