@@ -67,6 +67,7 @@ PRIVATE_HELPERS = sorted(
         "address_is_public",
         "announce_free_slot",
         "answer_cap",  # the cap on an answer a key's budget pays for (place_job(), place_jobs())
+        "api_keys_check_description",  # the rules on what a key is, when written (not claims)
         "api_keys_issued_only",
         "broadcast_job_change",
         "broadcast_node_change",
@@ -91,6 +92,7 @@ PRIVATE_HELPERS = sorted(
         "node_scores_after_node_update",
         "node_scores_after_nodes_insert",
         "nodes_derive_outside_load",
+        "nodes_check_description",  # the rules on what a node is, when written (not claims)
         "nodes_derive_routes",
         "notify_api_key_change",
         "parse_ipv4",
