@@ -12,11 +12,18 @@
 -- So the rules about what a node or key *is* (specs, place, price, address, name, limits) are
 -- checked by a BEFORE trigger that fires only when a statement writes one of those columns
 -- (`update of`: decided from the statement's SET list, nothing prepared). It raises the error
--- the constraint did: SQLSTATE 23514, the rule's name as the constraint, the same message. The
--- rules about what the request path writes (in-flight count, status, counters, money held and
--- spent) stay CHECK constraints. A trigger's condition moves into its function, compiled once
--- per session; where a statement writes many rows at once (complete_jobs() ending jobs) the
--- WHEN clause stays, prepared once for all of them.
+-- the constraint did: SQLSTATE 23514, the rule's name as the constraint, the same message (without
+-- the "Failing row contains" detail). The rules about what the request path writes (in-flight
+-- count, status, counters, money held and spent) stay CHECK constraints. Differences: a row that
+-- breaks a rule and a NOT NULL at once now fails on the rule (triggers run first), and, like every
+-- trigger, these do not run under session_replication_role = replica (a data-only restore).
+--
+-- The conditions of the triggers a claim fires move into their functions, compiled once per
+-- session: each update of a node now calls them and they return at once when nothing they watch
+-- changed. A statement that updates many nodes (complete_jobs() releasing a batch, the sweep)
+-- pays a call per row where the WHEN clause was prepared once per statement; side by side at 64
+-- callers, where releases come in batches, Postgres's CPU per request still fell. The jobs triggers a
+-- batch fires keep their WHEN clauses; the one a placement fires per row (mark_cold_start) does not.
 
 -- nodes --------------------------------------------------------------------------------------------
 
