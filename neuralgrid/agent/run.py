@@ -261,7 +261,10 @@ class Agent:
             finally:
                 await self.backend.aclose()
             return
-        server = make_server(create_front(self.front), self.config.listen_host, self.config.listen_port)
+        # The front trusts signatures, not addresses: no X-Forwarded-* headers to read per request.
+        server = make_server(
+            create_front(self.front), self.config.listen_host, self.config.listen_port, proxy_headers=False
+        )
         try:
             async with running(server):
                 yield
