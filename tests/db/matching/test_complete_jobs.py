@@ -154,3 +154,17 @@ def test_text_from_outside_with_nul_bytes_is_written(conn: psycopg.Connection) -
     assert without_nul({"model": "a\x00", "limit": 3}) == {"model": "a\ufffd", "limit": 3}
     params = q.complete_jobs_params([JobEnd(ended, error="clean")])
     assert without_nul(params) is params  # nothing to replace: nothing copied
+
+
+def test_a_claim_and_its_release_leave_the_indexes_alone(conn: psycopg.Connection) -> None:
+    """Both change only the node's load: heap-only updates, which write no index entry."""
+    make_node(conn)
+    with conn.transaction():
+        job = match_job(conn, MatchRequest(model=LLAMA8)).job_id
+        assert job is not None
+        complete_job(conn, job)
+        updated, heap_only = conn.execute(
+            "select pg_stat_get_xact_tuples_updated(r), pg_stat_get_xact_tuples_hot_updated(r)"
+            " from (select 'public.nodes'::regclass::oid as r) t"
+        ).fetchone() or (None, None)
+    assert (updated, heap_only) == (2, 2)
