@@ -10,6 +10,7 @@ endings then cost more the more jobs there were.
 from __future__ import annotations
 
 import re
+import uuid
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -17,19 +18,16 @@ from psycopg.types.json import Jsonb
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node
+from tests.db.matching.test_place_jobs import GATEWAY, request
 
 GROUP = 8
 LEDGER = ("jobs", "job_attempts", "earnings")
 
 
-def _serve(conn: psycopg.Connection, key: str) -> None:
+def _serve(conn: psycopg.Connection, key: uuid.UUID) -> None:
     """One group placed and ended, with the gateway's own statements."""
-    request = {
-        "model": LLAMA8, "key": key, "policy": "balanced", "stream": False, "fallbacks": 2,
-        "prompt_bytes": 100, "max_out": 16, "wait": False, "route": "chat/completions",
-    }  # fmt: skip
     store = SyncStore(conn)
-    placed = store.all(q.PLACE_JOBS, ("00000000-0000-0000-0000-000000000001", Jsonb([request] * GROUP)))
+    placed = store.all(q.PLACE_JOBS, (str(GATEWAY), Jsonb([request(key, wait=False)] * GROUP)))
     ends = [
         q.JobEnd(row.job_id, prompt_tokens=10, completion_tokens=16, latency_ms=20)
         for row in placed
@@ -41,7 +39,7 @@ def _serve(conn: psycopg.Connection, key: str) -> None:
 
 def test_plans_made_on_a_small_ledger_read_it_by_key_once_it_has_grown(conn: psycopg.Connection) -> None:
     nodes = [make_node(conn) for _ in range(4)]
-    key = str(make_key(conn, budget_usd=1000))
+    key = make_key(conn, budget_usd=1000)
     for _ in range(10):  # past Postgres's first five runs of each statement: its plans are cached
         _serve(conn, key)
 
