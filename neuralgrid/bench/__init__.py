@@ -32,6 +32,10 @@ from neuralgrid.protocol import signing
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = "/v1/chat/completions"
+# The finished jobs a bench fleet's ledger starts with: a deployment in service, not a new one.
+# Postgres plans by the tables' statistics, and a new database's empty, unanalyzed ledger gets
+# other plans than the one a gateway meets in service (docs/benchmarks.md, session 18).
+LEDGER_HISTORY = 50_000
 BODY: dict[str, Any] = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Benchmark me."}],
@@ -178,6 +182,7 @@ class Fleet:
     key: str
     nodes: int
     slots: int  # the nodes' max_concurrency, summed: their default
+    history: int  # finished jobs in the ledger before the first request (LEDGER_HISTORY)
 
 
 def bench_fleet(url: str, node_urls: Sequence[str], model: str, slots: int = 0) -> Fleet:
@@ -199,9 +204,35 @@ def bench_fleet(url: str, node_urls: Sequence[str], model: str, slots: int = 0) 
                 "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], model)
             )
             nodes, total = nodes + 1, total + int(row[1])
-        key = conn.execute("select api_key from public.create_api_key('bench')").fetchone()
-    assert key is not None
-    return Fleet(str(key[0]), nodes, total)
+        key = conn.execute("select id, api_key from public.create_api_key('bench')").fetchone()
+        assert key is not None
+        history = _ledger_history(conn, key[0], model)
+    return Fleet(str(key[1]), nodes, total, history)
+
+
+def _ledger_history(conn: psycopg.Connection, key_id: Any, model: str) -> int:
+    """LEDGER_HISTORY finished jobs of the key over the fleet's nodes, one a second back from now,
+    each with its one attempt; then the statistics autovacuum would have gathered by then."""
+    written = conn.execute(
+        """
+        with fleet as (select array_agg(n.id order by n.id) as ids from public.nodes n),
+        history as (
+          insert into public.jobs as j (api_key_id, owner_id, model_id, policy, status, node_id,
+            attempts, stream, min_vram_gb, prompt_tokens, completion_tokens, cost_usd, latency_ms,
+            created_at, finished_at)
+          select k.id, k.owner_id, %s, 'balanced', 'succeeded', f.ids[1 + i %% cardinality(f.ids)],
+            1, false, 16, 10, 16, 0.00001, 20, now() - make_interval(secs => i),
+            now() - make_interval(secs => i)
+          from fleet f, public.api_keys k, generate_series(1, %s) i where k.id = %s
+          returning j.id, j.node_id, j.created_at)
+        insert into public.job_attempts (job_id, attempt, node_id, status, started_at, ended_at,
+          latency_ms)
+        select h.id, 1, h.node_id, 'succeeded', h.created_at, h.created_at, 20 from history h
+        """,
+        (model, LEDGER_HISTORY, key_id),
+    ).rowcount
+    conn.execute("analyze")
+    return written
 
 
 def chat_body(model: str = MODEL, stream: bool = False) -> bytes:

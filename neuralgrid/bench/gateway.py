@@ -18,7 +18,9 @@ max_concurrency, 4; an agent its own default, 4), and there are enough of them f
 asked (64 callers: 16 nodes, and 16 agents), all in front of the one fake node, which sets no limit of
 its own. So callers never outnumber slots on either gateway path, and what those paths report
 (refusals, the wait for a slot, requests/s) is what a fleet of default nodes gives. `bench capacity`
-is the one that puts more callers than slots on them.
+is the one that puts more callers than slots on them. The scratch database starts as a deployment in
+service does, not as a new one: its ledger holds LEDGER_HISTORY finished jobs, analyzed, since
+Postgres plans by the tables' statistics.
 
 For each path it reports latency and what it adds to the direct path, requests/s, refused (503) and
 failed requests, the wait for a slot, and the CPU per request of the processes on the path (their
@@ -77,6 +79,7 @@ class Target:
     keys: dict[str, bytes] = field(default_factory=dict)  # URL: the node key its requests are signed with
     cpu: dict[str, list[int]] = field(default_factory=dict)  # the processes on the path, by name
     slots: int | None = None  # through the gateway: the slots of the nodes the path reaches
+    ledger: int | None = None  # through the gateway: the finished jobs its ledger started with
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ def run(
                     {**auth, "x-neuralgrid-max-price": FLEET_MAX_PRICE},
                     cpu=on_gateway,
                     slots=fleet.slots,
+                    ledger=fleet.history,
                 ),
                 "gateway_agent": Target(
                     (f"{gateway_url}{CHAT}",),
@@ -148,6 +152,7 @@ def run(
                     AGENT_MODEL,
                     cpu={**on_gateway, "agent": agents.pids},
                     slots=agents.slots,
+                    ledger=fleet.history,
                 ),
             }
             targets = {name: targets[name] for name in names}
@@ -245,4 +250,6 @@ def _alternate(
         runs[name] = loads[name].summary()
         if t.slots is not None:
             runs[name]["slots"] = t.slots
+        if t.ledger is not None:
+            runs[name]["ledger_jobs"] = t.ledger
     return runs

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
+from neuralgrid.bench import LEDGER_HISTORY
 from neuralgrid.cli import app
 from neuralgrid.db.embedded import EmbeddedPostgres
 from neuralgrid.dev.demo import DEMO_FLEET
@@ -285,6 +286,8 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
             assert 0 <= t["queue_wait_p50_ms"] <= t["queue_wait_p99_ms"] <= t["queue_wait_max_ms"]
         # 5 callers: two nodes of the default 4 slots, never one raised to take them all
         assert r["gateway"]["slots"] == r["gateway_agent"]["slots"] == 8
+        # a deployment in service: a ledger of finished jobs, analyzed, before the first request
+        assert r["gateway"]["ledger_jobs"] == r["gateway_agent"]["ledger_jobs"] == LEDGER_HISTORY
         for target in ("gateway", "gateway_agent"):
             assert r[target]["gateway_cpu_ms_per_request"] > 0
             assert r[target]["postgres_cpu_ms_per_request"] > 0
