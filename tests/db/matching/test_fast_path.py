@@ -158,3 +158,22 @@ def test_a_placement_runs_no_sql_function_per_candidate_but_its_request_terms(
     assert match.node_id is not None
     assert {name: calls.get(name) for name in per_candidate} == dict.fromkeys(per_candidate, 16)
     assert {name: n for name, n in calls.items() if name not in per_candidate and n > 3} == {}
+
+
+def test_a_ranking_under_vram_pressure_walks_only_the_tiers_that_hold_nodes(conn: psycopg.Connection) -> None:
+    """With bigger VRAM levels under pressure the reserve differs between tiers, so each tier that
+    can hold the request is walked on its own (top_by_total, a cursor each). The catalog's tiers
+    above a small model's are many; a fleet of one GPU size fills one of them, and the others have
+    nothing to walk."""
+    small = "BAAI/bge-large-en-v1.5"  # 2 GB: every catalog tier from 2 GB up could hold it
+    for i in range(8):
+        make_node(conn, f"n{i}", vram_gb=24, models={small: "loaded"})
+    conn.execute("insert into private.vram_pressure (level_gb, busy, slots, pressure) values (18, 1, 2, 0.5)")
+    request = MatchRequest(model=small)
+    with conn.transaction():
+        conn.execute("set local track_functions = 'all'")
+        ranked = score_nodes(conn, request, limit=3)
+        rows = conn.execute("select funcname::text, calls from pg_stat_xact_user_functions").fetchall()
+        calls: dict[str, int] = dict(rows)
+    assert [r.node_id for r in ranked] == [r.node_id for r in full_scan(conn, request, 3)]
+    assert calls.get("top_by_total") == 1
