@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -26,6 +24,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node
 from tests.db.matching.test_place_jobs import GATEWAY, request
+from tests.db.plans import logged_plans
 
 GROUP = 8
 LEDGER = ("jobs", "job_attempts", "earnings")
@@ -63,21 +62,6 @@ def _grow_ledger(conn: psycopg.Connection, key: uuid.UUID, nodes: list[uuid.UUID
         )
 
 
-@contextmanager
-def _plans(conn: psycopg.Connection) -> Iterator[list[str]]:
-    """Every plan run inside the block, the nested statements of functions included."""
-    conn.execute("load 'auto_explain'")
-    conn.execute(
-        "set auto_explain.log_min_duration = 0; set auto_explain.log_nested_statements = on;"
-        " set auto_explain.log_level = notice"
-    )
-    plans: list[str] = []
-    conn.add_notice_handler(lambda notice: plans.append(notice.message_primary or ""))
-    yield plans
-    conn.execute("set auto_explain.log_min_duration = -1")
-    assert plans, "auto_explain logged no plan"
-
-
 def test_plans_made_on_a_small_ledger_read_it_by_key_once_it_has_grown(conn: psycopg.Connection) -> None:
     nodes = [make_node(conn) for _ in range(4)]
     key = make_key(conn, budget_usd=1000)
@@ -85,7 +69,7 @@ def test_plans_made_on_a_small_ledger_read_it_by_key_once_it_has_grown(conn: psy
         _serve(conn, key)
     _grow_ledger(conn, key, nodes)  # and nothing analyzes it
 
-    with _plans(conn) as plans:
+    with logged_plans(conn) as plans:
         _serve(conn, key)
 
     scans = re.findall(rf"Seq Scan on ({'|'.join(LEDGER)})\b", "\n".join(plans))
@@ -100,7 +84,7 @@ def test_ending_a_job_runs_a_cached_plan_once_the_ledger_is_analyzed(conn: psyco
     for _ in range(10):  # a sequential caller: one job at a time, past the first five runs
         _serve(conn, key, group=1)
 
-    with _plans(conn) as plans:
+    with logged_plans(conn) as plans:
         (job,) = _serve(conn, key, group=1)
 
     # A plan made for this call's values has the job's id written into it; a cached one has $n.

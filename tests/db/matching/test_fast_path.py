@@ -16,6 +16,7 @@ from neuralgrid.db.matching import (
     score_nodes,
 )
 from tests.conftest import make_node
+from tests.db.plans import logged_plans
 
 MODELS = [
     "meta-llama/Llama-3.1-8B-Instruct",
@@ -177,3 +178,10 @@ def test_a_ranking_under_vram_pressure_walks_only_the_tiers_that_hold_nodes(conn
         calls: dict[str, int] = dict(rows)
     assert [r.node_id for r in ranked] == [r.node_id for r in full_scan(conn, request, 3)]
     assert calls.get("top_by_total") == 1
+
+    # Whether a tier has a node is one probe of the tier's index, not a join with every row the
+    # model has (at 100,000 nodes that took 22.6 ms a ranking, against 3.4 ms walking every tier).
+    with logged_plans(conn) as plans:
+        score_nodes(conn, request, limit=3)
+    (tiers,) = [plan for plan in plans if "private.top_by_total(" in plan]
+    assert "node_scores_tier_rank_idx" in tiers and "Limit" in tiers and "Join" not in tiers
