@@ -168,3 +168,21 @@ def test_a_claim_and_its_release_leave_the_indexes_alone(conn: psycopg.Connectio
             " from (select 'public.nodes'::regclass::oid as r) t"
         ).fetchone() or (None, None)
     assert (updated, heap_only) == (2, 2)
+
+
+def test_the_rescored_rows_carry_only_the_indexes_the_matcher_reads(conn: psycopg.Connection) -> None:
+    """A claim and a release each rescore the node's node_scores rows, one per policy and model it
+    serves: never heap-only updates (the score is indexed), so each writes an entry into every index
+    of the table. Those are the matcher's three walks (by score; within a region; within a VRAM
+    tier) and the key, node first, which also finds a node's rows for the rescoring."""
+    rows = conn.execute(
+        "select c.relname::text, pg_get_indexdef(i.indexrelid) from pg_index i"
+        " join pg_class c on c.oid = i.indexrelid where i.indrelid = 'public.node_scores'::regclass"
+    ).fetchall()
+    keys = {name: definition.split(" USING btree ")[1] for name, definition in rows}
+    assert keys == {
+        "node_scores_pkey": "(node_id, policy, model_id)",
+        "node_scores_rank_idx": "(policy, model_id, base_score DESC, node_id)",
+        "node_scores_region_rank_idx": "(policy, model_id, region, base_score DESC, node_id)",
+        "node_scores_tier_rank_idx": "(policy, model_id, tier_gb, base_score DESC, node_id)",
+    }
