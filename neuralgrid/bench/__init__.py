@@ -206,13 +206,14 @@ def bench_fleet(url: str, node_urls: Sequence[str], model: str, slots: int = 0) 
             nodes, total = nodes + 1, total + int(row[1])
         key = conn.execute("select id, api_key from public.create_api_key('bench')").fetchone()
         assert key is not None
-        history = _ledger_history(conn, key[0], model)
+        history = ledger_history(conn, key[0], model, LEDGER_HISTORY)
+        conn.execute("analyze")  # the statistics autovacuum would have gathered by then
     return Fleet(str(key[1]), nodes, total, history)
 
 
-def _ledger_history(conn: psycopg.Connection, key_id: Any, model: str) -> int:
-    """LEDGER_HISTORY finished jobs of the key over the fleet's nodes, one a second back from now,
-    each with its one attempt; then the statistics autovacuum would have gathered by then."""
+def ledger_history(conn: psycopg.Connection, key_id: Any, model: str, jobs: int) -> int:
+    """`jobs` finished jobs of the key over all the nodes, one a second back from now, each with its
+    one attempt; how many were written."""
     written = conn.execute(
         """
         with fleet as (select array_agg(n.id order by n.id) as ids from public.nodes n),
@@ -229,9 +230,8 @@ def _ledger_history(conn: psycopg.Connection, key_id: Any, model: str) -> int:
           latency_ms)
         select h.id, 1, h.node_id, 'succeeded', h.created_at, h.created_at, 20 from history h
         """,
-        (model, LEDGER_HISTORY, key_id),
+        (model, jobs, key_id),
     ).rowcount
-    conn.execute("analyze")
     return written
 
 

@@ -20,6 +20,7 @@ import uuid
 import psycopg
 from psycopg.types.json import Jsonb
 
+from neuralgrid.bench import ledger_history
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node
@@ -44,30 +45,19 @@ def _serve(conn: psycopg.Connection, key: uuid.UUID, group: int = GROUP) -> list
     return [end.job_id for end in ends]
 
 
-def _grow_ledger(conn: psycopg.Connection, key: uuid.UUID, nodes: list[uuid.UUID]) -> None:
+def _grow_ledger(conn: psycopg.Connection, key: uuid.UUID) -> None:
     """Elsewhere, the ledger grows by 40,000 finished jobs."""
     with psycopg.connect(conn.info.dsn, autocommit=True) as other:
-        other.execute("set session_replication_role = replica")  # history, not requests: no triggers
-        other.execute(
-            "insert into public.jobs (api_key_id, model_id, policy, status, node_id, attempts, stream,"
-            " min_vram_gb, finished_at)"
-            " select %s, %s, 'balanced', 'succeeded', (%s::uuid[])[1 + i %% %s], 1, false, 16, now()"
-            " from generate_series(1, 40000) i",
-            (key, LLAMA8, nodes, len(nodes)),
-        )
-        other.execute(
-            "insert into public.job_attempts (job_id, attempt, node_id, status, ended_at)"
-            " select j.id, 1, j.node_id, 'succeeded', now() from public.jobs j"
-            " where not exists (select from public.job_attempts a where a.job_id = j.id)"
-        )
+        assert ledger_history(other, key, LLAMA8, 40_000) == 40_000
 
 
 def test_plans_made_on_a_small_ledger_read_it_by_key_once_it_has_grown(conn: psycopg.Connection) -> None:
-    nodes = [make_node(conn) for _ in range(4)]
+    for _ in range(4):
+        make_node(conn)
     key = make_key(conn, budget_usd=1000)
     for _ in range(10):  # past Postgres's first five runs of each statement: its plans are cached
         _serve(conn, key)
-    _grow_ledger(conn, key, nodes)  # and nothing analyzes it
+    _grow_ledger(conn, key)  # and nothing analyzes it
 
     with logged_plans(conn) as plans:
         _serve(conn, key)
@@ -77,9 +67,10 @@ def test_plans_made_on_a_small_ledger_read_it_by_key_once_it_has_grown(conn: psy
 
 
 def test_ending_a_job_runs_a_cached_plan_once_the_ledger_is_analyzed(conn: psycopg.Connection) -> None:
-    nodes = [make_node(conn) for _ in range(4)]
+    for _ in range(4):
+        make_node(conn)
     key = make_key(conn, budget_usd=1000)
-    _grow_ledger(conn, key, nodes)
+    _grow_ledger(conn, key)
     conn.execute("analyze public.jobs, public.job_attempts")
     for _ in range(10):  # a sequential caller: one job at a time, past the first five runs
         _serve(conn, key, group=1)
