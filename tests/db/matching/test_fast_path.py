@@ -88,7 +88,8 @@ def assert_scores_fresh(conn: psycopg.Connection) -> None:
         """
         select count(*) from node_scores s
         full join node_base_scores v using (policy, model_id, node_id)
-        where (s.base_score, s.tier_gb) is distinct from (v.base_score, v.tier_gb)
+        where (s.base_score, s.tier_gb, s.fixed_base, s.capacity_share)
+              is distinct from (v.base_score, v.tier_gb, v.fixed_base, v.capacity_share)
         """
     ).fetchone()
     assert differences == (0,)
@@ -139,6 +140,25 @@ def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
     conn.execute("select node_heartbeat(%s)", (node,))
     after = conn.execute("select xmin::text from node_scores where node_id = %s", (node,)).fetchone()
     assert before == after
+
+
+def test_a_change_of_load_rescores_by_arithmetic(conn: psycopg.Connection) -> None:
+    """A claim, a release that changes nothing else, or outside load moves only the capacity term:
+    the node's rows become their fixed part plus the capacity share at the new load (a lookup by
+    key), not the components computed again (a join of the node, its models, the catalog and the
+    policies). The result is the view's to the last bit."""
+    node = make_node(conn, models={m: "loaded" for m in MODELS[:3]}, max_concurrency=4, queue_depth=1)
+    with logged_plans(conn) as plans:
+        conn.execute("update nodes set inflight = inflight + 1 where id = %s", (node,))
+    (rescoring,) = [plan for plan in plans if "update public.node_scores" in plan]
+    assert "Join" not in rescoring and "Nested Loop" not in rescoring, rescoring
+    assert_scores_fresh(conn)
+    for load in ("inflight = 3", "queue_depth = 4", "inflight = 0, queue_depth = 0"):
+        conn.execute(f"update nodes set {load} where id = %s", (node,))
+        assert_scores_fresh(conn)
+    # Anything else scored goes the long way, and stays exact too.
+    conn.execute("update nodes set inflight = 2, successes = successes + 1 where id = %s", (node,))
+    assert_scores_fresh(conn)
 
 
 def test_a_placement_runs_no_sql_function_per_candidate_but_its_request_terms(
