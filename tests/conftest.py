@@ -153,6 +153,18 @@ def make_node(
     return uuid.UUID(str(row[0]))
 
 
+def running_job(conn: psycopg.Connection, model: str, min_vram_gb: float) -> uuid.UUID:
+    """A job in flight as a placement leaves it: running, with its one running attempt (how the
+    sweeps and the VRAM pressure find it), on no node."""
+    row = conn.execute(
+        "insert into jobs (model_id, policy, min_vram_gb) values (%s, 'balanced', %s) returning id",
+        (model, min_vram_gb),
+    ).fetchone()
+    assert row is not None
+    conn.execute("insert into job_attempts (job_id, attempt) values (%s, 1)", (row[0],))
+    return uuid.UUID(str(row[0]))
+
+
 @pytest.fixture
 def user(conn: psycopg.Connection) -> uuid.UUID:
     return make_user(conn)

@@ -85,3 +85,55 @@ def test_ending_a_job_runs_a_cached_plan_once_the_ledger_is_analyzed(conn: psyco
     ]
     planned_for_this_call = [body.split("Query Text: ")[-1][:60] for body in bodies if str(job) in body]
     assert planned_for_this_call == [], f"planned again for one job: {planned_for_this_call}"
+
+
+def _updates(conn: psycopg.Connection, table: str) -> tuple[int, int]:
+    """The table's updated rows so far, and how many of them were heap-only."""
+    conn.execute("select pg_stat_force_next_flush()")
+    query = "select n_tup_upd, n_tup_hot_upd from pg_stat_user_tables where relname = %s"
+    row = conn.execute(query, (table,)).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def test_ending_a_job_is_a_heap_only_update_of_jobs(conn: psycopg.Connection) -> None:
+    """An ending sets the job's status and finished_at. Had an index named either (a partial
+    index's condition counts), every ending would write a new entry into each of the ledger's
+    indexes; the running set is found through the attempts instead, and finished_at's index
+    summarizes (BRIN), which keeps an update heap-only."""
+    for _ in range(4):
+        make_node(conn)
+    key = make_key(conn, budget_usd=1000)
+    before = _updates(conn, "jobs")
+    for _ in range(5):
+        _serve(conn, key, group=1)
+    updated, heap_only = (now - then for now, then in zip(_updates(conn, "jobs"), before, strict=True))
+    assert updated >= 5 and heap_only == updated, f"{heap_only} of {updated} updates of jobs were heap-only"
+
+
+def test_the_sweeps_find_running_jobs_without_reading_the_ledger(conn: psycopg.Connection) -> None:
+    """Stale and orphaned jobs and the VRAM pressure start from the running attempts, by index:
+    never from the whole ledger."""
+    for _ in range(4):
+        make_node(conn)
+    key = make_key(conn, budget_usd=1000)
+    _grow_ledger(conn, key)
+    SyncStore(conn).all(q.PLACE_JOBS, (str(GATEWAY), Jsonb([request(key, wait=False)] * 3)))  # running
+    # A busy fleet's share of a young ledger: at a few percent running, a join of jobs and their
+    # attempts was planned as a scan of every job.
+    conn.execute(
+        "with j as (insert into jobs (model_id, policy, min_vram_gb) select %s, 'balanced', 18"
+        " from generate_series(1, 1500) returning id)"
+        " insert into job_attempts (job_id, attempt) select id, 1 from j",
+        (LLAMA8,),
+    )
+    conn.execute("analyze public.jobs, public.job_attempts")
+
+    with logged_plans(conn) as plans:
+        conn.execute("select * from public.sweep()")
+        conn.execute("select private.refresh_vram_pressure()")
+
+    text = "\n".join(plans)
+    assert "job_attempts_running_idx" in text
+    scans = re.findall(rf"Seq Scan on ({'|'.join(LEDGER)})\b", text)
+    assert scans == [], f"a sweep read whole ledger tables: {scans}"

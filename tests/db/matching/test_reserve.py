@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db.matching import MatchRequest, match_job, score_nodes
-from tests.conftest import LLAMA8, make_node
+from tests.conftest import LLAMA8, make_node, running_job
 
 LLAMA70 = "meta-llama/Llama-3.3-70B-Instruct-AWQ"  # needs 42 GB
 
@@ -37,9 +37,7 @@ def fleet(conn: psycopg.Connection) -> tuple[UUID, UUID]:
 
 def run_70b_jobs(conn: psycopg.Connection, count: int) -> None:
     for _ in range(count):
-        conn.execute(
-            "insert into jobs (model_id, policy, min_vram_gb) values (%s, 'balanced', 42)", (LLAMA70,)
-        )
+        running_job(conn, LLAMA70, 42)
 
 
 def sweep(conn: psycopg.Connection) -> None:
@@ -83,7 +81,7 @@ def test_bigger_jobs_take_their_slots_first(conn: psycopg.Connection) -> None:
     fleet(conn)
     run_70b_jobs(conn, 12)
     for _ in range(2):
-        conn.execute("insert into jobs (model_id, policy, min_vram_gb) values ('q14', 'balanced', 32)")
+        running_job(conn, "q14", 32)
     sweep(conn)
     assert pressure(conn, 42) == pytest.approx(12 / 16)
     assert pressure(conn, 32) == pytest.approx(2 / (16 - 12))

@@ -16,7 +16,7 @@ import pytest
 from neuralgrid.db.matching import MatchRequest, score_nodes
 from neuralgrid.sim.policies import FleetArrays, VramPressure, score
 from neuralgrid.sim.report import load_catalog
-from tests.conftest import make_node
+from tests.conftest import make_node, running_job
 
 REGIONS = ["us-east", "us-west", "eu-west", "eu-central", "ap-northeast", "sa-east"]
 FLEET_COLUMNS = (
@@ -162,9 +162,7 @@ def test_the_twin_measures_pressure_as_the_sweeper_does(conn: psycopg.Connection
             rng.choice([1.0, 2.0, 16.0, 18.0, 20.0, 32.0, 42.0, 200.0]) for _ in range(rng.randint(0, 25))
         ]
         for need in needs:
-            conn.execute(
-                "insert into jobs (model_id, policy, min_vram_gb) values ('x', 'balanced', %s)", (need,)
-            )
+            running_job(conn, "x", need)
         elapsed = rng.choice([1.0, 5.0, 20.0])
         clock += elapsed
         with conn.transaction():  # one now() for both statements
