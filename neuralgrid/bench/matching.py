@@ -117,7 +117,9 @@ def run(
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(FILL_FLEET, {"first": loaded + 1, "last": size, "model": MODEL})
                 loaded = size
-                conn.execute("vacuum analyze public.nodes, public.node_models")
+                # node_scores too: autovacuum analyzes it within a minute of such a change, and the
+                # matcher's plans differ with statistics (a fleet in service has them).
+                conn.execute("vacuum analyze public.nodes, public.node_models, public.node_scores")
             for function, call, pressure in CASES:
                 for n_callers in callers:
                     progress(f"{function} at {size:,} nodes, {n_callers} caller(s)")

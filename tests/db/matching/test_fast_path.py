@@ -7,6 +7,7 @@ import random
 import psycopg
 import pytest
 
+from neuralgrid.bench.matching import FILL_FLEET
 from neuralgrid.db.matching import (
     MatchRequest,
     RankedNode,
@@ -205,3 +206,19 @@ def test_a_ranking_under_vram_pressure_walks_only_the_tiers_that_hold_nodes(conn
         score_nodes(conn, request, limit=3)
     (tiers,) = [plan for plan in plans if "private.top_by_total(" in plan]
     assert "node_scores_tier_rank_idx" in tiers and "Limit" in tiers and "Join" not in tiers
+
+
+def test_the_tier_probe_reads_the_index_on_an_analyzed_fleet(conn: psycopg.Connection) -> None:
+    """Once node_scores is analyzed, the planner knows a tier holds thousands of rows and would read
+    the table in order until the first match (a Limit over a Seq Scan), which for a tier that holds
+    none is the whole table: 20.9 ms a ranking at 100,000 nodes against 3.7 ms before the analyze.
+    The probe asks for the index's own order, which only the index gives cheaply."""
+    conn.execute(FILL_FLEET.replace("i %% 7", "1"), {"first": 1, "last": 3000, "model": MODELS[0]})
+    conn.execute("analyze public.nodes, public.node_models, public.node_scores")
+    conn.execute("insert into private.vram_pressure (level_gb, busy, slots, pressure) values (42, 1, 2, 0.5)")
+    request = MatchRequest(model=MODELS[0])
+    with logged_plans(conn) as plans:
+        ranked = score_nodes(conn, request, limit=3)
+    assert [r.node_id for r in ranked] == [r.node_id for r in full_scan(conn, request, 3)]
+    (tiers,) = [plan for plan in plans if "private.top_by_total(" in plan]
+    assert "Seq Scan on node_scores" not in tiers, tiers
