@@ -131,13 +131,15 @@ begin
     where s.node_id = new.id;
     return null;
   end if;
-  -- One cached plan updating this node's rows in place.
+  -- One cached plan updating this node's rows in place; a new VRAM size moves its tier too (the
+  -- version before this one left tier_gb as it was).
   update public.node_scores s
-  set base_score = v.base_score, region = v.region, fixed_base = v.fixed_base, capacity_share = v.capacity_share
+  set base_score = v.base_score, region = v.region, tier_gb = v.tier_gb, fixed_base = v.fixed_base,
+      capacity_share = v.capacity_share
   from public.node_base_scores v
   where v.node_id = new.id and s.node_id = new.id and s.policy = v.policy and s.model_id = v.model_id
-    and (s.base_score, s.region, s.fixed_base, s.capacity_share)
-        is distinct from (v.base_score, v.region, v.fixed_base, v.capacity_share);
+    and (s.base_score, s.region, s.tier_gb, s.fixed_base, s.capacity_share)
+        is distinct from (v.base_score, v.region, v.tier_gb, v.fixed_base, v.capacity_share);
   return null;
 end;
 $$;

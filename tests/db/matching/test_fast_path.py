@@ -157,8 +157,11 @@ def test_a_change_of_load_rescores_by_arithmetic(conn: psycopg.Connection) -> No
     for load in ("inflight = 3", "queue_depth = 4", "inflight = 0, queue_depth = 0"):
         conn.execute(f"update nodes set {load} where id = %s", (node,))
         assert_scores_fresh(conn)
-    # Anything else scored goes the long way, and stays exact too.
+    # Anything else scored goes the long way, and stays exact too: a new VRAM size (a heartbeat's
+    # specs) moves the node's tier as well.
     conn.execute("update nodes set inflight = 2, successes = successes + 1 where id = %s", (node,))
+    assert_scores_fresh(conn)
+    conn.execute("update nodes set vram_gb = 80 where id = %s", (node,))
     assert_scores_fresh(conn)
 
 
