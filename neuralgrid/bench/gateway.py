@@ -2,12 +2,16 @@
 agents, through the gateway, and through the gateway to node agents, at the default settings.
 
 Processes besides this one's load generator: Postgres, the fake node, a bare relay in front of it
-(bench/relay.py: one more HTTP hop through Python, nothing else), the gateway (`neuralgrid up`
+(bench/relay.py: one more HTTP hop through Python, nothing else), the same relay holding a slot in
+Postgres while the node works, the gateway (`neuralgrid up`
 against a scratch database) and node agents (`neuralgrid node run`, registered with that gateway,
 their server the fake node). Each case sends the same load, in alternating rounds, to each path:
 
 - direct: the fake node itself;
 - relay: the bare relay;
+- relay_sql: the relay, which also claims a slot in the scratch database before asking the node and
+  frees it before answering (one UPDATE each): the floor under any gateway that keeps capacity in
+  Postgres and frees a slot when its answer is delivered;
 - agent: the agents' signed fronts (one per 4 callers, in turn), each request signed with its node's
   key as the gateway signs;
 - gateway: the gateway (auth, match, proxy, metering), to nodes with no agent in front;
@@ -64,11 +68,17 @@ AGENT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 AGENT_PRICE, FLEET_MAX_PRICE = "5", "1"
 AGENT_NAME = "bench-agent-{}"
 SCRATCH_DB = "neuralgrid_bench_gateway"
-PATHS = ("direct", "relay", "agent", "gateway", "gateway_agent")
+PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent")
 WARMUP = 20  # requests before each round counts: connections, caches and plans
 ROUNDS = 4  # each case alternates its targets round by round, so that drift spreads over all of them
 # What each path's numbers are reported as, against the direct path: "<prefix>added_p50_ms", ….
-ADDED = {"relay": "relay_", "agent": "agent_", "gateway": "", "gateway_agent": "gateway_agent_"}
+ADDED = {
+    "relay": "relay_",
+    "relay_sql": "relay_sql_",
+    "agent": "agent_",
+    "gateway": "",
+    "gateway_agent": "gateway_agent_",
+}
 
 
 @dataclass(frozen=True)
@@ -102,22 +112,15 @@ def run(
     if unknown:
         raise ValueError(f"unknown paths {sorted(unknown)}: choose from {', '.join(PATHS)}")
     names = [name for name in PATHS if name == "direct" or name in paths]
-    node_port, relay_port, gateway_port = free_port(), free_port(), free_port()
+    node_port, relay_port, relay_sql_port, gateway_port = (free_port() for _ in range(4))
     node_url = f"http://127.0.0.1:{node_port}"
     relay_url, gateway_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{gateway_port}"
+    relay_sql_url = f"http://127.0.0.1:{relay_sql_port}"
     with scratch_database(admin_url, SCRATCH_DB) as db_url:
         fleet = bench_fleet(db_url, [node_url], MODEL, slots=max(callers))  # default-size nodes
         env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
         cli = [sys.executable, "-m", "neuralgrid.cli"]
-        relay = [
-            sys.executable,
-            "-m",
-            "neuralgrid.bench.relay",
-            "--node",
-            node_url,
-            "--port",
-            str(relay_port),
-        ]
+        relay = [sys.executable, "-m", "neuralgrid.bench.relay", "--node", node_url, "--port"]
         auth = {"authorization": f"Bearer {fleet.key}"}
         results: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stack:
@@ -125,7 +128,11 @@ def run(
                 served([*cli, "fake-node", "--port", str(node_port)], env, f"{node_url}/v1/models")
             )
             if "relay" in names:
-                stack.enter_context(served(relay, env, relay_url))
+                stack.enter_context(served([*relay, str(relay_port)], env, relay_url))
+            relay_sql: list[int] = []
+            if "relay_sql" in names:
+                with_slots = [*relay, str(relay_sql_port), "--database", db_url]
+                relay_sql.append(stack.enter_context(served(with_slots, env, relay_sql_url)).pid)
             gateway: list[int] = []
             if {"gateway", "agent", "gateway_agent"} & set(names):
                 gateway.append(stack.enter_context(served([*cli, "up"], env, f"{gateway_url}/readyz")).pid)
@@ -138,6 +145,10 @@ def run(
             targets = {
                 "direct": Target((f"{node_url}{CHAT}",)),
                 "relay": Target((f"{relay_url}{CHAT}",)),
+                "relay_sql": Target(
+                    (f"{relay_sql_url}{CHAT}",),
+                    cpu={"gateway": relay_sql, "postgres": [postmaster_pid(db_url)]},
+                ),
                 "agent": Target(tuple(agents.urls), keys=agents.keys, cpu={"agent": agents.pids}),
                 "gateway": Target(
                     (f"{gateway_url}{CHAT}",),

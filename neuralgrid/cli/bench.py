@@ -70,14 +70,16 @@ def gateway(
         str,
         typer.Option(
             envvar="NEURALGRID_BENCH_PATHS",
-            help="Paths to measure besides direct, comma-separated: relay, agent, gateway, gateway_agent.",
+            help="Paths to measure besides direct, comma-separated: relay, relay_sql, agent, gateway,"
+            " gateway_agent.",
         ),
-    ] = "relay,agent,gateway,gateway_agent",
+    ] = "relay,relay_sql,agent,gateway,gateway_agent",
     out_file: OutFile = Path("bench-results/gateway.json"),
 ) -> None:
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
-    agent) of the gateway and of the node agent against the node they front (and a bare relay), at
-    the default node settings: enough default-size nodes for the most callers."""
+    agent) of the gateway and of the node agent against the node they front (and a bare relay, alone
+    and holding a slot in Postgres), at the default node settings: enough default-size nodes for the
+    most callers."""
     from neuralgrid.bench import gateway as bench
 
     chosen = tuple(part.strip() for part in paths.split(",") if part.strip())

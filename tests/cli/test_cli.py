@@ -263,8 +263,9 @@ def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Pat
 def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
     db_url: str, tmp_path: Path
 ) -> None:
-    """A small run of `neuralgrid bench gateway`: a fake node, the relay, a gateway and a node agent,
-    each a process, at the default node settings; every path's refusals, queue wait and CPU."""
+    """A small run of `neuralgrid bench gateway`: a fake node, the relay (alone and holding a slot in
+    Postgres), a gateway and a node agent, each a process, at the default node settings; every
+    path's refusals, queue wait and CPU."""
     out_file = tmp_path / "gateway.json"
     code, out, err = run(
         db_url, "bench", "gateway", "--callers", "1,5", "--requests", "8", "--out", str(out_file)
@@ -279,7 +280,7 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         (True, 5),
     ]
     for r in report["results"]:
-        for target in ("direct", "relay", "agent", "gateway", "gateway_agent"):
+        for target in ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent"):
             t = r[target]
             assert t["refused_503"] == t["failed"] == 0 and t["served"] == t["requests"] and t["rps"] > 0
             assert 0 < t["p50_ms"] <= t["p99_ms"]
@@ -288,7 +289,7 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         assert r["gateway"]["slots"] == r["gateway_agent"]["slots"] == 8
         # a deployment in service: a ledger of finished jobs, analyzed, before the first request
         assert r["gateway"]["ledger_jobs"] == r["gateway_agent"]["ledger_jobs"] == LEDGER_HISTORY
-        for target in ("gateway", "gateway_agent"):
+        for target in ("relay_sql", "gateway", "gateway_agent"):
             assert r[target]["gateway_cpu_ms_per_request"] > 0
             assert r[target]["postgres_cpu_ms_per_request"] > 0
         for target in ("agent", "gateway_agent"):
@@ -296,11 +297,45 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         assert "postgres_cpu_ms_per_request" not in r["direct"]
         assert r["added_p50_ms"] == round(r["gateway"]["p50_ms"] - r["direct"]["p50_ms"], 3)
         assert r["relay_added_p50_ms"] == round(r["relay"]["p50_ms"] - r["direct"]["p50_ms"], 3)
+        assert r["relay_sql_added_p50_ms"] == round(r["relay_sql"]["p50_ms"] - r["direct"]["p50_ms"], 3)
         assert r["gateway_agent_added_p50_ms"] == round(
             r["gateway_agent"]["p50_ms"] - r["direct"]["p50_ms"], 3
         )
     code, _, err = run(db_url, "bench", "gateway", "--callers", "0")
     assert code == 1 and "must be positive" in err
+
+
+def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """bench gateway's relay_sql path: one slot claimed in Postgres before the node is asked, given
+    back before the client has the answer, plain or streamed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from neuralgrid.bench.relay import Relay
+    from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+    from neuralgrid.server.serving import ThreadedServer
+
+    def held() -> int:
+        return int(conn.execute("select coalesce(sum(used), 0) from bench_relay_slots").fetchone()[0])
+
+    node = FakeNodeConfig(latency_s=0.5)
+    with ThreadedServer(create_fake_node(node)) as fake, ThreadedServer(Relay(fake.url, db_url)) as relay:
+        for stream in (False, True):
+            body = {
+                "model": node.models[0],
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": stream,
+            }
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(httpx.post, f"{relay.url}/v1/chat/completions", json=body, timeout=10)
+                deadline = time.monotonic() + 5
+                while held() == 0 and not answer.done() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert held() == 1  # while the node works
+                resp = answer.result()
+            assert resp.status_code == 200 and held() == 0
+            assert ("data: [DONE]" in resp.text) == stream
 
 
 def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_path: Path) -> None:
