@@ -317,7 +317,9 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
     from neuralgrid.server.serving import ThreadedServer
 
     def held() -> int:
-        return int(conn.execute("select coalesce(sum(used), 0) from bench_relay_slots").fetchone()[0])
+        row = conn.execute("select coalesce(sum(used), 0) from bench_relay_slots").fetchone()
+        assert row is not None
+        return int(row[0])
 
     node = FakeNodeConfig(latency_s=0.5)
     with ThreadedServer(create_fake_node(node)) as fake, ThreadedServer(Relay(fake.url, db_url)) as relay:
