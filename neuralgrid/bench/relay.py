@@ -7,7 +7,8 @@ the cost of the gateway's own work.
 
 With `--database`, it also takes a slot in Postgres before it asks the node and gives it back before
 the client has the whole answer: one UPDATE each on a table of its own (bench_relay_slots), through
-a pool of 4 connections that commit asynchronously, as the gateway's request path does. That is the
+a pool of 4 connections that commit asynchronously, as the gateway's request path does (and, as
+its pools do, hands out the connection returned last: db/pool.py). That is the
 least any gateway can do that claims capacity in the database and frees it when the answer is
 delivered; what the gateway adds beyond it is its matcher, its ledger and its checks.
 
@@ -21,9 +22,9 @@ from typing import Any
 
 import uvicorn
 from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
 from starlette.types import Message, Receive, Scope, Send
 
+from neuralgrid.db.pool import LastInFirstOut
 from neuralgrid.gateway.upstream import HttpNodes, NodeError
 from neuralgrid.server.serving import run_fast
 
@@ -44,7 +45,7 @@ class Slots:
     """A slot claimed and released in Postgres, one statement each."""
 
     def __init__(self, database_url: str) -> None:
-        self.pool = AsyncConnectionPool(
+        self.pool = LastInFirstOut(
             database_url,
             min_size=4,
             max_size=4,

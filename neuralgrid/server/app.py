@@ -18,7 +18,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,6 +25,7 @@ from neuralgrid import __version__
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.listen import listen
+from neuralgrid.db.pool import LastInFirstOut
 from neuralgrid.db.queries import FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
@@ -108,12 +108,12 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             connection["prepare_threshold"] = None
         session_url = settings.session_database_url or database_url  # LISTEN and the sweeper
         async_commit = settings.async_commit and not settings.transaction_pooler
-        pool = AsyncConnectionPool(
+        pool = LastInFirstOut(
             database_url, min_size=2, max_size=settings.db_pool_size, kwargs=connection, open=False
         )
         await pool.open(wait=True, timeout=30)
         # The request path's own connections: see Settings.async_commit.
-        jobs_pool = AsyncConnectionPool(
+        jobs_pool = LastInFirstOut(
             database_url,
             min_size=settings.request_pool_size,
             max_size=settings.request_pool_size,

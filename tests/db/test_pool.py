@@ -1,0 +1,79 @@
+"""The gateway's pools hand out the connection returned last, and check one that rested long."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import AsyncConnection
+
+from neuralgrid.db.pool import LastInFirstOut
+from neuralgrid.db.queries import PING
+from neuralgrid.db.store import Store
+
+
+async def backend(conn: AsyncConnection[Any]) -> int:
+    row = await (await conn.execute("select pg_backend_pid()")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_the_connection_returned_last_is_handed_out_first(db_url: str) -> None:
+    async with LastInFirstOut(db_url, min_size=3, max_size=3, open=False) as pool:
+        await pool.open(wait=True)
+        first, second, third = [await pool.getconn() for _ in range(3)]
+        for conn in (first, second, third):
+            await pool.putconn(conn)
+        for _ in range(3):  # in turn (first in, first out), these would be first, second, third
+            conn = await pool.getconn()
+            assert conn is third
+            await pool.putconn(conn)
+        held = await pool.getconn()  # while it is out, the one returned before it
+        assert held is third and (await pool.getconn()) is second
+
+
+async def test_one_request_at_a_time_keeps_to_one_backend(db_url: str) -> None:
+    """What the request path does sequentially: each statement on the Postgres backend that ran the
+    last one, not on each of the pool's backends in turn."""
+    async with LastInFirstOut(
+        db_url, min_size=4, max_size=4, kwargs={"autocommit": True}, open=False
+    ) as pool:
+        await pool.open(wait=True)
+        store = Store(pool)
+        pids = set()
+        for _ in range(12):
+            await store.get(PING)
+            async with pool.connection() as conn:
+                pids.add(await backend(conn))
+        assert len(pids) == 1
+
+
+async def test_a_connection_closed_while_it_rested_is_replaced_before_use(db_url: str) -> None:
+    async with LastInFirstOut(
+        db_url, min_size=1, max_size=1, idle_check_s=0.2, kwargs={"autocommit": True}, open=False
+    ) as pool:
+        await pool.open(wait=True)
+        async with pool.connection() as conn:
+            closed = await backend(conn)
+        with psycopg.connect(db_url, autocommit=True) as admin:  # as a firewall or pooler would
+            admin.execute("select pg_terminate_backend(%s, 5000)", (closed,))  # gone on return
+        await asyncio.sleep(0.3)
+        async with pool.connection() as conn:  # checked, found closed, replaced
+            assert await backend(conn) != closed
+
+
+async def test_a_connection_in_use_is_not_checked(db_url: str) -> None:
+    """No round trip is added while connections are busy: the check runs only after a rest."""
+    async with LastInFirstOut(
+        db_url, min_size=1, max_size=1, kwargs={"autocommit": True}, open=False
+    ) as pool:
+        await pool.open(wait=True)
+        async with pool.connection() as conn:
+            before = await backend(conn)
+        with psycopg.connect(db_url, autocommit=True) as admin:
+            admin.execute("select pg_terminate_backend(%s, 5000)", (before,))
+        with pytest.raises(psycopg.OperationalError):  # not checked: the statement meets the closed one
+            async with pool.connection() as conn:
+                await backend(conn)
