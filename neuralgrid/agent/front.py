@@ -27,7 +27,7 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from neuralgrid.agent.backend import JSON, Backend, RelayError, RelayResponse, dig
-from neuralgrid.protocol import signing
+from neuralgrid.protocol import signing, wire_json
 from neuralgrid.protocol.routes import route_of
 from neuralgrid.protocol.sse import SseEvents, Usage
 
@@ -274,7 +274,7 @@ class _Unread:
 
 def _object(body: bytes) -> dict[str, Any] | None:
     try:
-        request = json.loads(body)
+        request = wire_json.loads(body)
     except ValueError:
         return None
     return request if isinstance(request, dict) else None
@@ -299,8 +299,8 @@ def _has_usage(event: bytes) -> bool:
     if _USAGE.search(event) is None:
         return False
     try:
-        payload = json.loads(_data(event))
-    except ValueError:
+        payload = wire_json.loads(_data(event))
+    except ValueError:  # not JSON, or nested past what can be read
         return False
     return Usage.parse(payload) is not None
 
@@ -341,7 +341,7 @@ async def _renamed_body(chunks: AsyncIterator[bytes], rename: _Renamer) -> Async
 def _renamed(data: bytes, renamed: tuple[str, str]) -> bytes | None:
     """A JSON object naming the served model, re-encoded naming the catalog's; None if it does not."""
     try:
-        payload = json.loads(data)
+        payload = wire_json.loads(data)
     except ValueError:
         return None
     if not isinstance(payload, dict) or payload.get("model") != renamed[0]:

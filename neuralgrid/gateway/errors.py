@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from neuralgrid.db import errors as db
+from neuralgrid.protocol import wire_json
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|none|literal)\b|[\[(]")
 
@@ -165,8 +166,8 @@ def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping
     (servers differ: FastAPI's {"detail": ...} for a route they lack, vLLM's older {"object": "error",
     "message": ...}, Ollama's {"error": "..."}, plain text)."""
     try:
-        found: Any = json.loads(body)
-    except ValueError:
+        found: Any = wire_json.loads(body)
+    except ValueError:  # not JSON, or nested past what can be read
         found = body.decode(errors="replace").strip()
     fields: dict[str, Any] = found if isinstance(found, dict) else {}
     error = fields.get("error")

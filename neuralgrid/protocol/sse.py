@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
+from neuralgrid.protocol import wire_json
+
 MAX_REPORTED_TOKENS = 10_000_000
 
 
@@ -101,8 +103,8 @@ class SseEvents:
             self.done = True
             return PASS_ON
         try:
-            return json.loads(data)
-        except ValueError:
+            return wire_json.loads(data)
+        except ValueError:  # not JSON, or nested past what can be read
             return None
 
     def _take(self, event: bytes) -> bytes | None:

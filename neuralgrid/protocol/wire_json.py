@@ -1,6 +1,7 @@
 """JSON as clients may send it: the standard, not Python's looser reading of it.
 
-The gateway's request bodies and the Realtime server's messages are read with this one function.
+The gateway's request bodies, what nodes answer (read for usage) and the Realtime server's messages
+are read with this one function.
 """
 
 from __future__ import annotations

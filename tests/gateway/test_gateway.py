@@ -487,3 +487,76 @@ def test_implausible_usage_from_a_node_is_not_believed() -> None:
     assert Usage.parse({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}) == Usage(3, 4)
     for bad in (-1, 10**12, [1], "7", 1.5, True):
         assert Usage.parse({"usage": {"prompt_tokens": bad, "completion_tokens": 1}}) is None
+
+
+def test_an_answer_nested_too_deeply_to_read_still_ends_its_job(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """Nodes are not trusted: an answer Python's JSON reader cannot take (nested past its recursion
+    limit) is passed on unread, with no usage, and its job ends: its slot is free when it arrives."""
+    deep = b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    async def answer(request: Request) -> Response:
+        return Response(deep, media_type="application/json")
+
+    with ThreadedServer(Starlette(routes=[Route("/{path:path}", answer, methods=["POST"])])) as node:
+        node_id = make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
+        resp = httpx.post(
+            f"{gateway}/v1/chat/completions",
+            headers={"authorization": f"Bearer {api_key}"},
+            json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3},
+            timeout=20,
+        )
+        assert resp.status_code == 200 and resp.content == deep
+        row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
+        assert row == (0,)  # freed before the answer went
+    assert conn.execute("select status, completion_tokens from jobs").fetchall() == [("succeeded", 0)]
+
+
+def test_a_stream_refused_by_the_node_has_its_slot_free_when_the_refusal_arrives(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """A 4xx the node answers a stream with is the client's (passed on), and its slot is free by the
+    time the client has it, as for any answer."""
+
+    async def refuse(request: Request) -> Response:
+        return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, 400)
+
+    with ThreadedServer(Starlette(routes=[Route("/{path:path}", refuse, methods=["POST"])])) as node:
+        node_id = make_node(conn, "refusing", vram_gb=24, endpoint_url=node.url)
+        for _ in range(5):
+            resp = httpx.post(
+                f"{gateway}/v1/chat/completions",
+                headers={"authorization": f"Bearer {api_key}"},
+                json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": True},
+                timeout=20,
+            )
+            assert resp.status_code == 400
+            row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
+            assert row == (0,)
+
+
+def test_a_stream_event_nested_too_deeply_to_read_is_passed_on(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """An event the gateway cannot read (nested past Python's recursion limit) goes on as it came,
+    counted as a token; the stream ends as it should and the job with it, succeeded."""
+    deep = b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n"
+    tail = [
+        b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+
+    async def stream(request: Request) -> Response:
+        return Response(deep + b"".join(tail), media_type="text/event-stream")
+
+    with ThreadedServer(Starlette(routes=[Route("/{path:path}", stream, methods=["POST"])])) as node:
+        make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
+        resp = httpx.post(
+            f"{gateway}/v1/chat/completions",
+            headers={"authorization": f"Bearer {api_key}"},
+            json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": True},
+            timeout=20,
+        )
+    assert resp.status_code == 200 and resp.content.startswith(deep) and resp.content.endswith(tail[1])
+    assert wait_for(lambda: conn.execute("select status from jobs").fetchall() == [("succeeded",)])

@@ -10,7 +10,6 @@ meter   complete_jobs() in SQL ends the job, its slot free before the answer end
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from starlette.responses import Response, StreamingResponse
@@ -24,6 +23,7 @@ from neuralgrid.gateway.pipeline.meter import Meter, Metering
 from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.relay import STREAM_HEADERS, Relay
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Rejected, Sender
+from neuralgrid.protocol import wire_json
 from neuralgrid.protocol.sse import Usage
 
 __all__ = ["Call", "Pipeline"]
@@ -99,7 +99,7 @@ class Pipeline:
             raise kind(f"no node could serve the request; last error: {gone.failure}") from None
         except ClientError as refusal:  # passed through; neutral for the node's reputation
             meter.first_byte = time.perf_counter()
-            self.metering.finish(meter, "cancelled", str(refusal))
+            await self.metering.end(meter, "cancelled", str(refusal))  # the slot is free first
             headers = {
                 **admitted.limit_headers,
                 "x-neuralgrid-node": str(meter.node_id),
@@ -155,8 +155,8 @@ class Pipeline:
         if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
             outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
         try:
-            usage = Usage.parse(json.loads(content)) if outcome == "succeeded" else None
-        except ValueError:
+            usage = Usage.parse(wire_json.loads(content)) if outcome == "succeeded" else None
+        except ValueError:  # not JSON, or nested past what can be read: passed on unread
             usage = None
         meter.usage = usage or Usage()
         await self.metering.end(meter, outcome, error)  # the slot is free first
