@@ -18,6 +18,7 @@ job is handed to `abandon` (which ends it), so the slot is not held until the sw
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError, from_sqlstate
 from neuralgrid.db.store import Store, without_nul
 from neuralgrid.gateway.completions import database_unavailable
+
+log = logging.getLogger(__name__)
 
 MAX_GROUP = 16  # place_jobs()'s limit (subtransactions; see its migration)
 # Waited for a row lock longer than a group may (lock_not_available), or lost a deadlock.
@@ -70,8 +73,14 @@ class Claims:
             while self._waiting:
                 group = [waiting for waiting in self._waiting[:MAX_GROUP] if not waiting.future.done()]
                 del self._waiting[:MAX_GROUP]  # (done: its client left before its turn)
-                if group:
+                if not group:
+                    continue
+                try:
                     await self._place_group(group)
+                except Exception as err:  # a bug: this group's requests fail, those behind are placed
+                    log.exception("placing a group of %d requests failed", len(group))
+                    for waiting in group:
+                        _fail(waiting.future, err)
         finally:
             self._placer = None
 

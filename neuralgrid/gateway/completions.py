@@ -29,6 +29,7 @@ from neuralgrid.db.store import Store
 log = logging.getLogger(__name__)
 
 Waiting = tuple[JobEnd, asyncio.Future[float | None]]
+ROLLED_BACK_TRIES = 3  # writes of an ending alone that Postgres may roll back (rolled_back()) in a row
 
 
 class NotWritten(Exception):
@@ -103,7 +104,7 @@ class Completions:
         finally:
             self._writer = None
 
-    async def _write_batch(self, batch: list[Waiting]) -> list[Waiting]:
+    async def _write_batch(self, batch: list[Waiting], tries: int = 1) -> list[Waiting]:
         """Write a batch and settle its waiters; returns the endings left unwritten because the
         database is unavailable, their waiters unsettled, for the next attempt.
 
@@ -116,6 +117,8 @@ class Completions:
             if database_unavailable(err):
                 self._unavailable = err
                 return batch
+            if len(batch) == 1 and rolled_back(err) and tries < ROLLED_BACK_TRIES:
+                return await self._write_batch(batch, tries + 1)  # its slot is not held until the sweep
             if len(batch) == 1:
                 _settle(batch[0][1], error=err)
                 return []
@@ -193,11 +196,18 @@ class Completions:
 
 def database_unavailable(err: Exception) -> bool:
     """The database is down, unreachable or out of connections (psycopg's OperationalError, the
-    pool's PoolTimeout among them), as opposed to bad data or a lost deadlock (TransactionRollback),
-    where one ending may be to blame and writing each alone finds it."""
-    return isinstance(err, psycopg.OperationalError) and not isinstance(
-        err, psycopg.errors.TransactionRollback
-    )
+    pool's PoolTimeout among them), as opposed to bad data or a transaction Postgres rolled back
+    for another's sake (rolled_back()), where one ending may be to blame and writing each alone
+    finds it."""
+    return isinstance(err, psycopg.OperationalError) and not rolled_back(err)
+
+
+def rolled_back(err: Exception) -> bool:
+    """A deadlock's victim or a serialization failure (SQLSTATE class 40): nothing was wrong with
+    what it wrote, and writing it again can succeed. (psycopg's DeadlockDetected is not a
+    TransactionRollback: the class is told by its SQLSTATE.)"""
+    sqlstate = getattr(err, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate.startswith("40")
 
 
 def _settle(

@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from neuralgrid.db import queries as q
-from neuralgrid.db.errors import BudgetExhausted, InvalidRequest
+from neuralgrid.db.errors import BudgetExhausted, DatabaseError, InvalidRequest
 from neuralgrid.db.store import Params, Store
 from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.completions import Completions
@@ -171,3 +171,35 @@ async def test_a_request_postgres_cannot_read_fails_alone(db_url: str) -> None:
         assert conn.execute("select end_user from jobs where end_user is not null").fetchone() == (
             "a\ufffdb",
         )
+
+
+class BrokenOnce(Store):
+    """Answers the first place_jobs() with a row that names no request of the group (a bug's)."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        super().__init__(pool)
+        self.broken = False
+
+    async def all(self, query: q.Query[Any], params: Params = None) -> list[Any]:
+        rows = await super().all(query, params)
+        if query is q.PLACE_JOBS and not self.broken:
+            self.broken = True
+            await asyncio.sleep(0.2)  # the other requests arrive meanwhile: they wait for the next group
+            return [q.GroupedMatch(**{**vars(rows[0]), "ord": 99})]
+        return rows
+
+
+async def test_a_group_that_breaks_fails_its_requests_and_the_next_are_still_placed(db_url: str) -> None:
+    """A bug in reading a group's answer fails that group's requests (each gets the error), and the
+    requests waiting behind it are placed: none is left hanging with no placer."""
+    key = fleet(db_url, 64)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        claims = Claims(BrokenOnce(pool), GATEWAY, abandon=lambda job: None)
+        first = asyncio.ensure_future(claims.place(params(key)))
+        await asyncio.sleep(0.05)
+        behind = [asyncio.ensure_future(claims.place(params(key))) for _ in range(3)]
+        async with asyncio.timeout(10):
+            with pytest.raises((IndexError, DatabaseError)):
+                await first
+            placed = await asyncio.gather(*behind)
+    assert all(match.node_id is not None for match in placed)

@@ -106,3 +106,36 @@ async def test_drain_gives_up_after_its_bound_and_counts_what_it_could_not_write
     assert len(given_up) == 1 and given_up[0].startswith("2 job endings could not be written")
     with psycopg.connect(url) as conn:  # left to the sweep's deadline
         assert conn.execute("select count(*) from jobs where status = 'running'").fetchone() == (2,)
+
+
+class LosesDeadlocks(Completions):
+    """Its first `lost` writes are a deadlock's victims, as Postgres would make them."""
+
+    def __init__(self, store: Store, lost: int) -> None:
+        super().__init__(store, backoff=FAST)
+        self.lost = lost
+
+    async def _complete(self, ends: list[JobEnd]) -> dict[uuid.UUID, float]:
+        if self.lost:
+            self.lost -= 1
+            raise psycopg.errors.DeadlockDetected("deadlock detected")
+        return await super()._complete(ends)
+
+
+async def test_an_ending_alone_that_loses_a_deadlock_is_written_again(
+    pg: OwnPostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deadlock's victim did nothing wrong: written again at once, the ending lands (a batch of one
+    is the usual case on a quiet gateway), so its slot is not held until the sweep; and a deadlock
+    is not an outage (no pause, no warning that the database is unavailable)."""
+    url = pg.fresh_database()
+    jobs, _ = _running_jobs(url, 1)
+    async with _pool(url, timeout=5) as pool:
+        completions = LosesDeadlocks(Store(pool), lost=2)
+        cost = await asyncio.wait_for(
+            completions.record(JobEnd(jobs[0], completion_tokens=5, latency_ms=50)), 10
+        )
+        await completions.drain()
+    assert cost is not None and "unavailable" not in caplog.text
+    with psycopg.connect(url) as conn:
+        assert conn.execute("select status from jobs").fetchall() == [("succeeded",)]
