@@ -18,8 +18,9 @@ from neuralgrid.db.store import Params, Store
 from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.completions import Completions
 from neuralgrid.gateway.metrics import Metrics
-from neuralgrid.gateway.pipeline.meter import Metering
-from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.pipeline import meter
+from neuralgrid.gateway.pipeline.meter import Meter, Metering
+from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold
 from tests.conftest import LLAMA8, make_key, make_node, wait_for
 
 GATEWAY = uuid.UUID("00000000-0000-4000-8000-00000000000b")
@@ -203,3 +204,27 @@ async def test_a_group_that_breaks_fails_its_requests_and_the_next_are_still_pla
                 await first
             placed = await asyncio.gather(*behind)
     assert all(match.node_id is not None for match in placed)
+
+
+class SilentRedis(RateLimiter):
+    """A tpm settlement that never comes back (a Redis that does not answer)."""
+
+    async def settle(self, hold: TokenHold | None, tokens: int) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_shutdown_does_not_wait_for_ever_on_a_settlement(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(meter, "DRAIN_S", 0.5, raising=False)
+    key = fleet(db_url, 4)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
+        store = Store(pool)
+        metering = Metering(Completions(store), SilentRedis(), Metrics())
+        match = await Claims(store, GATEWAY, abandon=metering.abandon).place(params(key))
+        assert match.node_id is not None
+        metering.finish(Meter(match.job_id, match.node_id, sent=0.0), "succeeded", None)
+        async with asyncio.timeout(5):
+            await metering.drain()
+    with psycopg.connect(db_url) as conn:  # the ending itself was written
+        assert conn.execute("select status from jobs").fetchone() == ("succeeded",)

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # How long an answer is held for its job's ending to be written (its node's slot freed) before it is
 # delivered anyway: only a database that is down or overloaded takes this long.
 RELEASE_WAIT_S = 2.0
+DRAIN_S = 5.0  # on shutdown, how long the endings under way may take beyond writing them
 
 
 @dataclass
@@ -132,8 +133,14 @@ class Metering:
     async def drain(self) -> None:
         """Wait for the jobs still being recorded (on shutdown). Their endings are handed in first
         (a task's first step hands its ending in), so that the completions' drain bounds how long
-        they are retried while the database is down; waiting for the tasks first would not."""
+        they are retried while the database is down; waiting for the tasks first would not. What
+        else they wait for (a tpm settlement on a Redis that does not answer) gets DRAIN_S."""
         await asyncio.sleep(0)
         await self.completions.drain()
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        if not self._pending:
+            return
+        _, stuck = await asyncio.wait(set(self._pending), timeout=DRAIN_S)
+        if stuck:
+            log.error("%d job endings were still under way %.0f s into shutdown; left", len(stuck), DRAIN_S)
+            for task in stuck:
+                task.cancel()
