@@ -86,8 +86,8 @@ class RequestTimeout(GatewayError):
 
 
 class ClientGone(GatewayError):
-    """The client hung up before its request arrived whole. Nobody reads the answer; the status
-    (nginx's 499) is for the metrics and the logs."""
+    """The client hung up before its request arrived whole, or while it waited in line for a slot.
+    Nobody reads the answer; the status (nginx's 499) is for the metrics and the logs."""
 
     status, type, code = 499, "invalid_request_error", "client_closed_request"
 

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKeyDep
@@ -215,7 +216,15 @@ def _call(
         received=request.scope.get("state", {}).get("received", time.perf_counter()),
         upload=upload,
         content_type=content_type,
+        gone=lambda: _hung_up(request.receive),
     )
+
+
+async def _hung_up(receive: Receive) -> None:
+    """Returns when the client hangs up. Its body is read whole by now, so the next message its
+    connection has for this request is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

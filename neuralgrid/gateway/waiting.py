@@ -7,7 +7,8 @@ or, as a backstop for a lost announcement or a cooldown that ran out, `poll_s` p
 that gets a node wakes the next one; one that does not stays at the head and waits again.
 
 Fair across keys: the head is the oldest request of the key served longest ago (round robin over
-keys), so a key that floods a model's line delays its own requests, not everyone's.
+keys), so a key that floods a model's line delays its own requests, not everyone's. A request whose
+client hangs up leaves the line at once: nobody would read its answer, and it would still be charged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 from uuid import UUID
 
 T = TypeVar("T")
@@ -24,6 +25,10 @@ T = TypeVar("T")
 
 class LineFull(Exception):
     """The model's line already holds as many requests as it may."""
+
+
+class ClientLeft(Exception):
+    """The client hung up while its request waited: it left the line, and is never served."""
 
 
 @dataclass(eq=False)
@@ -88,11 +93,13 @@ class WaitingRoom:
         deadline: float,
         ask: Callable[[], Awaitable[T | None]],
         seen: int,
+        gone: Callable[[], Awaitable[object]] | None = None,
     ) -> T | None:
         """Wait in the model's line, asking `ask()` for a node each time it is this request's turn,
         until it answers (then the next request's turn comes at once) or the loop's clock passes
         `deadline` (None). `seen`: `announcements` when the caller last asked, so that a slot freed
-        since then is not missed. LineFull when the line is full."""
+        since then is not missed. `gone()` returns when the client hangs up (ClientLeft then: a
+        request nobody waits for is not served later). LineFull when the line is full."""
         line = self.lines.setdefault(model, _Line())
         if line.size >= self.max_waiting:
             raise LineFull(f"{line.size} requests waiting")
@@ -102,13 +109,11 @@ class WaitingRoom:
         served = False
         if self.announcements != seen:
             ticket.turn.set()
+        hung_up = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             while (left := deadline - loop.time()) > 0:
-                try:
-                    await asyncio.wait_for(ticket.turn.wait(), min(left, self.poll_s))
-                except TimeoutError:
-                    if left <= self.poll_s:
-                        return None
+                if not await _turn(ticket, min(left, self.poll_s), hung_up) and left <= self.poll_s:
+                    return None
                 ticket.turn.clear()
                 if line.head() is not ticket:
                     continue
@@ -118,8 +123,28 @@ class WaitingRoom:
                     return answer
             return None
         finally:
+            if hung_up is not None:
+                hung_up.cancel()
             line.leave(ticket, served)
             if line.size == 0:
                 self.lines.pop(model, None)
             else:  # served: a slot may be left for the next; gave up: the turn passes on
                 line.wake_head()
+
+
+async def _turn(ticket: _Ticket, timeout_s: float, hung_up: asyncio.Future[Any] | None) -> bool:
+    """Whether the ticket's turn came within timeout_s; ClientLeft if its client hung up first."""
+    if hung_up is None:
+        try:
+            await asyncio.wait_for(ticket.turn.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+    turn: asyncio.Future[Any] = asyncio.ensure_future(ticket.turn.wait())
+    try:
+        await asyncio.wait({turn, hung_up}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        turn.cancel()
+    if hung_up.done():
+        raise ClientLeft()
+    return ticket.turn.is_set()

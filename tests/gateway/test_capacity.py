@@ -174,3 +174,25 @@ def test_queue_wait_is_a_metric(fake_nodes: Any, gateway: str, api_key: str) -> 
     text = httpx.get(f"{gateway}/metrics").text
     count = next(line for line in text.splitlines() if line.startswith("neuralgrid_queue_wait_seconds_count"))
     assert float(count.split()[-1]) == 8
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_client_that_leaves_while_waiting_leaves_the_line(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str, stream: bool
+) -> None:
+    """A request whose client hangs up while it waits for a slot is not served later: nothing is
+    sent to a node for it, no job is recorded and nothing is charged."""
+    node = fake_nodes(latency_s=1.0, max_concurrency=1)
+    headers = {"authorization": f"Bearer {api_key}"}
+    body = {**BODY, "stream": stream}
+    with ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(
+            httpx.post, f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=10
+        )
+        time.sleep(0.3)  # the node's one slot is taken
+        with pytest.raises(httpx.ReadTimeout):  # waits in line, then hangs up
+            httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=0.3)
+        assert holding.result().status_code == 200
+    time.sleep(1.5)  # time enough to be served, had it stayed in line
+    assert node.requests == 1
+    assert conn.execute("select count(*) from jobs").fetchone() == (1,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +38,8 @@ class Call:
     received: float = field(default_factory=time.perf_counter)
     upload: bytes | None = None  # a multipart body, passed to the node unchanged
     content_type: str = JSON  # the upload's (its boundary with it)
+    # Returns when the client hangs up; watched while the request waits in line for a slot.
+    gone: Callable[[], Awaitable[object]] | None = None
 
     @property
     def model(self) -> str:

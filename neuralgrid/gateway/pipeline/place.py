@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 from uuid import UUID
 
@@ -16,7 +17,7 @@ from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import ROUTES
-from neuralgrid.gateway.waiting import LineFull, WaitingRoom
+from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES
 
 
@@ -80,7 +81,7 @@ class Placement:
         waited = 0.0
         if match is None or match.busy:
             queued = time.perf_counter()
-            match = await self._wait(call.model, line, call.key.id, params, seen)
+            match = await self._wait(call.model, line, call.key.id, params, seen, call.gone)
             waited = time.perf_counter() - queued
         self.metrics.queue_wait.observe(waited)
         if match.refusal == "route":  # no wait makes a node serve another route
@@ -94,7 +95,13 @@ class Placement:
         return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
 
     async def _wait(
-        self, model: str, line: str, key_id: UUID, params: dict[str, object], seen: int
+        self,
+        model: str,
+        line: str,
+        key_id: UUID,
+        params: dict[str, object],
+        seen: int,
+        gone: Callable[[], Awaitable[object]] | None,
     ) -> q.Match:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
 
@@ -103,7 +110,9 @@ class Placement:
             return None if match.busy else match
 
         try:
-            match = await self.room.wait(line, key_id, deadline, ask, seen)
+            match = await self.room.wait(line, key_id, deadline, ask, seen, gone)
+        except ClientLeft:
+            raise errors.ClientGone("the client hung up while its request waited for a slot") from None
         except LineFull as full:
             self.metrics.queue_refused.labels("full").inc()
             raise errors.NoCapacity(
