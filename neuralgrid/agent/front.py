@@ -299,7 +299,7 @@ def _has_usage(event: bytes) -> bool:
     if _USAGE.search(event) is None:
         return False
     try:
-        payload = wire_json.loads(_data(event))
+        payload = wire_json.loads_answer(_data(event))
     except ValueError:  # not JSON, or nested past what can be read
         return False
     return Usage.parse(payload) is not None
@@ -341,7 +341,7 @@ async def _renamed_body(chunks: AsyncIterator[bytes], rename: _Renamer) -> Async
 def _renamed(data: bytes, renamed: tuple[str, str]) -> bytes | None:
     """A JSON object naming the served model, re-encoded naming the catalog's; None if it does not."""
     try:
-        payload = wire_json.loads(data)
+        payload = wire_json.loads_answer(data)
     except ValueError:
         return None
     if not isinstance(payload, dict) or payload.get("model") != renamed[0]:

@@ -166,7 +166,7 @@ def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping
     (servers differ: FastAPI's {"detail": ...} for a route they lack, vLLM's older {"object": "error",
     "message": ...}, Ollama's {"error": "..."}, plain text)."""
     try:
-        found: Any = wire_json.loads(body)
+        found: Any = wire_json.loads_answer(body)
     except ValueError:  # not JSON, or nested past what can be read
         found = body.decode(errors="replace").strip()
     fields: dict[str, Any] = found if isinstance(found, dict) else {}

@@ -103,7 +103,7 @@ class SseEvents:
             self.done = True
             return PASS_ON
         try:
-            return wire_json.loads(data)
+            return wire_json.loads_answer(data)
         except ValueError:  # not JSON, or nested past what can be read
             return None
 

@@ -1,7 +1,9 @@
-"""JSON as clients may send it: the standard, not Python's looser reading of it.
+"""JSON read at the platform's edges.
 
-The gateway's request bodies, what nodes answer (read for usage) and the Realtime server's messages
-are read with this one function.
+What clients send (the gateway's request bodies, the Realtime server's messages) is read as the
+standard has it, not by Python's looser reading (loads()). What nodes answer is read as servers
+write it, NaN and Infinity included (loads_answer()). Either way, JSON nested too deeply to read is
+a ValueError like any other that cannot be read, never a RecursionError.
 """
 
 from __future__ import annotations
@@ -21,3 +23,13 @@ def loads(data: str | bytes) -> Any:
 
 def _refuse_constant(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON number")
+
+
+def loads_answer(data: str | bytes) -> Any:
+    """A server's JSON as Python servers write it: NaN and Infinity are read (vLLM's logprobs hold
+    -Infinity where a token's probability is zero). ValueError for what cannot be read, nesting too
+    deep to parse among it."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None

@@ -560,3 +560,51 @@ def test_a_stream_event_nested_too_deeply_to_read_is_passed_on(
         )
     assert resp.status_code == 200 and resp.content.startswith(deep) and resp.content.endswith(tail[1])
     assert wait_for(lambda: conn.execute("select status from jobs").fetchall() == [("succeeded",)])
+
+
+def test_an_answer_with_infinity_in_its_logprobs_is_metered(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """Python servers write -Infinity where a token's probability is zero (not standard JSON, but what
+    they send): the answer's usage is still read and charged, plain and streamed."""
+    choice = b'"logprobs": {"content": [{"token": "a", "logprob": -Infinity}]}'
+    usage = b'"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}'
+    plain = (
+        b'{"id": "x", "object": "chat.completion", "choices": [{"index": 0, '
+        + choice
+        + b', "message": {"role": "assistant", "content": "abc"}, "finish_reason": "stop"}], '
+        + usage
+        + b"}"
+    )
+    events = (
+        b'data: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, '
+        + choice
+        + b', "delta": {"content": "abc"}}]}\n\n'
+        + b'data: {"id": "x", "object": "chat.completion.chunk", "choices": [], '
+        + usage
+        + b"}\n\n"
+        + b"data: [DONE]\n\n"
+    )
+
+    async def answer(request: Request) -> Response:
+        streamed = json.loads(await request.body()).get("stream")
+        return (
+            Response(events, media_type="text/event-stream")
+            if streamed
+            else Response(plain, media_type="application/json")
+        )
+
+    with ThreadedServer(Starlette(routes=[Route("/{path:path}", answer, methods=["POST"])])) as node:
+        make_node(conn, "python", vram_gb=24, endpoint_url=node.url)
+        for stream in (False, True):
+            resp = httpx.post(
+                f"{gateway}/v1/chat/completions",
+                headers={"authorization": f"Bearer {api_key}"},
+                json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": stream},
+                timeout=20,
+            )
+            assert resp.status_code == 200
+    assert wait_for(
+        lambda: len(conn.execute("select 1 from jobs where status = 'succeeded'").fetchall()) == 2
+    )
+    assert conn.execute("select prompt_tokens, completion_tokens from jobs").fetchall() == [(5, 3), (5, 3)]

@@ -155,7 +155,7 @@ class Pipeline:
         if resp.status >= 400:  # the client's mistake, told by the node: neutral for the node
             outcome, error = "cancelled", f"HTTP {resp.status} from the node: {content[:200]!r}"
         try:
-            usage = Usage.parse(wire_json.loads(content)) if outcome == "succeeded" else None
+            usage = Usage.parse(wire_json.loads_answer(content)) if outcome == "succeeded" else None
         except ValueError:  # not JSON, or nested past what can be read: passed on unread
             usage = None
         meter.usage = usage or Usage()
