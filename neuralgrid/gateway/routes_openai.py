@@ -28,6 +28,7 @@ from neuralgrid.gateway.errors import (
     invalid,
 )
 from neuralgrid.gateway.pipeline import Call
+from neuralgrid.gateway.pipeline.kinds import ROUTES, SERVED_BY
 from neuralgrid.gateway.schema import END_USER, SCHEMAS, AudioForm, FormError, ModelId, read_audio_form
 from neuralgrid.protocol import wire_json
 from neuralgrid.server.services import ServicesDep
@@ -82,7 +83,13 @@ async def retrieve_model(model: str, key: ApiKeyDep, services: ServicesDep) -> d
     row = await services.store.one(q.MODEL, {"model": model})
     if row is None:
         raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-    return {**_model(row), "kind": row.kind, "routes": [f"/v1/{route}" for route in row.routes]}
+    # A catalog model is served on its kind's routes only (admission refuses the others).
+    served = {ROUTES[kind] for kind in SERVED_BY.get(row.kind or "", ROUTES.keys())}
+    return {
+        **_model(row),
+        "kind": row.kind,
+        "routes": [f"/v1/{route}" for route in row.routes if route in served],
+    }
 
 
 @router.post("/chat/completions")

@@ -228,6 +228,19 @@ def test_the_sdk_retrieves_a_model_with_the_routes_its_nodes_serve(
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
 
 
+def test_a_model_lists_only_the_routes_its_kind_is_served_on(client: openai.OpenAI, fake_nodes: Any) -> None:
+    """A chat model on a server that also answers /v1/embeddings: the gateway refuses embeddings of a
+    chat model, so retrieving the model does not offer them."""
+    fake_nodes()  # chat, completions and embeddings, as vLLM serves them
+    routes = (client.models.retrieve(LLAMA8).model_extra or {})["routes"]
+    assert routes == ["/v1/chat/completions", "/v1/completions"]
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=LLAMA8, input="hello")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model")
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
+
+
 # Bad input --------------------------------------------------------------------------------------
 
 
