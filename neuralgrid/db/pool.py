@@ -26,20 +26,31 @@ IDLE_CHECK_S = 60.0
 class LastInFirstOut(AsyncConnectionPool[AsyncConnection[Any]]):
     def __init__(self, conninfo: str, *, idle_check_s: float = IDLE_CHECK_S, **options: Any) -> None:
         self.idle_check_s = idle_check_s
-        self._handed_out: WeakKeyDictionary[AsyncConnection[Any], float] = WeakKeyDictionary()
-        super().__init__(conninfo, check=self._check_if_idle, **options)
+        # Since when each connection has rested: opened, or last handed out.
+        self._rested_since: WeakKeyDictionary[AsyncConnection[Any], float] = WeakKeyDictionary()
+        configure = options.pop("configure", None)
+
+        async def opened(conn: AsyncConnection[Any]) -> None:
+            self._rested_since[conn] = time.monotonic()
+            if configure is not None:
+                await configure(conn)
+
+        super().__init__(conninfo, check=self._check_if_idle, configure=opened, **options)
 
     async def _get_ready_connection(self, timeout: float | None) -> AsyncConnection[Any] | None:
         # The ready connections are a deque, a returned one appended at the right, and psycopg_pool
         # takes from the left: the one returned last goes to the left first. (tests/db/test_pool.py
-        # checks the order, so a psycopg_pool that keeps them otherwise fails there, not here.)
-        self._pool.rotate(1)
+        # checks the order, so a psycopg_pool that keeps them otherwise fails there, not here.) Not
+        # when psycopg_pool is about to give up waiting: the order stays as it was.
+        if timeout is None or timeout > 0:
+            self._pool.rotate(1)
         return await super()._get_ready_connection(timeout)
 
     async def _check_if_idle(self, conn: AsyncConnection[Any]) -> None:
-        """Run for each connection handed out: a round trip only after a long rest."""
+        """Run for each connection handed out: a round trip only after a long rest (counted from
+        when it was opened, for one never handed out before)."""
         now = time.monotonic()
-        last = self._handed_out.get(conn)
-        self._handed_out[conn] = now
-        if last is not None and now - last > self.idle_check_s:
+        rested_since = self._rested_since.get(conn, 0.0)
+        self._rested_since[conn] = now
+        if now - rested_since > self.idle_check_s:
             await AsyncConnectionPool.check_connection(conn)

@@ -77,3 +77,23 @@ async def test_a_connection_in_use_is_not_checked(db_url: str) -> None:
         with pytest.raises(psycopg.OperationalError):  # not checked: the statement meets the closed one
             async with pool.connection() as conn:
                 await backend(conn)
+
+
+async def test_a_connection_never_handed_out_is_checked_after_resting(db_url: str) -> None:
+    """One opened with the pool and left at the far end by a light load rests too: when a burst
+    first needs it, it is checked (and replaced, closed meanwhile)."""
+    async with LastInFirstOut(
+        db_url, min_size=2, max_size=2, idle_check_s=0.2, kwargs={"autocommit": True}, open=False
+    ) as pool:
+        await pool.open(wait=True)
+        for _ in range(3):  # a light load: one connection, handed out again and again
+            async with pool.connection() as conn:
+                await backend(conn)
+        with psycopg.connect(db_url, autocommit=True) as admin:  # both closed, as a middlebox would
+            others = "select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
+            closed = [row[0] for row in admin.execute(others)]
+            for pid in closed:
+                admin.execute("select pg_terminate_backend(%s, 5000)", (pid,))
+        await asyncio.sleep(0.3)
+        async with pool.connection() as first, pool.connection() as second:  # a burst: both
+            assert {await backend(first), await backend(second)}.isdisjoint(closed)
