@@ -105,8 +105,11 @@ class Claims:
             raise
         again: list[Waiting] = []  # first in the next group
         later: list[Waiting] = []  # placed alone, settled by that
+        read = 0  # rows handed to their request so far
         try:
             for row in rows:
+                if not 1 <= row.ord <= len(group):
+                    raise DatabaseError(f"place_jobs() answered for request {row.ord} of {len(group)}")
                 waiting = group[row.ord - 1]
                 if waiting.future.done():  # its client left meanwhile
                     self._let_go(row)
@@ -120,7 +123,10 @@ class Claims:
                     _fail(waiting.future, error or DatabaseError(row.failure or row.failure_state))
                 else:
                     waiting.future.set_result(row)
+                read += 1
         finally:
+            for row in rows[read:]:  # not handed to its request (a bug above): its job is not kept
+                self._let_go(row)
             self._waiting[:0] = again
             for waiting in group:  # none left hanging, whatever happened above
                 if waiting not in again and waiting not in later:

@@ -194,8 +194,9 @@ async def test_a_group_that_breaks_fails_its_requests_and_the_next_are_still_pla
     """A bug in reading a group's answer fails that group's requests (each gets the error), and the
     requests waiting behind it are placed: none is left hanging with no placer."""
     key = fleet(db_url, 64)
+    let_go: list[uuid.UUID] = []
     async with AsyncConnectionPool(db_url, min_size=1, max_size=2, kwargs={"autocommit": True}) as pool:
-        claims = Claims(BrokenOnce(pool), GATEWAY, abandon=lambda job: None)
+        claims = Claims(BrokenOnce(pool), GATEWAY, abandon=let_go.append)
         first = asyncio.ensure_future(claims.place(params(key)))
         await asyncio.sleep(0.05)
         behind = [asyncio.ensure_future(claims.place(params(key))) for _ in range(3)]
@@ -204,6 +205,9 @@ async def test_a_group_that_breaks_fails_its_requests_and_the_next_are_still_pla
                 await first
             placed = await asyncio.gather(*behind)
     assert all(match.node_id is not None for match in placed)
+    with psycopg.connect(db_url) as conn:  # the broken row's job is let go, not kept until the sweep
+        running = {row[0] for row in conn.execute("select id from jobs where status = 'running'")}
+    assert len(let_go) == 1 and let_go[0] in running and len(running) == 4
 
 
 class SilentRedis(RateLimiter):
