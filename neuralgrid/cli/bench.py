@@ -8,10 +8,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from neuralgrid.cli.common import database_url, fail, friendly_errors, integers, out, progress, report
+from neuralgrid.cli.common import (
+    database_url,
+    fail,
+    friendly_errors,
+    integers,
+    out,
+    print_table,
+    progress,
+    report,
+)
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
 
@@ -345,7 +353,7 @@ def calibrate(
             f"{level['prefill_tokens_per_s']:.0f}",
             "-" if cpu is None else f"{cpu:.2f} cores",
         )
-    (out if out.is_terminal else Console(width=160)).print(table)
+    print_table(table)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"wrote {out_file}")

@@ -176,10 +176,16 @@ def log_to_stderr() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def print_table(table: Table) -> None:
+    """A table on the console; piped or in a log, as wide as its cells need (Rich would cut them to
+    80 columns: every number `0…`)."""
+    (out if out.is_terminal else Console(width=240)).print(table)
+
+
 def report(table: Table, path: Path, name: str, results: list[dict[str, Any]], **meta: Any) -> None:
     """A benchmark's end: its table on the console (whole headers in a log too) and its JSON."""
     from neuralgrid.bench import write_report
 
-    (out if out.is_terminal else Console(width=160)).print(table)
+    print_table(table)
     write_report(path, name, results, **meta)
     out.print(f"wrote {path}")

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated
 
 import typer
 
-from neuralgrid.cli.common import fail
+from neuralgrid.cli.common import fail, out
 
 
 def fake_node(
-    port: Annotated[int, typer.Option(envvar="NEURALGRID_FAKE_PORT", help="Port on 127.0.0.1.")] = 8000,
+    port: Annotated[
+        int, typer.Option(envvar="NEURALGRID_FAKE_PORT", help="Port on 127.0.0.1 (0: any free one).")
+    ] = 8000,
     tokens_per_s: Annotated[
         float, typer.Option(envvar="NEURALGRID_FAKE_TOKENS_PER_S", help="Generation speed (0: instant).")
     ] = 0.0,
@@ -33,10 +36,22 @@ def fake_node(
 
     from neuralgrid.dev.demo import DEMO_MODELS
     from neuralgrid.dev.fakenode import LIKE, FakeNodeConfig, create_fake_node
+    from neuralgrid.server.run import listen
+    from neuralgrid.server.serving import run_fast
 
     if like not in LIKE:
         raise fail(f"--like {like!r}: choose one of {', '.join(LIKE)}")
+    if not 0 <= port <= 65535:
+        raise fail(f"--port {port}: a TCP port is 1 to 65535 (0: any free one)")
+    try:
+        listener = listen("127.0.0.1", port)  # bound first: a taken port fails here, in one line
+    except OSError as err:
+        raise fail(f"--port {port}: cannot listen there ({err.strerror or err})") from err
     config = FakeNodeConfig.like(
         like, models=DEMO_MODELS, tokens_per_s=tokens_per_s, latency_s=latency_s, failure_rate=failure_rate
     )
-    uvicorn.run(create_fake_node(config), host="127.0.0.1", port=port, log_level="warning")
+    bound = listener.getsockname()[1]
+    out.print(f"a fake {like} server on http://127.0.0.1:{bound}/v1 (Ctrl-C stops it)", highlight=False)
+    server = uvicorn.Server(uvicorn.Config(create_fake_node(config), log_level="warning"))
+    with contextlib.suppress(KeyboardInterrupt):
+        run_fast(server.serve(sockets=[listener]))

@@ -17,7 +17,7 @@ from rich import box
 from rich.table import Table
 
 from neuralgrid.cli.account import hosted_errors, signed_in
-from neuralgrid.cli.common import database, fail, friendly_errors, out
+from neuralgrid.cli.common import database, fail, friendly_errors, out, print_table
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Import and list the fleet of GPU nodes.")
 JsonOption = Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")]
@@ -106,7 +106,7 @@ def nodes_ls(
     if as_json:
         print_json(rows)
         return
-    out.print(column_table(rows, [c for c in _NODE_COLUMNS if wide or c.narrow]))
+    print_table(column_table(rows, [c for c in _NODE_COLUMNS if wide or c.narrow]))
 
 
 def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> Table:
@@ -161,6 +161,8 @@ def match(
     from neuralgrid.db import matching
     from neuralgrid.protocol.routes import parse_routes
 
+    if max_rate is not None and not max_rate >= 0:  # NaN too
+        raise fail("--max-rate must be a number of USD per hour, not negative")
     try:
         routes = parse_routes(route) if route is not None else ()
     except ValueError as err:
@@ -189,7 +191,7 @@ def match(
     for r in rows:
         cells = [str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(getattr(r, c)) for c in components)]
         table.add_row(*cells, *([r.reject_reason or ""] if explain else []))
-    out.print(table)
+    print_table(table)
 
 
 # The default view fits 80 columns with the components that weigh most by default (fewer beside the

@@ -42,6 +42,11 @@ def create(
 
     It belongs to a user (--owner; by default the local owner, or you when signed in with `neuralgrid
     login`): their API keys page lists it, and the nodes registered with it are theirs."""
+    for flag, limit in (("--rpm", rpm), ("--tpm", tpm)):
+        if limit is not None and limit < 1:
+            raise fail(f"{flag} must be a positive whole number (leave it out for no limit)")
+    if budget_usd is not None and not budget_usd >= 0:  # NaN too
+        raise fail("--budget-usd must be a number of USD, not negative (leave it out for no budget)")
     api = signed_in(ctx)
     if api is None:
         _create_in_database(ctx, name, rpm, tpm, budget_usd, owner)

@@ -103,6 +103,24 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(db_url: str, tmp_path: Path)
     assert code == 1 and "unknown matching policy" in err
     code, _, err = run("postgresql://nobody@127.0.0.1:1/x", "nodes", "ls")
     assert code == 1 and "cannot reach the database" in err
+    code, _, err = run(db_url, "match", "--model", LLAMA8, "--max-rate", "-1")
+    assert code == 1 and "--max-rate must be a number of USD per hour, not negative" in err
+    for flag, value in (("--rpm", "-1"), ("--tpm", "0"), ("--budget-usd", "-5")):
+        code, _, err = run(db_url, "keys", "create", "--name", "x", flag, value)
+        assert code == 1 and err.startswith(f"error: {flag} must be") and err.count("\n") == 1
+    code, _, err = run(db_url, "fake-node", "--port", "99999")
+    assert code == 1 and "a TCP port is 1 to 65535" in err
+
+
+def test_tables_piped_are_whole(db_url: str) -> None:
+    """Out of a terminal (piped, a log), a table is as wide as its cells: Rich would cut it to 80
+    columns, every score `0…`."""
+    code, _, _ = run(db_url, "nodes", "import", str(DEMO_FLEET))
+    assert code == 0
+    result = CliRunner().invoke(
+        app, ["match", "--model", LLAMA8, "--wide", "--limit", "3"], env={"DATABASE_URL": db_url}
+    )
+    assert result.exit_code == 0 and "…" not in result.stdout and "reputation" in result.stdout
 
 
 def test_uncatalogued_cli_match_uses_given_vram(conn: psycopg.Connection, db_url: str) -> None:
