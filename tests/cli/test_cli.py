@@ -250,7 +250,7 @@ def test_keys_commands(db_url: str) -> None:
     code, _, err = run(db_url, "keys", "revoke", key[:11])
     assert code == 1 and "no active key" in err
     code, _, err = run(db_url, "keys", "create", "--name", "bad", "--rpm", "0")
-    assert code == 1 and "rpm_limit must be positive" in err
+    assert code == 1 and "--rpm must be a positive whole number" in err
 
 
 def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Path) -> None:
