@@ -7,6 +7,7 @@ Server-side imports happen inside functions, so a node owner's install (the agen
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -177,9 +178,10 @@ def log_to_stderr() -> None:
 
 
 def print_table(table: Table) -> None:
-    """A table on the console; piped or in a log, as wide as its cells need (Rich would cut them to
-    80 columns: every number `0…`)."""
-    (out if out.is_terminal else Console(width=240)).print(table)
+    """A table on the console. Piped or in a log, as wide as its cells need (Rich would cut them to
+    80 columns: every number `0…`), unless COLUMNS says how wide."""
+    piped = not out.is_terminal and "COLUMNS" not in os.environ
+    (Console(width=240) if piped else out).print(table)
 
 
 def report(table: Table, path: Path, name: str, results: list[dict[str, Any]], **meta: Any) -> None:
