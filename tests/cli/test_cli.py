@@ -118,7 +118,9 @@ def test_tables_piped_are_whole(db_url: str) -> None:
     code, _, _ = run(db_url, "nodes", "import", str(DEMO_FLEET))
     assert code == 0
     result = CliRunner().invoke(
-        app, ["match", "--model", LLAMA8, "--wide", "--limit", "3"], env={"DATABASE_URL": db_url}
+        app,
+        ["match", "--model", LLAMA8, "--wide", "--limit", "3"],
+        env={"DATABASE_URL": db_url, "COLUMNS": None},
     )
     assert result.exit_code == 0 and "…" not in result.stdout and "reputation" in result.stdout
 
