@@ -25,6 +25,13 @@ from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]
 
 
+def chat(gateway: str, api_key: str, stream: bool = False) -> httpx.Response:
+    """A short chat request, as it is: whatever the gateway answers."""
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": stream}
+    headers = {"authorization": f"Bearer {api_key}"}
+    return httpx.post(f"{gateway}/v1/chat/completions", headers=headers, json=body, timeout=20)
+
+
 def job_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     return conn.execute(
         "select status, attempts, prompt_tokens, completion_tokens, cost_usd::float8, error from jobs order by created_at"
@@ -501,12 +508,7 @@ def test_an_answer_nested_too_deeply_to_read_still_ends_its_job(
 
     with ThreadedServer(Starlette(routes=[Route("/{path:path}", answer, methods=["POST"])])) as node:
         node_id = make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
-        resp = httpx.post(
-            f"{gateway}/v1/chat/completions",
-            headers={"authorization": f"Bearer {api_key}"},
-            json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3},
-            timeout=20,
-        )
+        resp = chat(gateway, api_key)
         assert resp.status_code == 200 and resp.content == deep
         row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
         assert row == (0,)  # freed before the answer went
@@ -525,12 +527,7 @@ def test_a_stream_refused_by_the_node_has_its_slot_free_when_the_refusal_arrives
     with ThreadedServer(Starlette(routes=[Route("/{path:path}", refuse, methods=["POST"])])) as node:
         node_id = make_node(conn, "refusing", vram_gb=24, endpoint_url=node.url)
         for _ in range(5):
-            resp = httpx.post(
-                f"{gateway}/v1/chat/completions",
-                headers={"authorization": f"Bearer {api_key}"},
-                json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": True},
-                timeout=20,
-            )
+            resp = chat(gateway, api_key, stream=True)
             assert resp.status_code == 400
             row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
             assert row == (0,)
@@ -552,12 +549,7 @@ def test_a_stream_event_nested_too_deeply_to_read_is_passed_on(
 
     with ThreadedServer(Starlette(routes=[Route("/{path:path}", stream, methods=["POST"])])) as node:
         make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
-        resp = httpx.post(
-            f"{gateway}/v1/chat/completions",
-            headers={"authorization": f"Bearer {api_key}"},
-            json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": True},
-            timeout=20,
-        )
+        resp = chat(gateway, api_key, stream=True)
     assert resp.status_code == 200 and resp.content.startswith(deep) and resp.content.endswith(tail[1])
     assert wait_for(lambda: conn.execute("select status from jobs").fetchall() == [("succeeded",)])
 
@@ -597,12 +589,7 @@ def test_an_answer_with_infinity_in_its_logprobs_is_metered(
     with ThreadedServer(Starlette(routes=[Route("/{path:path}", answer, methods=["POST"])])) as node:
         make_node(conn, "python", vram_gb=24, endpoint_url=node.url)
         for stream in (False, True):
-            resp = httpx.post(
-                f"{gateway}/v1/chat/completions",
-                headers={"authorization": f"Bearer {api_key}"},
-                json={"model": LLAMA8, "messages": MESSAGES, "max_tokens": 3, "stream": stream},
-                timeout=20,
-            )
+            resp = chat(gateway, api_key, stream=stream)
             assert resp.status_code == 200
     assert wait_for(
         lambda: len(conn.execute("select 1 from jobs where status = 'succeeded'").fetchall()) == 2
