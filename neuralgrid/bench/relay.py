@@ -18,13 +18,11 @@ delivered; what the gateway adds beyond it is its matcher, its ledger and its ch
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import uvicorn
-from psycopg import AsyncConnection
 from starlette.types import Message, Receive, Scope, Send
 
-from neuralgrid.db.pool import LastInFirstOut
+from neuralgrid.db.pool import LastInFirstOut, commit_asynchronously
 from neuralgrid.gateway.upstream import HttpNodes, NodeError
 from neuralgrid.server.serving import run_fast
 
@@ -50,7 +48,7 @@ class Slots:
             min_size=4,
             max_size=4,
             kwargs={"autocommit": True},
-            configure=_commit_asynchronously,
+            configure=commit_asynchronously,
             open=False,
         )
 
@@ -67,10 +65,6 @@ class Slots:
     async def release(self, slot: int) -> None:
         async with self.pool.connection() as conn:
             await conn.execute(RELEASE, (slot,))
-
-
-async def _commit_asynchronously(conn: AsyncConnection[Any]) -> None:
-    await conn.execute("set synchronous_commit = off")
 
 
 class Relay:

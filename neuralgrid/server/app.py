@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from psycopg import AsyncConnection
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,7 +24,7 @@ from neuralgrid import __version__
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.listen import listen
-from neuralgrid.db.pool import LastInFirstOut
+from neuralgrid.db.pool import LastInFirstOut, commit_asynchronously
 from neuralgrid.db.queries import FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
@@ -91,10 +90,6 @@ class Timing:
         await self.app(scope, receive, counted)
 
 
-async def _commit_asynchronously(conn: AsyncConnection) -> None:
-    await conn.execute("set synchronous_commit = off")
-
-
 def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> FastAPI:
     """The gateway for one database. `sweep` runs the health sweeper in this process too."""
     metrics_holder: list[Metrics] = []
@@ -119,7 +114,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             max_size=settings.request_pool_size,
             kwargs=connection,
             # A session setting: behind a transaction pooler it would land on others' connections.
-            configure=_commit_asynchronously if async_commit else None,
+            configure=commit_asynchronously if async_commit else None,
             open=False,
         )
         await jobs_pool.open(wait=True, timeout=30)
