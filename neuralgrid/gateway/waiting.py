@@ -134,17 +134,15 @@ class WaitingRoom:
 
 async def _turn(ticket: _Ticket, timeout_s: float, hung_up: asyncio.Future[Any] | None) -> bool:
     """Whether the ticket's turn came within timeout_s; ClientLeft if its client hung up first."""
-    if hung_up is None:
-        try:
-            await asyncio.wait_for(ticket.turn.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
     turn: asyncio.Future[Any] = asyncio.ensure_future(ticket.turn.wait())
     try:
-        await asyncio.wait({turn, hung_up}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {turn} if hung_up is None else {turn, hung_up},
+            timeout=timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
     finally:
         turn.cancel()
-    if hung_up.done():
+    if hung_up is not None and hung_up.done():
         raise ClientLeft()
     return ticket.turn.is_set()
