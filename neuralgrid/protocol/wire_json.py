@@ -9,14 +9,16 @@ a ValueError like any other that cannot be read, never a RecursionError.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 
 def loads(data: str | bytes) -> Any:
     """Parse JSON text; ValueError for what JSON is not: NaN and Infinity (Python reads them, other
     parsers and Postgres choke on them), and nesting too deep to parse (Python's RecursionError)."""
-    return _parse(data, _refuse_constant)
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _refuse_constant(constant: str) -> Any:
@@ -27,11 +29,7 @@ def loads_answer(data: str | bytes) -> Any:
     """A server's JSON as Python servers write it: NaN and Infinity are read (vLLM's logprobs hold
     -Infinity where a token's probability is zero). ValueError for what cannot be read, nesting too
     deep to parse among it."""
-    return _parse(data, None)
-
-
-def _parse(data: str | bytes, parse_constant: Callable[[str], Any] | None) -> Any:
     try:
-        return json.loads(data, parse_constant=parse_constant)
+        return json.loads(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
