@@ -11,6 +11,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from neuralgrid import validation
 from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError, InvalidRequest
 from neuralgrid.db.queries import NodeStatus
@@ -55,7 +56,7 @@ def read_fleet(path: Path) -> list[NodeSpec]:
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise InvalidRequest(f"{path}: node {i} ({where}): {first['msg']}") from err
+            raise InvalidRequest(f"{path}: node {i} ({where}): {validation.message(first)}") from err
     return specs
 
 

@@ -104,6 +104,7 @@ class Options:
     def _read(self, *, with_running_stack: bool) -> Settings:
         from pydantic import ValidationError
 
+        from neuralgrid import validation
         from neuralgrid.server import running
         from neuralgrid.server.settings import Settings
         from neuralgrid.server.stack import with_stack_secret
@@ -111,7 +112,7 @@ class Options:
         try:
             config = Settings(**self.overrides)
         except ValidationError as err:
-            raise fail(err.errors()[0]["msg"]) from err
+            raise fail(validation.message(err.errors()[0])) from err
         if with_running_stack:  # before the secret: the stack's database decides where it comes from
             config = running.with_running_stack(config, running.find(config))
         config = with_stack_secret(config)

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from neuralgrid import validation
 from neuralgrid.db import errors as db
 from neuralgrid.protocol import wire_json
 
@@ -58,7 +59,8 @@ def invalid(errors: Sequence[Any]) -> BadRequest:
     (its path, e.g. messages.0.role, without pydantic's names for the members of a union)."""
     first = errors[0]
     param = ".".join(str(p) for p in first["loc"] if p != "body" and not _UNION_MEMBER.match(str(p))) or None
-    return BadRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    said = validation.message(first)
+    return BadRequest(f"{param}: {said}" if param else said, param=param)
 
 
 class Unauthorized(GatewayError):

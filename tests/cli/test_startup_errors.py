@@ -105,3 +105,10 @@ def test_a_relative_home_works(tmp_path: Path) -> None:
         assert f"host={tmp_path / '.ng' / 'postgres' / 'run'}" in result.stdout
     finally:
         EmbeddedPostgres(tmp_path / ".ng" / "postgres", port=port).stop()
+
+
+def test_a_setting_refused_by_a_rule_is_said_in_the_rules_words() -> None:
+    result = invoke("keys", "ls", NEURALGRID_SUPABASE_URL="http://127.0.0.1:1")
+    assert result.exit_code == 1
+    [line] = result.output.splitlines()
+    assert line.lower() == "error: set neuralgrid_supabase_url and neuralgrid_supabase_anon_key together"

@@ -284,6 +284,7 @@ def test_bad_json_is_an_openai_shaped_400_that_no_node_sees(
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param) and error["message"]
+    assert "Value error" not in error["message"], "a validator's own words, without pydantic's prefix"
     assert app.app.state.seen == []
 
 
