@@ -296,6 +296,7 @@ class ServedModel:
     id: str
     online_nodes: int
     in_catalog: bool
+    created: int  # Unix time: the catalog's entry, else the first holder's registration
 
 
 @dataclass(frozen=True)
@@ -313,11 +314,13 @@ class KeyUsage:
 MODELS = Query(
     "models",
     """
-select m.id, count(n.id) as online_nodes, bool_or(c.id is not null) as in_catalog
+select m.id, count(n.id) filter (where n.status in ('online', 'busy')) as online_nodes,
+  bool_or(c.id is not null) as in_catalog,
+  floor(extract(epoch from coalesce(min(c.created_at), min(n.created_at))))::int8 as created
 from (select id from public.models union select model_id from public.node_models) m (id)
 left join public.models c on c.id = m.id
 left join public.node_models nm on nm.model_id = m.id
-left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
+left join public.nodes n on n.id = nm.node_id
 group by m.id order by m.id
 """,
     class_row(ServedModel),
@@ -332,6 +335,7 @@ class ModelInfo:
     id: str
     online_nodes: int
     in_catalog: bool
+    created: int  # as ServedModel's
     kind: str | None
     routes: list[str]
 
@@ -340,12 +344,16 @@ class ModelInfo:
 MODEL = Query(
     "model",
     """
-select %(model)s::text as id, count(distinct n.id) as online_nodes, c.id is not null as in_catalog, c.kind,
-  coalesce(array_agg(distinct r.route order by r.route) filter (where r.route is not null), '{}') as routes
+select %(model)s::text as id,
+  count(distinct n.id) filter (where n.status in ('online', 'busy')) as online_nodes,
+  c.id is not null as in_catalog, c.kind,
+  floor(extract(epoch from coalesce(min(c.created_at), min(n.created_at))))::int8 as created,
+  coalesce(array_agg(distinct r.route order by r.route)
+           filter (where r.route is not null and n.status in ('online', 'busy')), '{}') as routes
 from (select 1) one
 left join public.models c on c.id = %(model)s
 left join public.node_models nm on nm.model_id = %(model)s
-left join public.nodes n on n.id = nm.node_id and n.status in ('online', 'busy')
+left join public.nodes n on n.id = nm.node_id
 left join lateral unnest(n.routes) as r (route) on true
 group by c.id, c.kind
 having c.id is not null or count(nm.node_id) > 0

@@ -66,7 +66,7 @@ def _model(row: Any) -> dict[str, Any]:
     return {
         "id": row.id,
         "object": "model",
-        "created": 0,
+        "created": row.created,
         "owned_by": "neuralgrid",
         "online_nodes": row.online_nodes,
         "in_catalog": row.in_catalog,

@@ -77,6 +77,23 @@ def test_models_lists_catalog_and_served_models(fake_nodes: Any, client: openai.
     assert {"ollama/llama3:8b", LLAMA8, "BAAI/bge-large-en-v1.5"} <= ids
 
 
+def test_models_say_since_when_they_are_served(
+    conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    fake_nodes(models={"ollama/llama3:8b": "loaded"})
+    created = {m.id: m.created for m in client.models.list()}
+    [catalog] = conn.execute(
+        "select floor(extract(epoch from created_at))::bigint from models where id = %s", (LLAMA8,)
+    ).fetchone() or [None]
+    [registered] = conn.execute(
+        "select floor(extract(epoch from min(n.created_at)))::bigint from nodes n"
+        " join node_models nm on nm.node_id = n.id where nm.model_id = 'ollama/llama3:8b'"
+    ).fetchone() or [None]
+    # The catalog's when it is listed there, else when its first holder registered: never 0.
+    assert created[LLAMA8] == catalog and created["ollama/llama3:8b"] == registered
+    assert client.models.retrieve(LLAMA8).created == catalog > 0
+
+
 def test_streaming_passes_chunks_through_and_meters(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI
 ) -> None:
