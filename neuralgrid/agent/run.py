@@ -117,6 +117,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
+            await self._check_gateway(http)  # before a warm-up that may load a model for minutes
             try:
                 models = await self._ready()
             except (BackendError, httpx.HTTPError, ValueError) as err:
@@ -273,6 +274,20 @@ class Agent:
         finally:
             await self.backend.aclose()
 
+    async def _check_gateway(self, http: httpx.AsyncClient) -> None:
+        """A gateway answers and takes the key, or AgentError says which is wrong."""
+        try:
+            resp = await self._ask(http, "GET", "/v1/models", self.config.token)
+        except httpx.HTTPError as err:
+            raise AgentError(f"the gateway at {self.config.gateway_url} is unreachable: {err!r}") from err
+        if resp.status_code in (401, 403):
+            raise AgentError(f"the gateway refused the key: {_message(resp)}")
+        if resp.status_code != 200 or not _is_gateways_model_list(resp):
+            raise AgentError(
+                f"{resp.url.copy_with(path='/')} is not a NeuralGrid gateway"
+                f" (GET /v1/models answered {resp.status_code}): check --gateway"
+            )
+
     async def _register(self, http: httpx.AsyncClient, specs: Specs, models: list[str]) -> None:
         parallel = self.backend.info.parallel
         if parallel is not None and self.config.max_concurrency and self.config.max_concurrency > parallel:
@@ -301,7 +316,7 @@ class Agent:
             backend=BackendInfo.model_construct(**self.backend.info.as_json()),
         ).model_dump()
         try:
-            resp = await self._post(http, "/v1/nodes", body, self.config.token)
+            resp = await self._ask(http, "POST", "/v1/nodes", self.config.token, body)
         except httpx.HTTPError as err:
             raise AgentError(f"the gateway at {self.config.gateway_url} is unreachable: {err!r}") from err
         if resp.status_code != 201:
@@ -359,7 +374,7 @@ class Agent:
                 auth = {"authorization": f"Bearer {self.secret}"}
                 resp = await http.post(self.config.heartbeat_url.rstrip("/") + path, json=body, headers=auth)
             else:
-                resp = await self._post(http, path, body, self.secret)
+                resp = await self._ask(http, "POST", path, self.secret, body)
         except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
             return None
@@ -379,17 +394,20 @@ class Agent:
         self._prewarm_heard = self._prewarm_heard or isinstance(load, list)
         return [m for m in load if isinstance(m, str)] if isinstance(load, list) else []
 
-    async def _post(
-        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], token: str
+    async def _ask(
+        self, http: httpx.AsyncClient, method: str, path: str, token: str, body: dict[str, Any] | None = None
     ) -> httpx.Response:
-        """POST to the gateway that answered last, else to the next that answers (any gateway will
-        do: they share the database); raises the last one's error when none answers."""
+        """Ask the gateway that answered last, else the next that answers (any gateway will do:
+        they share the database); raises the last one's error when none answers."""
         count = len(self.gateways)
         for turn in range(count):
             index = (self._gateway + turn) % count
             try:
-                resp = await http.post(
-                    self.gateways[index] + path, json=body, headers={"authorization": f"Bearer {token}"}
+                resp = await http.request(
+                    method,
+                    self.gateways[index] + path,
+                    json=body,
+                    headers={"authorization": f"Bearer {token}"},
                 )
             except httpx.HTTPError:
                 if turn < count - 1:
@@ -422,6 +440,16 @@ class Agent:
             await asyncio.sleep(0.05)
         await self._heartbeat(http, "offline", models)
         log.info("node %s drained and offline", self.config.name)
+
+
+def _is_gateways_model_list(resp: httpx.Response) -> bool:
+    """A gateway's GET /v1/models: OpenAI's list, each model saying whether the catalog has it (an
+    inference server's own list, a URL mistaken for the gateway's, does not)."""
+    try:
+        models = resp.json()["data"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(models, list) and all(isinstance(m, dict) and "in_catalog" in m for m in models)
 
 
 def _message(resp: httpx.Response) -> str:

@@ -30,7 +30,16 @@ from neuralgrid.protocol import signing
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
-from tests.conftest import LLAMA8, agent_command, make_node, node_row, running_agent, stream_chat, wait_for
+from tests.conftest import (
+    LLAMA8,
+    agent_command,
+    free_port,
+    make_node,
+    node_row,
+    running_agent,
+    stream_chat,
+    wait_for,
+)
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
@@ -382,11 +391,24 @@ def test_map_shows_load_but_never_the_secret(conn: psycopg.Connection, fake_node
             conn.execute("select secret_hash from nodes")
 
 
-def test_agent_refuses_to_start_when_the_gateway_refuses(backend: ThreadedServer, gateway: str) -> None:
-    args = agent_command(gateway, "ng-not-a-key", backend.url, "--vram-gb", "24", "--tflops", "121")
+@pytest.mark.parametrize(
+    ("where", "key", "says"),
+    [
+        ("gateway", "ng-not-a-key", "the gateway refused the key: unknown API key"),
+        ("nowhere", "ng-not-a-key", "unreachable"),
+        ("backend", "ng-not-a-key", "is not a NeuralGrid gateway"),
+    ],
+)
+def test_agent_refuses_to_start_when_the_gateway_refuses(
+    backend: ThreadedServer, gateway: str, where: str, key: str, says: str
+) -> None:
+    url = {"gateway": gateway, "nowhere": f"http://127.0.0.1:{free_port()}", "backend": backend.url}[where]
+    args = agent_command(url, key, backend.url, "--vram-gb", "24", "--tflops", "121")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1 and "the gateway refused the registration: unknown API key" in output
+    assert proc.returncode == 1 and says in output, output
+    # Said before the server is warmed up (a model loaded for nothing, minutes on a real one).
+    assert backend.app.state.requests == 0
 
 
 # The tunnel: nodes behind NAT dial out; requests are multiplexed over one WebSocket -------------
