@@ -80,8 +80,16 @@ class Store:
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         if isinstance(self._source, AsyncConnectionPool):
-            async with self._source.connection() as conn:
+            # Not pool.connection(): on the way out it commits, under the connection's lock, what an
+            # autocommit connection never holds (a transaction block, as_role's, ends itself), about
+            # 9 µs of CPU per statement. putconn() still rolls back and checks what a failure left.
+            conn = await self._source.getconn()
+            try:
                 yield conn
+                if not conn.autocommit:  # a pool of another kind: what it wrote is kept
+                    await conn.commit()
+            finally:
+                await self._source.putconn(conn)
         else:
             yield self._source
 

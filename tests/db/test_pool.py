@@ -8,9 +8,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import AsyncConnection
+from psycopg.rows import scalar_row
 
 from neuralgrid.db.pool import LastInFirstOut
-from neuralgrid.db.queries import PING
+from neuralgrid.db.queries import PING, Query
 from neuralgrid.db.store import Store
 
 
@@ -97,3 +98,26 @@ async def test_a_connection_never_handed_out_is_checked_after_resting(db_url: st
         await asyncio.sleep(0.3)
         async with pool.connection() as first, pool.connection() as second:  # a burst: both
             assert {await backend(first), await backend(second)}.isdisjoint(closed)
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+async def test_a_store_keeps_what_it_wrote_and_a_failure_leaves_its_connection_usable(
+    db_url: str, autocommit: bool
+) -> None:
+    """The store hands pooled connections back itself (not through pool.connection(), whose commit
+    on the way out is all lock and no work for the gateway's autocommit pools): what a statement
+    wrote stays written, on a pool of either kind, and a failed one leaves nothing open."""
+    with psycopg.connect(db_url, autocommit=True) as admin:
+        admin.execute("create table if not exists kept (n int)")
+        admin.execute("truncate kept")
+    async with LastInFirstOut(
+        db_url, min_size=1, max_size=1, kwargs={"autocommit": autocommit}, open=False
+    ) as pool:
+        await pool.open(wait=True)
+        store = Store(pool)
+        await store.all(Query("keep", "insert into kept values (1)", scalar_row))
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            await store.all(Query("fail", "select 1 / 0", scalar_row))
+        assert await store.get(PING) == 1
+    with psycopg.connect(db_url) as admin:
+        assert admin.execute("select count(*) from kept").fetchone() == (1,)
