@@ -220,6 +220,59 @@ def capacity(
     )
 
 
+@app.command("sql")
+@friendly_errors
+def sql(
+    ctx: typer.Context,
+    groups: Annotated[
+        str,
+        typer.Option(envvar="NEURALGRID_BENCH_GROUPS", help="Requests per group, comma-separated (1-16)."),
+    ] = "1,14",
+    jobs: Annotated[int, typer.Option(envvar="NEURALGRID_BENCH_JOBS", help="Jobs per round.", min=1)] = 700,
+    rounds: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_ROUNDS", help="Rounds per case.", min=1)
+    ] = 6,
+    compare: Annotated[
+        Path | None,
+        typer.Option(help="SQL applied to a second scratch database, measured side by side.", exists=True),
+    ] = None,
+    out_file: OutFile = Path("bench-results/sql.json"),
+) -> None:
+    """Postgres time and CPU per job of the request path's SQL alone (place_jobs() and
+    complete_jobs(), in groups as the gateway sends them), optionally against a change."""
+    from neuralgrid.bench import request_sql as bench
+
+    sizes = integers(groups, "--groups")
+    if not all(1 <= size <= bench.MAX_GROUP for size in sizes):
+        raise fail(f"--groups: from 1 to {bench.MAX_GROUP} requests each (place_jobs() takes no more)")
+    try:
+        results = bench.run(database_url(ctx), sizes, jobs, rounds, compare, progress=progress)
+    except bench.CompareFailed as err:
+        raise fail(str(err)) from err
+    table = Table(
+        "group",
+        "database",
+        "place",
+        "complete",
+        "total",
+        "postgres cpu",
+        caption="ms per job: the client's wall time in each call, the backend's CPU; medians over rounds",
+    )
+    for r in results:
+        for name in ("base", "compare", "ratio"):
+            if name in r:
+                f = r[name]
+                fmt = "{:.3f}" if name != "ratio" else "{:.3f}x"
+                table.add_row(
+                    str(r["group"]),
+                    name,
+                    *(fmt.format(f[k]) for k in ("place_ms", "complete_ms", "total_ms", "postgres_cpu_ms")),
+                )
+    report(
+        table, out_file, "sql", results, units="ms", target="Postgres <= 0.7 ms CPU per request (issue 16)"
+    )
+
+
 @app.command("realtime")
 @friendly_errors
 def realtime(

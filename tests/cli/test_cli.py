@@ -360,6 +360,46 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
             assert ("data: [DONE]" in resp.text) == stream
 
 
+def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, tmp_path: Path) -> None:
+    """A small run of `neuralgrid bench sql`: jobs placed and ended in groups on a scratch database,
+    and on a second one with a change applied (here: every ending 5 ms slower), side by side."""
+    change = tmp_path / "slower_endings.sql"
+    change.write_text(
+        "create function public.slow() returns trigger language plpgsql as"
+        " $$ begin perform pg_sleep(0.005); return null; end $$;"
+        " create trigger slow after update on public.job_attempts for each row execute function public.slow();"
+    )
+    out_file = tmp_path / "sql.json"
+    args = [
+        "--groups",
+        "1,4",
+        "--jobs",
+        "8",
+        "--rounds",
+        "2",
+        "--compare",
+        str(change),
+        "--out",
+        str(out_file),
+    ]
+    code, out, err = run(db_url, "bench", "sql", *args)
+    assert code == 0, out + err
+    assert "postgres cpu" in out and "ratio" in out
+    report = json.loads(out_file.read_text())
+    assert [r["group"] for r in report["results"]] == [1, 4]
+    for r in report["results"]:
+        assert all(value > 0 for value in r["base"].values()) and r["base"]["postgres_cpu_ms"] < 50
+        assert r["compare"]["complete_ms"] > r["base"]["complete_ms"] + 4  # 5 ms of sleep per job
+        assert r["ratio"]["complete_ms"] == pytest.approx(
+            r["compare"]["complete_ms"] / r["base"]["complete_ms"], 0.01
+        )
+    change.write_text("create index on public.no_such_table (x);")
+    code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
+    assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(db_url, "bench", "sql", "--groups", "17")
+    assert code == 1 and "from 1 to 16" in err
+
+
 def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_path: Path) -> None:
     """A small run of `neuralgrid bench capacity`: two default nodes (8 slots), 16 callers wait their turn."""
     out_file = tmp_path / "capacity.json"
