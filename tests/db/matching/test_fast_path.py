@@ -165,24 +165,36 @@ def test_a_change_of_load_rescores_by_arithmetic(conn: psycopg.Connection) -> No
     assert_scores_fresh(conn)
 
 
-def test_a_placement_runs_no_sql_function_per_candidate_but_its_request_terms(
-    conn: psycopg.Connection,
+@pytest.mark.parametrize(
+    ("where", "per_candidate"),
+    [
+        # An unknown caller is 0.5 from every node, and no level is under pressure: both request
+        # terms are known without the node, so no function runs for them.
+        ({}, {"node_is_eligible"}),
+        ({"region": "eu-west"}, {"node_is_eligible", "proximity_component"}),
+    ],
+)
+def test_a_placement_runs_no_sql_function_per_candidate_but_the_request_terms_that_vary(
+    conn: psycopg.Connection, where: dict[str, str], per_candidate: set[str]
 ) -> None:
     """A SQL function the planner cannot inline (each pins its search_path, lint 0011) is a separate
     execution per row. The components come from a view instead; per candidate, placing a request
-    runs only the walk's eligibility check and the request's own terms (proximity, reserve), once
-    each: the rescoring once evaluated both twice, and the components once more."""
+    runs only the walk's eligibility check and those of the request's own terms (proximity,
+    reserve) that differ between nodes, once each: the rescoring once evaluated both twice, and the
+    components once more."""
     for i in range(16):
         make_node(conn, f"n{i}", hourly_rate=0.2 + i / 100)
-    per_candidate = {"node_is_eligible", "proximity_component", "reserve_component"}
     with conn.transaction():
         conn.execute("set local track_functions = 'all'")
-        match = match_job(conn, MatchRequest(model=MODELS[0]))
+        match = match_job(conn, MatchRequest(model=MODELS[0], **where))
         rows = conn.execute("select funcname::text, calls from pg_stat_xact_user_functions").fetchall()
         calls: dict[str, int] = dict(rows)
     assert match.node_id is not None
-    assert {name: calls.get(name) for name in per_candidate} == dict.fromkeys(per_candidate, 16)
-    assert {name: n for name, n in calls.items() if name not in per_candidate and n > 3} == {}
+    terms = {"node_is_eligible", "proximity_component", "reserve_component"}
+    assert {name: calls.get(name) for name in terms} == {
+        name: 16 if name in per_candidate else None for name in terms
+    }
+    assert {name: n for name, n in calls.items() if name not in terms and n > 3} == {}
 
 
 def test_a_ranking_under_vram_pressure_walks_only_the_tiers_that_hold_nodes(conn: psycopg.Connection) -> None:
