@@ -27,7 +27,6 @@ import hmac
 import json
 import logging
 import math
-import re
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -46,6 +45,7 @@ from neuralgrid.gateway.routes_openai import read_body
 from neuralgrid.gateway.tunnel import Tunnel, TunnelClosed, TunnelUnreachable
 from neuralgrid.gateway.upstream import NodeError, NodeTimeout
 from neuralgrid.protocol import signing
+from neuralgrid.protocol.tunnel import is_content_type
 from neuralgrid.server.services import ServicesDep
 
 if TYPE_CHECKING:
@@ -70,7 +70,6 @@ MAX_WAIT_S = 3600.0  # the longest wait for a node's status line an asking gatew
 # How reading from the holder fails: reset, closed early, silent past the margin, a malformed frame.
 BROKEN_OFF = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, TimeoutError, ValueError)
 _KEY_LABEL = b"neuralgrid inter-gateway forwarding v1"
-_HEADER_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
 
 
 def forwarding_key(settings: Settings) -> bytes:
@@ -317,7 +316,7 @@ def _content_type(given: str | None) -> str:
         content_type = base64.urlsafe_b64decode(given.encode()).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         content_type = ""
-    if not _HEADER_VALUE.fullmatch(content_type):
+    if not is_content_type(content_type):
         raise BadRequest("content_type must be a header value in URL-safe base64", param="content_type")
     return content_type
 

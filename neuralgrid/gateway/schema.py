@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from neuralgrid.protocol.tunnel import MAX_TYPE, is_content_type
+
 Temperature = Annotated[float, Field(ge=0, le=2)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -222,6 +224,8 @@ def read_audio_form(body: bytes, content_type: str) -> dict[str, str]:
     `file` part; FormError otherwise. The body itself is passed to the node unchanged."""
     if content_type.split(";", 1)[0].strip().lower() != "multipart/form-data":
         raise FormError("send the audio as multipart/form-data, with `file` and `model` fields")
+    if not is_content_type(content_type):  # passed on to the node: over a tunnel, in a frame
+        raise FormError(f"the Content-Type header must be 1 to {MAX_TYPE} printable ASCII characters, no tab")
     message = BytesParser(policy=HTTP).parsebytes(
         b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body
     )

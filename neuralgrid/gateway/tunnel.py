@@ -54,12 +54,13 @@ class Tunnel:
 
     async def request(self, path: str, body: bytes, content_type: str = "application/json") -> TunnelResponse:
         request_id = next(self.ids)
+        text, b64 = pack(body)  # an upload that is not UTF-8 goes in base64
+        kind = None if content_type == "application/json" else content_type
+        frame = Req(id=request_id, path=path, body=text, type=kind, b64=b64)  # before any state: it may raise
         queue: asyncio.Queue[AgentFrame] = asyncio.Queue()
         self.pending[request_id] = queue
-        text, b64 = pack(body)  # an upload that is not UTF-8 goes in base64
         try:
-            kind = None if content_type == "application/json" else content_type
-            await self.send(Req(id=request_id, path=path, body=text, type=kind, b64=b64))
+            await self.send(frame)
         except (WebSocketDisconnect, RuntimeError) as err:
             self.pending.pop(request_id, None)
             raise TunnelClosed(f"the tunnel to node {self.node_id} is closed") from err

@@ -9,6 +9,7 @@ as text (JSON and SSE are UTF-8) or, for bytes that are not (an audio upload, sp
 from __future__ import annotations
 
 import base64
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -20,6 +21,13 @@ class _Frame(BaseModel):
 
 
 HEADER_VALUE = r"^[\x20-\x7e]*$"  # printable ASCII: what a header may hold
+MAX_TYPE = 256  # the longest content type a frame carries
+
+
+def is_content_type(value: str) -> bool:
+    """Whether a frame can carry this content type: 1 to MAX_TYPE printable ASCII characters (HTTP
+    also allows tabs and other bytes in a header, which no client needs in a content type)."""
+    return 0 < len(value) <= MAX_TYPE and re.fullmatch(HEADER_VALUE, value) is not None
 
 
 class Req(_Frame):
@@ -28,7 +36,7 @@ class Req(_Frame):
     t: Literal["req"] = "req"
     path: str
     body: str
-    type: str | None = Field(None, min_length=1, max_length=256, pattern=HEADER_VALUE)  # None: JSON
+    type: str | None = Field(None, min_length=1, max_length=MAX_TYPE, pattern=HEADER_VALUE)  # None: JSON
     b64: Literal[True] | None = None  # the body is base64 (bytes that are not UTF-8 text)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
@@ -30,13 +31,17 @@ REGISTRATION = {
 
 
 @contextmanager
-def raw_tunnel(conn: psycopg.Connection, gateway: str, api_key: str) -> Iterator[Connection]:
+def raw_tunnel(
+    conn: psycopg.Connection, gateway: str, api_key: str, heartbeat: dict[str, Any] | None = None
+) -> Iterator[Connection]:
     """A registered node whose tunnel is this test's socket, yielded once the node is online."""
     auth = {"authorization": f"Bearer {api_key}"}
     node = httpx.post(f"{gateway}/v1/nodes", json=REGISTRATION, headers=auth).json()
     secret = {"authorization": f"Bearer {node['node_secret']}"}
     beat = httpx.post(
-        f"{gateway}/v1/nodes/{node['node_id']}/heartbeat", json={"models": [LLAMA8]}, headers=secret
+        f"{gateway}/v1/nodes/{node['node_id']}/heartbeat",
+        json=heartbeat or {"models": [LLAMA8]},
+        headers=secret,
     )
     assert beat.status_code == 200, beat.text
     url = gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
@@ -82,3 +87,34 @@ def test_a_malformed_frame_closes_the_tunnel_and_the_client_gets_a_clear_error(
         # The only node failed before its first byte: the client hears so, as OpenAI-shaped JSON.
         assert resp.status_code in (502, 503) and "message" in resp.json()["error"], resp.text
         wait_for(lambda: node_row(conn, "raw-agent")[1] == "offline")
+
+
+def test_an_upload_whose_content_type_no_frame_can_carry_is_a_400_that_blames_no_node(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """HTTP allows a tab in a header value; a frame carries a content type of printable ASCII only.
+    Such an upload used to fail inside the gateway once its node was claimed: a 500, and the node
+    counted a failure and cooled down, so any key could keep a tunneled node out of service."""
+    whisper = "openai/whisper-large-v3"
+    beat = {"models": [whisper], "backend": {"kind": "vllm", "routes": ["audio/transcriptions"]}}
+    form = httpx.Request(
+        "POST",
+        "http://x",
+        files={"file": ("a.wav", b"RIFF" + bytes(range(256)), "audio/wav")},
+        data={"model": whisper},
+    )
+    body, content_type = form.read(), form.headers["content-type"].replace("; boundary", ";\tboundary")
+    auth = {"authorization": f"Bearer {api_key}"}
+    with raw_tunnel(conn, gateway, api_key, beat) as ws:
+        resp = httpx.post(
+            f"{gateway}/v1/audio/transcriptions",
+            content=body,
+            headers={**auth, "content-type": content_type},
+            timeout=10,
+        )
+        assert resp.status_code == 400, resp.text
+        assert "Content-Type" in resp.json()["error"]["message"]
+        with pytest.raises(TimeoutError):
+            ws.recv(timeout=0.5)  # the node was asked nothing
+    failures = conn.execute("select failures, cooldown_until from nodes where name = 'raw-agent'").fetchone()
+    assert failures == (0, None)
