@@ -166,16 +166,16 @@ def test_a_change_of_load_rescores_by_arithmetic(conn: psycopg.Connection) -> No
 
 
 @pytest.mark.parametrize(
-    ("where", "per_candidate"),
+    ("region", "per_candidate"),
     [
         # An unknown caller is 0.5 from every node, and no level is under pressure: both request
         # terms are known without the node, so no function runs for them.
-        ({}, {"node_is_eligible"}),
-        ({"region": "eu-west"}, {"node_is_eligible", "proximity_component"}),
+        (None, {"node_is_eligible"}),
+        ("eu-west", {"node_is_eligible", "proximity_component"}),
     ],
 )
 def test_a_placement_runs_no_sql_function_per_candidate_but_the_request_terms_that_vary(
-    conn: psycopg.Connection, where: dict[str, str], per_candidate: set[str]
+    conn: psycopg.Connection, region: str | None, per_candidate: set[str]
 ) -> None:
     """A SQL function the planner cannot inline (each pins its search_path, lint 0011) is a separate
     execution per row. The components come from a view instead; per candidate, placing a request
@@ -186,7 +186,7 @@ def test_a_placement_runs_no_sql_function_per_candidate_but_the_request_terms_th
         make_node(conn, f"n{i}", hourly_rate=0.2 + i / 100)
     with conn.transaction():
         conn.execute("set local track_functions = 'all'")
-        match = match_job(conn, MatchRequest(model=MODELS[0], **where))
+        match = match_job(conn, MatchRequest(model=MODELS[0], region=region))
         rows = conn.execute("select funcname::text, calls from pg_stat_xact_user_functions").fetchall()
         calls: dict[str, int] = dict(rows)
     assert match.node_id is not None
