@@ -24,10 +24,12 @@ from websockets.exceptions import WebSocketException
 from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
 from neuralgrid.protocol.tunnel import (
+    WINDOW,
     Cancel,
     Data,
     End,
     Err,
+    More,
     Req,
     Start,
     encode,
@@ -39,6 +41,26 @@ from neuralgrid.protocol.tunnel import (
 log = logging.getLogger(__name__)
 
 Send = Callable[[Start | Data | End | Err], Awaitable[None]]
+
+
+class Window:
+    """How much of one answer is out: sent and not yet acknowledged by the gateway (`more`). The
+    answer waits, not the socket, when a client reads slowly: the other requests go on."""
+
+    def __init__(self) -> None:
+        self.out = 0
+        self.acknowledged = asyncio.Event()
+
+    async def spend(self, n: int) -> None:
+        """Wait until `n` more bytes fit in the window (a bigger frame goes alone), then count them."""
+        while self.out and self.out + n > WINDOW:
+            self.acknowledged.clear()
+            await self.acknowledged.wait()
+        self.out += n
+
+    def more(self, n: int) -> None:
+        self.out = max(self.out - n, 0)
+        self.acknowledged.set()
 
 
 class TunnelClient:
@@ -78,6 +100,7 @@ class TunnelClient:
     async def _serve(self, ws: ClientConnection) -> None:
         lock = asyncio.Lock()
         tasks: dict[int, asyncio.Task[None]] = {}
+        windows: dict[int, Window] = {}
 
         async def send(frame: Start | Data | End | Err) -> None:
             async with lock:
@@ -97,9 +120,12 @@ class TunnelClient:
                     log.warning("unreadable frame from the gateway: %s", err)
                     continue
                 if isinstance(frame, Req):
-                    task = asyncio.create_task(self._handle(frame, send))
+                    window = windows[frame.id] = Window()
+                    task = asyncio.create_task(self._handle(frame, send, window))
                     tasks[frame.id] = task
-                    task.add_done_callback(functools.partial(_forget, tasks, frame.id))
+                    task.add_done_callback(functools.partial(_forget, tasks, windows, frame.id))
+                elif isinstance(frame, More) and frame.id in windows:
+                    windows[frame.id].more(frame.n)
                 elif isinstance(frame, Cancel) and frame.id in tasks:
                     tasks[frame.id].cancel()
         finally:
@@ -107,7 +133,7 @@ class TunnelClient:
             for task in tasks.values():
                 task.cancel()
 
-    async def _handle(self, frame: Req, send: Send) -> None:
+    async def _handle(self, frame: Req, send: Send, window: Window) -> None:
         request_id = frame.id
         if self.front.draining:
             return await _refuse(send, request_id, 503, "this node is draining")
@@ -126,9 +152,15 @@ class TunnelClient:
                 )
                 async for chunk in answer.chunks:
                     if decoder is None:
-                        await send(Data(id=request_id, b=base64.b64encode(chunk).decode("ascii"), b64=True))
+                        await _send_data(
+                            send,
+                            window,
+                            Data(id=request_id, b=base64.b64encode(chunk).decode("ascii"), b64=True),
+                        )
                     elif text := decoder.decode(chunk):
-                        await send(Data(id=request_id, b=text))
+                        await _send_data(send, window, Data(id=request_id, b=text))
+                if decoder is not None and (tail := decoder.decode(b"", final=True)):
+                    await _send_data(send, window, Data(id=request_id, b=tail))  # a last character cut short
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
                 await answer.aclose()
             await send(End(id=request_id))
@@ -146,5 +178,13 @@ async def _refuse(send: Send, request_id: int, status: int, message: str) -> Non
     await send(End(id=request_id))
 
 
-def _forget(tasks: dict[int, asyncio.Task[None]], request_id: int, _: asyncio.Task[None]) -> None:
+async def _send_data(send: Send, window: Window, frame: Data) -> None:
+    await window.spend(len(frame.b))
+    await send(frame)
+
+
+def _forget(
+    tasks: dict[int, asyncio.Task[None]], windows: dict[int, Window], request_id: int, _: asyncio.Task[None]
+) -> None:
     tasks.pop(request_id, None)
+    windows.pop(request_id, None)

@@ -18,7 +18,20 @@ from uuid import UUID, uuid4
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
-from neuralgrid.protocol.tunnel import Cancel, Data, End, Err, Req, Start, agent_frame, encode, pack, unpack
+from neuralgrid.protocol.tunnel import (
+    WINDOW,
+    Cancel,
+    Data,
+    End,
+    Err,
+    More,
+    Req,
+    Start,
+    agent_frame,
+    encode,
+    pack,
+    unpack,
+)
 
 if TYPE_CHECKING:
     from neuralgrid.gateway.forward import Peers
@@ -39,16 +52,25 @@ class TunnelUnreachable(NodeError):
     did not answer. The platform's failure, not the node's."""
 
 
+class Inbox:
+    """One request's frames as they arrive, and how many bytes of its data are out: sent by the agent
+    and not yet taken by the gateway's reader and acknowledged (`more`)."""
+
+    def __init__(self) -> None:
+        self.frames: asyncio.Queue[AgentFrame] = asyncio.Queue()
+        self.out = 0
+
+
 class Tunnel:
     def __init__(self, node_id: UUID, ws: WebSocket) -> None:
         self.node_id = node_id
         self.ws = ws
         self.socket_id = uuid4()  # names this socket in tunnel_routes: a late close forgets only its own
-        self.pending: dict[int, asyncio.Queue[AgentFrame]] = {}
+        self.pending: dict[int, Inbox] = {}
         self.ids = itertools.count(1)
         self.send_lock = asyncio.Lock()
 
-    async def send(self, frame: Req | Cancel) -> None:
+    async def send(self, frame: Req | Cancel | More) -> None:
         async with self.send_lock:
             await self.ws.send_text(encode(frame))
 
@@ -57,31 +79,39 @@ class Tunnel:
         text, b64 = pack(body)  # an upload that is not UTF-8 goes in base64
         kind = None if content_type == "application/json" else content_type
         frame = Req(id=request_id, path=path, body=text, type=kind, b64=b64)  # before any state: it may raise
-        queue: asyncio.Queue[AgentFrame] = asyncio.Queue()
-        self.pending[request_id] = queue
+        inbox = self.pending[request_id] = Inbox()
         try:
             await self.send(frame)
         except (WebSocketDisconnect, RuntimeError) as err:
             self.pending.pop(request_id, None)
             raise TunnelClosed(f"the tunnel to node {self.node_id} is closed") from err
-        return TunnelResponse(self, request_id, queue)
+        return TunnelResponse(self, request_id, inbox)
 
     async def read(self) -> None:
         """Route the agent's frames to the requests waiting for them until the socket closes.
 
         A frame that is not the protocol's closes the tunnel: the agent's requests fail over elsewhere.
+        A request whose data overruns its window fails as the agent's fault and is cancelled.
         """
         try:
             while True:
                 frame = agent_frame(await self.ws.receive_text())
-                if (queue := self.pending.get(frame.id)) is not None:
-                    queue.put_nowait(frame)
+                if (inbox := self.pending.get(frame.id)) is None:
+                    continue
+                if isinstance(frame, Data):
+                    out, inbox.out = inbox.out, inbox.out + len(frame.b)
+                    if out and inbox.out > WINDOW:  # what a flood would leave in the gateway's memory
+                        overrun = f"the agent sent more than {WINDOW} bytes ahead of the gateway's reader"
+                        inbox.frames.put_nowait(Err(id=frame.id, message=overrun))
+                        await self.cancel(frame.id)
+                        continue
+                inbox.frames.put_nowait(frame)
         # KeyError: a binary frame (receive_text finds no text), which the protocol does not have.
         except (WebSocketDisconnect, RuntimeError, ValueError, KeyError):
             pass
         finally:
-            for request_id, queue in self.pending.items():
-                queue.put_nowait(Err(id=request_id, message="the tunnel closed"))
+            for request_id, inbox in self.pending.items():
+                inbox.frames.put_nowait(Err(id=request_id, message="the tunnel closed"))
 
     def forget(self, request_id: int) -> None:
         """A request is answered: its id gets no more frames."""
@@ -92,14 +122,22 @@ class Tunnel:
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
                 await self.send(Cancel(id=request_id))
 
+    async def taken(self, request_id: int, n: int) -> None:
+        """The reader took `n` bytes of the request's data: the agent may send as much again."""
+        if (inbox := self.pending.get(request_id)) is not None:
+            inbox.out -= n
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await self.send(More(id=request_id, n=n))
+
 
 class TunnelResponse:
     """One request's answer arriving over a tunnel, as a NodeResponse."""
 
-    def __init__(self, tunnel: Tunnel, request_id: int, queue: asyncio.Queue[AgentFrame]) -> None:
+    def __init__(self, tunnel: Tunnel, request_id: int, inbox: Inbox) -> None:
         self.tunnel = tunnel
         self.request_id = request_id
-        self.queue = queue
+        self.queue = inbox.frames
+        self.taken = 0  # bytes of data taken and not yet acknowledged to the agent
         self.status = 0
         self.content_type = "application/json"
         self.finished = False
@@ -127,6 +165,12 @@ class TunnelResponse:
                 await self.close()
                 raise NodeTimeout("timeout: the agent stopped sending") from None
             if isinstance(frame, Data):
+                # Taken when the reader asks for more, so a slow client slows its own answer only;
+                # acknowledged by halves of the window, so that a stream sends almost no `more`.
+                self.taken += len(frame.b)
+                if self.taken >= WINDOW // 2:
+                    await self.tunnel.taken(self.request_id, self.taken)
+                    self.taken = 0
                 try:
                     yield unpack(frame.b, frame.b64)
                 except ValueError:  # base64 that is not: the agent is broken

@@ -4,6 +4,12 @@ Many requests share the socket, so every frame carries its request's id. The gat
 `cancel`; the agent answers `start` (status line), `data` chunks, then `end` or `err`. Bodies travel
 as text (JSON and SSE are UTF-8) or, for bytes that are not (an audio upload, speech), in base64
 (`b64`). Frames travel as JSON text and are validated on arrival at both ends.
+
+Flow control, per request (as HTTP/2 has it, since one socket carries them all and TCP's
+backpressure would stall every request behind the slowest client): the agent has at most WINDOW
+bytes of an answer's `data` out that the gateway has not taken (a single frame may be bigger when
+nothing else is out); the gateway says `more` as its reader takes them, and cuts off an agent that
+sends beyond its window.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ class _Frame(BaseModel):
 
 HEADER_VALUE = r"^[\x20-\x7e]*$"  # printable ASCII: what a header may hold
 MAX_TYPE = 256  # the longest content type a frame carries
+# Bytes of one answer's `data` (the frames' `b`, as sent) an agent may send ahead of the gateway's
+# reader: a stream's few hundred tokens a second never come near it; a flood stops there.
+WINDOW = 4 << 20
 
 
 def is_content_type(value: str) -> bool:
@@ -44,6 +53,13 @@ class Cancel(_Frame):
     """Gateway → agent: the client left; stop the request."""
 
     t: Literal["cancel"] = "cancel"
+
+
+class More(_Frame):
+    """Gateway → agent: `n` more bytes of this answer's `data` were taken; send as much again."""
+
+    t: Literal["more"] = "more"
+    n: int = Field(gt=0)
 
 
 class Start(_Frame):
@@ -75,10 +91,10 @@ class Err(_Frame):
     message: str
 
 
-GatewayFrame = Annotated[Req | Cancel, Field(discriminator="t")]
+GatewayFrame = Annotated[Req | Cancel | More, Field(discriminator="t")]
 AgentFrame = Annotated[Start | Data | End | Err, Field(discriminator="t")]
 
-_gateway_frames: TypeAdapter[Req | Cancel] = TypeAdapter(GatewayFrame)
+_gateway_frames: TypeAdapter[Req | Cancel | More] = TypeAdapter(GatewayFrame)
 _agent_frames: TypeAdapter[Start | Data | End | Err] = TypeAdapter(AgentFrame)
 
 
@@ -105,7 +121,7 @@ def encode(frame: _Frame) -> str:
     return frame.model_dump_json(exclude_none=True)  # text frames as before: no b64, no type
 
 
-def gateway_frame(text: str | bytes) -> Req | Cancel:
+def gateway_frame(text: str | bytes) -> Req | Cancel | More:
     """Parse what the gateway sent (raises pydantic.ValidationError, a ValueError, when malformed)."""
     return _gateway_frames.validate_json(text)
 

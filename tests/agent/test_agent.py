@@ -27,6 +27,7 @@ from neuralgrid.agent.front import FrontState
 from neuralgrid.agent.run import AgentConfig, AgentError, resolve_specs
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
+from neuralgrid.protocol.tunnel import WINDOW
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
@@ -463,6 +464,31 @@ def test_a_tunnel_carries_100_concurrent_streams(
         # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
         assert time.monotonic() - started < 10
         assert backend.app.state.requests == 2 + 100
+
+
+def test_a_tunnel_answer_of_several_windows_arrives_whole(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    """The agent keeps at most a window of an answer out (protocol.tunnel.WINDOW) and sends on as
+    the gateway says `more`: a stream of more than a window arrives whole, chunk for chunk."""
+    tokens = 30_000  # about 200 bytes of SSE each: half as much again as a window
+    config = FakeNodeConfig(models=(LLAMA8,), context_length=65_536)
+    body = {"model": LLAMA8, "messages": MESSAGES, "max_tokens": tokens, "stream": True}
+    with (
+        ThreadedServer(create_fake_node(config)) as backend,
+        running_agent(conn, platform, operator_key, backend.url, "nat-box", 24, "--tunnel"),
+        httpx.stream(
+            "POST",
+            f"{platform}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {operator_key}"},
+            timeout=120,
+        ) as resp,
+    ):
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data: {")]
+    assert sum(len(line) for line in events) > WINDOW
+    assert sum('"content"' in line for line in events) == tokens
 
 
 def test_a_dropped_tunnel_is_offline_within_a_second(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -14,7 +16,7 @@ import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
-from neuralgrid.protocol.tunnel import Data, End, Req, Start, encode, gateway_frame
+from neuralgrid.protocol.tunnel import WINDOW, Cancel, Data, End, More, Req, Start, encode, gateway_frame
 from tests.conftest import LLAMA8, node_row, wait_for
 
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -118,3 +120,81 @@ def test_an_upload_whose_content_type_no_frame_can_carry_is_a_400_that_blames_no
             ws.recv(timeout=0.5)  # the node was asked nothing
     failures = conn.execute("select failures, cooldown_until from nodes where name = 'raw-agent'").fetchone()
     assert failures == (0, None)
+
+
+def event(text: str) -> str:
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "model": LLAMA8,
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def test_an_agent_that_sends_beyond_its_window_is_cut_off(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """A socket carries every request of its node, so the gateway cannot slow an agent down the way
+    TCP slows an HTTP node: an agent that ignores its window while the client reads nothing would
+    fill the gateway's memory (measured: 400 MiB in 3.4 s). It is cut off, and told to stop."""
+    body = json.dumps({**BODY, "stream": True}).encode()
+    host, port = gateway.removeprefix("http://").split(":")
+    with raw_tunnel(conn, gateway, api_key) as ws, socket.create_connection((host, int(port))) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
+        client.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {api_key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        request = gateway_frame(ws.recv(timeout=5))
+        ws.send(encode(Start(id=request.id, status=200, type="text/event-stream")))
+        flood = encode(Data(id=request.id, b=event("y" * (1 << 20))))
+        told: list[Cancel | More | Req] = []
+        for _ in range(64):  # 64 MiB at most; the gateway's buffers and its window are far less
+            ws.send(flood)
+            with contextlib.suppress(TimeoutError):
+                while not any(isinstance(frame, Cancel) for frame in told):
+                    told.append(gateway_frame(ws.recv(timeout=0.05)))
+            if any(isinstance(frame, Cancel) for frame in told):
+                break
+        assert any(isinstance(frame, Cancel) and frame.id == request.id for frame in told), told
+    wait_for(lambda: conn.execute("select status from jobs").fetchone() == ("failed",))
+
+
+def test_an_answer_bigger_than_the_window_flows_as_the_client_reads(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """An agent that keeps to its window gets `more` as the client reads: an answer of three windows
+    arrives whole, the agent never having more than one window out."""
+    piece = event("z" * 65536)
+    pieces = 3 * WINDOW // len(piece) + 1
+
+    def agent(ws: Connection) -> int:
+        request = gateway_frame(ws.recv(timeout=5))
+        ws.send(encode(Start(id=request.id, status=200, type="text/event-stream")))
+        out = most = 0
+        for _ in range(pieces):
+            while out and out + len(piece) > WINDOW:
+                more = gateway_frame(ws.recv(timeout=10))
+                assert isinstance(more, More) and more.id == request.id
+                out -= more.n
+            ws.send(encode(Data(id=request.id, b=piece)))
+            out += len(piece)
+            most = max(most, out)
+        ws.send(encode(End(id=request.id)))
+        return most
+
+    with raw_tunnel(conn, gateway, api_key) as ws, ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(agent, ws)
+        with httpx.stream(
+            "POST",
+            f"{gateway}/v1/chat/completions",
+            json={**BODY, "stream": True},
+            headers={"authorization": f"Bearer {api_key}"},
+            timeout=30,
+        ) as resp:
+            assert resp.status_code == 200
+            got = [line.count("z") for line in resp.iter_lines() if '"z' in line]
+        assert got == [65536] * pieces
+        assert sent.result(timeout=10) <= WINDOW
