@@ -141,8 +141,12 @@ def bodies(conn: psycopg.Connection) -> dict[str, str]:
     return {str(signature): str(source) for signature, source in rows}
 
 
-def match(conn: psycopg.Connection, key: uuid.UUID | None = None, model: str = LLAMA8) -> uuid.UUID:
-    row = conn.execute("select job_id, node_id from match_job(%s, %s)", (model, key)).fetchone()
+def match(
+    conn: psycopg.Connection, key: uuid.UUID | None = None, model: str = LLAMA8, stream: bool = False
+) -> uuid.UUID:
+    row = conn.execute(
+        "select job_id, node_id from match_job(%s, %s, p_stream => %s)", (model, key, stream)
+    ).fetchone()
     assert row is not None and row[1] is not None, "no node took the job"
     return uuid.UUID(str(row[0]))
 
@@ -245,7 +249,7 @@ def test_complete_job_and_complete_jobs_end_a_job_alike(
     results: dict[uuid.UUID, tuple[Any, ...]] = {}
     for node, query in ((one, ONE), (batch, BATCH)):
         conn.execute("update nodes set status = case when id = %s then 'online' else 'offline' end", (node,))
-        job = match(conn, key)
+        job = match(conn, key, stream=True)  # a stream: its ending measures the node's speed
         before = spent(conn, key)
         row = conn.execute(query, (job, status, error)).fetchone()
         assert row is not None

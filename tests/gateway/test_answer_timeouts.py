@@ -84,3 +84,19 @@ def test_a_stream_still_has_the_first_byte_timeout(
     assert resp.status_code == 200
     assert resp.headers["x-neuralgrid-attempts"] == "2"
     assert _failures(conn, stuck.node_id) == 1
+
+
+def test_a_whole_answer_leaves_the_node_s_speed_unmeasured(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """A whole answer's first byte comes with its last token, so it says nothing of how fast the node
+    decodes. Measured from it, a node serving 20 tokens a second was recorded at millions a second,
+    and its next long whole answer got no more than the first-byte timeout: a 504 after three nodes,
+    each counted a failure and cooled down."""
+    node = fake_nodes(tokens_per_s=20)
+    assert _whole_answer(gateway, api_key, "a short one", max_tokens=5).status_code == 200
+    speed = conn.execute("select ewma_tokens_per_s from nodes where id = %s", (node.node_id,)).fetchone()
+    assert speed == (None,)
+    resp = _whole_answer(gateway, api_key, "a long one", max_tokens=50)  # 2.5 s; first byte 1 s
+    assert resp.status_code == 200, resp.text
+    assert _failures(conn, node.node_id) == 0

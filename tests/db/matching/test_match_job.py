@@ -76,7 +76,7 @@ def test_complete_job_meters_usage_cost_and_reputation(conn: psycopg.Connection)
     owner = make_user(conn)
     key = make_key(conn, owner)
     node = make_node(conn)
-    match = match_job(conn, REQUEST, api_key_id=key)
+    match = match_job(conn, REQUEST, api_key_id=key, stream=True)
     cost = complete_job(
         conn, match.job_id, prompt_tokens=1000, completion_tokens=500, ttft_ms=100, latency_ms=1100
     )
@@ -88,13 +88,22 @@ def test_complete_job_meters_usage_cost_and_reputation(conn: psycopg.Connection)
     assert job == ("succeeded", owner, 1000, 500, 1100.0, 100.0)
     state = node_state(conn, node)
     assert (state["inflight"], state["successes"], state["latency"]) == (0, 1, 1100.0)
-    assert state["tps"] == pytest.approx(500.0)  # 500 tokens in the 1.0 s after the first byte
+    assert state["tps"] == pytest.approx(500.0)  # 500 tokens streamed in the 1.0 s after the first byte
     spent = conn.execute("select spent_usd from api_keys where id = %s", (key,)).fetchone()
     assert spent is not None and float(spent[0]) == pytest.approx(cost)
     attempt = conn.execute("select status, ended_at is not null from job_attempts").fetchone()
     assert attempt == ("succeeded", True)
     with pytest.raises(ConflictError, match="is not running"):
         complete_job(conn, match.job_id)
+
+
+def test_a_whole_answer_measures_no_speed(conn: psycopg.Connection) -> None:
+    """A whole answer's first byte comes with its last token: 500 tokens 10 ms after it is no speed."""
+    node = make_node(conn)
+    match = match_job(conn, REQUEST)
+    complete_job(conn, match.job_id, completion_tokens=500, ttft_ms=1090, latency_ms=1100)
+    state = node_state(conn, node)
+    assert (state["successes"], state["latency"], state["tps"]) == (1, 1100.0, None)
 
 
 def test_time_priced_model_costs_a_slot_of_node_time(conn: psycopg.Connection) -> None:
@@ -304,7 +313,7 @@ def test_a_node_far_slower_than_its_claimed_gpu_loses_reputation(conn: psycopg.C
     conn.execute("update nodes set inflight = 0, status = 'online'")
     conn.execute("update jobs set status = 'cancelled', finished_at = now()")
     for _ in range(5):  # it delivers 10 tokens/s; an H100 should give ~346 on an 8B model
-        match = match_job(conn, MatchRequest(model=LLAMA8, max_hourly_rate=None))
+        match = match_job(conn, MatchRequest(model=LLAMA8, max_hourly_rate=None), stream=True)
         if match.node_id != liar:
             complete_job(conn, match.job_id, completion_tokens=10, ttft_ms=0, latency_ms=100)
             continue
