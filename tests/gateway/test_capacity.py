@@ -100,6 +100,7 @@ def test_past_the_deadline_a_busy_fleet_is_503_with_retry_after(
     assert error["code"] == "no_capacity"
     assert "busy" in error["message"] and LLAMA8 in error["message"]
     assert int(resp.headers["retry-after"]) >= 1
+    assert 400 < float(resp.headers["x-neuralgrid-queue-ms"]) < 1500  # a refusal says how long it waited
     refused = conn.execute("select error from jobs where status = 'failed'").fetchall()
     assert [row[0] for row in refused] == [error["message"]]  # the refusal is on record, once
 
@@ -113,6 +114,7 @@ def test_a_full_queue_refuses_at_once(short_queue: Any, fake_nodes: Any, gateway
     assert codes.count(200) == 1 and codes.count(503) == 4
     full = [r for r in statuses if r.status_code == 503 and "queue" in r.json()["error"]["message"]]
     assert len(full) == 2 and all(r.headers.get("retry-after") for r in full)
+    assert all(float(r.headers["x-neuralgrid-queue-ms"]) < 400 for r in full)  # refused at once
 
 
 def test_no_node_online_is_503_at_once_and_says_so(

@@ -20,7 +20,7 @@ from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admission, Admitted, Call
 from neuralgrid.gateway.pipeline.meter import Meter, Metering
-from neuralgrid.gateway.pipeline.place import Placement
+from neuralgrid.gateway.pipeline.place import QUEUE_MS, Placement, queue_ms
 from neuralgrid.gateway.pipeline.relay import STREAM_HEADERS, Relay
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Rejected, Sender
 from neuralgrid.protocol import wire_json
@@ -126,7 +126,7 @@ class Pipeline:
             "x-neuralgrid-node": str(meter.node_id),
             "x-neuralgrid-attempts": str(delivery.node.attempt),
             "x-neuralgrid-job": str(meter.job_id),
-            "x-neuralgrid-queue-ms": f"{placed.waited * 1000:.3f}",
+            QUEUE_MS: queue_ms(placed.waited),
         }
         if admitted.stream:
             self._stamp_overhead(headers, call.received, not_ours)

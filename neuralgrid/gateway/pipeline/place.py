@@ -20,6 +20,12 @@ from neuralgrid.gateway.pipeline.kinds import ROUTES
 from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES
 
+QUEUE_MS = "x-neuralgrid-queue-ms"  # how long a request waited for a slot, on its answer or refusal
+
+
+def queue_ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
 
 class Node(NamedTuple):
     """Where a job runs now: the node, how to reach it, its signing key, which attempt this is."""
@@ -79,15 +85,21 @@ class Placement:
         if not self.room.waiting(line):  # nobody ahead in line: ask at once
             match = await self._match(params)
         waited = 0.0
-        if match is None or match.busy:
-            queued = time.perf_counter()
-            match = await self._wait(call.model, line, call.key.id, params, seen, call.gone)
-            waited = time.perf_counter() - queued
-        self.metrics.queue_wait.observe(waited)
-        if match.refusal == "route":  # no wait makes a node serve another route
-            raise errors.RouteNotServed(match.error or f"no online node serves {request.route}")
-        if match.node_id is None or match.endpoint_url is None:
-            raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
+        try:
+            if match is None or match.busy:
+                queued = time.perf_counter()
+                try:
+                    match = await self._wait(call.model, line, call.key.id, params, seen, call.gone)
+                finally:
+                    waited = time.perf_counter() - queued
+            self.metrics.queue_wait.observe(waited)
+            if match.refusal == "route":  # no wait makes a node serve another route
+                raise errors.RouteNotServed(match.error or f"no online node serves {request.route}")
+            if match.node_id is None or match.endpoint_url is None:
+                raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
+        except errors.GatewayError as refused:  # a refusal says how long it waited, as an answer does
+            refused.headers = {**(refused.headers or {}), QUEUE_MS: queue_ms(waited)}
+            raise
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
         if match.max_output_tokens is not None:
             admitted = admitted.capped(match.max_output_tokens)
