@@ -13,6 +13,7 @@ from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import database, fail, friendly_errors, out, progress, settings
 from neuralgrid.cli.fleet import Column, JsonOption, column_table, print_json
 from neuralgrid.cli.node import MAX_DAYS
+from neuralgrid.validation import KEY_BUDGET_MAX_USD, KEY_LIMIT_MAX
 
 if TYPE_CHECKING:
     from neuralgrid.db.queries import CreatedKey
@@ -43,10 +44,16 @@ def create(
     It belongs to a user (--owner; by default the local owner, or you when signed in with `neuralgrid
     login`): their API keys page lists it, and the nodes registered with it are theirs."""
     for flag, limit in (("--rpm", rpm), ("--tpm", tpm)):
-        if limit is not None and limit < 1:
-            raise fail(f"{flag} must be a positive whole number (leave it out for no limit)")
-    if budget_usd is not None and not budget_usd >= 0:  # NaN too
-        raise fail("--budget-usd must be a number of USD, not negative (leave it out for no budget)")
+        if limit is not None and not 1 <= limit <= KEY_LIMIT_MAX:
+            raise fail(
+                f"{flag} must be a positive whole number, at most {KEY_LIMIT_MAX} (leave it out for no limit)"
+            )
+    if budget_usd is not None and not 0 <= budget_usd < KEY_BUDGET_MAX_USD:  # NaN too
+        raise fail(
+            f"--budget-usd must be a number of USD below {KEY_BUDGET_MAX_USD:,} (leave it out for no budget)"
+        )
+    if budget_usd is not None and round(budget_usd, 4) != budget_usd:
+        raise fail("--budget-usd must be given to a hundredth of a cent (4 decimals), as the ledger keeps it")
     api = signed_in(ctx)
     if api is None:
         _create_in_database(ctx, name, rpm, tpm, budget_usd, owner)

@@ -58,6 +58,10 @@ def invalid(errors: Sequence[Any]) -> BadRequest:
     """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter
     (its path, e.g. messages.0.role, without pydantic's names for the members of a union)."""
     first = errors[0]
+    if first.get("type") == "json_invalid":  # FastAPI's, for a body it parses itself: not a parameter
+        return BadRequest(
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        )
     param = ".".join(str(p) for p in first["loc"] if p != "body" and not _UNION_MEMBER.match(str(p))) or None
     said = validation.message(first)
     return BadRequest(f"{param}: {said}" if param else said, param=param)

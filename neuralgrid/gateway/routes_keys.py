@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import UserDep
 from neuralgrid.gateway.errors import NotFound
 from neuralgrid.server.services import ServicesDep
+from neuralgrid.validation import KEY_BUDGET_MAX_USD, KEY_LIMIT_MAX
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
 class NewKey(BaseModel):
+    # A field it does not know is refused: a misspelt limit would otherwise make a key without one.
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters
-    rpm_limit: int | None = Field(None, gt=0)
-    tpm_limit: int | None = Field(None, gt=0)
-    budget_usd: float | None = Field(None, ge=0)
+    rpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
+    tpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
+    # As the ledger keeps it (numeric(12,4)): a budget it would round is refused, not rounded to $0.
+    budget_usd: Decimal | None = Field(None, ge=0, lt=KEY_BUDGET_MAX_USD, decimal_places=4)
 
 
 @router.get("")

@@ -139,6 +139,34 @@ def test_user_tokens_and_key_names_are_checked(conn: psycopg.Connection, gateway
     assert httpx.get(f"{gateway}/v1/keys", headers=bearer(good)).json()["data"][0]["name"] == "laptop ☕"
 
 
+@pytest.mark.parametrize("gateway_settings", [{"NEURALGRID_JWT_SECRET": SECRET}])
+def test_a_key_is_created_as_asked_or_not_at_all(conn: psycopg.Connection, gateway: str) -> None:
+    """Found trying the API: `{"rpm": -5}` (a misspelt limit) made a key with no limit at all, a budget
+    below the ledger's 4 decimals became $0, out-of-range numbers came back in Postgres's words, and
+    malformed JSON was "1: JSON decode error" naming a parameter "1"."""
+    user = make_user(conn)
+    claims = {"sub": str(user), "role": "authenticated", "aud": "authenticated", "exp": int(time.time()) + 60}
+    url, auth = f"{gateway}/v1/keys", bearer(claims)
+    refused = [
+        ({"name": "k", "rpm": 5}, "rpm"),
+        ({"name": "k", "budget_usd": 0.000001}, "budget_usd"),
+        ({"name": "k", "budget_usd": 1e12}, "budget_usd"),
+        ({"name": "k", "tpm_limit": 2**31}, "tpm_limit"),
+    ]
+    for body, param in refused:
+        resp = httpx.post(url, json=body, headers=auth)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.text)
+    resp = httpx.post(url, content=b'{"name": ', headers={**auth, "content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] is None
+    assert resp.json()["error"]["message"].startswith("the request body is not valid JSON")
+    assert conn.execute("select count(*) from api_keys").fetchone() == (0,)  # nothing made
+    made = httpx.post(url, json={"name": "k", "rpm_limit": 5, "budget_usd": 0.25}, headers=auth)
+    assert made.status_code == 201, made.text
+    row = conn.execute("select rpm_limit, budget_usd from api_keys").fetchone()
+    assert row is not None and (row[0], float(row[1])) == (5, 0.25)
+
+
 def test_a_node_listing_a_model_twice_holds_it_once(
     conn: psycopg.Connection, gateway: str, api_key: str
 ) -> None:

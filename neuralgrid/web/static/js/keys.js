@@ -107,8 +107,9 @@ function readForm() {
   };
   const budgetInput = $('key-budget');
   const budgetText = budgetInput.value.trim().replace(/^\$/, '');
-  const budgetOk = !budgetText || /^\d+(\.\d+)?$/.test(budgetText);
-  fieldError(budgetInput, budgetOk ? null : 'The budget is an amount in USD, 0 or more (like 5 or 12.50), or empty for none.');
+  // As the ledger keeps it: at most 4 decimals, below $100,000,000.
+  const budgetOk = !budgetText || (/^\d+(\.\d{1,4})?$/.test(budgetText) && Number(budgetText) < 1e8);
+  fieldError(budgetInput, budgetOk ? null : 'The budget is an amount in USD, 0 or more, to 4 decimals at most (like 5 or 12.50), or empty for none.');
   const budget = budgetText && budgetOk ? Number(budgetText) : null;
   const nameText = name.value.trim();
   fieldError(name, nameText ? (nameText.length > 100 ? 'Keep the name to 100 characters.' : null) : 'Give the key a name, to recognise it by.');
