@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -52,6 +53,21 @@ class BackendInfo(BaseModel):
     ) = None
 
 
+def reachable(url: str) -> str:
+    """An http(s) endpoint names a host and, if any, a port from 1 to 65535 (else no request could
+    reach it, and every one would fail as the node's fault)."""
+    if url.startswith("tunnel:"):
+        return url
+    try:
+        parts = urlsplit(url)  # ValueError for a bracketed host that is not an IPv6 address
+        host, port = parts.hostname, parts.port  # ValueError for a port not from 0 to 65535
+    except ValueError:
+        host, port = None, None
+    if not host or port == 0 or (port is None and ":" in parts.netloc.rpartition("@")[2].rpartition("]")[2]):
+        raise ValueError("endpoint_url must name a host, and a port from 1 to 65535 if it gives one")
+    return url
+
+
 class NodeRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
@@ -63,7 +79,7 @@ class NodeRegistration(BaseModel):
     region: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
     latitude: float | None = Field(None, ge=-90, le=90)
     longitude: float | None = Field(None, ge=-180, le=180)
-    endpoint_url: str = Field(pattern=r"^(https?://\S+|tunnel:\S*)$")
+    endpoint_url: Annotated[str, Field(pattern=r"^(https?://\S+|tunnel:\S*)$"), AfterValidator(reachable)]
     max_concurrency: int = Field(4, ge=1, le=1024)
     models: Models
     agent_version: str | None = Field(None, max_length=64, pattern=PRINTABLE)

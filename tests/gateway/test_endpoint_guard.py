@@ -84,3 +84,15 @@ def test_development_calls_the_same_node(
         f"{gateway}/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {api_key}"}
     )
     assert resp.status_code == 200 and node.requests == 1
+
+
+def test_registration_refuses_an_endpoint_no_request_could_reach(gateway: str, api_key: str) -> None:
+    """Found trying the API: `http://a:99999` and `http://:9` were registered, and every request
+    sent to them then failed as the node's fault (502). Anywhere, not only in production."""
+    auth = {"authorization": f"Bearer {api_key}"}
+    for url in ("http://a:99999", "http://:9", "https://", "http://a:0", "http://a:port"):
+        resp = httpx.post(
+            f"{gateway}/v1/nodes", json={**SPEC, "endpoint_url": url, "models": [LLAMA8]}, headers=auth
+        )
+        assert resp.status_code == 400, (url, resp.text)
+        assert resp.json()["error"]["param"] == "endpoint_url", resp.text
