@@ -24,6 +24,7 @@ from websockets.exceptions import WebSocketException
 from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
 from neuralgrid.protocol.tunnel import (
+    FLOW_HEADER,
     WINDOW,
     Cancel,
     Data,
@@ -45,15 +46,17 @@ Send = Callable[[Start | Data | End | Err], Awaitable[None]]
 
 class Window:
     """How much of one answer is out: sent and not yet acknowledged by the gateway (`more`). The
-    answer waits, not the socket, when a client reads slowly: the other requests go on."""
+    answer waits, not the socket, when a client reads slowly: the other requests go on. `size` None:
+    a gateway that sends no `more` (from before flow control), so nothing is held back."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int | None) -> None:
+        self.size = size
         self.out = 0
         self.acknowledged = asyncio.Event()
 
     async def spend(self, n: int) -> None:
         """Wait until `n` more bytes fit in the window (a bigger frame goes alone), then count them."""
-        while self.out and self.out + n > WINDOW:
+        while self.size is not None and self.out and self.out + n > self.size:
             self.acknowledged.clear()
             await self.acknowledged.wait()
         self.out += n
@@ -101,6 +104,7 @@ class TunnelClient:
         lock = asyncio.Lock()
         tasks: dict[int, asyncio.Task[None]] = {}
         windows: dict[int, Window] = {}
+        flow = ws.response is not None and ws.response.headers.get(FLOW_HEADER) == "more"
 
         async def send(frame: Start | Data | End | Err) -> None:
             async with lock:
@@ -120,7 +124,7 @@ class TunnelClient:
                     log.warning("unreadable frame from the gateway: %s", err)
                     continue
                 if isinstance(frame, Req):
-                    window = windows[frame.id] = Window()
+                    window = windows[frame.id] = Window(WINDOW if flow else None)
                     task = asyncio.create_task(self._handle(frame, send, window))
                     tasks[frame.id] = task
                     task.add_done_callback(functools.partial(_forget, tasks, windows, frame.id))

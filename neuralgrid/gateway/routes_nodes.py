@@ -18,6 +18,7 @@ from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import Heartbeat, NodeRegistration
+from neuralgrid.protocol.tunnel import FLOW_HEADER
 from neuralgrid.server.services import ServicesDep
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
@@ -98,7 +99,7 @@ async def tunnel(websocket: WebSocket, node_id: UUID, services: ServicesDep) -> 
     if secret_hash is None or not hmac.compare_digest(bytes(secret_hash), key):
         await websocket.close(code=4403, reason="not this node's secret")
         return
-    await websocket.accept()
+    await websocket.accept(headers=[(FLOW_HEADER.encode(), b"more")])
     link = Tunnel(node_id, websocket)
     services.tunnels.attach(link)
     try:

@@ -31,6 +31,9 @@ MAX_TYPE = 256  # the longest content type a frame carries
 # Bytes of one answer's `data` (the frames' `b`, as sent) an agent may send ahead of the gateway's
 # reader: a stream's few hundred tokens a second never come near it; a flood stops there.
 WINDOW = 4 << 20
+# The handshake header by which a gateway says it sends `more`: an agent keeps to its windows only
+# then (a gateway from before flow control would leave it waiting for ever after the first window).
+FLOW_HEADER = "x-neuralgrid-tunnel-flow"
 
 
 def is_content_type(value: str) -> bool:

@@ -1,0 +1,92 @@
+"""The agent's end of a tunnel's flow control, spoken to by a gateway of this test's own: it keeps to
+each answer's window when the gateway says it sends `more`, and holds nothing back for one from
+before flow control (which would otherwise leave it waiting for ever after the first window)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from neuralgrid.agent.backend import Backend
+from neuralgrid.agent.front import FrontState
+from neuralgrid.agent.tunnel import TunnelClient
+from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
+from neuralgrid.protocol.tunnel import FLOW_HEADER, WINDOW, Data, End, More, Req, Start, agent_frame, encode
+from neuralgrid.server.serving import ThreadedServer
+from tests.conftest import LLAMA8
+
+TOKENS = 30_000  # about 200 bytes of SSE each: more than a window
+CHAT = {
+    "model": LLAMA8,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": TOKENS,
+    "stream": True,
+}
+
+
+@asynccontextmanager
+async def agent_dialling(gateway: str, backend: str) -> AsyncIterator[TunnelClient]:
+    front = FrontState(Backend(backend))
+    client = TunnelClient([gateway], "node", "secret", front)
+    running = asyncio.create_task(client.run())
+    try:
+        yield client
+    finally:
+        client.close.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await front.backend.aclose()
+
+
+async def answer_bytes(ws: ServerConnection, pause_at: int | None) -> tuple[int, int]:
+    """Ask for the stream and read it; at `pause_at` bytes, stop acknowledging until the agent has
+    sent nothing for a second. Returns (bytes received, the most out at once when paused)."""
+    await ws.send(encode(Req(id=1, path="/v1/chat/completions", body=json.dumps(CHAT))))
+    got, paused_at = 0, 0
+    while True:
+        frame = agent_frame(await asyncio.wait_for(ws.recv(), 30))
+        assert not isinstance(frame, Start) or frame.status == 200
+        if isinstance(frame, Data):
+            got += len(frame.b)
+            if pause_at is not None and not paused_at and got >= pause_at:
+                try:  # whatever still comes: the agent keeps to its window or it does not
+                    while True:
+                        more = agent_frame(await asyncio.wait_for(ws.recv(), 1.0))
+                        assert isinstance(more, Data)
+                        got += len(more.b)
+                except TimeoutError:
+                    paused_at = got
+                await ws.send(encode(More(id=1, n=got)))
+        elif isinstance(frame, End):
+            return got, paused_at
+
+
+@pytest.mark.parametrize("flow", [True, False])
+async def test_the_agent_keeps_to_its_window_only_for_a_gateway_that_says_more(flow: bool) -> None:
+    result: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+
+    async def gateway(ws: ServerConnection) -> None:
+        # Paused a frame or two short of the window, which the agent fills to within a frame.
+        result.set_result(await answer_bytes(ws, WINDOW - 65_536 if flow else None))
+
+    def announce(_: ServerConnection, __: Request, response: Response) -> Response:
+        if flow:
+            response.headers[FLOW_HEADER] = "more"
+        return response
+
+    config = FakeNodeConfig(models=(LLAMA8,), context_length=65_536)
+    with ThreadedServer(create_fake_node(config)) as backend:
+        async with (
+            serve(gateway, "127.0.0.1", 0, process_response=announce) as server,
+            agent_dialling(f"http://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}", backend.url),
+        ):
+            got, paused_at = await asyncio.wait_for(result, 60)
+    assert got > WINDOW  # the whole answer came, past its first window
+    if flow:
+        assert WINDOW - 4096 < paused_at <= WINDOW  # the agent stopped at its window, until `more`
