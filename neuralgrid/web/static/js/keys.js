@@ -107,8 +107,8 @@ function readForm() {
   };
   const budgetInput = $('key-budget');
   const budgetText = budgetInput.value.trim().replace(/^\$/, '');
-  // As the ledger keeps it: at most 4 decimals, below $100,000,000.
-  const budgetOk = !budgetText || (/^\d+(\.\d{1,4})?$/.test(budgetText) && Number(budgetText) < 1e8);
+  // As the ledger keeps it, to 4 decimals (the gateway refuses what it cannot hold).
+  const budgetOk = !budgetText || /^\d+(\.\d{1,4})?$/.test(budgetText);
   fieldError(budgetInput, budgetOk ? null : 'The budget is an amount in USD, 0 or more, to 4 decimals at most (like 5 or 12.50), or empty for none.');
   const budget = budgetText && budgetOk ? Number(budgetText) : null;
   const nameText = name.value.trim();
