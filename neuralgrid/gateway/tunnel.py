@@ -225,7 +225,11 @@ class Tunnels:
                 raise TunnelUnreachable("the node's tunnel is not connected to this gateway")
             return await self.peers.open(node_id, path, body, first_byte_timeout_s, content_type)
         resp = await link.request(path, body, content_type)
-        await resp.start(first_byte_timeout_s)
+        try:
+            await resp.start(first_byte_timeout_s)
+        except BaseException:  # cancelled meanwhile (the client left): the agent hears so too
+            await resp.close()
+            raise
         return resp
 
     def attach(self, link: Tunnel) -> None:

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psycopg
 import pytest
+from starlette.websockets import WebSocket
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
+from neuralgrid.gateway.tunnel import Tunnel, Tunnels
 from neuralgrid.protocol.tunnel import WINDOW, Cancel, Data, End, More, Req, Start, encode, gateway_frame
 from tests.conftest import LLAMA8, node_row, wait_for
 
@@ -198,3 +202,25 @@ def test_an_answer_bigger_than_the_window_flows_as_the_client_reads(
             got = [line.count("z") for line in resp.iter_lines() if '"z' in line]
         assert got == [65536] * pieces
         assert sent.result(timeout=10) <= WINDOW
+
+
+async def test_a_request_cancelled_before_its_status_line_is_cancelled_at_the_agent() -> None:
+    """Read in review: a caller cancelled while it waited for the node's status line (its client
+    gone, the gateway stopping) left the request pending on the socket and the agent working on it;
+    the forwarding path already told the agent."""
+    told: list[Req | Cancel | More] = []
+
+    class Socket:
+        async def send_text(self, text: str) -> None:
+            told.append(gateway_frame(text))
+
+    link = Tunnel(uuid.uuid4(), cast(WebSocket, Socket()))
+    tunnels = Tunnels(uuid.uuid4())
+    tunnels.attach(link)
+    opening = asyncio.create_task(tunnels.open(link.node_id, "/v1/chat/completions", b"{}", 30))
+    await asyncio.sleep(0.05)  # the request is on the socket, its status line not yet in
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert link.pending == {}
+    assert [type(frame) for frame in told] == [Req, Cancel]
