@@ -143,26 +143,42 @@ def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
     assert before == after
 
 
-def test_a_change_of_load_rescores_by_arithmetic(conn: psycopg.Connection) -> None:
-    """A claim, a release that changes nothing else, or outside load moves only the capacity term:
-    the node's rows become their fixed part plus the capacity share at the new load (a lookup by
+@pytest.mark.parametrize(
+    "change",
+    [
+        "inflight = inflight + 1",  # a claim
+        "inflight = inflight - 1, successes = successes + 1",  # a whole answer's release
+        "inflight = inflight - 1, failures = failures + 2",  # a batch of two failures
+        "queue_depth = 4",  # outside load
+    ],
+)
+def test_a_change_of_load_or_counts_rescores_by_arithmetic(conn: psycopg.Connection, change: str) -> None:
+    """A claim, a release that measured no speed, or outside load moves only the capacity and
+    reputation terms: the node's rows become their other part plus those terms' shares (a lookup by
     key), not the components computed again (a join of the node, its models, the catalog and the
     policies). The result is the view's to the last bit."""
     node = make_node(conn, models={m: "loaded" for m in MODELS[:3]}, max_concurrency=4, queue_depth=1)
+    conn.execute(
+        "update nodes set inflight = 2, successes = 7, failures = 1, speed_ratio = 0.6 where id = %s", (node,)
+    )
     with logged_plans(conn) as plans:
-        conn.execute("update nodes set inflight = inflight + 1 where id = %s", (node,))
+        conn.execute(f"update nodes set {change} where id = %s", (node,))
     (rescoring,) = [plan for plan in plans if "update public.node_scores" in plan]
     assert "Join" not in rescoring and "Nested Loop" not in rescoring, rescoring
     assert_scores_fresh(conn)
-    for load in ("inflight = 3", "queue_depth = 4", "inflight = 0, queue_depth = 0"):
-        conn.execute(f"update nodes set {load} where id = %s", (node,))
+
+
+def test_anything_else_scored_goes_the_long_way_and_stays_exact(conn: psycopg.Connection) -> None:
+    """A stream's release measures a speed (compute, price and reputation move), and a heartbeat's new
+    VRAM size moves the node's tier as well."""
+    node = make_node(conn, models={m: "loaded" for m in MODELS[:3]}, max_concurrency=4)
+    for change in (
+        "inflight = 2, successes = successes + 1, speed_ratio = 0.4",
+        "vram_gb = 80",
+        "tflops = 90",
+    ):
+        conn.execute(f"update nodes set {change} where id = %s", (node,))
         assert_scores_fresh(conn)
-    # Anything else scored goes the long way, and stays exact too: a new VRAM size (a heartbeat's
-    # specs) moves the node's tier as well.
-    conn.execute("update nodes set inflight = 2, successes = successes + 1 where id = %s", (node,))
-    assert_scores_fresh(conn)
-    conn.execute("update nodes set vram_gb = 80 where id = %s", (node,))
-    assert_scores_fresh(conn)
 
 
 @pytest.mark.parametrize(
