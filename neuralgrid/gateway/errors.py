@@ -58,6 +58,8 @@ def invalid(errors: Sequence[Any]) -> BadRequest:
     """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter
     (its path, e.g. messages.0.role, without pydantic's names for the members of a union)."""
     first = errors[0]
+    if tuple(first["loc"]) == ("body",):  # no body, not an object, or not sent as JSON at all
+        return BadRequest("the request body must be a JSON object, sent with Content-Type: application/json")
     if first.get("type") == "json_invalid":  # FastAPI's, for a body it parses itself: not a parameter
         return BadRequest(
             f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"

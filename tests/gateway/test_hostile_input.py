@@ -160,6 +160,11 @@ def test_a_key_is_created_as_asked_or_not_at_all(conn: psycopg.Connection, gatew
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] is None
     assert resp.json()["error"]["message"].startswith("the request body is not valid JSON")
+    for sent in ({"content": b'{"name": "k"}'}, {"json": ["k"]}, {}):  # not as JSON, not an object, none
+        resp = httpx.post(url, headers=auth, **sent)
+        assert resp.status_code == 400 and "must be a JSON object" in resp.json()["error"]["message"], (
+            resp.text
+        )
     assert conn.execute("select count(*) from api_keys").fetchone() == (0,)  # nothing made
     made = httpx.post(url, json={"name": "k", "rpm_limit": 5, "budget_usd": 0.25}, headers=auth)
     assert made.status_code == 201, made.text
