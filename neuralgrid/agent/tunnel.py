@@ -25,6 +25,7 @@ from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
 from neuralgrid.protocol.tunnel import (
     FLOW_HEADER,
+    MAX_DATA,
     WINDOW,
     Cancel,
     Data,
@@ -55,7 +56,7 @@ class Window:
         self.acknowledged = asyncio.Event()
 
     async def spend(self, n: int) -> None:
-        """Wait until `n` more bytes fit in the window (a bigger frame goes alone), then count them."""
+        """Wait until `n` more characters fit in the window, then count them."""
         while self.size is not None and self.out and self.out + n > self.size:
             self.acknowledged.clear()
             await self.acknowledged.wait()
@@ -83,9 +84,8 @@ class TunnelClient:
             url = self.urls[turn % len(self.urls)]
             served = False
             try:
-                async with connect(
-                    url, additional_headers={"authorization": f"Bearer {self.secret}"}, max_size=None
-                ) as ws:
+                headers = {"authorization": f"Bearer {self.secret}", FLOW_HEADER: "more"}
+                async with connect(url, additional_headers=headers, max_size=None) as ws:
                     self.connected.set()
                     served, backoff = True, 0.25
                     await self._serve(ws)
@@ -156,15 +156,11 @@ class TunnelClient:
                 )
                 async for chunk in answer.chunks:
                     if decoder is None:
-                        await _send_data(
-                            send,
-                            window,
-                            Data(id=request_id, b=base64.b64encode(chunk).decode("ascii"), b64=True),
-                        )
+                        await _send_data(send, window, request_id, chunk)
                     elif text := decoder.decode(chunk):
-                        await _send_data(send, window, Data(id=request_id, b=text))
+                        await _send_data(send, window, request_id, text)
                 if decoder is not None and (tail := decoder.decode(b"", final=True)):
-                    await _send_data(send, window, Data(id=request_id, b=tail))  # a last character cut short
+                    await _send_data(send, window, request_id, tail)  # a last character cut short
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
                 await answer.aclose()
             await send(End(id=request_id))
@@ -182,9 +178,20 @@ async def _refuse(send: Send, request_id: int, status: int, message: str) -> Non
     await send(End(id=request_id))
 
 
-async def _send_data(send: Send, window: Window, frame: Data) -> None:
-    await window.spend(len(frame.b))
-    await send(frame)
+async def _send_data(send: Send, window: Window, request_id: int, chunk: str | bytes) -> None:
+    """A chunk of the answer in `data` frames of at most MAX_DATA, each once the window has room:
+    text as it is, other bytes in base64 (4 characters for every 3 bytes)."""
+    if isinstance(chunk, str):
+        frames = [Data(id=request_id, b=chunk[i : i + MAX_DATA]) for i in range(0, len(chunk), MAX_DATA)]
+    else:
+        step = MAX_DATA // 4 * 3
+        frames = [
+            Data(id=request_id, b=base64.b64encode(chunk[i : i + step]).decode("ascii"), b64=True)
+            for i in range(0, len(chunk), step)
+        ]
+    for frame in frames:
+        await window.spend(len(frame.b))
+        await send(frame)
 
 
 def _forget(

@@ -100,7 +100,7 @@ async def tunnel(websocket: WebSocket, node_id: UUID, services: ServicesDep) -> 
         await websocket.close(code=4403, reason="not this node's secret")
         return
     await websocket.accept(headers=[(FLOW_HEADER.encode(), b"more")])
-    link = Tunnel(node_id, websocket)
+    link = Tunnel(node_id, websocket, windowed=websocket.headers.get(FLOW_HEADER) == "more")
     services.tunnels.attach(link)
     try:
         # Recorded as this gateway's: the others forward the node's requests here (gateway/forward.py).

@@ -19,6 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
 from neuralgrid.protocol.tunnel import (
+    UNWINDOWED_CAP,
     WINDOW,
     Cancel,
     Data,
@@ -62,9 +63,13 @@ class Inbox:
 
 
 class Tunnel:
-    def __init__(self, node_id: UUID, ws: WebSocket) -> None:
+    def __init__(self, node_id: UUID, ws: WebSocket, windowed: bool = True) -> None:
         self.node_id = node_id
         self.ws = ws
+        # Whether the agent keeps to windows (it said so in the handshake): else it is one from
+        # before flow control, sent no `more`, and held to UNWINDOWED_CAP.
+        self.windowed = windowed
+        self.limit = WINDOW if windowed else UNWINDOWED_CAP
         self.socket_id = uuid4()  # names this socket in tunnel_routes: a late close forgets only its own
         self.pending: dict[int, Inbox] = {}
         self.ids = itertools.count(1)
@@ -100,12 +105,16 @@ class Tunnel:
                     continue
                 if isinstance(frame, Data):
                     out, inbox.out = inbox.out, inbox.out + len(frame.b)
-                    if out and inbox.out > WINDOW:  # what a flood would leave in the gateway's memory
-                        overrun = f"the agent sent more than {WINDOW} bytes ahead of the gateway's reader"
+                    if out and inbox.out > self.limit:  # what a flood would leave in the gateway's memory
+                        overrun = f"the agent sent more than {self.limit} bytes ahead of the gateway's reader"
                         inbox.frames.put_nowait(Err(id=frame.id, message=overrun))
                         await self.cancel(frame.id)
                         continue
                 inbox.frames.put_nowait(frame)
+                if not self.windowed:
+                    # Messages already in take no turn of the loop: let the readers take this one,
+                    # or an agent that does not wait would overrun even an eager reader.
+                    await asyncio.sleep(0)
         # KeyError: a binary frame (receive_text finds no text), which the protocol does not have.
         except (WebSocketDisconnect, RuntimeError, ValueError, KeyError):
             pass
@@ -126,8 +135,9 @@ class Tunnel:
         """The reader took `n` bytes of the request's data: the agent may send as much again."""
         if (inbox := self.pending.get(request_id)) is not None:
             inbox.out -= n
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                await self.send(More(id=request_id, n=n))
+            if self.windowed:
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                    await self.send(More(id=request_id, n=n))
 
 
 class TunnelResponse:

@@ -7,9 +7,11 @@ as text (JSON and SSE are UTF-8) or, for bytes that are not (an audio upload, sp
 
 Flow control, per request (as HTTP/2 has it, since one socket carries them all and TCP's
 backpressure would stall every request behind the slowest client): the agent has at most WINDOW
-bytes of an answer's `data` out that the gateway has not taken (a single frame may be bigger when
-nothing else is out); the gateway says `more` as its reader takes them, and cuts off an agent that
-sends beyond its window.
+characters of an answer's `data` out that the gateway has not taken, in frames of at most half a
+window; the gateway says `more` as its reader takes them (at least half a window at a time), and
+cuts off an agent that sends beyond its window. Both ends say they do this with FLOW_HEADER in the
+socket's handshake; with an agent from before, the gateway sends no `more` and bounds what it
+holds of an answer by UNWINDOWED_CAP instead.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ class _Frame(BaseModel):
 
 HEADER_VALUE = r"^[\x20-\x7e]*$"  # printable ASCII: what a header may hold
 MAX_TYPE = 256  # the longest content type a frame carries
-# Bytes of one answer's `data` (the frames' `b`, as sent) an agent may send ahead of the gateway's
-# reader: a stream's few hundred tokens a second never come near it; a flood stops there.
+# Characters of one answer's `data` (the frames' `b`, as sent) an agent may send ahead of the
+# gateway's reader: a stream's few hundred tokens a second never come near it; a flood stops there.
 WINDOW = 4 << 20
-# The handshake header by which a gateway says it sends `more`: an agent keeps to its windows only
-# then (a gateway from before flow control would leave it waiting for ever after the first window).
+MAX_DATA = WINDOW // 2  # the most one `data` frame carries: the gateway acknowledges by halves
+# With an agent from before flow control (which sends no FLOW_HEADER), what the gateway holds of an
+# answer its reader has not taken: far more than an eager reader ever leaves, and still a bound.
+UNWINDOWED_CAP = 16 * WINDOW
+# The handshake header ("more") by which each end says it does flow control: the agent in its
+# request, the gateway in its answer. Each keeps to it only with the other (an agent waiting for a
+# `more` that a gateway from before never sends would stall after its first window).
 FLOW_HEADER = "x-neuralgrid-tunnel-flow"
 
 

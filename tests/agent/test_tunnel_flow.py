@@ -5,6 +5,7 @@ before flow control (which would otherwise leave it waiting for ever after the f
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,9 +16,21 @@ from websockets.http11 import Request, Response
 
 from neuralgrid.agent.backend import Backend
 from neuralgrid.agent.front import FrontState
-from neuralgrid.agent.tunnel import TunnelClient
+from neuralgrid.agent.tunnel import TunnelClient, Window, _send_data
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.protocol.tunnel import FLOW_HEADER, WINDOW, Data, End, More, Req, Start, agent_frame, encode
+from neuralgrid.protocol.tunnel import (
+    FLOW_HEADER,
+    MAX_DATA,
+    WINDOW,
+    Data,
+    End,
+    Err,
+    More,
+    Req,
+    Start,
+    agent_frame,
+    encode,
+)
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8
 
@@ -90,3 +103,34 @@ async def test_the_agent_keeps_to_its_window_only_for_a_gateway_that_says_more(f
     assert got > WINDOW  # the whole answer came, past its first window
     if flow:
         assert WINDOW - 4096 < paused_at <= WINDOW  # the agent stopped at its window, until `more`
+
+
+async def test_data_goes_in_frames_of_half_a_window_so_acknowledgements_always_come() -> None:
+    """Found in review: after a little data the gateway has not acknowledged (it does so by halves of
+    the window), a chunk of nearly a window waited for room that no `more` would ever make. Sent in
+    frames of at most half a window, whatever is out past half a window is acknowledged."""
+    frames: asyncio.Queue[Data] = asyncio.Queue()
+    window = Window(WINDOW)
+
+    async def send(frame: Start | Data | End | Err) -> None:
+        assert isinstance(frame, Data)
+        await frames.put(frame)
+
+    async def gateway(expected: int) -> str:
+        got: list[str] = []
+        taken = 0
+        while sum(len(piece) for piece in got) < expected:
+            frame = await frames.get()
+            assert len(frame.b) <= MAX_DATA
+            got.append(base64.b64decode(frame.b).decode() if frame.b64 else frame.b)
+            taken += len(frame.b)
+            if taken >= MAX_DATA:  # as the gateway's reader acknowledges
+                window.more(taken)
+                taken = 0
+        return "".join(got)
+
+    text, raw = "a" * 100, b"b" * (WINDOW - 1000)  # the second goes in base64: a third bigger again
+    reading = asyncio.create_task(gateway(len(text) + len(raw)))
+    await asyncio.wait_for(_send_data(send, window, 1, text), 5)
+    await asyncio.wait_for(_send_data(send, window, 1, raw), 5)
+    assert await asyncio.wait_for(reading, 5) == text + raw.decode()

@@ -20,7 +20,19 @@ from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
 from neuralgrid.gateway.tunnel import Tunnel, Tunnels
-from neuralgrid.protocol.tunnel import WINDOW, Cancel, Data, End, More, Req, Start, encode, gateway_frame
+from neuralgrid.protocol.tunnel import (
+    FLOW_HEADER,
+    UNWINDOWED_CAP,
+    WINDOW,
+    Cancel,
+    Data,
+    End,
+    More,
+    Req,
+    Start,
+    encode,
+    gateway_frame,
+)
 from tests.conftest import LLAMA8, node_row, wait_for
 
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -38,9 +50,14 @@ REGISTRATION = {
 
 @contextmanager
 def raw_tunnel(
-    conn: psycopg.Connection, gateway: str, api_key: str, heartbeat: dict[str, Any] | None = None
+    conn: psycopg.Connection,
+    gateway: str,
+    api_key: str,
+    heartbeat: dict[str, Any] | None = None,
+    flow: bool = True,
 ) -> Iterator[Connection]:
-    """A registered node whose tunnel is this test's socket, yielded once the node is online."""
+    """A registered node whose tunnel is this test's socket, yielded once the node is online; with
+    `flow`, it says it keeps to windows (an agent from before flow control does not)."""
     auth = {"authorization": f"Bearer {api_key}"}
     node = httpx.post(f"{gateway}/v1/nodes", json=REGISTRATION, headers=auth).json()
     secret = {"authorization": f"Bearer {node['node_secret']}"}
@@ -51,7 +68,8 @@ def raw_tunnel(
     )
     assert beat.status_code == 200, beat.text
     url = gateway.replace("http", "ws", 1) + f"/v1/nodes/{node['node_id']}/tunnel"
-    with connect(url, additional_headers=secret) as ws:
+    headers = {**secret, FLOW_HEADER: "more"} if flow else secret
+    with connect(url, additional_headers=headers, max_size=None) as ws:
         wait_for(lambda: node_row(conn, "raw-agent")[1] == "online")
         yield ws
 
@@ -136,15 +154,20 @@ def event(text: str) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
+@pytest.mark.parametrize("flow", [True, False])
 def test_an_agent_that_sends_beyond_its_window_is_cut_off(
-    conn: psycopg.Connection, gateway: str, api_key: str
+    conn: psycopg.Connection, gateway: str, api_key: str, flow: bool
 ) -> None:
     """A socket carries every request of its node, so the gateway cannot slow an agent down the way
     TCP slows an HTTP node: an agent that ignores its window while the client reads nothing would
-    fill the gateway's memory (measured: 400 MiB in 3.4 s). It is cut off, and told to stop."""
+    fill the gateway's memory (measured: 400 MiB in 3.4 s). It is cut off, and told to stop; an agent
+    from before flow control, at UNWINDOWED_CAP."""
     body = json.dumps({**BODY, "stream": True}).encode()
     host, port = gateway.removeprefix("http://").split(":")
-    with raw_tunnel(conn, gateway, api_key) as ws, socket.create_connection((host, int(port))) as client:
+    with (
+        raw_tunnel(conn, gateway, api_key, flow=flow) as ws,
+        socket.create_connection((host, int(port))) as client,
+    ):
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it never reads
         client.sendall(
             f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {api_key}\r\n"
@@ -155,7 +178,7 @@ def test_an_agent_that_sends_beyond_its_window_is_cut_off(
         ws.send(encode(Start(id=request.id, status=200, type="text/event-stream")))
         flood = encode(Data(id=request.id, b=event("y" * (1 << 20))))
         told: list[Cancel | More | Req] = []
-        for _ in range(64):  # 64 MiB at most; the gateway's buffers and its window are far less
+        for _ in range(UNWINDOWED_CAP // (1 << 20) + 16):  # past the cap: the gateway's buffers are far less
             ws.send(flood)
             with contextlib.suppress(TimeoutError):
                 while not any(isinstance(frame, Cancel) for frame in told):
@@ -224,3 +247,35 @@ async def test_a_request_cancelled_before_its_status_line_is_cancelled_at_the_ag
         await opening
     assert link.pending == {}
     assert [type(frame) for frame in told] == [Req, Cancel]
+
+
+def test_an_agent_from_before_flow_control_still_sends_a_big_answer_to_an_eager_reader(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """Found in review: an agent that says nothing of windows (one from before them) sending a whole
+    answer of 16 MiB at once was cut off after its first 4 MiB, though the gateway read it as fast as
+    it came: messages already in took no turn of the gateway's loop, so its reader never ran."""
+    content = "x" * (16 << 20)
+    reply = json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "model": LLAMA8,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }
+    )
+    with raw_tunnel(conn, gateway, api_key, flow=False) as ws, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, gateway, api_key)
+        request = gateway_frame(ws.recv(timeout=5))
+        ws.send(encode(Start(id=request.id, status=200)))
+        for at in range(0, len(reply), 1 << 20):
+            ws.send(encode(Data(id=request.id, b=reply[at : at + (1 << 20)])))
+        ws.send(encode(End(id=request.id)))
+        resp = answer.result(timeout=30)
+        assert resp.status_code == 200, resp.text[:300]
+        assert len(resp.json()["choices"][0]["message"]["content"]) == len(content)
+        with pytest.raises(TimeoutError):
+            ws.recv(timeout=0.2)  # and it was sent no `more`, which it would not understand
