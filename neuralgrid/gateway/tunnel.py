@@ -19,6 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
 from neuralgrid.protocol.tunnel import (
+    MAX_DATA,
     UNWINDOWED_CAP,
     WINDOW,
     Cancel,
@@ -54,8 +55,8 @@ class TunnelUnreachable(NodeError):
 
 
 class Inbox:
-    """One request's frames as they arrive, and how many bytes of its data are out: sent by the agent
-    and not yet taken by the gateway's reader and acknowledged (`more`)."""
+    """One request's frames as they arrive, and how many characters of its data are out: sent by the
+    agent and not yet taken by the gateway's reader and acknowledged (`more`)."""
 
     def __init__(self) -> None:
         self.frames: asyncio.Queue[AgentFrame] = asyncio.Queue()
@@ -132,7 +133,7 @@ class Tunnel:
                 await self.send(Cancel(id=request_id))
 
     async def taken(self, request_id: int, n: int) -> None:
-        """The reader took `n` bytes of the request's data: the agent may send as much again."""
+        """The reader took `n` characters of the request's data: the agent may send as much again."""
         if (inbox := self.pending.get(request_id)) is not None:
             inbox.out -= n
             if self.windowed:
@@ -147,7 +148,7 @@ class TunnelResponse:
         self.tunnel = tunnel
         self.request_id = request_id
         self.queue = inbox.frames
-        self.taken = 0  # bytes of data taken and not yet acknowledged to the agent
+        self.taken = 0  # characters of data taken and not yet acknowledged to the agent
         self.status = 0
         self.content_type = "application/json"
         self.finished = False
@@ -176,9 +177,10 @@ class TunnelResponse:
                 raise NodeTimeout("timeout: the agent stopped sending") from None
             if isinstance(frame, Data):
                 # Taken when the reader asks for more, so a slow client slows its own answer only;
-                # acknowledged by halves of the window, so that a stream sends almost no `more`.
+                # acknowledged by halves of the window (MAX_DATA, the agent's largest frame, so that
+                # an agent waiting for room always gets it), so a stream sends almost no `more`.
                 self.taken += len(frame.b)
-                if self.taken >= WINDOW // 2:
+                if self.taken >= MAX_DATA:
                     await self.tunnel.taken(self.request_id, self.taken)
                     self.taken = 0
                 try:

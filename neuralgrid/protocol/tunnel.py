@@ -66,7 +66,7 @@ class Cancel(_Frame):
 
 
 class More(_Frame):
-    """Gateway → agent: `n` more bytes of this answer's `data` were taken; send as much again."""
+    """Gateway → agent: `n` more characters of this answer's `data` were taken; send as much again."""
 
     t: Literal["more"] = "more"
     n: int = Field(gt=0)
