@@ -52,8 +52,6 @@ def create(
         raise fail(
             f"--budget-usd must be a number of USD below {KEY_BUDGET_MAX_USD:,} (leave it out for no budget)"
         )
-    if budget_usd is not None and round(budget_usd, 4) != budget_usd:
-        raise fail("--budget-usd must be given to a hundredth of a cent (4 decimals), as the ledger keeps it")
     api = signed_in(ctx)
     if api is None:
         _create_in_database(ctx, name, rpm, tpm, budget_usd, owner)

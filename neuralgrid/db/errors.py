@@ -55,10 +55,14 @@ _BY_SQLSTATE: dict[str, type[DatabaseError]] = {
 
 def translate(err: Exception, subject: str | None = None) -> Exception:
     """The domain error for a psycopg error we know, or the error itself. A NotFound is about
-    `subject`, the parameter the statement looks up."""
+    `subject`, the parameter the statement looks up; an InvalidRequest about the column its error
+    names (`raise ... using column = 'budget_usd'`), if it names one."""
     diag = getattr(err, "diag", None)
     message = getattr(diag, "message_primary", None) or str(err)
-    return from_sqlstate(getattr(err, "sqlstate", None), message, subject) or err
+    found = from_sqlstate(getattr(err, "sqlstate", None), message, subject)
+    if isinstance(found, InvalidRequest):
+        found.param = getattr(diag, "column_name", None)
+    return found or err
 
 
 def from_sqlstate(sqlstate: str | None, message: str, subject: str | None = None) -> DatabaseError | None:

@@ -25,8 +25,8 @@ class NewKey(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters
     rpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
     tpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
-    # As the ledger keeps it (numeric(12,4)): a budget it would round is refused, not rounded to $0.
-    budget_usd: Decimal | None = Field(None, ge=0, lt=KEY_BUDGET_MAX_USD, decimal_places=4)
+    # Within what the ledger holds (numeric(12,4)); create_api_key() refuses a budget it would round.
+    budget_usd: Decimal | None = Field(None, ge=0, lt=KEY_BUDGET_MAX_USD)
 
 
 @router.get("")

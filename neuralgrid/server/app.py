@@ -183,6 +183,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         version=__version__,
         description="OpenAI-compatible inference, routed to the best GPU node by a matcher in Postgres.",
         lifespan=lifespan,
+        # `/v1/keys/` is no route, as on OpenAI's API: a 404 in its shape, not a 307 with no body.
+        redirect_slashes=False,
     )
     app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
     app.add_middleware(Timing, metrics=metrics_holder)

@@ -105,17 +105,22 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(db_url: str, tmp_path: Path)
     assert code == 1 and "cannot reach the database" in err
     code, _, err = run(db_url, "match", "--model", LLAMA8, "--max-rate", "-1")
     assert code == 1 and "--max-rate must be a number of USD per hour, not negative" in err
-    # A budget the ledger would round (to 4 decimals: here to $0) or cannot hold is refused too.
+    # A limit or a budget the ledger cannot hold is refused too.
     for flag, value in (
         ("--rpm", "-1"),
         ("--tpm", "0"),
         ("--rpm", "2147483648"),
         ("--budget-usd", "-5"),
-        ("--budget-usd", "0.000001"),
         ("--budget-usd", "1e12"),
     ):
         code, _, err = run(db_url, "keys", "create", "--name", "x", flag, value)
         assert code == 1 and err.startswith(f"error: {flag} must be") and err.count("\n") == 1
+    # The ledger's rounding is create_api_key()'s to refuse, for every caller.
+    code, _, err = run(db_url, "keys", "create", "--name", "x", "--budget-usd", "0.000001")
+    assert code == 1 and err.startswith(
+        "error: budget_usd must be given to a hundredth of a cent (4 decimals)"
+    )
+    assert err.count("\n") == 1
     code, _, err = run(db_url, "fake-node", "--port", "99999")
     assert code == 1 and "a TCP port is 1 to 65535" in err
 

@@ -166,6 +166,26 @@ def test_keys_are_stored_only_as_hashes(conn: psycopg.Connection) -> None:
     assert by_hash == (1,)
 
 
+def test_a_budget_the_ledger_would_round_makes_no_key(
+    conn: psycopg.Connection, world: dict[str, uuid.UUID]
+) -> None:
+    """budget_usd is numeric(12,4): 0.00001 became a budget of $0, for any caller of create_api_key()
+    (a signed-in user through the Data API too). It is refused, naming the column."""
+    before = count(conn, "select id from api_keys")
+    for role, user in (("service_role", None), ("authenticated", world["alice"])):
+        with (
+            acting_as(conn, role, user) as c,
+            pytest.raises(psycopg.errors.InvalidParameterValue, match="4 decimals") as refused,
+        ):
+            c.execute("select * from create_api_key('tiny', null, null, 0.00001)")
+        assert refused.value.diag.column_name == "budget_usd"
+    assert count(conn, "select id from api_keys") == before
+    made = conn.execute("select id from create_api_key('cents', null, null, 12.3456)").fetchone()
+    assert made is not None
+    budget = conn.execute("select budget_usd from api_keys where id = %s", made).fetchone()
+    assert budget is not None and str(budget[0]) == "12.3456"
+
+
 def test_users_read_only_their_own_jobs(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
     with acting_as(conn, "authenticated", world["alice"]) as c:
         assert count(c, "select * from jobs") == 1

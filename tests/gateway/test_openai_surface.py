@@ -170,6 +170,9 @@ def test_every_404_and_405_is_openai_shaped(gateway: str, api_key: str, client: 
     wrong = httpx.get(f"{gateway}/v1/chat/completions", headers=auth)
     assert is_openai_error(wrong, 405)["code"] == "method_not_allowed" and wrong.headers["allow"] == "POST"
     is_openai_error(httpx.delete(f"{gateway}/v1/models", headers=auth), 405)
+    # A trailing slash is another path, not a redirect with no body (Starlette's default).
+    assert is_openai_error(httpx.delete(f"{gateway}/v1/keys/", headers=auth), 404)["code"] == "not_found"
+    assert is_openai_error(httpx.post(f"{gateway}/v1/chat/completions/", headers=auth), 404)
     with pytest.raises(openai.NotFoundError) as missing:
         client.files.list()  # a route the gateway does not have
     assert missing.value.code == "not_found"
