@@ -6,7 +6,8 @@ makes, in groups of `group` (the gateway groups concurrent requests the same way
 one at a time, up to 16 under load), on one connection, on a scratch database shaped like `bench
 gateway`'s (16 default-size nodes, a ledger of 50,000 finished jobs, analyzed). Each case reports
 the client's wall time per job in each call and the CPU per job of the Postgres backend that ran
-them, the median over alternating rounds.
+them, the median over alternating rounds. `--stream` places them as streams, whose endings measure
+the node's speed (a whole answer's do not).
 
 `--compare FILE.sql` runs a second scratch database with FILE applied after the migrations (an
 index, a new version of a function): the two alternate round by round, so that a change to the SQL
@@ -42,12 +43,12 @@ class CompareFailed(Exception):
 class Database:
     """One scratch database's connection, with what a round needs to place and end jobs."""
 
-    def __init__(self, conn: psycopg.Connection[Any], key_id: UUID) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], key_id: UUID, stream: bool) -> None:
         self.conn = conn
         self.backend = int(conn.execute("select pg_backend_pid()").fetchone()[0])  # type: ignore[index]
         request = q.MatchRequest(model=MODEL, max_hourly_rate=1.0, route="chat/completions")
         hold = {"prompt_bytes": 120, "max_out": 64}
-        params = q.match_params(request, key_id, False, 2, **hold, wait=True)
+        params = q.match_params(request, key_id, stream, 2, **hold, wait=True)
         self.request = {**params, "key": str(key_id), "end_user": None}  # as the gateway sends it
         self.gateway = str(uuid4())
 
@@ -86,14 +87,16 @@ def run(
     jobs: int,
     rounds: int,
     compare: Path | None = None,
+    stream: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Each group size's figures (and, with `compare`, the compared database's and the ratios)."""
     patch = compare.read_text() if compare is not None else None
     with ExitStack() as stack:
-        databases = {"base": stack.enter_context(_database(admin_url, SCRATCH_DB, None))}
+        databases = {"base": stack.enter_context(_database(admin_url, SCRATCH_DB, None, stream))}
         if patch is not None:
-            databases["compare"] = stack.enter_context(_database(admin_url, f"{SCRATCH_DB}_compare", patch))
+            compared = _database(admin_url, f"{SCRATCH_DB}_compare", patch, stream)
+            databases["compare"] = stack.enter_context(compared)
         for database in databases.values():
             database.round(1, WARMUP_JOBS)
         results = []
@@ -104,7 +107,7 @@ def run(
                 order = list(databases) if turn % 2 == 0 else list(reversed(databases))
                 for name in order:
                     measured[name].append(databases[name].round(group, jobs))
-            result: dict[str, Any] = {"group": group, "jobs": jobs, "rounds": rounds}
+            result: dict[str, Any] = {"group": group, "stream": stream, "jobs": jobs, "rounds": rounds}
             for name, runs in measured.items():
                 result[name] = {
                     field: round(statistics.median(r[field] for r in runs), 4) for field in runs[0]
@@ -119,7 +122,7 @@ def run(
 
 
 @contextmanager
-def _database(admin_url: str, name: str, patch: str | None) -> Iterator[Database]:
+def _database(admin_url: str, name: str, patch: str | None, stream: bool) -> Iterator[Database]:
     with scratch_database(admin_url, name) as url:
         bench_fleet(url, ["http://127.0.0.1:9"], MODEL, slots=SLOTS)  # never called: SQL only
         with psycopg.connect(url, autocommit=True) as conn:
@@ -134,4 +137,4 @@ def _database(admin_url: str, name: str, patch: str | None) -> Iterator[Database
                 conn.execute("analyze")
             key_id = conn.execute("select id from public.api_keys where name = 'bench'").fetchone()
             assert key_id is not None
-            yield Database(conn, key_id[0])
+            yield Database(conn, key_id[0], stream)

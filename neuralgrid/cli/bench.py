@@ -236,6 +236,9 @@ def sql(
         Path | None,
         typer.Option(help="SQL applied to a second scratch database, measured side by side.", exists=True),
     ] = None,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="Streams, whose endings measure the node's speed.")
+    ] = False,
     out_file: OutFile = Path("bench-results/sql.json"),
 ) -> None:
     """Postgres time and CPU per job of the request path's SQL alone (place_jobs() and
@@ -246,7 +249,7 @@ def sql(
     if not all(1 <= size <= bench.MAX_GROUP for size in sizes):
         raise fail(f"--groups: from 1 to {bench.MAX_GROUP} requests each (place_jobs() takes no more)")
     try:
-        results = bench.run(database_url(ctx), sizes, jobs, rounds, compare, progress=progress)
+        results = bench.run(database_url(ctx), sizes, jobs, rounds, compare, stream, progress=progress)
     except bench.CompareFailed as err:
         raise fail(str(err)) from err
     table = Table(

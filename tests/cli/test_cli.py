@@ -406,6 +406,20 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
         assert r["ratio"]["complete_ms"] == pytest.approx(
             r["compare"]["complete_ms"] / r["base"]["complete_ms"], 0.01
         )
+    # --stream: the jobs are streams (here the change slows only those).
+    change.write_text(
+        "create function public.slow() returns trigger language plpgsql as"
+        " $$ begin perform pg_sleep(0.005); return null; end $$;"
+        " create trigger slow after update on public.jobs for each row when (new.stream)"
+        " execute function public.slow();"
+    )
+    args = ["--groups", "1", "--jobs", "4", "--rounds", "1", "--compare", str(change), "--out", str(out_file)]
+    for stream in (False, True):
+        code, out, err = run(db_url, "bench", "sql", *args, *(["--stream"] if stream else []))
+        assert code == 0, out + err
+        (result,) = json.loads(out_file.read_text())["results"]
+        assert result["stream"] is stream
+        assert (result["compare"]["complete_ms"] > result["base"]["complete_ms"] + 4) is stream, result
     change.write_text("create index on public.no_such_table (x);")
     code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
     assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1

@@ -144,22 +144,29 @@ def test_heartbeats_do_not_rewrite_scores(conn: psycopg.Connection) -> None:
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("speed", "change"),
     [
-        "inflight = inflight + 1",  # a claim
-        "inflight = inflight - 1, successes = successes + 1",  # a whole answer's release
-        "inflight = inflight - 1, failures = failures + 2",  # a batch of two failures
-        "queue_depth = 4",  # outside load
+        (0.6, "inflight = inflight + 1"),  # a claim
+        (0.6, "inflight = inflight - 1, successes = successes + 1"),  # a whole answer's release
+        (0.6, "inflight = inflight - 1, failures = failures + 2"),  # a batch of two failures
+        (0.6, "queue_depth = 4"),  # outside load
+        # A stream's release on a node that keeps up with its claim: compute and price take the
+        # speed only up to the claim (least(1, speed_ratio)), so a new measure above it moves neither.
+        (1.3, "inflight = inflight - 1, successes = successes + 1, speed_ratio = 1.7"),
+        (None, "inflight = inflight - 1, successes = successes + 1, speed_ratio = 1.0"),
     ],
 )
-def test_a_change_of_load_or_counts_rescores_by_arithmetic(conn: psycopg.Connection, change: str) -> None:
-    """A claim, a release that measured no speed, or outside load moves only the capacity and
-    reputation terms: the node's rows become their other part plus those terms' shares (a lookup by
-    key), not the components computed again (a join of the node, its models, the catalog and the
-    policies). The result is the view's to the last bit."""
+def test_a_change_of_load_or_counts_rescores_by_arithmetic(
+    conn: psycopg.Connection, speed: float | None, change: str
+) -> None:
+    """A claim, a release that measured no speed (or none below the node's claim), or outside load
+    moves only the capacity and reputation terms: the node's rows become their other part plus those
+    terms' shares (a lookup by key), not the components computed again (a join of the node, its
+    models, the catalog and the policies). The result is the view's to the last bit."""
     node = make_node(conn, models={m: "loaded" for m in MODELS[:3]}, max_concurrency=4, queue_depth=1)
     conn.execute(
-        "update nodes set inflight = 2, successes = 7, failures = 1, speed_ratio = 0.6 where id = %s", (node,)
+        "update nodes set inflight = 2, successes = 7, failures = 1, speed_ratio = %s where id = %s",
+        (speed, node),
     )
     with logged_plans(conn) as plans:
         conn.execute(f"update nodes set {change} where id = %s", (node,))
@@ -174,6 +181,8 @@ def test_anything_else_scored_goes_the_long_way_and_stays_exact(conn: psycopg.Co
     node = make_node(conn, models={m: "loaded" for m in MODELS[:3]}, max_concurrency=4)
     for change in (
         "inflight = 2, successes = successes + 1, speed_ratio = 0.4",
+        "inflight = 1, successes = successes + 1, speed_ratio = 1.2",  # back up to its claim
+        "inflight = 2, successes = successes + 1, speed_ratio = 0.99",
         "vram_gb = 80",
         "tflops = 90",
     ):
