@@ -24,6 +24,7 @@ from websockets.exceptions import WebSocketException
 from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
 from neuralgrid.protocol.tunnel import (
+    FLOW,
     FLOW_HEADER,
     MAX_DATA,
     WINDOW,
@@ -84,7 +85,7 @@ class TunnelClient:
             url = self.urls[turn % len(self.urls)]
             served = False
             try:
-                headers = {"authorization": f"Bearer {self.secret}", FLOW_HEADER: "more"}
+                headers = {"authorization": f"Bearer {self.secret}", FLOW_HEADER: FLOW}
                 async with connect(url, additional_headers=headers, max_size=None) as ws:
                     self.connected.set()
                     served, backoff = True, 0.25
@@ -104,7 +105,7 @@ class TunnelClient:
         lock = asyncio.Lock()
         tasks: dict[int, asyncio.Task[None]] = {}
         windows: dict[int, Window] = {}
-        flow = ws.response is not None and ws.response.headers.get(FLOW_HEADER) == "more"
+        flow = ws.response is not None and ws.response.headers.get(FLOW_HEADER) == FLOW
 
         async def send(frame: Start | Data | End | Err) -> None:
             async with lock:

@@ -18,7 +18,7 @@ from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import Heartbeat, NodeRegistration
-from neuralgrid.protocol.tunnel import FLOW_HEADER
+from neuralgrid.protocol.tunnel import FLOW, FLOW_HEADER
 from neuralgrid.server.services import ServicesDep
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
@@ -99,8 +99,8 @@ async def tunnel(websocket: WebSocket, node_id: UUID, services: ServicesDep) -> 
     if secret_hash is None or not hmac.compare_digest(bytes(secret_hash), key):
         await websocket.close(code=4403, reason="not this node's secret")
         return
-    await websocket.accept(headers=[(FLOW_HEADER.encode(), b"more")])
-    link = Tunnel(node_id, websocket, windowed=websocket.headers.get(FLOW_HEADER) == "more")
+    await websocket.accept(headers=[(FLOW_HEADER.encode(), FLOW.encode())])
+    link = Tunnel(node_id, websocket, windowed=websocket.headers.get(FLOW_HEADER) == FLOW)
     services.tunnels.attach(link)
     try:
         # Recorded as this gateway's: the others forward the node's requests here (gateway/forward.py).

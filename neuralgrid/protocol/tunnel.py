@@ -37,10 +37,11 @@ MAX_DATA = WINDOW // 2  # the most one `data` frame carries: the gateway acknowl
 # With an agent from before flow control (which sends no FLOW_HEADER), what the gateway holds of an
 # answer its reader has not taken: far more than an eager reader ever leaves, and still a bound.
 UNWINDOWED_CAP = 16 * WINDOW
-# The handshake header ("more") by which each end says it does flow control: the agent in its
-# request, the gateway in its answer. Each keeps to it only with the other (an agent waiting for a
-# `more` that a gateway from before never sends would stall after its first window).
+# The handshake header (FLOW_HEADER: FLOW) by which each end says it does flow control: the agent
+# in its request, the gateway in its answer. Each keeps to it only with the other (an agent waiting
+# for a `more` that a gateway from before never sends would stall after its first window).
 FLOW_HEADER = "x-neuralgrid-tunnel-flow"
+FLOW = "more"  # the frame that flow control adds
 
 
 def is_content_type(value: str) -> bool:
