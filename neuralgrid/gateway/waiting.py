@@ -6,6 +6,12 @@ neuralgrid_slots, from any gateway), or the request before it was just served (t
 or, as a backstop for a lost announcement or a cooldown that ran out, `poll_s` passed. A request
 that gets a node wakes the next one; one that does not stays at the head and waits again.
 
+Requests for a model may differ in the nodes they may take: each has a `reach`, the most it pays
+per hour (x-neuralgrid-max-price; infinite without). A head that found no node free within its
+reach says nothing of a request behind it that reaches further, so the line has a head for each
+reach: a request asks unless one served before it reaches at least as far. Without price caps
+(most requests) that is the one head.
+
 Fair across keys: the head is the oldest request of the key served longest ago (round robin over
 keys), so a key that floods a model's line delays its own requests, not everyone's. A request whose
 client hangs up leaves the line at once: nobody would read its answer, and it would still be charged.
@@ -14,8 +20,9 @@ client hangs up leaves the line at once: nobody would read its answer, and it wo
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from uuid import UUID
@@ -34,6 +41,7 @@ class ClientLeft(Exception):
 @dataclass(eq=False)
 class _Ticket:
     key_id: UUID
+    reach: float  # the most it pays per hour for a node
     turn: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -44,10 +52,22 @@ class _Line:
         self.by_key: dict[UUID, deque[_Ticket]] = {}  # insertion order: the next key first
         self.size = 0
 
-    def head(self) -> _Ticket | None:
-        for tickets in self.by_key.values():
-            return tickets[0]
-        return None
+    def heads(self) -> Iterator[_Ticket]:
+        """The requests that ask when a slot frees: in the order they are served in (each key's
+        first, then each key's second, …), those that reach further than all before them."""
+        queues = list(self.by_key.values())
+        furthest = -math.inf
+        for i in range(max(map(len, queues), default=0)):
+            for tickets in queues:
+                if i < len(tickets) and tickets[i].reach > furthest:
+                    yield tickets[i]
+                    furthest = tickets[i].reach
+                    if furthest == math.inf:
+                        return
+
+    def blocked(self, reach: float) -> bool:
+        """Whether a request of this reach would wait behind one already here."""
+        return any(ticket.reach >= reach for ticket in self.heads())
 
     def join(self, ticket: _Ticket) -> None:
         self.by_key.setdefault(ticket.key_id, deque()).append(ticket)
@@ -64,8 +84,8 @@ class _Line:
         if tickets and served:
             self.by_key[ticket.key_id] = tickets
 
-    def wake_head(self) -> None:
-        if (head := self.head()) is not None:
+    def wake_heads(self) -> None:
+        for head in self.heads():
             head.turn.set()
 
 
@@ -80,11 +100,17 @@ class WaitingRoom:
         line = self.lines.get(model)
         return line.size if line else 0
 
+    def blocked(self, model: str, reach: float = math.inf) -> bool:
+        """Whether a request of this reach would wait behind one in the model's line (if not, it
+        asks the matcher at once)."""
+        line = self.lines.get(model)
+        return line is not None and line.blocked(reach)
+
     def slot_freed(self, _payload: str = "") -> None:
-        """A slot may be free somewhere: each model's first request asks the matcher again."""
+        """A slot may be free somewhere: each model's heads ask the matcher again."""
         self.announcements += 1
         for line in self.lines.values():
-            line.wake_head()
+            line.wake_heads()
 
     async def wait(
         self,
@@ -94,17 +120,20 @@ class WaitingRoom:
         ask: Callable[[], Awaitable[T | None]],
         seen: int,
         gone: Callable[[], Awaitable[object]] | None = None,
+        reach: float = math.inf,
     ) -> T | None:
         """Wait in the model's line, asking `ask()` for a node each time it is this request's turn,
         until it answers (then the next request's turn comes at once) or the loop's clock passes
         `deadline` (None). `seen`: `announcements` when the caller last asked, so that a slot freed
-        since then is not missed. `gone()` returns when the client hangs up (ClientLeft then: a
-        request nobody waits for is not served later). LineFull when the line is full."""
-        line = self.lines.setdefault(model, _Line())
-        if line.size >= self.max_waiting:
+        since then is not missed. `gone()` returns when the client hangs up (ClientLeft then, and
+        an ask under way is cancelled: a request nobody waits for is not served later). `reach`:
+        the most the request pays per hour. LineFull when the line is full."""
+        line = self.lines.get(model)
+        if line is not None and line.size >= self.max_waiting:
             raise LineFull(f"{line.size} requests waiting")
+        line = self.lines.setdefault(model, _Line())
         loop = asyncio.get_running_loop()
-        ticket = _Ticket(key_id)
+        ticket = _Ticket(key_id, reach)
         line.join(ticket)
         served = False
         if self.announcements != seen:
@@ -115,9 +144,9 @@ class WaitingRoom:
                 if not await _turn(ticket, min(left, self.poll_s), hung_up) and left <= self.poll_s:
                     return None
                 ticket.turn.clear()
-                if line.head() is not ticket:
+                if ticket not in line.heads():
                     continue
-                answer = await ask()
+                answer = await _unless_gone(ask(), hung_up)
                 if answer is not None:
                     served = True
                     return answer
@@ -129,7 +158,26 @@ class WaitingRoom:
             if line.size == 0:
                 self.lines.pop(model, None)
             else:  # served: a slot may be left for the next; gave up: the turn passes on
-                line.wake_head()
+                line.wake_heads()
+
+
+async def _unless_gone(asking: Awaitable[T], hung_up: asyncio.Future[Any] | None) -> T:
+    """The ask's answer; ClientLeft if the client hangs up first, the ask cancelled (a job placed
+    meanwhile is let go by whoever placed it)."""
+    if hung_up is None:
+        return await asking
+    task = asyncio.ensure_future(asking)
+    try:
+        await asyncio.wait({task, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # until it has let go of what it placed
+    if task.cancelled():
+        raise ClientLeft()
+    return task.result()  # answered as the client left: served like any other (or its error)
 
 
 async def _turn(ticket: _Ticket, timeout_s: float, hung_up: asyncio.Future[Any] | None) -> bool:

@@ -198,3 +198,28 @@ def test_a_client_that_leaves_while_waiting_leaves_the_line(
     time.sleep(1.5)  # time enough to be served, had it stayed in line
     assert node.requests == 1
     assert conn.execute("select count(*) from jobs").fetchone() == (1,)
+
+
+def test_a_request_no_busy_node_limits_does_not_wait_behind_one_that_is(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """Found in review: the line was one per model, and only its head asked. A head capped at a
+    price only a busy node meets (x-neuralgrid-max-price) held every request for the model behind
+    it, though a pricier node sat idle: 2.2 s here, up to the whole queue deadline with a longer
+    job. A request waits only behind those that could take any node it could."""
+    fake_nodes("cheap", hourly_rate=0.2, max_concurrency=1, latency_s=2.0)
+    fake_nodes("pricey", hourly_rate=2.0, max_concurrency=4)
+    row = conn.execute("select api_key from create_api_key('other')").fetchone()
+    assert row is not None
+    capped = {"authorization": f"Bearer {api_key}", "x-neuralgrid-max-price": "0.5"}
+    with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=gateway, timeout=30) as http:
+        first = pool.submit(http.post, "/v1/chat/completions", json=BODY, headers=capped)  # the cheap node
+        time.sleep(0.5)
+        second = pool.submit(http.post, "/v1/chat/completions", json=BODY, headers=capped)  # waits for it
+        time.sleep(0.5)
+        started = time.monotonic()
+        resp = http.post("/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {row[0]}"})
+        took = time.monotonic() - started
+        assert first.result().status_code == 200 and second.result().status_code == 200
+    assert resp.status_code == 200, resp.text
+    assert took < 1.0 and float(resp.headers["x-neuralgrid-queue-ms"]) < 500, took

@@ -5,6 +5,7 @@ request two nodes failed alike (reject_job)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -80,16 +81,18 @@ class Placement:
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
         line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
+        # The most it pays for a node: a request waits behind those that could take any it could.
+        reach = math.inf if call.max_hourly_rate is None else call.max_hourly_rate
         seen = self.room.announcements
         match = None
-        if not self.room.waiting(line):  # nobody ahead in line: ask at once
+        if not self.room.blocked(line, reach):  # nobody ahead of it in line: ask at once
             match = await self._match(params)
         waited = 0.0
         try:
             if match is None or match.busy:
                 queued = time.perf_counter()
                 try:
-                    match = await self._wait(call.model, line, call.key.id, params, seen, call.gone)
+                    match = await self._wait(call.model, line, call.key.id, reach, params, seen, call.gone)
                 finally:
                     waited = time.perf_counter() - queued
             self.metrics.queue_wait.observe(waited)
@@ -111,6 +114,7 @@ class Placement:
         model: str,
         line: str,
         key_id: UUID,
+        reach: float,
         params: dict[str, object],
         seen: int,
         gone: Callable[[], Awaitable[object]] | None,
@@ -122,7 +126,7 @@ class Placement:
             return None if match.busy else match
 
         try:
-            match = await self.room.wait(line, key_id, deadline, ask, seen, gone)
+            match = await self.room.wait(line, key_id, deadline, ask, seen, gone, reach)
         except ClientLeft:
             raise errors.ClientGone("the client hung up while its request waited for a slot") from None
         except LineFull as full:
