@@ -11,7 +11,8 @@ like llama.cpp's server or llama-cpp-python's instead, in each way the backend c
 (tests/test_backends.py) found them to differ, and the suite holds each preset against the real
 server: the endpoints that identify it, its parallelism, usage in streams, whether it continues an
 open assistant message, what it answers to bad parameters, whether a new request cuts a stream, and
-which routes it serves.
+which routes it serves. A prompt past its context is refused as llama-server refuses one (HTTP 400,
+with the status as the error's `code`, a shape the gateway turns into OpenAI's).
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ async def _generate(request: Request, kind: str) -> Response:
         raise
 
 
+def _too_long(prompt_tokens: int, context_length: int) -> dict[str, Any]:
+    message = f"request ({prompt_tokens} tokens) exceeds the available context size ({context_length} tokens)"
+    error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+    return {"error": {**error, "n_prompt_tokens": prompt_tokens, "n_ctx": context_length}}
+
+
 async def _answer_request(
     config: FakeNodeConfig, state: _State, body: dict[str, Any], kind: str, slot: _Slot
 ) -> Response:
@@ -183,6 +190,9 @@ async def _answer_request(
     if kind == "embedding":
         slot.release()
         return JSONResponse(_embeddings(body, model, prompt_tokens))
+    if prompt_tokens > config.context_length:  # refused as llama-server refuses it, in its shape
+        slot.release()
+        return JSONResponse(_too_long(prompt_tokens, config.context_length), status_code=400)
     asked = int(
         body.get("max_tokens")
         or body.get("max_completion_tokens")

@@ -55,8 +55,7 @@ class BadRequest(GatewayError):
 
 
 def invalid(errors: Sequence[Any]) -> BadRequest:
-    """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter
-    (its path, e.g. messages.0.role, without pydantic's names for the members of a union)."""
+    """A pydantic or FastAPI validation failure, as OpenAI's 400 naming the first bad parameter."""
     first = errors[0]
     if tuple(first["loc"]) == ("body",):  # no body, not an object, or not sent as JSON at all
         return BadRequest("the request body must be a JSON object, sent with Content-Type: application/json")
@@ -64,9 +63,18 @@ def invalid(errors: Sequence[Any]) -> BadRequest:
         return BadRequest(
             f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         )
-    param = ".".join(str(p) for p in first["loc"] if p != "body" and not _UNION_MEMBER.match(str(p))) or None
+    param = _param(first["loc"])
+    # A union's members each fail (`stop`: not a string, and a list of more than 4): the member of
+    # the value's own type says what is wrong with it; the others only that it is not theirs.
+    said_of_param = [e for e in errors if _param(e["loc"]) == param]
+    first = next((e for e in said_of_param if not str(e.get("type", "")).endswith("_type")), first)
     said = validation.message(first)
     return BadRequest(f"{param}: {said}" if param else said, param=param)
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """A parameter's path (messages.0.role), without pydantic's names for the members of a union."""
+    return ".".join(str(p) for p in loc if p != "body" and not _UNION_MEMBER.match(str(p))) or None
 
 
 class Unauthorized(GatewayError):
@@ -172,22 +180,36 @@ def from_http(status: int, detail: str, headers: Mapping[str, str] | None = None
 def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping[str, str]) -> Response:
     """A node's refusal passed on: as it is when it has OpenAI's shape, else its message in that shape
     (servers differ: FastAPI's {"detail": ...} for a route they lack, vLLM's older {"object": "error",
-    "message": ...}, Ollama's {"error": "..."}, plain text)."""
+    "message": ...}, Ollama's {"error": "..."}, llama-server's error with the status as its `code`
+    and no `param`, plain text)."""
     try:
         found: Any = wire_json.loads_answer(body)
     except ValueError:  # not JSON, or nested past what can be read
         found = body.decode(errors="replace").strip()
     fields: dict[str, Any] = found if isinstance(found, dict) else {}
     error = fields.get("error")
+    kind = "invalid_request_error" if status < 500 else "server_error"
     if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return Response(body, status, headers, media_type=media_type)
-    said = fields.get("message") or fields.get("detail") or error or found
-    text = said if isinstance(said, str) else json.dumps(said)
+        if _is_openai_error(error):
+            return Response(body, status, headers, media_type=media_type)
+        fields, text = error, error["message"][:500] or f"the node answered: HTTP {status}"
+        kind = error["type"] if isinstance(error.get("type"), str) else kind
+    else:
+        said = fields.get("message") or fields.get("detail") or error or found
+        said = said if isinstance(said, str) else json.dumps(said)
+        text = f"the node answered: {said[:500] or f'HTTP {status}'}"
     param, code = fields.get("param"), fields.get("code")
     shaped = {
-        "message": f"the node answered: {text[:500] or f'HTTP {status}'}",
-        "type": "invalid_request_error" if status < 500 else "server_error",
+        "message": text,
+        "type": kind,
         "param": param if isinstance(param, str) else None,
         "code": code if isinstance(code, str) else None,
     }
     return JSONResponse({"error": shaped}, status, headers)
+
+
+def _is_openai_error(error: dict[str, Any]) -> bool:
+    """OpenAI's error object: a message and a type, and a param and a code, each a string or null."""
+    return isinstance(error.get("type"), str) and all(
+        name in error and (error[name] is None or isinstance(error[name], str)) for name in ("param", "code")
+    )

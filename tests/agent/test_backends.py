@@ -114,7 +114,8 @@ class Stack:
 
 def make_server(kind: str, tmp: Path, **options: Any) -> Server:
     if kind == "fake":
-        return FakeServer(FakeNodeConfig(models=(SMOLLM2,), **options)).start()
+        # A slot's context as the real servers here have it (2,048 tokens).
+        return FakeServer(FakeNodeConfig(models=(SMOLLM2,), **{"context_length": 2048, **options})).start()
     return real_server(kind, free_port(), tmp / f"{kind}-{free_port()}.log", **options).start()
 
 
@@ -405,6 +406,27 @@ def test_bad_parameters_are_the_clients_400_before_any_node_sees_them(stack: Sta
         # The node is as it was, and the next good request is served at once.
         assert stack.node("status", "consecutive_failures", "cooldown_until") == ("online", 0, None)
         assert sdk.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2).choices
+
+
+def test_a_servers_own_refusal_reaches_the_client_in_openais_shape(stack: Stack) -> None:
+    """Found trying a real node: llama-server refuses a prompt past a slot's context with an error
+    whose `code` is the HTTP status (a number) and that has no `param`, and it was passed on so.
+    The client gets OpenAI's four fields, the server's message kept."""
+    long_prompt = [{"role": "user", "content": "word " * 3000}]  # past 2,048 tokens a slot
+    stack.settle()
+    resp = httpx.post(
+        stack.gateway + "/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": long_prompt, "max_tokens": 2},
+        headers={"authorization": f"Bearer {stack.key}"},
+        timeout=60,
+    )
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] is None or isinstance(error["code"], str)
+    assert stack.node("status", "consecutive_failures") == ("online", 0)  # the client's, not the node's
 
 
 # Streams ----------------------------------------------------------------------------------------

@@ -67,6 +67,17 @@ def test_hostile_bodies_get_a_4xx_in_openais_shape(
     assert node.requests == 0, case  # no node was troubled with it
 
 
+def test_an_error_names_the_rule_the_value_broke(gateway: str, api_key: str) -> None:
+    """Found trying the API: five `stop` sequences were refused as "Input should be a valid string"
+    (the first of the union's two types), where the rule is at most four."""
+    body = {**CHAT, "stop": ["a", "b", "c", "d", "e"]}
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop", resp.text
+    assert "at most 4" in resp.json()["error"]["message"], resp.text
+
+
 def test_max_tokens_null_is_the_default_the_hold_assumed(
     conn: psycopg.Connection, gateway: str, fake_nodes: Any
 ) -> None:
