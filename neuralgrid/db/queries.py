@@ -304,6 +304,8 @@ class KeyUsage:
     requests: int
     succeeded: int
     failed: int
+    cancelled: int
+    running: int
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
@@ -365,6 +367,8 @@ KEY_USAGE = Query(
     """
 select count(j.id) as requests, count(j.id) filter (where j.status = 'succeeded') as succeeded,
   count(j.id) filter (where j.status = 'failed') as failed,
+  count(j.id) filter (where j.status = 'cancelled') as cancelled,
+  count(j.id) filter (where j.status = 'running') as running,
   coalesce(sum(j.prompt_tokens), 0)::int8 as prompt_tokens,
   coalesce(sum(j.completion_tokens), 0)::int8 as completion_tokens,
   coalesce(sum(j.cost_usd), 0)::float8 as cost_usd,

@@ -158,6 +158,8 @@ async def usage(
         "requests": row.requests,
         "succeeded": row.succeeded,
         "failed": row.failed,
+        "cancelled": row.cancelled,  # the client left, or the node refused the request as the client's
+        "running": row.running,
         "prompt_tokens": row.prompt_tokens,
         "completion_tokens": row.completion_tokens,
         "cost_usd": row.cost_usd,

@@ -445,14 +445,18 @@ def test_rate_limit_per_key(conn: psycopg.Connection, fake_nodes: Any, gateway: 
 def test_usage_endpoint_reports_the_keys_totals(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, gateway: str, api_key: str
 ) -> None:
-    fake_nodes()
+    fake_nodes(context_length=100)
     for _ in range(3):
         client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):  # the node refuses it: a request, ended cancelled
+        client.chat.completions.create(model=LLAMA8, messages=[{"role": "user", "content": "hi " * 200}])
     wait_for(
-        lambda: conn.execute("select count(*) = 3 from jobs where status = 'succeeded'").fetchone() == (True,)
+        lambda: conn.execute("select count(*) = 0 from jobs where status = 'running'").fetchone() == (True,)
     )
     usage = httpx.get(f"{gateway}/v1/usage", headers={"authorization": f"Bearer {api_key}"}).json()
-    assert (usage["requests"], usage["succeeded"], usage["completion_tokens"]) == (3, 3, 12)
+    assert (usage["requests"], usage["succeeded"], usage["completion_tokens"]) == (4, 3, 12)
+    # Every request is counted in one of its ends (found trying the API: 12 requests, 9 + 0 shown).
+    assert (usage["failed"], usage["cancelled"], usage["running"]) == (0, 1, 0)
     assert usage["cost_usd"] == pytest.approx(usage["spent_usd"]) and usage["cost_usd"] > 0
 
 
