@@ -511,21 +511,33 @@ class Backend:
             return count if type(count) is int else None
         return None
 
-    async def usage(self, kind: str, request: dict[str, Any], answer: str) -> dict[str, int] | None:
-        """Exact usage of a streamed answer the server gave no usage for: the answer counted by the
-        server's tokenizer, the prompt by the server itself (the same request, not streamed, one
-        token long: the server has the prompt cached). None when the server cannot say in time: the
-        stream then ends as it came, and the gateway counts what it can."""
+    async def usage(self, kind: str, request: dict[str, Any], answers: list[str]) -> dict[str, int] | None:
+        """Exact usage of a streamed answer the server gave no usage for: its choices' text counted
+        by the server's tokenizer, the prompt by the server itself (the same request, not streamed,
+        one token long: the server has the prompt cached). None when the server cannot say in time:
+        the stream then ends as it came, and the gateway counts what it can."""
         try:
             async with asyncio.timeout(USAGE_TIMEOUT_S):
-                return await self._usage(kind, request, answer)
+                return await self._usage(kind, request, answers)
         except Exception as err:  # never let counting break an answer that is already whole
             log.warning("could not count a stream's usage: %r", err)
             return None
 
-    async def _usage(self, kind: str, request: dict[str, Any], answer: str) -> dict[str, int] | None:
+    async def completion_tokens(self, model: str, answers: list[str]) -> int | None:
+        """The tokens of an answer's choices, each counted by the server's tokenizer (a server may
+        report the usage of one choice only: llama-server does for `n` > 1). None when it cannot say
+        in time."""
+        try:
+            async with asyncio.timeout(USAGE_TIMEOUT_S):
+                counts = [await self._count(model, text) for text in answers]
+        except Exception as err:
+            log.warning("could not count an answer's choices: %r", err)
+            return None
+        return None if None in counts else sum(c for c in counts if c is not None)
+
+    async def _usage(self, kind: str, request: dict[str, Any], answers: list[str]) -> dict[str, int] | None:
         model = str(request.get("model") or "")
-        completion = await self._count(model, answer)
+        completion = await self.completion_tokens(model, answers)
         if completion is None:
             return None
         once = {k: v for k, v in request.items() if k not in ONE_TOKEN_DROPS}

@@ -155,18 +155,29 @@ class FrontState:
         self.served += 1
         answer = Answer(self, upstream, takes_turn)
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
-        count = False
-        # Usage is counted only for streams that asked for it: the gateway writes its bodies with
-        # json.dumps, so a body without these bytes has no such field, and need not be read.
+        # The gateway writes its bodies with json.dumps, so a body without these bytes has no such
+        # field, and need not be read. Several choices are counted here, each by the server's
+        # tokenizer: a server may report the usage of one (llama-server does).
+        several = False
+        if path in KINDS and b'"n"' in body and self.backend.info.tokenize:
+            request = request if request is not None else _object(body)
+            n = request.get("n") if request is not None else None
+            several = type(n) is int and n > 1 and _text_answers(request or {})
+        count = False  # usage is counted only for streams that asked for it
         if sse and path in KINDS and b'"include_usage"' in body:
             request = request if request is not None else _object(body)
             count = (
                 request is not None
                 and dig(request, "stream_options", "include_usage") is True
-                and _one_text_answer(request)
+                and _text_answers(request)
+                and (several or request.get("n") in (None, 1))
             )
         if sse and (count or renamed):
-            answer.chunks = self._events(KINDS.get(path, ""), request or {}, upstream, count, renamed)
+            kind = KINDS.get(path, "")
+            answer.chunks = self._events(kind, request or {}, upstream, count, renamed, several)
+            answer.length = None
+        elif answer.media_type.startswith("application/json") and answer.status == 200 and several:
+            answer.chunks = self._counted_body(request or {}, upstream, renamed)
             answer.length = None
         elif renamed and answer.media_type.startswith("application/json"):
             answer.chunks = _renamed_body(upstream, _Renamer(*renamed))
@@ -180,6 +191,7 @@ class FrontState:
         chunks: RelayResponse,
         count: bool,
         renamed: tuple[str, str] | None,
+        several: bool = False,
     ) -> AsyncIterator[bytes]:
         """The stream as the server sent it, event by event, with the catalog's model name in place
         of the server's (the client never sees an owner's file path), and a usage event before
@@ -187,9 +199,13 @@ class FrontState:
 
         Events are not parsed while the server may still send usage (most do, at the end): they
         are held, and read only if [DONE] comes without it. Nor are they taken one by one, unless
-        they are to be renamed or a block of them holds usage or [DONE]."""
+        they are to be renamed or a block of them holds usage or [DONE]. With several choices each
+        event is read, each choice's text kept, and the usage is theirs counted, in place of the
+        server's own (which may be one choice's)."""
         rename = _Renamer(*renamed) if renamed else None
+        choices = _Choices() if several else None
         looking = count  # for usage, until the server sends it or [DONE] comes
+        held: bytes | None = None  # the server's usage event, of several choices
         unread = _Unread()
         pending = b""
         async for raw in chunks:
@@ -205,24 +221,45 @@ class FrontState:
             pending = events.pop()
             whole = buffer[: len(buffer) - len(pending)]  # the events complete so far, as one block
             out: list[bytes] = []
-            if rename is None and not (looking and (b"[DONE]" in whole or _USAGE.search(whole))):
+            if (
+                rename is None
+                and choices is None
+                and not (looking and (b"[DONE]" in whole or _USAGE.search(whole)))
+            ):
                 out.append(whole)
                 if looking:
                     unread.add(whole)
             else:
                 for bare in events:
                     event = bare + b"\n\n"
-                    if looking:
-                        if _is_done(event):
-                            looking = False
-                            tail = await self._usage_event(kind, request, unread.events(), renamed)
-                            if tail is not None:
-                                out.append(tail)
-                        elif _has_usage(event):
+                    if choices is not None:
+                        choices.feed(event)
+                        # The server's usage may come before another choice's last events, and
+                        # once a choice (llama-server): it is held, the last one sent recounted at
+                        # [DONE] (or the end), the others dropped.
+                        if looking and _has_usage(event):
+                            held = event
+                            continue
+                    if looking and _is_done(event):
+                        looking = False
+                        tail: bytes | None
+                        if held is not None:
+                            tail = await self._recounted(request, held, choices.answers() if choices else [])
+                            held = None
+                        else:
+                            tail = await self._usage_event(kind, request, unread, choices, renamed)
+                        if tail is not None:
+                            out.append(rename.event(tail) if rename else tail)
+                    elif looking and choices is None:
+                        if _has_usage(event):
                             looking = False
                         else:
                             unread.add(event)
                     out.append(rename.event(event) if rename else event)
+            if last and held is not None:  # a stream that ends without [DONE]
+                recounted = await self._recounted(request, held, choices.answers() if choices else [])
+                out.append(rename.event(recounted) if rename else recounted)
+                held = None
             if last:  # what follows the last event goes with it, as it came: this is the end
                 out.append(pending)
                 pending = b""
@@ -231,18 +268,98 @@ class FrontState:
             yield pending
 
     async def _usage_event(
-        self, kind: str, request: dict[str, Any], read: SseEvents, renamed: tuple[str, str] | None
+        self,
+        kind: str,
+        request: dict[str, Any],
+        unread: _Unread,
+        choices: _Choices | None,
+        renamed: tuple[str, str] | None,
     ) -> bytes | None:
         """The usage event for a stream that ended without one: its text counted by the server."""
-        if read.usage is not None:
-            return None
-        counted = await self.backend.usage(kind, request, "".join(read.text))
+        if choices is not None:
+            answers, identity = choices.answers(), choices.identity
+        else:
+            read = unread.events()
+            if read.usage is not None:
+                return None
+            answers, identity = ["".join(read.text)], read.identity
+        counted = await self.backend.usage(kind, request, answers)
         if counted is None:
             return None
         model = renamed[1] if renamed else request.get("model")
-        tail = {**read.identity, "object": _OBJECT[kind], "model": model}
+        tail = {**identity, "object": _OBJECT[kind], "model": model}
         tail.update(choices=[], usage=counted)
         return b"data: " + json.dumps(tail).encode() + b"\n\n"
+
+    async def _recounted(self, request: dict[str, Any], event: bytes, answers: list[str]) -> bytes:
+        """A usage event of the server's, its completion tokens those of every choice."""
+        try:
+            payload = wire_json.loads_answer(_data(event))
+        except ValueError:
+            return event
+        recounted = await self._with_choices_counted(request, payload, answers)
+        return event if recounted is None else b"data: " + json.dumps(recounted).encode() + b"\n\n"
+
+    async def _with_choices_counted(
+        self, request: dict[str, Any], payload: Any, answers: list[str]
+    ) -> dict[str, Any] | None:
+        """The answer (or usage event) with its usage's completion tokens counted over every choice;
+        None when it has no usage to correct or they cannot be counted (it passes as it came)."""
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        if not isinstance(usage, dict) or type(prompt := usage.get("prompt_tokens")) is not int:
+            return None
+        completion = await self.backend.completion_tokens(str(request.get("model") or ""), answers)
+        if completion is None:
+            return None
+        counted = {**usage, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {**payload, "usage": counted}
+
+    async def _counted_body(
+        self, request: dict[str, Any], chunks: AsyncIterator[bytes], renamed: tuple[str, str] | None
+    ) -> AsyncIterator[bytes]:
+        """A whole answer of several choices (read whole: it is small), its usage theirs counted."""
+        body = b"".join([chunk async for chunk in chunks])
+        try:
+            payload = wire_json.loads_answer(body)
+        except ValueError:
+            payload = None
+        answers = [_choice_text(c) for c in payload.get("choices") or []] if isinstance(payload, dict) else []
+        recounted = await self._with_choices_counted(request, payload, answers) if answers else None
+        if recounted is not None:
+            body = json.dumps(recounted).encode()
+        yield _Renamer(*renamed).body(body) if renamed else body
+
+
+class _Choices:
+    """Each choice's text of a stream of several, as its events come."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, list[str]] = {}
+        self.identity: dict[str, Any] = {}
+
+    def feed(self, event: bytes) -> None:
+        try:
+            payload = wire_json.loads_answer(_data(event))
+        except ValueError:  # [DONE], a comment, what is not JSON: no text
+            return
+        if not isinstance(payload, dict):
+            return
+        if not self.identity:
+            self.identity = {k: payload[k] for k in ("id", "created") if k in payload}
+        for choice in payload.get("choices") or []:
+            if isinstance(choice, dict) and type(index := choice.get("index", 0)) is int:
+                self.texts.setdefault(index, []).append(_choice_text(choice))
+
+    def answers(self) -> list[str]:
+        return ["".join(parts) for parts in self.texts.values()]
+
+
+def _choice_text(choice: Any) -> str:
+    """A choice's text: a chat message's or delta's content, or a completion's text."""
+    if not isinstance(choice, dict):
+        return ""
+    said = dig(choice, "message", "content") or dig(choice, "delta", "content") or choice.get("text")
+    return said if isinstance(said, str) else ""
 
 
 class _Unread:
@@ -349,9 +466,9 @@ def _renamed(data: bytes, renamed: tuple[str, str]) -> bytes | None:
     return json.dumps({**payload, "model": renamed[1]}).encode()
 
 
-def _one_text_answer(request: dict[str, Any]) -> bool:
-    """One plain text answer, the kind whose tokens the server's tokenizer can count afterwards."""
-    return request.get("n") in (None, 1) and not request.get("tools") and not request.get("echo")
+def _text_answers(request: dict[str, Any]) -> bool:
+    """Plain text answers, the kind whose tokens the server's tokenizer can count afterwards."""
+    return not request.get("tools") and not request.get("echo")
 
 
 _OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}

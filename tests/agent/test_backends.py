@@ -429,6 +429,32 @@ def test_a_servers_own_refusal_reaches_the_client_in_openais_shape(stack: Stack)
     assert stack.node("status", "consecutive_failures") == ("online", 0)  # the client's, not the node's
 
 
+def test_several_choices_are_billed_for_every_choice(stack: Stack) -> None:
+    """Found trying a real node: llama-server answers `n: 2` with two choices and the usage of one,
+    plain and streamed, and that usage was billed: half the tokens. Each choice of 6 tokens ends at
+    its length, so the answer is 6 tokens a choice, to the client and on the bill."""
+    body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 6, "n": 2, "temperature": 0}
+    stack.settle()
+    resp = httpx.post(
+        stack.gateway + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {stack.key}"},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
+    per_choice = 6 * len(answer["choices"])
+    assert answer["usage"]["completion_tokens"] == per_choice, answer
+    assert wait_for(lambda: [j for j in stack.jobs() if j[0] != "running"])[-1][2] == per_choice
+
+    events = stream(stack, {**body, "stream_options": {"include_usage": True}})
+    choices = {c["index"] for e in events for c in e.get("choices") or []}
+    (usage,) = [e["usage"] for e in events if e.get("usage")]  # llama-server sends one a choice
+    assert usage["completion_tokens"] == 6 * len(choices), (choices, usage)
+    assert wait_for(lambda: [j for j in stack.jobs() if j[0] != "running"])[-1][2] == 6 * len(choices)
+
+
 # Streams ----------------------------------------------------------------------------------------
 
 

@@ -292,7 +292,8 @@ def test_a_stream_without_usage_gets_it_before_its_end(node: ThreadedServer) -> 
     front, server = front_for(node.url, served_names={LLAMA8: SERVED})
     asked: list[tuple[str, str, str]] = []
 
-    async def usage(kind: str, request: dict[str, Any], answer: str) -> dict[str, int]:
+    async def usage(kind: str, request: dict[str, Any], answers: list[str]) -> dict[str, int]:
+        (answer,) = answers
         asked.append((kind, request["model"], answer))
         return {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
 
@@ -342,8 +343,8 @@ async def test_usage_is_counted_however_the_events_are_cut(
 
     asked: list[str] = []
 
-    async def usage(kind: str, request: dict[str, Any], answer: str) -> dict[str, int]:
-        asked.append(answer)
+    async def usage(kind: str, request: dict[str, Any], answers: list[str]) -> dict[str, int]:
+        asked.extend(answers)
         return {"prompt_tokens": 1, "completion_tokens": 12, "total_tokens": 13}
 
     async with raw_server(cut) as url:
