@@ -208,62 +208,73 @@ class FrontState:
         held: bytes | None = None  # the server's usage event, of several choices
         unread = _Unread()
         pending = b""
-        async for raw in chunks:
-            # Events end with a blank line; servers that write CRLF lines are read the same way.
-            buffer = pending + raw if pending else raw
-            if b"\r" in buffer:
-                buffer = buffer.replace(b"\r\n", b"\n")
-            last = chunks.finished()
-            if b"\n\n" not in buffer and not last:
-                pending = buffer
-                continue
-            events = buffer.split(b"\n\n")
-            pending = events.pop()
-            whole = buffer[: len(buffer) - len(pending)]  # the events complete so far, as one block
-            out: list[bytes] = []
-            if (
-                rename is None
-                and choices is None
-                and not (looking and (b"[DONE]" in whole or _USAGE.search(whole)))
-            ):
-                out.append(whole)
-                if looking:
-                    unread.add(whole)
-            else:
-                for bare in events:
-                    event = bare + b"\n\n"
-                    if choices is not None:
-                        choices.feed(event)
-                        # The server's usage may come before another choice's last events, and
-                        # once a choice (llama-server): it is held, the last one sent recounted at
-                        # [DONE] (or the end), the others dropped.
-                        if looking and _has_usage(event):
-                            held = event
-                            continue
-                    if looking and _is_done(event):
-                        looking = False
-                        tail: bytes | None
-                        if held is not None:
-                            tail = await self._recounted(request, held, choices.answers() if choices else [])
-                            held = None
-                        else:
-                            tail = await self._usage_event(kind, request, unread, choices, renamed)
-                        if tail is not None:
-                            out.append(rename.event(tail) if rename else tail)
-                    elif looking and choices is None:
-                        if _has_usage(event):
+        try:
+            async for raw in chunks:
+                # Events end with a blank line; servers that write CRLF lines are read the same way.
+                buffer = pending + raw if pending else raw
+                if b"\r" in buffer:
+                    buffer = buffer.replace(b"\r\n", b"\n")
+                last = chunks.finished()
+                if b"\n\n" not in buffer and not last:
+                    pending = buffer
+                    continue
+                events = buffer.split(b"\n\n")
+                pending = events.pop()
+                whole = buffer[: len(buffer) - len(pending)]  # the events complete so far, as one block
+                out: list[bytes] = []
+                if (
+                    rename is None
+                    and choices is None
+                    and not (looking and (b"[DONE]" in whole or _USAGE.search(whole)))
+                ):
+                    out.append(whole)
+                    if looking:
+                        unread.add(whole)
+                else:
+                    for bare in events:
+                        event = bare + b"\n\n"
+                        if choices is not None:
+                            choices.feed(event)
+                            # The server's usage may come before another choice's last events, and
+                            # once a choice (llama-server), or in every event (vLLM's continuous usage
+                            # stats): the last is held, to be sent recounted at [DONE] (or the end),
+                            # and events that carry choices go on at once without it.
+                            if looking and _has_usage(event):
+                                passed, held = _without_usage(event)
+                                if passed is None:
+                                    continue
+                                event = passed
+                        if looking and _is_done(event):
                             looking = False
-                        else:
-                            unread.add(event)
-                    out.append(rename.event(event) if rename else event)
-            if last and held is not None:  # a stream that ends without [DONE]
+                            tail: bytes | None
+                            if held is not None:
+                                tail = await self._recounted(
+                                    request, held, choices.answers() if choices else []
+                                )
+                                held = None
+                            else:
+                                tail = await self._usage_event(kind, request, unread, choices, renamed)
+                            if tail is not None:
+                                out.append(rename.event(tail) if rename else tail)
+                        elif looking and choices is None:
+                            if _has_usage(event):
+                                looking = False
+                            else:
+                                unread.add(event)
+                        out.append(rename.event(event) if rename else event)
+                if last and held is not None:  # a stream that ends without [DONE]
+                    recounted = await self._recounted(request, held, choices.answers() if choices else [])
+                    out.append(rename.event(recounted) if rename else recounted)
+                    held = None
+                if last:  # what follows the last event goes with it, as it came: this is the end
+                    out.append(pending)
+                    pending = b""
+                yield b"".join(out)
+        except RelayError:  # broken off: the usage held so far goes on, as the server's own would have
+            if held is not None:
                 recounted = await self._recounted(request, held, choices.answers() if choices else [])
-                out.append(rename.event(recounted) if rename else recounted)
-                held = None
-            if last:  # what follows the last event goes with it, as it came: this is the end
-                out.append(pending)
-                pending = b""
-            yield b"".join(out)
+                yield rename.event(recounted) if rename else recounted
+            raise
         if pending:
             yield pending
 
@@ -311,6 +322,8 @@ class FrontState:
         completion = await self.backend.completion_tokens(str(request.get("model") or ""), answers)
         if completion is None:
             return None
+        reported = usage.get("completion_tokens")
+        completion = max(completion, reported) if type(reported) is int else completion  # never less
         counted = {**usage, "completion_tokens": completion, "total_tokens": prompt + completion}
         return {**payload, "usage": counted}
 
@@ -323,7 +336,7 @@ class FrontState:
             payload = wire_json.loads_answer(body)
         except ValueError:
             payload = None
-        answers = [_choice_text(c) for c in payload.get("choices") or []] if isinstance(payload, dict) else []
+        answers = [_choice_text(c) for c in _choices_of(payload)]
         recounted = await self._with_choices_counted(request, payload, answers) if answers else None
         if recounted is not None:
             body = json.dumps(recounted).encode()
@@ -346,7 +359,7 @@ class _Choices:
             return
         if not self.identity:
             self.identity = {k: payload[k] for k in ("id", "created") if k in payload}
-        for choice in payload.get("choices") or []:
+        for choice in _choices_of(payload):
             if isinstance(choice, dict) and type(index := choice.get("index", 0)) is int:
                 self.texts.setdefault(index, []).append(_choice_text(choice))
 
@@ -354,12 +367,33 @@ class _Choices:
         return ["".join(parts) for parts in self.texts.values()]
 
 
+def _choices_of(payload: Any) -> list[Any]:
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return choices if isinstance(choices, list) else []
+
+
 def _choice_text(choice: Any) -> str:
-    """A choice's text: a chat message's or delta's content, or a completion's text."""
+    """A choice's text: a chat message's or delta's content and reasoning (llama-server and vLLM
+    send it apart; it is generated and billed all the same), or a completion's text."""
     if not isinstance(choice, dict):
         return ""
-    said = dig(choice, "message", "content") or dig(choice, "delta", "content") or choice.get("text")
-    return said if isinstance(said, str) else ""
+    said = choice.get("message") or choice.get("delta") or {}
+    parts = [said.get("reasoning_content"), said.get("content")] if isinstance(said, dict) else []
+    parts.append(choice.get("text"))
+    return "".join(part for part in parts if isinstance(part, str))
+
+
+def _without_usage(event: bytes) -> tuple[bytes | None, bytes]:
+    """A usage event of several choices' stream split in two: the event to pass on now (None when it
+    carries no choice; else with `usage` null) and the usage to hold (with no choice)."""
+    try:
+        payload = wire_json.loads_answer(_data(event))
+    except ValueError:  # _has_usage read it: not reached
+        return event, event
+    if not _choices_of(payload):
+        return None, event
+    passed = b"data: " + json.dumps({**payload, "usage": None}).encode() + b"\n\n"
+    return passed, b"data: " + json.dumps({**payload, "choices": []}).encode() + b"\n\n"
 
 
 class _Unread:
