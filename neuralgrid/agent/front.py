@@ -205,9 +205,16 @@ class FrontState:
         rename = _Renamer(*renamed) if renamed else None
         choices = _Choices() if several else None
         looking = count  # for usage, until the server sends it or [DONE] comes
-        held: bytes | None = None  # the server's usage event, of several choices
+        held: dict[str, Any] | None = None  # the server's usage event, of several choices
         unread = _Unread()
         pending = b""
+
+        async def held_usage() -> bytes:
+            """The usage held, counted over every choice, in the catalog's name."""
+            assert held is not None and choices is not None
+            event = _sse(await self._recounted(request, held, choices.answers()))
+            return rename.event(event) if rename else event
+
         try:
             async for raw in chunks:
                 # Events end with a blank line; servers that write CRLF lines are read the same way.
@@ -234,28 +241,23 @@ class FrontState:
                     for bare in events:
                         event = bare + b"\n\n"
                         if choices is not None:
-                            choices.feed(event)
+                            payload = choices.feed(event)
                             # The server's usage may come before another choice's last events, and
                             # once a choice (llama-server), or in every event (vLLM's continuous usage
                             # stats): the last is held, to be sent recounted at [DONE] (or the end),
                             # and events that carry choices go on at once without it.
-                            if looking and _has_usage(event):
-                                passed, held = _without_usage(event)
-                                if passed is None:
+                            if looking and payload is not None and Usage.parse(payload) is not None:
+                                held = {**payload, "choices": []}
+                                if not _choices_of(payload):
                                     continue
-                                event = passed
+                                event = _sse({**payload, "usage": None})
                         if looking and _is_done(event):
                             looking = False
-                            tail: bytes | None
                             if held is not None:
-                                tail = await self._recounted(
-                                    request, held, choices.answers() if choices else []
-                                )
+                                out.append(await held_usage())
                                 held = None
-                            else:
-                                tail = await self._usage_event(kind, request, unread, choices, renamed)
-                            if tail is not None:
-                                out.append(rename.event(tail) if rename else tail)
+                            elif tail := await self._usage_event(kind, request, unread, choices, renamed):
+                                out.append(tail)
                         elif looking and choices is None:
                             if _has_usage(event):
                                 looking = False
@@ -263,8 +265,7 @@ class FrontState:
                                 unread.add(event)
                         out.append(rename.event(event) if rename else event)
                 if last and held is not None:  # a stream that ends without [DONE]
-                    recounted = await self._recounted(request, held, choices.answers() if choices else [])
-                    out.append(rename.event(recounted) if rename else recounted)
+                    out.append(await held_usage())
                     held = None
                 if last:  # what follows the last event goes with it, as it came: this is the end
                     out.append(pending)
@@ -272,8 +273,7 @@ class FrontState:
                 yield b"".join(out)
         except RelayError:  # broken off: the usage held so far goes on, as the server's own would have
             if held is not None:
-                recounted = await self._recounted(request, held, choices.answers() if choices else [])
-                yield rename.event(recounted) if rename else recounted
+                yield await held_usage()
             raise
         if pending:
             yield pending
@@ -300,16 +300,13 @@ class FrontState:
         model = renamed[1] if renamed else request.get("model")
         tail = {**identity, "object": _OBJECT[kind], "model": model}
         tail.update(choices=[], usage=counted)
-        return b"data: " + json.dumps(tail).encode() + b"\n\n"
+        return _sse(tail)
 
-    async def _recounted(self, request: dict[str, Any], event: bytes, answers: list[str]) -> bytes:
+    async def _recounted(
+        self, request: dict[str, Any], event: dict[str, Any], answers: list[str]
+    ) -> dict[str, Any]:
         """A usage event of the server's, its completion tokens those of every choice."""
-        try:
-            payload = wire_json.loads_answer(_data(event))
-        except ValueError:
-            return event
-        recounted = await self._with_choices_counted(request, payload, answers)
-        return event if recounted is None else b"data: " + json.dumps(recounted).encode() + b"\n\n"
+        return await self._with_choices_counted(request, event, answers) or event
 
     async def _with_choices_counted(
         self, request: dict[str, Any], payload: Any, answers: list[str]
@@ -350,18 +347,20 @@ class _Choices:
         self.texts: dict[int, list[str]] = {}
         self.identity: dict[str, Any] = {}
 
-    def feed(self, event: bytes) -> None:
+    def feed(self, event: bytes) -> dict[str, Any] | None:
+        """Notes the event's text; its JSON, if it has an object."""
         try:
             payload = wire_json.loads_answer(_data(event))
         except ValueError:  # [DONE], a comment, what is not JSON: no text
-            return
+            return None
         if not isinstance(payload, dict):
-            return
+            return None
         if not self.identity:
             self.identity = {k: payload[k] for k in ("id", "created") if k in payload}
         for choice in _choices_of(payload):
             if isinstance(choice, dict) and type(index := choice.get("index", 0)) is int:
                 self.texts.setdefault(index, []).append(_choice_text(choice))
+        return payload
 
     def answers(self) -> list[str]:
         return ["".join(parts) for parts in self.texts.values()]
@@ -383,17 +382,9 @@ def _choice_text(choice: Any) -> str:
     return "".join(part for part in parts if isinstance(part, str))
 
 
-def _without_usage(event: bytes) -> tuple[bytes | None, bytes]:
-    """A usage event of several choices' stream split in two: the event to pass on now (None when it
-    carries no choice; else with `usage` null) and the usage to hold (with no choice)."""
-    try:
-        payload = wire_json.loads_answer(_data(event))
-    except ValueError:  # _has_usage read it: not reached
-        return event, event
-    if not _choices_of(payload):
-        return None, event
-    passed = b"data: " + json.dumps({**payload, "usage": None}).encode() + b"\n\n"
-    return passed, b"data: " + json.dumps({**payload, "choices": []}).encode() + b"\n\n"
+def _sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event of JSON data."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 class _Unread:

@@ -96,10 +96,6 @@ class WaitingRoom:
         self.lines: dict[str, _Line] = {}
         self.announcements = 0  # slots announced so far: a request can tell it missed one
 
-    def waiting(self, model: str) -> int:
-        line = self.lines.get(model)
-        return line.size if line else 0
-
     def blocked(self, model: str, reach: float = math.inf) -> bool:
         """Whether a request of this reach would wait behind one in the model's line (if not, it
         asks the matcher at once)."""
