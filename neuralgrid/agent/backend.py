@@ -841,10 +841,12 @@ class _Connection(asyncio.Protocol):
         if self.busy and not self.complete:
             if self.head and not self.framed:  # an answer that ends with its connection
                 self.complete = True
-            elif not self.received:
-                self.fail(_Dropped(f"the server closed the connection without answering ({exc!r})"))
             else:
-                self.fail(RelayError(f"the server closed the connection mid-answer ({exc!r})"))
+                why = f" ({exc})" if exc else ""
+                if not self.received:
+                    self.fail(_Dropped(f"the server closed the connection without answering{why}"))
+                else:
+                    self.fail(RelayError(f"the server closed the connection mid-answer{why}"))
         self._wake()
 
     # httptools ---------------------------------------------------------------------------------

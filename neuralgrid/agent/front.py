@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ from neuralgrid.agent.backend import JSON, Backend, RelayError, RelayResponse, d
 from neuralgrid.protocol import signing, wire_json
 from neuralgrid.protocol.routes import route_of
 from neuralgrid.protocol.sse import SseEvents, Usage
+from neuralgrid.server.serving import Abort
+
+log = logging.getLogger(__name__)
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # Events held unread while waiting to see whether the server sends usage; past this, they are read
@@ -58,8 +62,8 @@ class Answer:
     body's chunks. Whoever takes it must aclose() it, read or not: that ends the request (its slot
     here, its connection there)."""
 
-    def __init__(self, state: FrontState, upstream: RelayResponse, holds_turn: bool) -> None:
-        self.state, self.upstream, self.holds_turn = state, upstream, holds_turn
+    def __init__(self, state: FrontState, path: str, upstream: RelayResponse, holds_turn: bool) -> None:
+        self.state, self.path, self.upstream, self.holds_turn = state, path, upstream, holds_turn
         self.status = upstream.status
         self.media_type = upstream.content_type.decode("latin-1")
         self.length = upstream.length
@@ -72,6 +76,11 @@ class Answer:
         if not self.closed:
             self.given_up = True
             self.upstream.abort("the gateway hung up")
+
+    def broken(self, err: RelayError) -> None:
+        """The server broke this answer off (it died, or fell silent): the owner's log says so in a
+        line, as an event on the node, not a fault of the agent's."""
+        log.warning("the server broke its answer to %s off: %s", self.path, err)
 
     async def aclose(self) -> None:
         if not self.closed:
@@ -150,10 +159,10 @@ class FrontState:
         except BaseException as err:  # cancelled too: the request never started here
             self.ended(takes_turn)
             if isinstance(err, OSError | RelayError):
-                raise BackendUnreachable(f"the backend is unreachable: {err!r}") from err
+                raise BackendUnreachable(f"the backend is unreachable: {err or type(err).__name__}") from err
             raise
         self.served += 1
-        answer = Answer(self, upstream, takes_turn)
+        answer = Answer(self, path, upstream, takes_turn)
         sse = answer.status == 200 and answer.media_type.startswith("text/event-stream")
         # The gateway writes its bodies with json.dumps, so a body without these bytes has no such
         # field, and need not be read. Several choices are counted here, each by the server's
@@ -590,9 +599,10 @@ async def _relay(answer: Answer, receive: Receive, send: Send) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         watching.remove_done_callback(answer.give_up)
         await send({"type": "http.response.body", "body": b""})
-    except RelayError:
-        if not answer.given_up:
-            raise
+    except RelayError as err:
+        if not answer.given_up:  # the gateway must see the body cut short, not ended
+            answer.broken(err)
+            raise Abort(str(err)) from None
     finally:
         if watching is not None:
             watching.remove_done_callback(answer.give_up)

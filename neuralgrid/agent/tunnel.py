@@ -162,14 +162,21 @@ class TunnelClient:
                         await _send_data(send, window, request_id, text)
                 if decoder is not None and (tail := decoder.decode(b"", final=True)):
                     await _send_data(send, window, request_id, tail)  # a last character cut short
+            except RelayError as err:
+                answer.broken(err)
+                raise
             finally:  # cancelled (the gateway's client left) or not: the server's request ends here
                 await answer.aclose()
             await send(End(id=request_id))
         except Exception as err:  # whatever went wrong, the gateway hears of it, never silence
-            if not isinstance(err, BackendUnreachable | RelayError | httpx.HTTPError | OSError):
-                log.exception("request %s failed in the agent", request_id)
+            if isinstance(err, RelayError | BackendUnreachable):
+                message = str(err)
+            else:
+                if not isinstance(err, httpx.HTTPError | OSError):
+                    log.exception("request %s failed in the agent", request_id)
+                message = f"the backend failed: {err!r}"
             with contextlib.suppress(WebSocketException):
-                await send(Err(id=request_id, message=f"the backend failed: {err!r}"))
+                await send(Err(id=request_id, message=message))
 
 
 async def _refuse(send: Send, request_id: int, status: int, message: str) -> None:

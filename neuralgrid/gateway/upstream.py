@@ -38,10 +38,19 @@ class NodeResponse(Protocol):
 
 
 def _translate(err: Exception) -> NodeError:
-    if isinstance(err, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
-        return NodeTimeout(f"timeout: {type(err).__name__}: {err}")
+    """aiohttp's error as what happened, in words: the message reaches clients and the ledger."""
+    if isinstance(err, aiohttp.ConnectionTimeoutError):
+        return NodeTimeout("timeout: the node did not take the connection in time")
+    if isinstance(err, TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
+        return NodeTimeout("timeout: the node sent nothing in time")
     if isinstance(err, aiohttp.ClientConnectorError):  # refused, unreachable, no such host
         return NodeError(f"could not connect: {err}")
+    if isinstance(err, aiohttp.ClientPayloadError):  # a body cut short: the connection closed
+        return NodeError("its connection closed before the answer's end")
+    if isinstance(err, aiohttp.ServerDisconnectedError):
+        return NodeError("the node closed the connection without answering")
+    if isinstance(err, aiohttp.ClientResponseError):  # what it sent is not HTTP
+        return NodeError(f"the node's answer is not valid HTTP ({err.message})")
     return NodeError(f"{type(err).__name__}: {err}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -20,6 +21,20 @@ T = TypeVar("T")
 # headers. uvicorn has no such limit: a socket that sends nothing, or a byte now and then, is held
 # for ever (a slowloris). Bodies have their own deadline, in the app (gateway.routes_openai.read_json).
 HEADER_TIMEOUT_S = 10.0
+
+
+class Abort(Exception):
+    """Raised by an app to cut off a response that has started (its source broke off mid-body):
+    the connection closes, which is how HTTP says a body is not whole. Whoever raises it logs why,
+    in a line; uvicorn's traceback for it, which would read as a bug, is left out."""
+
+
+class _NoAbortTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], Abort))
+
+
+_NO_ABORT_TRACEBACKS = _NoAbortTracebacks()
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -120,6 +135,7 @@ def make_server(
     from neuralgrid.realtime.fastpath import FanoutWebSocketProtocol
 
     http = type("HttpProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+    logging.getLogger("uvicorn.error").addFilter(_NO_ABORT_TRACEBACKS)  # once: filters are a set
     options = {"http": http, "ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
     # No access log: at log level warning it is never written, yet uvicorn would still format each
     # line's arguments (the client's address, the quoted path) for every request.

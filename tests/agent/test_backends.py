@@ -627,11 +627,13 @@ def kill_mid_stream(s: Stack, body: dict[str, Any], tries: int = 3) -> list[dict
     raise AssertionError(f"no stream started on the stack's node in {tries} tries: {missed}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("kind", "mode"), [(k, "direct") for k in KINDS] + [("llama.cpp", "tunnel")])
 def test_a_server_killed_mid_stream_without_a_fallback_ends_it_with_an_error(
-    kind: str, pg_server: Any, template_db: str, tmp_path: Path
+    kind: str, mode: str, pg_server: Any, template_db: str, tmp_path: Path
 ) -> None:
-    with a_stack(pg_server, template_db, tmp_path, kind, "direct") as s:
+    """The client's error says what happened in words, not in the HTTP library's; the owner's log
+    says it in a line, without a traceback: a server that dies is an event, not the agent's bug."""
+    with a_stack(pg_server, template_db, tmp_path, kind, mode) as s:
         body: dict[str, Any] = {
             "model": SMOLLM2,
             "messages": STORY,
@@ -641,8 +643,17 @@ def test_a_server_killed_mid_stream_without_a_fallback_ends_it_with_an_error(
         }
         events = kill_mid_stream(s, body)
         assert events[-2]["error"]["code"] == "upstream_dropped" and events[-1] == {"done": True}
+        message = events[-2]["error"]["message"]
+        assert message == "the node dropped the stream: " + (
+            "its connection closed before the answer's end"  # all the gateway sees
+            if mode == "direct"
+            else "the server closed the connection mid-answer"  # the agent says why
+        )
         status, _, completion, _, _ = wait_for(lambda: [j for j in s.jobs() if j[0] != "running"])[-1]
         assert status == "failed" and completion >= 3  # what the client got is metered
+        log = s.agent.output()
+        said = "the server broke its answer to /v1/chat/completions off"
+        assert "Traceback" not in log and said in log, log[-3000:]
 
 
 @pytest.mark.parametrize("fallback", KINDS)
