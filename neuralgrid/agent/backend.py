@@ -51,6 +51,8 @@ PROBE_PROMPT = [
     }
 ]
 
+# The completion that checks whether the server echoes: its answer must start with this.
+ECHO_PROBE = "One two three"
 
 Health = Literal["up", "down", "slow"]
 
@@ -68,6 +70,7 @@ class ServerInfo:
     parallel: int | None = None  # requests it runs at once, when the server says
     usage_in_streams: bool = False  # verified: a stream asked for usage gets it
     continues: bool = False  # verified: continue_final_message goes on with the open message
+    echoes: bool = False  # verified: a completion asked to echo starts with its prompt
     tokenize: bool = False  # the agent can count tokens with the server's own tokenizer
     interrupts: bool = False  # any new request cuts a running stream: probe only while idle
     routes: tuple[Route, ...] | None = None  # the OpenAI routes it serves (None: not known yet)
@@ -320,11 +323,13 @@ class Backend:
                 usage_in_streams = usage_in_streams or streamed_usage
                 continues = continues or await self._continues(model, text)
         tokenize = bool(warm) and await self._can_tokenize(warm[0])
+        echoes = bool(warm) and "completions" in routes and await self._echoes(warm[0])
         self.info = replace(
             self.info,
             usage_in_streams=usage_in_streams,
             continues=continues,
             tokenize=tokenize,
+            echoes=echoes,
             routes=routes,
         )
         return self.info, warm
@@ -375,6 +380,20 @@ class Backend:
             if verified:
                 return True
         return False
+
+    async def _echoes(self, model: str) -> bool:
+        """Whether the server honours a completion's `echo` (llama-server ignores it: the answer
+        would come without the prompt a client asked to see, and nothing would say so)."""
+        body = {"model": model, "prompt": ECHO_PROBE, "max_tokens": 1, "temperature": 0, "echo": True}
+        try:
+            resp = await self.http.post(self.url + "/v1/completions", json=body, timeout=WARMUP_TIMEOUT_S)
+            text = dig(resp.json(), "choices")[0]["text"] if resp.is_success else None
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as err:
+            log.info("echo: the check failed (%r)", err)
+            return False
+        echoes = isinstance(text, str) and text.startswith(ECHO_PROBE)
+        log.info("echo: %s (asked to echo %r, said %r)", echoes, ECHO_PROBE, text)
+        return echoes
 
     async def _stream(self, chat: dict[str, Any]) -> tuple[str, bool] | None:
         """A streamed chat request asking for usage: its text and whether usage came; None when refused."""

@@ -148,6 +148,10 @@ class FrontState:
                 request = {**request, "model": served}
                 body = json.dumps(request).encode()
                 renamed = (served, catalog_id) if served != catalog_id else None
+        if path == "/v1/completions" and not self.backend.info.echoes and b'"echo"' in body:
+            request = request if request is not None else _object(body)
+            if request is not None and request.get("echo") is True:
+                raise Refused(400, f"this node's server ({self.backend.info.kind}) does not echo prompts")
         if self.backend.swaps and content_type == JSON:  # it loads the model a request names: now warm
             self.backend.note_request(request if request is not None else _object(body))
         takes_turn = self.fragile

@@ -42,7 +42,7 @@ WORDS = ("grid", "node", "token", "light", "river", "stone", "cloud", "signal", 
 LIKE: dict[str, dict[str, Any]] = {
     "vllm": {},
     # Started without --embeddings or --reranking: chat, completions and the Responses API.
-    "llama.cpp": {"parallel": 4, "routes": ("chat/completions", "completions", "responses")},
+    "llama.cpp": {"parallel": 4, "echoes": False, "routes": ("chat/completions", "completions", "responses")},
     "llama-cpp-python": {
         "usage_in_streams": False,
         "continues": False,
@@ -76,6 +76,7 @@ class FakeNodeConfig:
     kind: str = "vllm"  # whose identifying endpoints it serves: vllm, llama.cpp or llama-cpp-python
     usage_in_streams: bool = True  # send usage in a stream that asks for it
     continues: bool = True  # honour continue_final_message (else: a new answer)
+    echoes: bool = True  # a completion's `echo` puts its prompt before its text (else: ignored)
     parallel: int = 0  # requests run at once; more wait their turn (0: no limit)
     interrupts: bool = False  # a new request ends a running stream early, without a finish_reason
     bad_request_status: int = 400  # the answer to a parameter of the wrong type
@@ -202,6 +203,9 @@ async def _answer_request(
     n = max(0, min(asked, config.context_length - prompt_tokens))
     tokens = _text_tokens(body, n, config.continues)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    prompt = body.get("prompt")
+    if kind == "completion" and config.echoes and body.get("echo") is True and isinstance(prompt, str):
+        tokens = [prompt, *tokens]  # the prompt first, as the text's start
     if kind == "responses":
         return _responses(config, slot, body, model, tokens, usage)
     ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:12]}"

@@ -40,6 +40,7 @@ class BackendInfo(BaseModel):
     parallel: int | None = Field(None, ge=1, le=1024)
     usage_in_streams: bool = False
     continues: bool = False
+    echoes: bool = False
     tokenize: bool = False
     interrupts: bool = False
     # The OpenAI routes the server serves (None: not said; the node then serves DEFAULT_ROUTES).

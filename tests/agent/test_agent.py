@@ -194,8 +194,8 @@ def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
     with running_agent(conn, platform, operator_key, backend.url):
-        warm_ups = backend.app.state.requests  # the agent's own: a warm-up and a continuation check
-        assert warm_ups == 2
+        warm_ups = backend.app.state.requests  # the agent's own: a warm-up, a continuation, an echo check
+        assert warm_ups == 3
         node_id, _, endpoint, has_secret, first_beat = node_row(conn, "box")
         assert endpoint.startswith("http://127.0.0.1:") and has_secret
         models = conn.execute(
@@ -427,7 +427,7 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
                 sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4, stream=True)
             )
             assert len(chunks) == 4
-        assert backend.app.state.requests == 2 + 2  # two warm-up requests, two of the client's
+        assert backend.app.state.requests == 3 + 2  # three checks of the agent's, two of the client's
 
 
 def test_a_tunnel_carries_100_concurrent_streams(
@@ -463,7 +463,7 @@ def test_a_tunnel_carries_100_concurrent_streams(
         assert asyncio.run(all_at_once()) == [10] * 100
         # 10 tokens at 50/s is 0.2 s each: served together, not one after another (20 s).
         assert time.monotonic() - started < 10
-        assert backend.app.state.requests == 2 + 100
+        assert backend.app.state.requests == 3 + 100
 
 
 def test_a_tunnel_answer_of_several_windows_arrives_whole(

@@ -251,6 +251,7 @@ def test_the_agent_registers_what_the_server_really_does(stack: Stack) -> None:
             "parallel": None,
             "usage_in_streams": True,
             "continues": True,
+            "echoes": True,
             "interrupts": False,
         },
         "llama.cpp": {
@@ -258,6 +259,7 @@ def test_the_agent_registers_what_the_server_really_does(stack: Stack) -> None:
             "parallel": 2,
             "usage_in_streams": True,
             "continues": True,
+            "echoes": False,
             "interrupts": False,
         },
         "llama-cpp-python": {
@@ -265,6 +267,7 @@ def test_the_agent_registers_what_the_server_really_does(stack: Stack) -> None:
             "parallel": 1,
             "usage_in_streams": False,
             "continues": False,
+            "echoes": True,
             "interrupts": True,
         },
     }
@@ -347,6 +350,23 @@ def test_embeddings_of_a_chat_model_are_the_clients_400_and_no_nodes_fault(stack
     with stack.sdk() as sdk, pytest.raises(openai.BadRequestError, match="is a chat model"):
         sdk.embeddings.create(model=SMOLLM2, input="hello")
     assert stack.node("status", "consecutive_failures") == ("online", 0)
+
+
+def test_echo_is_the_prompt_and_its_answer_or_a_400_where_the_server_cannot(stack: Stack) -> None:
+    """llama-server ignores `echo`: its answer would come without the prompt, and nothing would
+    say so. The agent checks what its server does, and refuses what it cannot do."""
+    body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "echo": True}
+    headers = {"authorization": f"Bearer {stack.key}"}
+    stack.settle()
+    resp = httpx.post(stack.gateway + "/v1/completions", json=body, headers=headers, timeout=60)
+    if stack.server.kind == "llama.cpp":
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["message"] == "this node's server (llama.cpp) does not echo prompts", error
+        return
+    assert resp.status_code == 200, resp.text
+    text = resp.json()["choices"][0]["text"]
+    assert text.startswith("Once upon a time") and len(text) > len("Once upon a time"), text
 
 
 def test_a_seed_gives_the_same_answer_twice(stack: Stack) -> None:
