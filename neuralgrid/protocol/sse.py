@@ -15,6 +15,13 @@ from typing import Any, Final
 from neuralgrid.protocol import wire_json
 
 MAX_REPORTED_TOKENS = 10_000_000
+# The largest event a node may send: the Responses API's last event holds the whole answer (with its
+# logprobs, if asked), far below this; an event past it is a node sending what no answer holds.
+MAX_EVENT_BYTES = 16 << 20
+
+
+class NotAnAnswer(ValueError):
+    """A stream no answer could be: an event past MAX_EVENT_BYTES, or more events than its tokens."""
 
 
 @dataclass
@@ -47,9 +54,14 @@ class SseEvents:
     """Splits a node's SSE bytes into whole events; keeps usage, the answer's text and the stream's
     identity; drops the usage-only event the gateway asked for on the client's behalf."""
 
-    def __init__(self, keep_usage_event: bool) -> None:
+    def __init__(self, keep_usage_event: bool, most_events: int | None = None) -> None:
         self.keep_usage_event = keep_usage_event
-        self.buffer = b""
+        # A token an event, and a few of their own (role, finish, usage, keep-alives): a node that
+        # sends many more, tiny ones, spends the reader's CPU, not its own GPU's.
+        self.most_events = most_events
+        self.buffer = bytearray()  # an event's start, its end still to come
+        self.cr = False  # the last piece ended with a CR, whose LF may start the next
+        self.events = 0  # every event read, comments and [DONE] included
         self.done = False  # [DONE] seen
         self.chunks = 0  # events other than usage and [DONE]: a token each, when usage is missing
         self.usage: Usage | None = None
@@ -62,14 +74,42 @@ class SseEvents:
         self.chunks_carried = 0  # events streamed before the last resume
 
     def feed(self, raw: bytes) -> list[bytes]:
+        """The events that `raw` completes. Each byte is scanned once, so a node that sends an event
+        in many pieces costs its size, not its square. NotAnAnswer past MAX_EVENT_BYTES or most_events."""
         # Events end with a blank line; servers that write CRLF lines are read the same way.
-        self.buffer = (self.buffer + raw).replace(b"\r\n", b"\n")
+        if self.cr:
+            raw, self.cr = b"\r" + raw, False
+        if raw.endswith(b"\r"):
+            raw, self.cr = raw[:-1], True
+        if b"\r" in raw:
+            raw = raw.replace(b"\r\n", b"\n")
+        # The usual read holds whole events and nothing before it: read in place, nothing copied.
+        held = bool(self.buffer)
+        if held:
+            scan = len(self.buffer) - 1  # a blank line may straddle two pieces
+            self.buffer += raw
+            data: bytes | bytearray = self.buffer
+        else:
+            scan, data = 0, raw
         out: list[bytes] = []
-        while not self.done and b"\n\n" in self.buffer:  # nothing after [DONE] is an event
-            event, self.buffer = self.buffer.split(b"\n\n", 1)
-            kept = self._take(event)
+        start = 0
+        while not self.done:  # nothing after [DONE] is an event
+            end = data.find(b"\n\n", max(start, scan))
+            if end < 0:
+                break
+            self.events += 1
+            if self.most_events is not None and self.events > self.most_events:
+                raise NotAnAnswer(f"the node sent more events than its answer's {self.most_events}")
+            kept = self._take(bytes(data[start:end]) if held else data[start:end])
             if kept is not None:
                 out.append(kept + b"\n\n")
+            start = end + 2
+        if held:
+            del self.buffer[:start]
+        elif start < len(raw):
+            self.buffer += raw[start:]
+        if len(self.buffer) > MAX_EVENT_BYTES and not self.done:
+            raise NotAnAnswer(f"the node sent an event of more than {MAX_EVENT_BYTES >> 20} MiB")
         return out
 
     def resumed(self) -> None:
@@ -77,7 +117,7 @@ class SseEvents:
         self.resumes += 1
         self.carried, self.chunks_carried = self.tokens(), self.chunks
         self.usage = None  # the next node's own account, if it gives one, is added to `carried`
-        self.buffer = b""
+        self.buffer, self.cr = bytearray(), False
         self.done = False
 
     def tokens(self) -> int:
@@ -167,8 +207,8 @@ class ResponseEvents(SseEvents):
     event's response (input and output tokens), a token per text delta when there is none. Never
     resumed on another node: its events carry ids and positions a second node could not continue."""
 
-    def __init__(self) -> None:
-        super().__init__(keep_usage_event=True)
+    def __init__(self, most_events: int | None = None) -> None:
+        super().__init__(keep_usage_event=True, most_events=most_events)
         self.plain_text = False
 
     def _take(self, event: bytes) -> bytes | None:

@@ -108,11 +108,27 @@ def test_a_succeeded_job_earns_its_charge_less_the_fee_exactly_once(
     assert conn.execute(LEDGER, (job,)).fetchone() == row
 
 
-def test_failed_cancelled_abandoned_and_unpaid_jobs_earn_nothing(
+def test_a_job_whose_client_left_earns_what_it_was_charged(
+    conn: psycopg.Connection, owners: dict[str, uuid.UUID]
+) -> None:
+    """A client that leaves mid-answer is charged what the node did, and the node's owner earns it (a
+    review found the key charged and the owner paid nothing). One that left before any token pays
+    nothing, and earns nobody anything."""
+    left = run_job(conn, owners["key"], status="cancelled", prompt=1000, completion=4)
+    (charged,) = conn.execute("select cost_usd from jobs where id = %s", (left,)).fetchone() or (None,)
+    assert charged == Decimal("0.00005040")
+    assert conn.execute("select gross_usd, net_usd from earnings where job_id = %s", (left,)).fetchone() == (
+        charged,
+        Decimal("0.00004284"),
+    )
+    run_job(conn, owners["key"], status="cancelled", prompt=0, completion=0)
+    assert ledger_rows(conn) == 1
+
+
+def test_failed_abandoned_rejected_and_unpaid_jobs_earn_nothing(
     conn: psycopg.Connection, owners: dict[str, uuid.UUID]
 ) -> None:
     key = owners["key"]
-    run_job(conn, key, status="cancelled")
     # Abandoned: the sweeper ends it as failed.
     (abandoned,) = conn.execute("select job_id from match_job(%s, %s)", (LLAMA8, key)).fetchone() or (None,)
     conn.execute("update jobs set created_at = now() - interval '2 hours' where id = %s", (abandoned,))
@@ -126,7 +142,7 @@ def test_failed_cancelled_abandoned_and_unpaid_jobs_earn_nothing(
     failed = run_job(conn, key, status="failed")
     assert conn.execute("select cost_usd > 0 from jobs where id = %s", (failed,)).fetchone() == (True,)
     assert ledger_rows(conn) == 0
-    assert conn.execute("select count(*) from jobs where status <> 'running'").fetchone() == (5,)
+    assert conn.execute("select count(*) from jobs where status <> 'running'").fetchone() == (4,)
 
 
 def test_a_batch_earns_per_job_and_the_owner_of_each_node(
@@ -144,10 +160,10 @@ def test_a_batch_earns_per_job_and_the_owner_of_each_node(
         "select complete_jobs(%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
         (ids, statuses, [1000] * 6, [90] * 6, [None] * 6, [100.0] * 6, [None] * 6),
     )
-    charged_succeeded = conn.execute(
-        "select sum(cost_usd) from jobs where id = any(%s) and status = 'succeeded'", (ids,)
+    charged_succeeded = conn.execute(  # and the one its client left, after the node's work
+        "select sum(cost_usd) from jobs where id = any(%s) and status <> 'failed'", (ids,)
     ).fetchone()
-    assert ledger_rows(conn) == 4
+    assert ledger_rows(conn) == 5
     ledger = conn.execute(
         "select sum(gross_usd), sum(fee_usd + net_usd), count(distinct owner_id) from earnings"
     ).fetchone()

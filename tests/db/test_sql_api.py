@@ -378,6 +378,61 @@ def test_a_single_request_can_never_cost_more_than_the_budget_left(conn: psycopg
     assert conn.execute("select count(*) from jobs where api_key_id = %s", (key,)).fetchone() == (1,)
 
 
+def test_a_charge_never_takes_a_key_past_its_budget(conn: psycopg.Connection) -> None:
+    """A review's case: a hold assumes four bytes a prompt token, and a prompt of digits runs near one
+    (1,912 bytes, 1,830 tokens). Two such requests placed together on a nearly spent key were each
+    charged 3.8 times their hold, and the key ended at 1.27 times its budget. The ending that would
+    cross the budget is now charged what is left of it, in a batch or one by one."""
+    make_node(conn, max_concurrency=8)
+    for batched in (True, False):
+        key = make_key(conn, budget_usd=0.0001)
+        jobs = [conn.execute(PRICED_MATCH, (LLAMA8, key, 1912, 10)).fetchone() for _ in range(3)]
+        assert all(job is not None and job[1] is not None for job in jobs)
+        ids = [job[0] for job in jobs if job is not None]
+        if batched:
+            conn.execute(
+                "select complete_jobs(%s, '{succeeded,succeeded,succeeded}', '{1830,1830,1830}', '{10,10,10}',"
+                " '{null,null,null}', '{100,100,100}', '{null,null,null}')",
+                (ids,),
+            )
+        else:
+            for job in ids:
+                conn.execute("select complete_job(%s, 'succeeded', 1830, 10)", (job,))
+        spent, reserved = conn.execute(
+            "select spent_usd, reserved_usd from api_keys where id = %s", (key,)
+        ).fetchone() or (None, None)
+        costs = [row[0] for row in conn.execute("select cost_usd from jobs where id = any(%s)", (ids,))]
+        assert spent == sum(costs) == Decimal("0.0001") and reserved == 0, (batched, spent, costs)
+        # Together: the first in full ($0.0000925), the second what is left, the third nothing. One
+        # by one, each leaves the others' holds ($0.0000249 each) in place while they run.
+        expected = ["0", "0.0000075", "0.0000925"] if batched else ["0.0000249", "0.0000249", "0.0000502"]
+        assert sorted(costs) == [Decimal(c) for c in expected], costs
+
+
+def test_a_job_that_used_no_token_costs_no_node_time(conn: psycopg.Connection) -> None:
+    """A model priced by the node's time charged a job the node refused (its own 400, no token) for
+    the moment it took. Such a job is free; an answer, or a job that used tokens, pays the node's time."""
+    uncatalogued = "acme/uncatalogued-7b"
+    make_node(conn, models={uncatalogued: "loaded"}, max_concurrency=2, hourly_rate=3.6)
+    key = make_key(conn, budget_usd=1.0)
+    costs = []
+    for status, tokens in (
+        ("cancelled", 0),
+        ("cancelled", 5),
+        ("succeeded", 5),
+        ("succeeded", 0),
+        ("failed", 0),
+    ):
+        row = conn.execute(PRICED_MATCH, (uncatalogued, key, 100, 10)).fetchone()
+        assert row is not None and row[1] is not None
+        (cost,) = conn.execute(
+            "select cost_usd from complete_job(%s, %s, %s, %s, null, 5000)", (row[0], status, tokens, tokens)
+        ).fetchone() or (None,)
+        costs.append(cost)
+    # $3.60/h over 2 slots, for 5 s: an answer without usage (a speech) pays for the node's time too.
+    assert costs == [0, Decimal("0.0025"), Decimal("0.0025"), Decimal("0.0025"), 0]
+
+
 def test_requests_the_budget_pays_for_are_not_capped(conn: psycopg.Connection) -> None:
     make_node(conn, max_concurrency=8)
     for key in (make_key(conn, budget_usd=100.0), make_key(conn)):

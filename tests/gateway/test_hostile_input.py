@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import jwt
 import psycopg
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from tests.conftest import LLAMA8, make_user, wait_for
+from neuralgrid.server.serving import ThreadedServer
+from tests.conftest import LLAMA8, make_node, make_user, wait_for
 
 CHAT = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -119,6 +125,98 @@ def test_one_request_cannot_spend_more_than_the_budget_left(
         lambda: conn.execute("select spent_usd from api_keys where name = 'k' and spent_usd > 0").fetchone()
     )
     assert float(spent[0]) <= 0.01
+
+
+def _lying_node() -> Starlette:
+    """A node that answers "hi" and bills ten million tokens each way, the most Usage.parse takes."""
+
+    async def chat(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1,
+                "model": LLAMA8,
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+                ],
+                "usage": {
+                    "prompt_tokens": 10_000_000,
+                    "completion_tokens": 10_000_000,
+                    "total_tokens": 20_000_000,
+                },
+            }
+        )
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_a_node_cannot_bill_more_than_the_request_could_use(conn: psycopg.Connection, gateway: str) -> None:
+    """A security review's case: a node reported 10M prompt and 10M completion tokens for "hi", and a
+    $1 key was charged $15 (its owner paid 85% of it). A node's account is bounded by the request:
+    its answer by max_tokens, its prompt by a token a byte plus a chat template's worth; and no
+    charge takes a key past its budget."""
+    with ThreadedServer(_lying_node()) as node:
+        make_node(conn, "liar", endpoint_url=node.url, max_concurrency=8)
+        for budget in (None, 0.0001):
+            name = f"k{budget}"
+            (secret,) = conn.execute(
+                "select api_key from create_api_key(%s, null, null, %s::numeric)", (name, budget)
+            ).fetchone() or ("",)
+            body = {**CHAT, "max_tokens": 5}
+            resp = httpx.post(
+                f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {secret}"}
+            )
+            assert resp.status_code == 200, resp.text
+            prompt, completion, spent = wait_for(
+                lambda: conn.execute(
+                    "select j.prompt_tokens, j.completion_tokens, k.spent_usd from jobs j"
+                    " join api_keys k on k.id = j.api_key_id where k.name = %s and j.status <> 'running'",
+                    (name,),  # noqa: B023 (read at once, in this iteration)
+                ).fetchone()
+            )
+            assert completion == 5 and prompt <= len(json.dumps(body)) + 1100, (prompt, completion)
+            assert budget is None or spent <= budget
+
+
+def _flooding_node() -> Starlette:
+    """A node that streams a token's event, then ten thousand empty ones: bytes a gateway must read
+    one event at a time, and no answer has."""
+
+    async def chat(request: Request) -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": LLAMA8}
+            token = {**chunk, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+            yield f"data: {json.dumps(token)}\n\n".encode()
+            for _ in range(100):
+                yield b"data:a\n\n" * 100
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_a_stream_of_more_events_than_its_answer_has_is_cut_off(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """A security review's case: 4 MiB of tiny events cost a gateway 16 s of CPU, and heartbeats
+    timed out meanwhile. A stream may have two events a token it may answer, and 1,024 more."""
+    with ThreadedServer(_flooding_node()) as node:
+        make_node(conn, "flood", endpoint_url=node.url)
+        body = {**CHAT, "max_tokens": 5, "stream": True}
+        with httpx.stream(
+            "POST",
+            f"{gateway}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {api_key}"},
+        ) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data:")]
+        assert len(lines) < 1100 and "more events than its answer's 1034" in lines[-2], lines[-2:]
+        status, error = wait_for(
+            lambda: conn.execute("select status, error from jobs where status <> 'running'").fetchone()
+        )
+        assert status == "failed" and "more events" in error
 
 
 SECRET = "test-secret-of-the-project-0123456789abcdef"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from neuralgrid.gateway.pipeline.relay import continuation
-from neuralgrid.protocol.sse import SseEvents, Usage
+from neuralgrid.protocol.sse import MAX_EVENT_BYTES, NotAnAnswer, SseEvents, Usage
 
 
 def _sse(*payloads: Any) -> bytes:
@@ -32,6 +34,30 @@ def test_events_are_split_whole_across_reads_and_text_is_kept() -> None:
     out = [e for i in range(0, len(raw), 7) for e in events.feed(raw[i : i + 7])]
     assert b"".join(out) == raw and events.done
     assert "".join(events.text) == "Hello" and events.chunks == 2 and not events.finished
+
+
+def test_crlf_lines_split_between_reads_end_events_as_lf_lines_do() -> None:
+    raw = _sse(_chat_chunk("Hel"), _chat_chunk("lo")).replace(b"\n", b"\r\n") + b"data: [DONE]\r\n\r\n"
+    for size in (1, 2, 3, 5):
+        events = SseEvents(keep_usage_event=False)
+        out = [e for i in range(0, len(raw), size) for e in events.feed(raw[i : i + size])]
+        assert b"".join(out) == raw.replace(b"\r\n", b"\n") and events.done, size
+        assert "".join(events.text) == "Hello"
+
+
+def test_a_stream_no_answer_could_be_is_refused() -> None:
+    """A security review's cases: an event that never ends (128 MiB took 76 s of the gateway's CPU,
+    its buffer copied whole for each piece), and tiny events by the million (4 MiB, 16 s)."""
+    endless = SseEvents(keep_usage_event=False)
+    piece = b"data: " + b"x" * (1 << 20)
+    with pytest.raises(NotAnAnswer, match="MiB"):
+        for _ in range(MAX_EVENT_BYTES // len(piece) + 2):
+            endless.feed(piece)
+    assert len(endless.buffer) <= MAX_EVENT_BYTES + len(piece)
+    tiny = SseEvents(keep_usage_event=False, most_events=100)
+    assert len(tiny.feed(b"data:a\n\n" * 100)) == 100
+    with pytest.raises(NotAnAnswer, match="more events"):
+        tiny.feed(b"data:a\n\n")
 
 
 def test_the_usage_event_the_gateway_asked_for_is_dropped_unless_the_client_asked_too() -> None:

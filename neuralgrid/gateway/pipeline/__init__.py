@@ -19,7 +19,8 @@ from neuralgrid.db.queries import JobOutcome
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admission, Admitted, Call
-from neuralgrid.gateway.pipeline.meter import Meter, Metering
+from neuralgrid.gateway.pipeline.kinds import ANSWER_LIMIT
+from neuralgrid.gateway.pipeline.meter import Bounds, Meter, Metering
 from neuralgrid.gateway.pipeline.place import QUEUE_MS, Placement, queue_ms
 from neuralgrid.gateway.pipeline.relay import STREAM_HEADERS, Relay
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Rejected, Sender
@@ -72,6 +73,9 @@ class Pipeline:
             tpm_hold=admitted.tpm_hold,
             model=call.model,
             stream=admitted.stream,
+            bounds=Bounds(
+                len(admitted.payload), admitted.max_output_tokens if call.kind in ANSWER_LIMIT else None
+            ),
         )
         try:
             delivery = await self.sender.deliver(

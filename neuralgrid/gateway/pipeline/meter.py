@@ -19,7 +19,7 @@ from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobEnd, JobOutcome
 from neuralgrid.gateway.completions import Completions, NotWritten
 from neuralgrid.gateway.metrics import Metrics
-from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold
+from neuralgrid.gateway.ratelimit import BYTES_PER_TOKEN, RateLimiter, TokenHold
 from neuralgrid.protocol.sse import Usage
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,27 @@ log = logging.getLogger(__name__)
 # delivered anyway: only a database that is down or overloaded takes this long.
 RELEASE_WAIT_S = 2.0
 DRAIN_S = 5.0  # on shutdown, how long the endings under way may take beyond writing them
+# A prompt is at most a token a byte (byte-level tokenizers), plus what the server's chat template
+# adds around it (a default system prompt, tool instructions): the most a node may report for one.
+TEMPLATE_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a request can use, known when it is admitted: a node's account of usage is not trusted
+    past it (a node could bill any key whatever it liked), and an answer cut off before the node's
+    account came is charged its prompt as estimated here."""
+
+    prompt_bytes: int  # the request's body, as the node was sent it
+    max_output_tokens: int | None  # over all choices; None for a kind with no answer limit
+
+    def settle(self, usage: Usage) -> Usage:
+        most_prompt = self.prompt_bytes + TEMPLATE_TOKENS
+        prompt = usage.prompt_tokens
+        if not prompt and usage.completion_tokens:  # tokens came, the node's account did not
+            prompt = -(-self.prompt_bytes // BYTES_PER_TOKEN)
+        most_completion = most_prompt if self.max_output_tokens is None else self.max_output_tokens
+        return Usage(min(prompt, most_prompt), min(usage.completion_tokens, most_completion))
 
 
 @dataclass
@@ -41,6 +62,7 @@ class Meter:
     tpm_hold: TokenHold | None = None  # what admission held on the key's tpm limit, settled at the end
     model: str = ""  # a model some node serves (the job was placed): a bounded metrics label
     stream: bool = False
+    bounds: Bounds | None = None  # None: the node's account as it is (tests of the meter alone)
 
 
 class Metering:
@@ -89,6 +111,8 @@ class Metering:
     ) -> None:
         now = time.perf_counter()
         usage = meter.usage or Usage()
+        if meter.bounds is not None:
+            usage = meter.bounds.settle(usage)
         end = JobEnd(
             meter.job_id,
             outcome,

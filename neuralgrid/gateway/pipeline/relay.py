@@ -23,7 +23,7 @@ from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.send import ClientError, Delivery, NoNodeLeft, Sender
 from neuralgrid.gateway.tunnel import MISDIRECTED, TunnelUnreachable
 from neuralgrid.gateway.upstream import NodeError
-from neuralgrid.protocol.sse import ResponseEvents, SseEvents
+from neuralgrid.protocol.sse import NotAnAnswer, ResponseEvents, SseEvents
 
 log = logging.getLogger(__name__)
 # Streams are passed on as they come: no cache keeps one, and no proxy in front (nginx reads
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 # vLLM's request fields for guided decoding (OpenAI's is response_format).
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# Events a stream may have besides a token's each (two, with a slack): the role's, the finish, usage,
+# keep-alives, the Responses API's lifecycle events.
+EXTRA_EVENTS = 1024
 
 
 class Relay:
@@ -50,7 +53,8 @@ class Relay:
         job is ended before its last event ([DONE]; the Responses API's response.completed) is
         passed on, so the slot is free when the client is told."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
-        events = ResponseEvents() if admitted.call.kind == "responses" else SseEvents(wants_usage)
+        most = 2 * admitted.max_output_tokens + EXTRA_EVENTS if admitted.max_output_tokens else None
+        events = ResponseEvents(most) if admitted.call.kind == "responses" else SseEvents(wants_usage, most)
         outcome: JobOutcome = "succeeded"
         error: str | None = None
         ended = False
@@ -183,7 +187,10 @@ class TokenGaps:
 
     def fed(self, events: SseEvents, raw: bytes) -> list[bytes]:
         before = events.chunks
-        out = events.feed(raw)
+        try:
+            out = events.feed(raw)
+        except NotAnAnswer as err:  # the node's fault, as a stream it broke off
+            raise NodeError(str(err)) from None
         tokens = events.chunks - before
         if tokens > 0:
             now = time.perf_counter()
