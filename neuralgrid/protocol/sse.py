@@ -83,34 +83,36 @@ class SseEvents:
             raw, self.cr = raw[:-1], True
         if b"\r" in raw:
             raw = raw.replace(b"\r\n", b"\n")
-        # The usual read holds whole events and nothing before it: read in place, nothing copied.
-        held = bool(self.buffer)
-        if held:
-            scan = len(self.buffer) - 1  # a blank line may straddle two pieces
-            self.buffer += raw
-            data: bytes | bytearray = self.buffer
+        if not self.buffer and raw.endswith(b"\n\n"):  # the usual read: whole events, nothing held
+            events = raw[:-2].split(b"\n\n")
         else:
-            scan, data = 0, raw
+            events = self._completed(raw)
         out: list[bytes] = []
-        start = 0
-        while not self.done:  # nothing after [DONE] is an event
-            end = data.find(b"\n\n", max(start, scan))
-            if end < 0:
+        for event in events:
+            if self.done:  # nothing after [DONE] is an event
                 break
             self.events += 1
             if self.most_events is not None and self.events > self.most_events:
                 raise NotAnAnswer(f"the node sent more events than its answer's {self.most_events}")
-            kept = self._take(bytes(data[start:end]) if held else data[start:end])
+            kept = self._take(event)
             if kept is not None:
                 out.append(kept + b"\n\n")
-            start = end + 2
-        if held:
-            del self.buffer[:start]
-        elif start < len(raw):
-            self.buffer += raw[start:]
-        if len(self.buffer) > MAX_EVENT_BYTES and not self.done:
-            raise NotAnAnswer(f"the node sent an event of more than {MAX_EVENT_BYTES >> 20} MiB")
         return out
+
+    def _completed(self, raw: bytes) -> list[bytes]:
+        """The events `raw` ends, the rest held: the buffer is scanned from where the last read
+        left it, so an event that comes in many pieces is read once."""
+        scan = max(len(self.buffer) - 1, 0)  # a blank line may straddle two pieces
+        self.buffer += raw
+        events: list[bytes] = []
+        start = 0
+        while (end := self.buffer.find(b"\n\n", max(start, scan))) >= 0:
+            events.append(bytes(self.buffer[start:end]))
+            start = end + 2
+        del self.buffer[:start]
+        if len(self.buffer) > MAX_EVENT_BYTES:
+            raise NotAnAnswer(f"the node sent an event of more than {MAX_EVENT_BYTES >> 20} MiB")
+        return events
 
     def resumed(self) -> None:
         """The events from here on come from another node, which was sent the answer so far."""
