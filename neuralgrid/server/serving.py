@@ -21,6 +21,10 @@ T = TypeVar("T")
 # headers. uvicorn has no such limit: a socket that sends nothing, or a byte now and then, is held
 # for ever (a slowloris). Bodies have their own deadline, in the app (gateway.routes_openai.read_json).
 HEADER_TIMEOUT_S = 10.0
+# The most a request's line and headers may hold. uvicorn (and llhttp under it) keeps every header a
+# client sends: a slow trickle of tiny ones inside the deadline grew a gateway by 25 bytes of memory
+# for each byte sent (1 GiB for 40 MiB, from one anonymous connection). Larger ones are answered 431.
+MAX_HEADER_BYTES = 64 << 10
 
 
 class Abort(Exception):
@@ -38,10 +42,12 @@ _NO_ABORT_TRACEBACKS = _NoAbortTracebacks()
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, closing connections whose request headers are late."""
+    """uvicorn's HTTP protocol, closing connections whose request headers are late, or too large."""
 
     header_timeout_s = HEADER_TIMEOUT_S
     _headers_due: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -49,7 +55,33 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._header_bytes = 0
         self._expect_headers()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)  # as written: "name: value\r\n"
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._too_large = True
+            raise ValueError("request headers too large")  # the parser stops: uvicorn answers 400
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_large:
+            return super().send_400_response(msg)
+        if not self.transport.is_closing():
+            body = b"request headers too large"
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._cancel_deadline()

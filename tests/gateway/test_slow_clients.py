@@ -3,6 +3,7 @@ a late body gets a 408."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -91,3 +92,28 @@ def test_a_client_hanging_up_mid_body_is_a_499_not_a_crash(impatient: ThreadedSe
         counted = next((line for line in metrics.splitlines() if 'status="499"' in line), "")
         time.sleep(0.05)
     assert 'endpoint="/v1/chat/completions"' in counted and counted.endswith(" 1.0"), counted
+
+
+def _answer_to_headers(port: int, size: int) -> bytes:
+    """What the server answers a GET whose headers hold `size` bytes, sent as one tiny header after
+    another (a security review grew a gateway to 1 GiB with 40 MiB of them, sent this way)."""
+    headers = b"a: b\r\n" * (size // 6)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(ConnectionError):  # refused part-way: the server closed
+            for i in range(0, len(headers), 1 << 16):
+                sock.sendall(headers[i : i + (1 << 16)])
+            sock.sendall(b"\r\n")
+        sock.settimeout(10)
+        answer = b""
+        with contextlib.suppress(ConnectionError):
+            while data := sock.recv(65536):
+                answer += data
+                if b"\r\n\r\n" in answer and (b"ok" in answer or b"too large" in answer):
+                    break
+        return answer
+
+
+def test_headers_past_64_kib_are_a_431_and_the_connection_ends(impatient: ThreadedServer) -> None:
+    assert _answer_to_headers(impatient.port, 32 << 10).startswith(b"HTTP/1.1 200")
+    assert _answer_to_headers(impatient.port, 8 << 20).startswith(b"HTTP/1.1 431")
