@@ -269,7 +269,9 @@ def _pipeline(
     metering = Metering(Completions(store), limiter, metrics)
     claims = Claims(store, gateway_id, abandon=metering.abandon)
     placement = Placement(store, claims, metrics, settings.max_attempts, room, settings.queue_timeout_s)
-    sender = Sender(nodes, tunnels, placement, metrics, settings.first_byte_timeout_s)
+    sender = Sender(
+        nodes, tunnels, placement, metrics, settings.first_byte_timeout_s, settings.max_answer_bytes
+    )
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams)
     admission = Admission(Catalog(store), limiter, settings.default_max_tokens)
     return Pipeline(admission, placement, sender, relay, metering, metrics)

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     # conversation plus the text streamed so far (see proxy.continuation).
     resume_streams: bool = Field(True, alias="NEURALGRID_RESUME_STREAMS")
     max_body_bytes: int = Field(1_048_576, alias="NEURALGRID_MAX_BODY_BYTES", ge=1024)
+    # A node's whole (non-streamed) answer is read before it is passed on (its usage is metered
+    # first): past this it is a failure of the node's, not a gateway out of memory.
+    max_answer_bytes: int = Field(64 << 20, alias="NEURALGRID_MAX_ANSWER_BYTES", ge=1 << 20)
     # A request body must arrive within this (headers within 10 s: see server/serving.py), so that
     # clients sending a byte now and then cannot hold sockets and memory.
     body_timeout_s: float = Field(30.0, alias="NEURALGRID_BODY_TIMEOUT_S", gt=0)

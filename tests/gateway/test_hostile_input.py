@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -346,3 +347,43 @@ def test_a_database_that_stops_answering_is_a_503_in_openais_shape(
         lambda: httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200,
         timeout=15,
     )
+
+
+def _huge_node(status: int) -> Starlette:
+    """A node whose answer is 80 MiB of one byte, sent in 1 MiB pieces."""
+
+    async def chat(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(80):
+                yield b"x" * (1 << 20)
+
+        return StreamingResponse(body(), status_code=status, media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_a_node_cannot_fill_the_gateways_memory_with_one_answer(
+    conn: psycopg.Connection, gateway: str, api_key: str, status: int
+) -> None:
+    """A security review's case: a node's 1 GiB answer took a gateway from 117 MiB to 2 GiB, and
+    1 GiB of a 500's body was read only to keep its first 200 bytes. A whole answer past
+    NEURALGRID_MAX_ANSWER_BYTES (64 MiB) is the node's failure; of a refusal, 200 bytes are read."""
+    with ThreadedServer(_huge_node(status)) as node:
+        make_node(conn, "huge", endpoint_url=node.url)
+        tracemalloc.start()  # the gateway runs in this process (a thread): its memory is counted here
+        try:
+            resp = httpx.post(
+                f"{gateway}/v1/chat/completions",
+                json=CHAT,
+                headers={"authorization": f"Bearer {api_key}"},
+                timeout=60,
+            )
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert resp.status_code == 502, resp.text[:300]
+        # The node's server (also here) holds one 1 MiB piece at a time.
+        assert peak < (150 << 20 if status == 200 else 16 << 20), peak >> 20
+        (error,) = conn.execute("select error from job_attempts").fetchone() or ("",)
+        assert ("larger than 64 MiB" in error) if status == 200 else error == "HTTP 500: " + "x" * 200

@@ -26,6 +26,8 @@ SLOWEST_TOKENS_PER_S = 5.0
 LONGEST_ANSWER_S = 600.0
 
 JSON = "application/json"
+# What is read of a node's refusal: enough for its message, whatever size it says it is.
+ERROR_BYTES = 64 << 10
 
 
 class ClientError(Exception):
@@ -93,12 +95,14 @@ class Sender:
         placement: Placement,
         metrics: Metrics,
         first_byte_timeout_s: float,
+        max_answer_bytes: int = 64 << 20,
     ) -> None:
         self.nodes = nodes
         self.tunnels = tunnels
         self.placement = placement
         self.metrics = metrics
         self.first_byte_timeout_s = first_byte_timeout_s
+        self.max_answer_bytes = max_answer_bytes
 
     async def deliver(
         self,
@@ -174,13 +178,14 @@ class Sender:
                     or (resp.status >= 500 and resp.status != 501)
                     or 300 <= resp.status < 400
                 ):
-                    body = (await resp.read())[:200].decode(errors="replace")
+                    body = (await read_at_most(resp, 200, cut=True)).decode(errors="replace")
                     raise Retryable(f"HTTP {resp.status}: {body}", status=resp.status)
-                chunks = resp.chunks()
                 if not stream:
-                    return resp, chunks, await resp.read()
+                    return resp, resp.chunks(), await read_at_most(resp, self.max_answer_bytes)
                 if resp.status >= 400:
-                    raise ClientError(resp.status, await resp.read(), resp.content_type)
+                    error = await read_at_most(resp, ERROR_BYTES, cut=True)
+                    raise ClientError(resp.status, error, resp.content_type)
+                chunks = resp.chunks()
                 return resp, chunks, await anext(chunks)
             except BaseException:
                 await resp.close()
@@ -204,3 +209,20 @@ class Sender:
             return await self.nodes.post(node.url.rstrip("/") + path, payload, headers, timeout_s)
         # Over the agent's tunnel, held here or by another gateway (which the request goes through).
         return await self.tunnels.open(node.id, path, payload, timeout_s, content_type)
+
+
+async def read_at_most(resp: NodeResponse, limit: int, cut: bool = False) -> bytes:
+    """A node's body, read whole while it fits `limit` (a node is not trusted with a gateway's
+    memory: a 1 GiB answer took 2 GiB), else a NodeError; `cut`: its first `limit` bytes, the rest
+    left unread (the response is closed after)."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.chunks():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            if cut:
+                return b"".join(parts)[:limit]
+            if size > limit:
+                raise NodeError(f"the node's answer is larger than {limit >> 20} MiB")
+    return b"".join(parts)
