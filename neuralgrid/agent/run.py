@@ -364,8 +364,8 @@ class Agent:
         # one refuses fields it does not know.
         loaded, refused = self._loaded[:16], self._refused[:16]
         if self._prewarm_heard:
-            if up and self.available is not None:
-                body["available"] = self.available
+            if up:  # a server that serves what it started with can load nothing: its old models go
+                body["available"] = self.available if self.available is not None else []
             body.update({"loaded": loaded, "refused": refused} if loaded or refused else {})
         assert self.secret is not None
         path = f"/v1/nodes/{self.node_id}/heartbeat"
@@ -419,12 +419,16 @@ class Agent:
 
     async def _models_or(self, previous: list[str]) -> list[str]:
         """The server's models now, under catalog names; the previous list if it cannot say."""
+        before = set(self.backend.served)
         try:
             served = await self.backend.models()
         except BackendError as err:
             log.warning("%s; keeping the models reported before", err)
             return previous
-        # Only models that have answered are warm: a newly served one waits for the next warm-up.
+        if set(served) != before:  # restarted with other models between two beats: as a new server
+            log.info("the backend now serves %s (it served %s): detecting it again", served, sorted(before))
+            return await self._ready()
+        # Only models that have answered are warm.
         return [m for m in (self.config.model_aliases.get(s, s) for s in served) if m in previous]
 
     async def _drain(self, http: httpx.AsyncClient, models: list[str]) -> None:

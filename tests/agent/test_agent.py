@@ -190,6 +190,26 @@ def backend() -> Iterator[ThreadedServer]:
         yield server
 
 
+def test_a_server_restarted_with_another_model_is_detected_and_only_that_model_is_routed(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Found as an owner with a real llama-server: restarted between two beats with another model, the
+    server kept getting the first model's requests (answered by the second), and its new model was
+    never warmed up. The agent looks at the server's models every few beats; a new list is a new
+    server: detected, warmed up, and reported, the old models forgotten."""
+    other = "Qwen/Qwen2.5-0.5B-Instruct"
+    with running_agent(conn, platform, operator_key, backend.url) as agent:
+        node_id = (node_row(conn, "box") or (None,))[0]
+        models = "select model_id, state from node_models where node_id = %s"
+        assert conn.execute(models, (node_id,)).fetchall() == [(LLAMA8, "loaded")]
+        backend.app.state.config.models = (other,)  # as if restarted with another model
+        try:
+            wait_for(lambda: conn.execute(models, (node_id,)).fetchall() == [(other, "loaded")], timeout=15)
+        except AssertionError:
+            agent.terminate()
+            raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+
+
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:

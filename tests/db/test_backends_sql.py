@@ -43,6 +43,35 @@ def test_a_dead_server_takes_its_node_offline_and_cold_until_it_answers_again(
     assert row == (True, "llama.cpp")
 
 
+def test_a_node_whose_server_is_down_stays_offline_without_flapping(conn: psycopg.Connection) -> None:
+    """Found as an owner: each beat of a node whose server was down set it online then offline (two
+    rows of status history, two Realtime events, every 5 s)."""
+    node = agent_node(conn)
+    for _ in range(3):
+        assert beat(conn, node, up=False) == "offline"
+    history = "select status from node_status_changes where node_id = %s order by id"
+    assert [s for (s,) in conn.execute(history, (node,))][-1:] == ["offline"]
+    assert conn.execute(history, (node,)).fetchall().count(("online",)) <= 1  # as registered, at most
+    before = len(conn.execute(history, (node,)).fetchall())
+    beat(conn, node, up=False)
+    assert len(conn.execute(history, (node,)).fetchall()) == before
+
+
+def test_a_server_restarted_with_another_model_is_not_sent_the_first_ones_requests(
+    conn: psycopg.Connection,
+) -> None:
+    """Found as an owner: a llama-server restarted with another model kept the first one's row as
+    'available', and was sent its requests (answered by the other model). An agent in front of a
+    server that serves what it started with says it can load nothing else: [] forgets the rest."""
+    node = agent_node(conn)
+    models = "select model_id, state from node_models where node_id = %s order by model_id"
+    call = "select status from agent_heartbeat(%s, %s, 'online', 0, null, null, %s, null, true, null, %s, null, null)"
+    conn.execute(call, (node, KEY, ["model-a"], []))
+    assert conn.execute(models, (node,)).fetchall() == [("model-a", "loaded")]
+    conn.execute(call, (node, KEY, ["model-b"], []))
+    assert conn.execute(models, (node,)).fetchall() == [("model-b", "loaded")]
+
+
 def test_a_tunnel_node_is_online_only_while_its_tunnel_is_up_and_its_server_answers(
     conn: psycopg.Connection,
 ) -> None:
