@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import UserDep
@@ -18,15 +18,25 @@ from neuralgrid.validation import KEY_BUDGET_MAX_USD, KEY_LIMIT_MAX
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
+def _json_number(value: object) -> object:
+    """A budget as a JSON number: a string (" 5 ", "1_000") or a boolean is refused, not converted."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        raise ValueError("budget_usd must be a number")
+    return value
+
+
 class NewKey(BaseModel):
     # A field it does not know is refused: a misspelt limit would otherwise make a key without one.
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")  # no control characters
-    rpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
-    tpm_limit: int | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
+    # Numbers as JSON writes them: not true, "10" or 1.0, which pydantic's lax mode would take.
+    rpm_limit: StrictInt | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
+    tpm_limit: StrictInt | None = Field(None, gt=0, le=KEY_LIMIT_MAX)
     # Within what the ledger holds (numeric(12,4)); create_api_key() refuses a budget it would round.
-    budget_usd: Decimal | None = Field(None, ge=0, lt=KEY_BUDGET_MAX_USD)
+    budget_usd: Annotated[Decimal, BeforeValidator(_json_number)] | None = Field(
+        None, ge=0, lt=KEY_BUDGET_MAX_USD, allow_inf_nan=False
+    )
 
 
 @router.get("")

@@ -186,6 +186,42 @@ def test_a_budget_the_ledger_would_round_makes_no_key(
     assert budget is not None and str(budget[0]) == "12.3456"
 
 
+def test_a_budget_that_is_not_a_number_makes_no_key(
+    conn: psycopg.Connection, world: dict[str, uuid.UUID]
+) -> None:
+    """A billing review's case: 'NaN' passed `>= 0` and the decimals check, and the key's chats then
+    failed with "cannot convert NaN to bigint" while its embeddings ran with no limit."""
+    before = count(conn, "select id from api_keys")
+    with (
+        acting_as(conn, "authenticated", world["alice"]) as c,
+        pytest.raises(psycopg.errors.CheckViolation, match="budget_usd must be a number"),
+    ):
+        c.execute("select * from create_api_key('nan', null, null, 'NaN')")
+    assert count(conn, "select id from api_keys") == before
+
+
+def test_a_revoked_key_stays_revoked(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
+    """A security review's case: the owner, as PostgREST runs a PATCH, set revoked_at back to null,
+    and a key the platform had revoked worked again at the gateway."""
+    made = conn.execute("select id from create_api_key('leaked')").fetchone()
+    assert made is not None
+    conn.execute(
+        "update api_keys set owner_id = %s, revoked_at = now() where id = %s", (world["alice"], made[0])
+    )
+    for undo in ("revoked_at = null", "revoked_at = now() + interval '1 day'"):
+        with (
+            acting_as(conn, "authenticated", world["alice"]) as c,
+            pytest.raises(psycopg.errors.CheckViolation, match="cannot be undone"),
+        ):
+            c.execute(f"update api_keys set {undo} where id = %s", made)
+    with pytest.raises(psycopg.errors.CheckViolation):  # nor the service: a revocation is final
+        conn.execute("update api_keys set revoked_at = null where id = %s", made)
+    (revoked,) = conn.execute(
+        "select revoked_at is not null from api_keys where id = %s", made
+    ).fetchone() or (None,)
+    assert revoked
+
+
 def test_users_read_only_their_own_jobs(conn: psycopg.Connection, world: dict[str, uuid.UUID]) -> None:
     with acting_as(conn, "authenticated", world["alice"]) as c:
         assert count(c, "select * from jobs") == 1

@@ -262,6 +262,13 @@ def test_a_key_is_created_as_asked_or_not_at_all(conn: psycopg.Connection, gatew
         ({"name": "k", "budget_usd": 0.000001}, "budget_usd"),
         ({"name": "k", "budget_usd": 1e12}, "budget_usd"),
         ({"name": "k", "tpm_limit": 2**31}, "tpm_limit"),
+        # A billing review's: each made a key, with the value converted.
+        ({"name": "k", "rpm_limit": True}, "rpm_limit"),
+        ({"name": "k", "rpm_limit": "10"}, "rpm_limit"),
+        ({"name": "k", "tpm_limit": 1.0}, "tpm_limit"),
+        ({"name": "k", "budget_usd": "1_000"}, "budget_usd"),
+        ({"name": "k", "budget_usd": " 5 "}, "budget_usd"),
+        ({"name": "k", "budget_usd": True}, "budget_usd"),
     ]
     for body, param in refused:
         resp = httpx.post(url, json=body, headers=auth)

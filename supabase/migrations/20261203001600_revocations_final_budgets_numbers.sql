@@ -1,0 +1,33 @@
+-- A revoked key stays revoked, and a budget is a number.
+--
+-- Found by a security review and a billing review (reproduced twice each):
+-- - A signed-in user could undo a revocation, their own or the platform's: `authenticated` may
+--   update revoked_at (to revoke through the Data API), and nothing stopped it going back to null
+--   (PATCH /api_keys?id=eq.X {"revoked_at": null}); the key then worked at the gateway again. A
+--   trigger now refuses any change to a revoked_at that is set, whoever asks.
+-- - create_api_key(p_budget_usd => 'NaN') stored a NaN budget ('NaN' >= 0 holds in Postgres, and
+--   'NaN' = round('NaN', 4)): the key's chat requests failed with "cannot convert NaN to bigint",
+--   its embeddings ran with no limit, and /v1/usage said it had no budget. A check refuses it now;
+--   a key that has one already keeps its spend and gets a budget of 0 (it could pay for nothing
+--   that was checked).
+
+create function private.api_keys_revocation_is_final() returns trigger
+language plpgsql
+set search_path = ''
+as $$
+begin
+  if old.revoked_at is not null and new.revoked_at is distinct from old.revoked_at then
+    raise exception 'API key % is revoked, and a revocation cannot be undone: create a new key', old.prefix
+      using errcode = 'check_violation', column = 'revoked_at';
+  end if;
+  return new;
+end;
+$$;
+comment on function private.api_keys_revocation_is_final() is 'Trigger: a revoked key''s revoked_at never changes again (no role may undo a revocation).';
+revoke execute on function private.api_keys_revocation_is_final() from public, anon, authenticated;
+create trigger api_keys_revocation_is_final before update of revoked_at on public.api_keys
+  for each row execute function private.api_keys_revocation_is_final();
+
+update public.api_keys set budget_usd = 0 where budget_usd = 'NaN';
+alter table public.api_keys
+  add constraint "budget_usd must be a number" check (budget_usd <> 'NaN');
