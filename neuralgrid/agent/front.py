@@ -39,6 +39,11 @@ KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # Events held unread while waiting to see whether the server sends usage; past this, they are read
 # as they come (as long answers' are), so that memory stays bounded.
 HELD_BYTES = 1 << 16
+# The largest request the front reads: a gateway's is at most its NEURALGRID_MAX_BODY_BYTES (1 MiB by
+# default), or a dropped stream's conversation and its answer so far. Anyone can reach the port.
+MAX_REQUEST_BYTES = 16 << 20
+UNSIGNED = "requests to this node must be signed by the NeuralGrid gateway"
+TOO_LARGE = f"a request to this node is at most {MAX_REQUEST_BYTES >> 20} MiB"
 
 
 class BackendUnreachable(Exception):
@@ -545,23 +550,30 @@ class Front:
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
+        headers = dict(scope["headers"])
+        signature = headers.get(_SIGNATURE)
+        # Refused before the body is read, where the headers already tell: a security review sent
+        # 512 MiB unsigned, all of it held in memory (1 GiB) to be found unsigned at its end.
+        if state.key is None or signature is None:
+            return await _error(send, 401, UNSIGNED)
+        if int(headers.get(b"content-length", b"0") or b"0") > MAX_REQUEST_BYTES:
+            return await _error(send, 413, TOO_LARGE)
         message = await receive()
         body = message.get("body", b"")
         if message.get("more_body"):
-            parts = [body]
+            parts, size = [body], len(body)
             while message.get("more_body"):
                 message = await receive()
                 parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > MAX_REQUEST_BYTES:
+                    return await _error(send, 413, TOO_LARGE)
             body = b"".join(parts)
         if message["type"] == "http.disconnect":
             return
-        headers = dict(scope["headers"])
-        signature = headers.get(_SIGNATURE)
         path = scope["path"]
-        if state.key is None or not state.signatures.verify(
-            state.key, signature.decode("latin-1") if signature else None, path, body
-        ):
-            return await _error(send, 401, "requests to this node must be signed by the NeuralGrid gateway")
+        if not state.signatures.verify(state.key, signature.decode("latin-1"), path, body):
+            return await _error(send, 401, UNSIGNED)
         if state.draining:
             return await _error(send, 503, "this node is draining: it takes no new work")
         try:

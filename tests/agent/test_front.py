@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from starlette.routing import Route
 
 from neuralgrid.agent import front as front_module
 from neuralgrid.agent.backend import Backend, Relay, RelayError
-from neuralgrid.agent.front import BackendUnreachable, FrontState, create_front
+from neuralgrid.agent.front import MAX_REQUEST_BYTES, BackendUnreachable, FrontState, create_front
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
 from neuralgrid.server.serving import ThreadedServer, free_port
@@ -446,3 +447,28 @@ async def test_a_server_that_cuts_streams_gets_one_request_at_a_time() -> None:
     assert [e["choices"][0]["finish_reason"] for e in answers[0] if e["choices"]][-1] == "length"
     assert [e["choices"][0]["finish_reason"] for e in answers[1] if e["choices"]][-1] == "length"
     assert answers[2] == [LLAMA8] and front.inflight == 0 and not front.busy()
+
+
+def test_an_unsigned_or_oversized_request_is_refused_before_its_body_is_read(node: ThreadedServer) -> None:
+    """A security review's case: 512 MiB posted unsigned to an agent's public port were all held
+    in memory (1 GiB) before the signature was found missing. A request without a signature is
+    refused from its headers; one past MAX_REQUEST_BYTES by its length, or as it arrives."""
+    _, server = front_for(node.url)
+    with server:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            # 1 GiB promised, none of it sent: the answer comes at once, from the headers alone.
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n"
+            )
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 401")
+        huge = b"x" * (MAX_REQUEST_BYTES + 1)
+        headers = {signing.HEADER: signing.sign(KEY, CHAT, huge)}
+        assert httpx.post(server.url + CHAT, content=huge, headers=headers).status_code == 413
+
+        def chunked() -> Iterator[bytes]:  # no length said: counted as it comes
+            for i in range(0, len(huge), 1 << 20):
+                yield huge[i : i + (1 << 20)]
+
+        assert httpx.post(server.url + CHAT, content=chunked(), headers=headers).status_code == 413
+        assert node.app.state.requests == 0
