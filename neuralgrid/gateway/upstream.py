@@ -8,6 +8,7 @@ adds to a request.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -44,7 +45,10 @@ def _translate(err: Exception) -> NodeError:
     if isinstance(err, TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
         return NodeTimeout("timeout: the node sent nothing in time")
     if isinstance(err, aiohttp.ClientConnectorError):  # refused, unreachable, no such host
-        return NodeError(f"could not connect: {err}")
+        # What went wrong, never where: the message reaches developers, and a node's address is its
+        # owner's (a home machine's IP and port), which no API role may read.
+        code = err.os_error.errno
+        return NodeError(f"could not connect: {os.strerror(code) if code else type(err.os_error).__name__}")
     if isinstance(err, aiohttp.ClientPayloadError):  # a body cut short: the connection closed
         return NodeError("its connection closed before the answer's end")
     if isinstance(err, aiohttp.ServerDisconnectedError):
