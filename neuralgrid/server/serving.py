@@ -181,11 +181,18 @@ class CannotListen(OSError):
     """A server that did not start (its port taken, its address not ours)."""
 
 
+async def _serve(server: Server) -> None:
+    # uvicorn exits the process (SystemExit) when it cannot bind: out of a task that escapes the
+    # event loop with a traceback. Here it ends the task; running() says CannotListen.
+    with contextlib.suppress(SystemExit):
+        await server.serve()
+
+
 @contextlib.asynccontextmanager
 async def running(server: Server) -> AsyncIterator[None]:
     """Serve on this event loop while the block runs, then shut down as a signal would (cancelling
     uvicorn's task instead logs a traceback from the app's lifespan)."""
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(_serve(server))
     while not server.started:
         if serving.done():
             raise CannotListen(f"cannot listen on {server.config.host}:{server.config.port}")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -208,6 +209,26 @@ def test_a_server_restarted_with_another_model_is_detected_and_only_that_model_i
         except AssertionError:
             agent.terminate()
             raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+
+
+def test_a_listen_port_in_use_is_one_line_and_a_failed_exit(
+    platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Found as an owner: ~50 lines of traceback and exit code 3 (uvicorn's SystemExit escaped its
+    task), where the agent has one line to say it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        flags = f"--name busy --region eu-west --price 0.3 --vram-gb 24 --tflops 165 --listen-port {port}"
+        done = subprocess.run(
+            agent_command(platform, operator_key, backend.url, *flags.split()),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
 
 
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
