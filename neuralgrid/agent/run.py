@@ -378,6 +378,11 @@ class Agent:
         except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
             return None
+        if resp.status_code == 403:  # its secret is no longer the node's: another agent registered it
+            raise AgentError(
+                f"node {self.config.name} was registered again by another agent (its secret is not this"
+                " agent's any more): this one stops"
+            )
         if resp.status_code != 200:
             log.warning("heartbeat refused: %s", _message(resp))
             return None

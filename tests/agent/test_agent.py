@@ -231,6 +231,21 @@ def test_a_listen_port_in_use_is_one_line_and_a_failed_exit(
     assert "Traceback" not in done.stderr and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
 
 
+def test_a_second_agent_of_the_same_name_takes_the_node_and_the_first_stops(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Found as an owner: the first agent warned every 5 s, for ever, that its heartbeat was refused,
+    and said "drained and offline" when stopped, though the node was the second one's."""
+    with running_agent(conn, platform, operator_key, backend.url) as first:
+        node = (node_row(conn, "box") or (None,))[0]
+        with running_agent(conn, platform, operator_key, backend.url):
+            first.wait(timeout=15)
+            output = first.communicate(timeout=10)[0]
+            assert first.returncode == 1, output[-2000:]
+            assert "registered again by another agent" in output and "Traceback" not in output, output[-2000:]
+            assert (node_row(conn, "box") or (None, ""))[:2] == (node, "online")  # the second's, serving
+
+
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
