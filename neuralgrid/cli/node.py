@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -33,6 +34,19 @@ def _concurrency(value: int | None) -> int | None:
     return value
 
 
+def _within(low: float, high: float, low_open: bool = False) -> Callable[[float | None], float | None]:
+    """A callback that refuses a flag's value outside [low, high] (low excluded when low_open) at
+    once, by the flag's name: the registration would refuse it only after the server's warm-up."""
+    below = f"greater than {low:g}" if low_open else f"at least {low:g}"
+
+    def check(value: float | None) -> float | None:
+        if value is not None and not ((low < value if low_open else low <= value) and value <= high):
+            raise typer.BadParameter(f"{value:g} is not in range: {below}, at most {high:g}")
+        return value
+
+    return check
+
+
 @app.command("run")
 def run(
     gateway: Annotated[str, typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL.")],
@@ -48,7 +62,10 @@ def run(
         str, typer.Option(envvar="NEURALGRID_NODE_REGION", help="Region, e.g. eu-west.")
     ] = "unknown",
     price: Annotated[
-        float, typer.Option(envvar="NEURALGRID_NODE_PRICE", help="Your price, USD per hour.")
+        float,
+        typer.Option(
+            callback=_within(0, 10_000), envvar="NEURALGRID_NODE_PRICE", help="Your price, USD per hour."
+        ),
     ] = 0.5,
     max_concurrency: Annotated[
         int | None,
@@ -71,6 +88,7 @@ def run(
         int,
         typer.Option(
             envvar="NEURALGRID_NODE_PORT",
+            callback=_within(1, 65_535),
             rich_help_panel=REACH,
             help="Port the agent listens on (direct mode).",
         ),
@@ -89,19 +107,39 @@ def run(
     ] = None,
     vram_gb: Annotated[
         float | None,
-        typer.Option(envvar="NEURALGRID_VRAM_GB", rich_help_panel=HARDWARE, help="Total VRAM, GB."),
+        typer.Option(
+            callback=_within(0, 100_000, low_open=True),
+            envvar="NEURALGRID_VRAM_GB",
+            rich_help_panel=HARDWARE,
+            help="Total VRAM, GB.",
+        ),
     ] = None,
     tflops: Annotated[
         float | None,
-        typer.Option(envvar="NEURALGRID_TFLOPS", rich_help_panel=HARDWARE, help="Dense FP16 TFLOPS."),
+        typer.Option(
+            callback=_within(0, 1_000_000, low_open=True),
+            envvar="NEURALGRID_TFLOPS",
+            rich_help_panel=HARDWARE,
+            help="Dense FP16 TFLOPS.",
+        ),
     ] = None,
     latitude: Annotated[
         float | None,
-        typer.Option(envvar="NEURALGRID_NODE_LATITUDE", rich_help_panel=MAP, help="For the map."),
+        typer.Option(
+            callback=_within(-90, 90),
+            envvar="NEURALGRID_NODE_LATITUDE",
+            rich_help_panel=MAP,
+            help="For the map.",
+        ),
     ] = None,
     longitude: Annotated[
         float | None,
-        typer.Option(envvar="NEURALGRID_NODE_LONGITUDE", rich_help_panel=MAP, help="For the map."),
+        typer.Option(
+            callback=_within(-180, 180),
+            envvar="NEURALGRID_NODE_LONGITUDE",
+            rich_help_panel=MAP,
+            help="For the map.",
+        ),
     ] = None,
     tunnel: Annotated[
         bool,

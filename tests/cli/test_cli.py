@@ -447,3 +447,24 @@ def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_pat
         assert r["gateway_cpu_ms_per_request"] > 0 and r["postgres_cpu_ms_per_request"] > 0
         assert 0 <= r["queue_wait_p50_ms"] <= r["queue_wait_p99_ms"] <= r["queue_wait_max_ms"]
     assert max(r["queue_wait_max_ms"] for r in report["results"] if r["callers"] == 16) > 0
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--price=-1", "--vram-gb=0", "--tflops=0", "--listen-port=70000", "--listen-port=0", "--latitude=91"],
+)
+def test_node_run_refuses_a_bad_flag_at_once_by_its_name(flag: str) -> None:
+    """Found as an owner: these were refused only after the server's warm-up (minutes with a big
+    model), by the gateway, in its field names (hourly_rate, endpoint_url); --vram-gb 0 and
+    --tflops 0 said that no NVIDIA GPU was found. Nothing is reached here: not the gateway, not
+    the server (neither exists)."""
+    nowhere = "http://127.0.0.1:9"
+    command = ["node", "run", "--gateway", nowhere, "--token", "ng-x", "--backend", nowhere, flag]
+    done = subprocess.run(
+        [sys.executable, "-m", "neuralgrid.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    name = flag.split("=")[0]
+    assert done.returncode == 2 and f"Invalid value for '{name}'" in done.stderr, done.stderr
