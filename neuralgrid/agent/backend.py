@@ -61,6 +61,10 @@ class BackendError(Exception):
     """The server cannot be used; the message says what is wrong, for the owner."""
 
 
+class BackendStarting(BackendError):
+    """The server is not up yet: nothing listens, or it answers 503 while it loads its model."""
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """What the agent knows of its server; sent to the platform at registration and on change."""
@@ -241,7 +245,7 @@ class Backend:
             try:
                 data = await self._json(kind.identify)
             except httpx.HTTPError as err:
-                raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
+                raise BackendStarting(f"the backend at {self.url} is unreachable: {err!r}") from err
             if data is not None and kind.recognise(data):
                 self.kind, self.identity = kind, data
                 self.info = replace(
@@ -261,7 +265,9 @@ class Backend:
         try:
             resp = await self.http.get(self.url + "/v1/models", timeout=PROBE_TIMEOUT_S * 3)
         except httpx.HTTPError as err:
-            raise BackendError(f"the backend at {self.url} is unreachable: {err!r}") from err
+            raise BackendStarting(f"the backend at {self.url} is unreachable: {err!r}") from err
+        if resp.status_code == 503:  # llama-server's answer while it loads its model
+            raise BackendStarting(f"the backend at {self.url} is starting: GET /v1/models answered 503")
         try:
             self.served = [str(m["id"]) for m in resp.json()["data"]]
             return self.served

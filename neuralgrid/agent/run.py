@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ import pynvml
 
 from neuralgrid import __version__
 from neuralgrid.agent import gpu
-from neuralgrid.agent.backend import Backend, BackendError, ServerInfo
+from neuralgrid.agent.backend import Backend, BackendError, BackendStarting, ServerInfo
 from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
@@ -26,6 +27,8 @@ from neuralgrid.server.serving import CannotListen, make_server, running
 log = logging.getLogger(__name__)
 REPROBE_EVERY = 6  # heartbeats between looks at the backend's models
 DEFAULT_CONCURRENCY = 4  # when neither the server nor the owner says
+STARTUP_WAIT_S = 300  # how long a server that is starting may take (a big model loads for minutes)
+STARTUP_RETRY_S = 2.0
 
 
 class AgentError(Exception):
@@ -119,7 +122,7 @@ class Agent:
         async with httpx.AsyncClient(timeout=10) as http:
             await self._check_gateway(http)  # before a warm-up that may load a model for minutes
             try:
-                models = await self._ready()
+                models = await self._first_ready(stop)
             except (BackendError, httpx.HTTPError, ValueError) as err:
                 await self.backend.aclose()
                 raise AgentError(str(err)) from err
@@ -140,6 +143,20 @@ class Agent:
                 if tunnel is not None and self._tunnel_task is not None:
                     tunnel.close.set()
                     await self._tunnel_task
+
+    async def _first_ready(self, stop: asyncio.Event) -> list[str]:
+        """_ready(), once the server is up: an agent started with its server, or before it, waits up
+        to STARTUP_WAIT_S for it to listen and load its model (llama-server answers 503 meanwhile)."""
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while True:
+            try:
+                return await self._ready()
+            except BackendStarting as err:
+                if time.monotonic() > deadline or stop.is_set():
+                    raise
+                log.warning("%s: waiting for it (up to %d s in all)", err, STARTUP_WAIT_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=STARTUP_RETRY_S)
 
     async def _ready(self) -> list[str]:
         """Detect the server, warm its models up and verify what it does; the warm models, under

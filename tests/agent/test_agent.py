@@ -246,6 +246,26 @@ def test_a_second_agent_of_the_same_name_takes_the_node_and_the_first_stops(
             assert (node_row(conn, "box") or (None, ""))[:2] == (node, "online")  # the second's, serving
 
 
+def test_an_agent_started_before_its_server_waits_for_it(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    """Found as an owner: an agent started before its server (or while llama-server loads its model
+    and answers 503) exited at once, the second time saying the server was not OpenAI-compatible."""
+    port = free_port()
+    flags = f"--name early --region eu-west --price 0.3 --vram-gb 24 --tflops 165 --listen-port {free_port()}"
+    args = agent_command(platform, operator_key, f"http://127.0.0.1:{port}", *flags.split())
+    agent = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3)
+        assert agent.poll() is None  # still waiting
+        with ThreadedServer(create_fake_node(FakeNodeConfig(models=(LLAMA8,))), port=port):
+            wait_for(lambda: (node_row(conn, "early") or (0, ""))[1] == "online", timeout=20)
+    finally:
+        agent.terminate()
+        output = agent.communicate(timeout=30)[0]
+    assert "waiting for it" in output and "Traceback" not in output, output[-2000:]
+
+
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
