@@ -28,7 +28,7 @@ import httptools
 import httpx
 
 from neuralgrid.agent.routes import detect_routes
-from neuralgrid.protocol.routes import DEFAULT_ROUTES, Route, path
+from neuralgrid.protocol.routes import DEFAULT_ROUTES, Route, path, root_url
 from neuralgrid.protocol.sse import SseEvents
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class Backend:
     def __init__(
         self, url: str, http: httpx.AsyncClient | None = None, routes: tuple[Route, ...] | None = None
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = root_url(url)
         self.routes_given = routes  # the owner's list (--routes), in place of what detection finds
         # A new connection per request: llama.cpp's server sometimes closes a kept-alive connection
         # after a stream just as the next request goes out on it ("Server disconnected without

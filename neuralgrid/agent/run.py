@@ -21,7 +21,7 @@ from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import AgentStatus, BackendInfo, Heartbeat, NodeRegistration
-from neuralgrid.protocol.routes import Route
+from neuralgrid.protocol.routes import Route, root_url
 from neuralgrid.server.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def resolve_specs(config: AgentConfig) -> Specs:
 
 def gateway_urls(value: str) -> list[str]:
     """The gateways an agent may talk to: `--gateway` holds one URL or several, comma-separated."""
-    urls = [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+    urls = [root_url(url) for url in value.split(",") if url.strip()]
     if not urls:
         raise AgentError("--gateway names no gateway")
     return urls

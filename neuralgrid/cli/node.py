@@ -240,7 +240,9 @@ def _usd(value: float) -> str:
 def _fetch_earnings(gateway: str, token: str, days: int) -> dict[str, Any]:
     import httpx
 
-    url = f"{gateway.rstrip('/')}/api/my/earnings"
+    from neuralgrid.protocol.routes import root_url
+
+    url = f"{root_url(gateway)}/api/my/earnings"
     try:
         reply = httpx.get(
             url, params={"days": days}, headers={"authorization": f"Bearer {token}"}, timeout=30

@@ -46,3 +46,10 @@ def parse_routes(text: str) -> tuple[Route, ...]:
     if not routes:
         raise ValueError("name at least one route")
     return tuple(routes)
+
+
+def root_url(url: str) -> str:
+    """A server's root from the URL an owner gives: OpenAI clients are configured with base URLs that
+    end in /v1 (http://host:8000/v1), and an owner may paste one; the paths we add start with /v1."""
+    url = url.strip().rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url

@@ -266,6 +266,15 @@ def test_an_agent_started_before_its_server_waits_for_it(
     assert "waiting for it" in output and "Traceback" not in output, output[-2000:]
 
 
+def test_urls_given_as_openai_base_urls_work(
+    conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Found as an owner: --backend http://host:8000/v1 (as OpenAI clients are configured) was "not
+    OpenAI-compatible", and --gateway .../v1 "not a NeuralGrid gateway"."""
+    with running_agent(conn, platform + "/v1/", operator_key, backend.url + "/v1"):
+        assert (node_row(conn, "box") or (0, ""))[1] == "online"
+
+
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
