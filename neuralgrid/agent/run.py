@@ -100,6 +100,7 @@ class Agent:
         self.backend = Backend(config.backend_url, routes=config.routes)
         self.front = FrontState(self.backend, {v: k for k, v in config.model_aliases.items()})
         self.node_id: str | None = None
+        self._beats_failing = False  # the last heartbeat did not reach a gateway: say when one does
         self.secret: str | None = None
         self.interval_s = 5.0
         self._tunnel_task: asyncio.Task[None] | None = None
@@ -196,6 +197,7 @@ class Agent:
                 elif health == "up" and not up and not self.front.inflight:
                     async with self.front.own_turn():  # its warm-up is requests too
                         models, up = await self._ready(), True
+                    log.info("the backend is back: the node takes work again")
                 elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self.front.busy():
                     async with self.front.own_turn():
                         models = await self._models_or(models)
@@ -394,7 +396,11 @@ class Agent:
                 resp = await self._ask(http, "POST", path, self.secret, body)
         except httpx.HTTPError as err:  # every gateway is away for a moment: try again next beat
             log.warning("heartbeat failed: %r", err)
+            self._beats_failing = True
             return None
+        if self._beats_failing:
+            self._beats_failing = False
+            log.info("heartbeat: the gateway answers again")
         if resp.status_code == 403:  # its secret is no longer the node's: another agent registered it
             raise AgentError(
                 f"node {self.config.name} was registered again by another agent (its secret is not this"

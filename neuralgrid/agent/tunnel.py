@@ -87,6 +87,7 @@ class TunnelClient:
             try:
                 headers = {"authorization": f"Bearer {self.secret}", FLOW_HEADER: FLOW}
                 async with connect(url, additional_headers=headers, max_size=None) as ws:
+                    log.info("tunnel to the gateway at %s connected", url)
                     self.connected.set()
                     served, backoff = True, 0.25
                     await self._serve(ws)

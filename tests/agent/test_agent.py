@@ -633,7 +633,7 @@ def test_a_tunnel_reconnects_after_the_gateway_restarts(
     conn.execute("update platform_settings set heartbeat_interval_s = 5")
     app = create_app(Settings(), db_url, sweep=False)
     gateway = ThreadedServer(app).start()
-    with running_agent(conn, gateway.url, operator_key, backend.url, "nat-box", 24, "--tunnel"):
+    with running_agent(conn, gateway.url, operator_key, backend.url, "nat-box", 24, "--tunnel") as agent:
         gateway.stop()  # the gateway goes away: the tunnel drops and the node with it
         wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "offline", timeout=5)
         restarted = ThreadedServer(create_app(Settings(), db_url, sweep=False), port=gateway.port).start()
@@ -642,8 +642,12 @@ def test_a_tunnel_reconnects_after_the_gateway_restarts(
             wait_for(lambda: (node_row(conn, "nat-box") or (0, ""))[1] == "online", timeout=10)
             with openai.OpenAI(base_url=f"{restarted.url}/v1", api_key=operator_key, max_retries=0) as sdk:
                 assert sdk.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=2).choices
+            agent.terminate()
+            output = agent.communicate(timeout=30)[0]
         finally:
             restarted.stop()
+    # The owner's log says it came back, not only that it was lost (found in an owner's trial).
+    assert output.count("connected") == 2 and "lost" in output, output[-3000:]
 
 
 def test_a_tunnel_node_swept_offline_comes_back_with_its_next_heartbeat(
