@@ -222,6 +222,7 @@ class Backend:
         self.info = ServerInfo(GENERIC.name)
         self.relay = Relay(self.url)  # the gateway's requests: kept-alive connections, a C parser
         self.served: list[str] = []  # its models, as /v1/models last listed them
+        self.refusal: str | None = None  # the server's last refusal of a warm-up, in its own words
         self.resident: str | None = None  # see `swaps`: the model it holds now
 
     async def aclose(self) -> None:
@@ -321,7 +322,9 @@ class Backend:
                 log.warning("model %s did not answer its warm-up (%r): not reported warm", model, err)
                 continue
             if answered is None:
-                log.warning("model %s did not answer its warm-up: not reported warm", model)
+                log.warning(
+                    "model %s did not answer its warm-up (%s): not reported warm", model, self.refusal
+                )
                 continue
             warm.append(model)
             text, streamed_usage = answered
@@ -354,6 +357,7 @@ class Backend:
                 resp = await self.http.post(self.url + path(route), timeout=WARMUP_TIMEOUT_S, **request)
                 if resp.is_success:
                     return None, False
+                self.refusal = f"POST /v1/{route} gave HTTP {resp.status_code}: {resp.text[:200]}"
         return None
 
     async def _continues(self, model: str, text: str) -> bool:
@@ -408,7 +412,8 @@ class Backend:
         async with self.http.stream("POST", url, json=body, timeout=WARMUP_TIMEOUT_S) as resp:
             if not resp.is_success:
                 await resp.aread()
-                log.info("a streamed chat was refused: HTTP %s %s", resp.status_code, resp.text[:200])
+                self.refusal = f"a streamed chat gave HTTP {resp.status_code}: {resp.text[:200]}"
+                log.info("%s", self.refusal)
                 return None
             events = SseEvents(keep_usage_event=True)  # read as the gateway reads a node's stream
             async for raw in resp.aiter_raw():

@@ -169,7 +169,10 @@ class Agent:
         # warming every model up would load them all.
         info, warm = await self.backend.verify(served if states is None else states[0] or served[:1])
         if not warm:
-            raise BackendError(f"the backend at {self.config.backend_url} serves {served} but none answered")
+            said = f"; the server's answer: {self.backend.refusal}" if self.backend.refusal else ""
+            raise BackendError(
+                f"the backend at {self.config.backend_url} serves {served} but none answered{said}"
+            )
         log.info("backend: %s; warm: %s", info, warm)
         self.available = None if states is None else self._catalog([m for m in served if m not in warm])
         return self._catalog(warm)

@@ -275,6 +275,24 @@ def test_urls_given_as_openai_base_urls_work(
         assert (node_row(conn, "box") or (0, ""))[1] == "online"
 
 
+def test_a_server_that_refuses_every_warm_up_is_said_in_its_own_words(
+    platform: str, operator_key: str
+) -> None:
+    """Found as an owner: `--routes embeddings` in front of a llama-server without --embeddings said
+    only "serves [...] but none answered", where the server had said what to do about it."""
+    chat_only = FakeNodeConfig(models=(LLAMA8,), routes=("chat/completions",))
+    with ThreadedServer(create_fake_node(chat_only)) as server:
+        flags = "--name deaf --region eu-west --price 0.3 --vram-gb 24 --tflops 165 --routes embeddings"
+        done = subprocess.run(
+            agent_command(platform, operator_key, server.url, *flags.split()),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "the server's answer: POST /v1/embeddings gave HTTP 404" in done.stderr, done.stderr[-2000:]
+
+
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
