@@ -473,8 +473,12 @@ class Agent:
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
         while self.front.inflight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        await self._heartbeat(http, "offline", models)
-        log.info("node %s drained and offline", self.config.name)
+        # Offline, nothing is warm: its server may well be stopped next (found: a drained node kept
+        # listing its models warm).
+        if await self._heartbeat(http, "offline", []) is not None:
+            log.info("node %s drained and offline", self.config.name)
+        else:
+            log.warning("node %s drained; the gateway did not take its last heartbeat", self.config.name)
 
 
 def _is_gateways_model_list(resp: httpx.Response) -> bool:

@@ -392,6 +392,11 @@ def test_sigterm_drains_inflight_work_then_goes_offline(
     assert "draining" in statuses
     assert agent.returncode == 0, output
     assert (node_row(conn, "box") or (0, ""))[1] == "offline" and "drained and offline" in output
+    # Offline, it lists nothing warm (found: a drained node kept its models loaded on the map).
+    node = (node_row(conn, "box") or (None,))[0]
+    assert conn.execute(
+        "select count(*) from node_models where node_id = %s and state = 'loaded'", (node,)
+    ).fetchone() == (0,)
 
 
 # Bad input at the platform's door ---------------------------------------------------------------
