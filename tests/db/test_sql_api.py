@@ -69,6 +69,7 @@ PRIVATE_HELPERS = sorted(
         "answer_cap",  # the cap on an answer a key's budget pays for (place_job(), place_jobs())
         "api_keys_check_description",  # the rules on what a key is, when written (not claims)
         "api_keys_issued_only",
+        "api_keys_revocation_is_final",  # a revoked key's revoked_at never changes again
         "broadcast_job_change",
         "broadcast_node_change",
         "budget_hold",

@@ -24,6 +24,7 @@ export interface BackendInfo {
   parallel: number | null;
   usage_in_streams: boolean;
   continues: boolean;
+  echoes: boolean;
   tokenize: boolean;
   interrupts: boolean;
   routes: string[] | null;
@@ -133,6 +134,7 @@ const BACKEND_FIELDS = [
   "parallel",
   "usage_in_streams",
   "continues",
+  "echoes",
   "tokenize",
   "interrupts",
   "routes",
@@ -151,6 +153,7 @@ function backend(value: unknown): BackendInfo {
     parallel: b.parallel == null ? null : number(b.parallel, "backend.parallel", { ge: 1, le: 1024 }, true),
     usage_in_streams: flag("usage_in_streams"),
     continues: flag("continues"),
+    echoes: flag("echoes"),
     tokenize: flag("tokenize"),
     interrupts: flag("interrupts"),
     routes: b.routes == null ? null : unique(list(b.routes, "backend.routes", 32, route, 1)),

@@ -73,6 +73,7 @@ Deno.test("a node's heartbeat brings it online and records its load, models, spe
       // The whole server description, with the gateway's defaults, as the gateway stores it.
       backend: {
         kind: "vllm",
+        echoes: false,
         routes: ["chat/completions", "embeddings"],
         version: "0.6.3",
         parallel: 8,
