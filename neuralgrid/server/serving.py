@@ -46,7 +46,8 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     header_timeout_s = HEADER_TIMEOUT_S
     _headers_due: asyncio.TimerHandle | None = None
-    _header_bytes = 0
+    _header_bytes = 0  # bytes received since the last request's headers ended
+    _reading_headers = True
     _too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -55,22 +56,18 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._header_bytes = 0
         self._expect_headers()
 
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)  # as written: "name: value\r\n"
-        super().on_header(name, value)
-
-    def _count(self, size: int) -> None:
-        self._header_bytes += size
-        if self._header_bytes > MAX_HEADER_BYTES:
-            self._too_large = True
-            raise ValueError("request headers too large")  # the parser stops: uvicorn answers 400
+    def data_received(self, data: bytes) -> None:
+        # Counted as they arrive, not as the parser hands headers over: llhttp holds a header that
+        # has not ended (one of 32 MiB, say) without calling back. A piece in which the headers end
+        # (with a body's start, often) is not counted: the parser has found their end.
+        super().data_received(data)
+        if self._reading_headers and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._too_large = True
+                self.send_400_response("request headers too large")
 
     def send_400_response(self, msg: str) -> None:
         if not self._too_large:
@@ -85,7 +82,13 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_deadline()
+        # The body is the app's to bound; the next request's headers (keep-alive) count afresh.
+        self._reading_headers, self._header_bytes = False, 0
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading_headers = True
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
