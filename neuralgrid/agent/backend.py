@@ -223,6 +223,7 @@ class Backend:
         self.relay = Relay(self.url)  # the gateway's requests: kept-alive connections, a C parser
         self.served: list[str] = []  # its models, as /v1/models last listed them
         self.refusal: str | None = None  # the server's last refusal of a warm-up, in its own words
+        self.refusal_status = 0  # and its HTTP status
         self.resident: str | None = None  # see `swaps`: the model it holds now
 
     async def aclose(self) -> None:
@@ -358,6 +359,7 @@ class Backend:
                 if resp.is_success:
                     return None, False
                 self.refusal = f"POST /v1/{route} gave HTTP {resp.status_code}: {resp.text[:200]}"
+                self.refusal_status = resp.status_code
         return None
 
     async def _continues(self, model: str, text: str) -> bool:
@@ -413,6 +415,7 @@ class Backend:
             if not resp.is_success:
                 await resp.aread()
                 self.refusal = f"a streamed chat gave HTTP {resp.status_code}: {resp.text[:200]}"
+                self.refusal_status = resp.status_code
                 log.info("%s", self.refusal)
                 return None
             events = SseEvents(keep_usage_event=True)  # read as the gateway reads a node's stream

@@ -169,6 +169,10 @@ class Agent:
         # warming every model up would load them all.
         info, warm = await self.backend.verify(served if states is None else states[0] or served[:1])
         if not warm:
+            if self.backend.refusal_status == 503:  # llama-server lists its model while it loads it
+                raise BackendStarting(
+                    f"the backend at {self.config.backend_url} is starting: {self.backend.refusal}"
+                )
             said = f"; the server's answer: {self.backend.refusal}" if self.backend.refusal else ""
             raise BackendError(
                 f"the backend at {self.config.backend_url} serves {served} but none answered{said}"
@@ -404,7 +408,9 @@ class Agent:
         if self._beats_failing:
             self._beats_failing = False
             log.info("heartbeat: the gateway answers again")
-        if resp.status_code == 403:  # its secret is no longer the node's: another agent registered it
+        # Its secret is no longer the node's: another agent registered it (403 from a gateway, 401
+        # from the heartbeat Edge Function).
+        if resp.status_code in (401, 403):
             raise AgentError(
                 f"node {self.config.name} was registered again by another agent (its secret is not this"
                 " agent's any more): this one stops"

@@ -47,6 +47,10 @@ def _translate(err: Exception) -> NodeError:
     if isinstance(err, aiohttp.ClientConnectorError):  # refused, unreachable, no such host
         # What went wrong, never where: the message reaches developers, and a node's address is its
         # owner's (a home machine's IP and port), which no API role may read.
+        if isinstance(err, aiohttp.ClientConnectorDNSError):
+            return NodeError("could not connect: the node's host name does not resolve")
+        if isinstance(err, aiohttp.ClientSSLError):
+            return NodeError("could not connect: the TLS handshake failed")
         code = err.os_error.errno
         return NodeError(f"could not connect: {os.strerror(code) if code else type(err.os_error).__name__}")
     if isinstance(err, aiohttp.ClientPayloadError):  # a body cut short: the connection closed

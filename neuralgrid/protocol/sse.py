@@ -120,6 +120,7 @@ class SseEvents:
         self.carried, self.chunks_carried = self.tokens(), self.chunks
         self.usage = None  # the next node's own account, if it gives one, is added to `carried`
         self.buffer, self.cr = bytearray(), False
+        self.events = 0  # the next node's own (its answer is what is left: fewer tokens to send)
         self.done = False
 
     def tokens(self) -> int:

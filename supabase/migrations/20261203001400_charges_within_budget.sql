@@ -8,7 +8,8 @@
 --   it: spent_usd never passes budget_usd, whatever a node reports (the gateway also bounds what a
 --   node may report, gateway/pipeline/meter.py).
 -- - A model priced by node time charged a job the node refused (its own 400: no token) for the
---   moment it took. A job that did not succeed and used no token is free now.
+--   moment it took, and a job the node failed before any token for the time it failed. Both are
+--   free now; a job its client left is still charged the node's time.
 -- - A job whose client left mid-answer was charged what the node had done, yet its owner earned
 --   nothing: the earnings trigger fired on succeeded jobs alone. A cancelled job that was charged
 --   now earns as a succeeded one does (reject_job()'s cancellations cost nothing, so earn nothing).
@@ -86,11 +87,14 @@ begin
   costed as (
     select e.*, j.api_key_id, j.reserved_usd,
            -- The catalog's per-token price, else a slot of the node's time: for an answer (a speech
-           -- has no tokens), or a job that used some (one the node refused took no work to pay).
+           -- has no tokens), a job that used some, or one its client left; not for one the node
+           -- failed before any token, nor for its own refusal (the gateway's words for it:
+           -- pipeline/send.py ClientError, pipeline/__init__.py).
            round(coalesce(case
              when m.input_usd_per_mtok is not null then
                (e.prompt_tokens * m.input_usd_per_mtok + e.completion_tokens * coalesce(m.output_usd_per_mtok, 0)) / 1e6
-             when e.status = 'succeeded' or e.prompt_tokens + e.completion_tokens > 0 then
+             when e.status = 'succeeded' or e.prompt_tokens + e.completion_tokens > 0
+                  or (e.status = 'cancelled' and coalesce(e.error, '') not like 'HTTP 4__ from the node:%') then
                (n.hourly_rate * (e.latency_ms / 3.6e6) / n.max_concurrency)::numeric
            end, 0), 8) as full_cost,
            t.tps,

@@ -21,6 +21,7 @@ import pynvml
 import pytest
 import respx
 from openai.types.chat import ChatCompletionMessageParam
+from starlette.responses import JSONResponse
 
 from neuralgrid.agent import gpu
 from neuralgrid.agent.backend import Backend, BackendError, parse_aliases
@@ -291,6 +292,38 @@ def test_a_server_that_refuses_every_warm_up_is_said_in_its_own_words(
         )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "the server's answer: POST /v1/embeddings gave HTTP 404" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_agent_waits_for_a_server_that_lists_its_model_while_it_loads_it(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    """A review's case: some llama-server versions answer /v1/models while loading, and 503 "Loading
+    model" to a generation; the agent took the 503 warm-up for a server that cannot serve."""
+    fake = create_fake_node(FakeNodeConfig(models=(LLAMA8,)))
+    ready_at = time.monotonic() + 4
+
+    async def loading(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and time.monotonic() < ready_at:
+            body = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
+            return await JSONResponse(body, status_code=503)(scope, receive, send)
+        await fake(scope, receive, send)
+
+    with ThreadedServer(loading) as server:
+        flags = (
+            f"--name slow --region eu-west --price 0.3 --vram-gb 24 --tflops 165 --listen-port {free_port()}"
+        )
+        agent = subprocess.Popen(
+            agent_command(platform, operator_key, server.url, *flags.split()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            wait_for(lambda: (node_row(conn, "slow") or (0, ""))[1] == "online", timeout=30)
+        finally:
+            agent.terminate()
+            output = agent.communicate(timeout=30)[0]
+    assert "is starting" in output and "Traceback" not in output, output[-2000:]
 
 
 def test_an_agent_joins_serves_signed_requests_and_refuses_others(

@@ -412,26 +412,31 @@ def test_a_charge_never_takes_a_key_past_its_budget(conn: psycopg.Connection) ->
 
 def test_a_job_that_used_no_token_costs_no_node_time(conn: psycopg.Connection) -> None:
     """A model priced by the node's time charged a job the node refused (its own 400, no token) for
-    the moment it took. Such a job is free; an answer, or a job that used tokens, pays the node's time."""
+    the moment it took, and one the node failed for the time it failed. Both are free; an answer,
+    a job that used tokens, or one whose client left, pays the node's time."""
     uncatalogued = "acme/uncatalogued-7b"
     make_node(conn, models={uncatalogued: "loaded"}, max_concurrency=2, hourly_rate=3.6)
     key = make_key(conn, budget_usd=1.0)
+    refused = "HTTP 400 from the node: b'prompt too long'"
+    ends = [
+        ("cancelled", 0, refused),
+        ("cancelled", 0, "the client disconnected"),
+        ("cancelled", 5, "the client disconnected"),
+        ("succeeded", 5, None),
+        ("succeeded", 0, None),
+        ("failed", 0, "timeout: the node sent nothing in time"),
+    ]
     costs = []
-    for status, tokens in (
-        ("cancelled", 0),
-        ("cancelled", 5),
-        ("succeeded", 5),
-        ("succeeded", 0),
-        ("failed", 0),
-    ):
+    for status, tokens, error in ends:
         row = conn.execute(PRICED_MATCH, (uncatalogued, key, 100, 10)).fetchone()
         assert row is not None and row[1] is not None
         (cost,) = conn.execute(
-            "select cost_usd from complete_job(%s, %s, %s, %s, null, 5000)", (row[0], status, tokens, tokens)
+            "select cost_usd from complete_job(%s, %s, %s, %s, null, 5000, %s)",
+            (row[0], status, tokens, tokens, error),
         ).fetchone() or (None,)
         costs.append(cost)
-    # $3.60/h over 2 slots, for 5 s: an answer without usage (a speech) pays for the node's time too.
-    assert costs == [0, Decimal("0.0025"), Decimal("0.0025"), Decimal("0.0025"), 0]
+    slot = Decimal("0.0025")  # $3.60/h over 2 slots, for 5 s
+    assert costs == [0, slot, slot, slot, slot, 0]
 
 
 def test_requests_the_budget_pays_for_are_not_capped(conn: psycopg.Connection) -> None:

@@ -180,6 +180,37 @@ def test_a_node_cannot_bill_more_than_the_request_could_use(conn: psycopg.Connec
             assert budget is None or spent <= budget
 
 
+def _batch_node() -> Starlette:
+    """A completions server answering each of a list of prompts, max_tokens each, as vLLM does."""
+
+    async def completions(request: Request) -> JSONResponse:
+        body = await request.json()
+        prompts, most = body["prompt"], body["max_tokens"]
+        choices = [{"index": i, "text": "x" * most, "finish_reason": "length"} for i in range(len(prompts))]
+        usage = {"prompt_tokens": len(prompts), "completion_tokens": most * len(prompts)}
+        return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": choices, "usage": usage})
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_a_batch_of_prompts_is_billed_for_every_answer(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """A review's case: a completion of 64 prompts was bounded (and held, and counted for tpm) as one
+    answer of max_tokens, so the node's honest count of 64 was billed as 1."""
+    with ThreadedServer(_batch_node()) as node:
+        make_node(conn, "batch", endpoint_url=node.url)
+        body = {"model": LLAMA8, "prompt": ["Write an essay"] * 8, "max_tokens": 16}
+        resp = httpx.post(
+            f"{gateway}/v1/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+        )
+        assert resp.status_code == 200, resp.text
+        (completion,) = wait_for(
+            lambda: conn.execute("select completion_tokens from jobs where status = 'succeeded'").fetchone()
+        )
+        assert completion == 8 * 16
+
+
 def _flooding_node() -> Starlette:
     """A node that streams a token's event, then ten thousand empty ones: bytes a gateway must read
     one event at a time, and no answer has."""

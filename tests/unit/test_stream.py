@@ -58,6 +58,10 @@ def test_a_stream_no_answer_could_be_is_refused() -> None:
     assert len(tiny.feed(b"data:a\n\n" * 100)) == 100
     with pytest.raises(NotAnAnswer, match="more events"):
         tiny.feed(b"data:a\n\n")
+    # The node the stream resumes on is counted on its own (a review: it inherited the count, and
+    # failed on its first event, and the next node too).
+    tiny.resumed()
+    assert len(tiny.feed(b"data:a\n\n" * 100)) == 100
 
 
 def test_the_usage_event_the_gateway_asked_for_is_dropped_unless_the_client_asked_too() -> None:

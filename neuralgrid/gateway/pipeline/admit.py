@@ -65,10 +65,18 @@ class Admitted:
         limit = ANSWER_LIMIT.get(self.call.kind)
         if max_output_tokens >= self.max_output_tokens or limit is None:
             return self
-        choices = max(1, int(self.body.get("n") or 1))
+        choices = answers(self.body)
         body = {**self.body, limit: max(1, max_output_tokens // choices)}
         payload = json.dumps(body).encode()
         return replace(self, body=body, payload=payload, max_output_tokens=max_output_tokens)
+
+
+def answers(body: dict[str, Any]) -> int:
+    """How many answers a request asks for: n for each prompt, and a completion takes several
+    prompts at once (a list of strings, or of token lists; a list of numbers is one prompt)."""
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return max(1, int(body.get("n") or 1)) * prompts
 
 
 class Catalog:
@@ -106,7 +114,7 @@ class Admission:
         max_out = 0
         if call.kind in ANSWER_LIMIT:
             max_out = self._max_tokens(call, body, entry)
-            max_out *= max(1, int(call.body.get("n") or 1))
+            max_out *= answers(call.body)
         payload = call.upload if call.upload is not None else json.dumps(body).encode()
         # Limited last, once the request is known to be valid: its tpm charge is this estimate.
         allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
