@@ -48,6 +48,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     _headers_due: asyncio.TimerHandle | None = None
     _header_bytes = 0  # bytes received since the last request's headers ended
     _reading_headers = True
+    _completed = 0  # requests whose end the parser has read
     _too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -60,10 +61,11 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         # Counted as they arrive, not as the parser hands headers over: llhttp holds a header that
-        # has not ended (one of 32 MiB, say) without calling back. A piece in which the headers end
-        # (with a body's start, often) is not counted: the parser has found their end.
+        # has not ended (one of 32 MiB, say) without calling back. A piece in which headers end
+        # (with a body's start, often) or a request does (with a body's end) is not counted.
+        completed = self._completed
         super().data_received(data)
-        if self._reading_headers and not self.transport.is_closing():
+        if self._reading_headers and self._completed == completed and not self.transport.is_closing():
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._too_large = True
@@ -87,7 +89,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        self._reading_headers = True
+        self._reading_headers, self._completed = True, self._completed + 1
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

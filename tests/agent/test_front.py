@@ -463,12 +463,27 @@ def test_an_unsigned_or_oversized_request_is_refused_before_its_body_is_read(nod
             sock.settimeout(5)
             assert sock.recv(4096).startswith(b"HTTP/1.1 401")
         huge = b"x" * (MAX_REQUEST_BYTES + 1)
-        headers = {signing.HEADER: signing.sign(KEY, CHAT, huge)}
-        assert httpx.post(server.url + CHAT, content=huge, headers=headers).status_code == 413
+        signature = signing.sign(KEY, CHAT, huge)
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            # Its length says it is too large: refused at once, none of it read.
+            sock.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n{signing.HEADER}: {signature}\r\n"
+                f"Content-Length: {len(huge)}\r\n\r\n".encode()
+            )
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
         def chunked() -> Iterator[bytes]:  # no length said: counted as it comes
             for i in range(0, len(huge), 1 << 20):
                 yield huge[i : i + (1 << 20)]
 
-        assert httpx.post(server.url + CHAT, content=chunked(), headers=headers).status_code == 413
+        # Refused as it arrives: a 413, or (when the refusal and the close beat the client's last
+        # write) a connection the agent ended.
+        try:
+            status: int | None = httpx.post(
+                server.url + CHAT, content=chunked(), headers={signing.HEADER: signature}
+            ).status_code
+        except httpx.TransportError:
+            status = None
+        assert status in (413, None)
         assert node.app.state.requests == 0
