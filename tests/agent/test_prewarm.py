@@ -115,7 +115,10 @@ def test_a_server_of_one_model_is_never_held_to_serve_another(
     server = real_server("llama.cpp", free_port(), tmp_path / "llama.log", alias=SMOLLM2).start()
     try:
         with running_agent(conn, platform, operator_key, server.url, "one"):
-            node = node_row(conn, "one")[0]
+            node, registered = node_row(conn, "one")[0], node_row(conn, "one")[4]
+            # After a beat the gateway has answered: an agent tells what its server can load only to a
+            # gateway it has heard take pre-warm (at registration, its node's other rows went).
+            wait_for(lambda: node_row(conn, "one")[4] > registered, timeout=15)
             conn.execute(
                 "insert into node_models (node_id, model_id, state) values (%s, %s, 'available')",
                 (node, SECOND),
