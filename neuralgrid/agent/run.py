@@ -64,10 +64,13 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class Specs:
+    """The node's machine: its GPUs, and the requests its server runs at once (once it is found)."""
+
     gpu_model: str
     gpu_count: int
     vram_gb: float
     tflops: float
+    max_concurrency: int | None = None
 
 
 def resolve_specs(config: AgentConfig) -> Specs:
@@ -127,7 +130,7 @@ class Agent:
             except (BackendError, httpx.HTTPError, ValueError) as err:
                 await self.backend.aclose()
                 raise AgentError(str(err)) from err
-            specs = resolve_specs(self.config)
+            specs = dataclasses.replace(resolve_specs(self.config), max_concurrency=self._concurrency())
             async with self._reachable():
                 await self._register(http, specs, models)
                 tunnel = self._start_tunnel() if self.config.tunnel else None
@@ -136,7 +139,7 @@ class Agent:
                     self.config.name,
                     self.node_id,
                     self.backend.info.kind,
-                    self._concurrency(),
+                    specs.max_concurrency,
                     self.interval_s,
                 )
                 await self._beat(http, stop, models, specs)
@@ -192,9 +195,8 @@ class Agent:
         refuses or errs takes the node out within that beat, one that stays silent within two. Back
         up, it is detected and warmed up again (once nothing of ours runs on it) before it takes work.
         Nothing the server answers can stop the beats."""
-        beats, up, slow, reported = 0, True, False, None
+        beats, up, slow, reported, changed = 0, True, False, None, None
         while not stop.is_set():
-            changed = None
             try:
                 health = await self.backend.health()
                 if health == "down" or (health == "slow" and slow):
@@ -205,11 +207,11 @@ class Agent:
                     async with self.front.own_turn():  # its warm-up is requests too
                         models, up = await self._ready(), True
                     log.info("the backend is back: the node takes work again")
+                    changed = self._specs_if_changed(specs)  # restarted with another -np, say
                 elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self.front.busy():
                     async with self.front.own_turn():
                         models = await self._models_or(models)
                     changed = self._specs_if_changed(specs)
-                    specs = changed or specs
                 if up and self.available is not None:  # it loads and lets go of models itself: every beat
                     models = await self._states(models)
                 slow = health == "slow"
@@ -218,8 +220,8 @@ class Agent:
                 up = False
             backend = self.backend.info if self.backend.info != reported else None
             load = await self._heartbeat(http, "online", models, changed, up=up, backend=backend)
-            if load is not None:
-                reported = self.backend.info  # said once the gateway has it, so a lost beat says it again
+            if load is not None:  # said once the gateway has them, so a lost beat says them again
+                reported, specs, changed = self.backend.info, changed or specs, None
                 if up:
                     self._prewarm(load, models)
             beats += 1
@@ -353,10 +355,22 @@ class Agent:
         self.front.key = signing.node_key(answer["node_secret"])
 
     def _specs_if_changed(self, current: Specs) -> Specs | None:
+        """The node's specs when they differ from `current` (the ones the platform has): its GPUs as
+        NVML sees them now, and the requests its server runs at once as last found."""
         try:
-            now = resolve_specs(self.config)
+            gpus = resolve_specs(self.config)
         except (AgentError, pynvml.NVMLError):  # a failing GPU must not stop the heartbeats
-            return None
+            gpus = current
+        now = dataclasses.replace(gpus, max_concurrency=self._concurrency())
+        if now.max_concurrency != current.max_concurrency:
+            slots = now.max_concurrency
+            log.info(
+                "the %s server now runs %d request%s at once (it ran %s): the node takes as many",
+                self.backend.info.kind,
+                slots,
+                "" if slots == 1 else "s",
+                current.max_concurrency,
+            )
         return None if now == current else now
 
     async def _heartbeat(

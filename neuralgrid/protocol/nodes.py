@@ -26,6 +26,7 @@ AvailableModels = Annotated[
 ]
 VramGb = Annotated[float, Field(gt=0, le=100_000)]  # all GPUs together
 Tflops = Annotated[float, Field(gt=0, le=1_000_000)]
+Slots = Annotated[int, Field(ge=1, le=1024)]  # requests a node runs at once
 
 # What an agent may say of its node: serving, finishing what it has (SIGTERM), or gone.
 AgentStatus = Literal["online", "draining", "offline"]
@@ -37,7 +38,7 @@ class BackendInfo(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: str = Field(min_length=1, max_length=32, pattern=PRINTABLE)
     version: str | None = Field(None, max_length=64, pattern=PRINTABLE)
-    parallel: int | None = Field(None, ge=1, le=1024)
+    parallel: Slots | None = None
     usage_in_streams: bool = False
     continues: bool = False
     echoes: bool = False
@@ -81,18 +82,22 @@ class NodeRegistration(BaseModel):
     latitude: float | None = Field(None, ge=-90, le=90)
     longitude: float | None = Field(None, ge=-180, le=180)
     endpoint_url: Annotated[str, Field(pattern=r"^(https?://\S+|tunnel:\S*)$"), AfterValidator(reachable)]
-    max_concurrency: int = Field(4, ge=1, le=1024)
+    max_concurrency: Slots = 4
     models: Models
     agent_version: str | None = Field(None, max_length=64, pattern=PRINTABLE)
     backend: BackendInfo | None = None
 
 
 class Specs(BaseModel):
+    """A node's machine as it changed since registration: its GPUs, and the requests its server
+    runs at once (None: unchanged; a server restarted with another -np changes it)."""
+
     model_config = ConfigDict(extra="forbid")
     gpu_model: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
     gpu_count: int = Field(ge=1, le=64)
     vram_gb: VramGb
     tflops: Tflops
+    max_concurrency: Slots | None = None
 
 
 class Refusal(BaseModel):

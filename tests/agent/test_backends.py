@@ -612,6 +612,31 @@ def test_a_dead_server_behind_a_live_agent_is_offline_within_one_heartbeat(
             assert sdk.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2).choices
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_server_restarted_with_other_slots_is_given_as_many_requests(
+    mode: str, pg_server: Any, template_db: str, tmp_path: Path
+) -> None:
+    """Found as an owner: llama-server restarted with another -np kept the node's first slot count
+    (registration alone set it), so the platform sent it half the work it could do, or twice what
+    it runs at once. The agent finds the server again when it is back and says its slots in the
+    next heartbeat; the matcher claims by them."""
+    with a_stack(pg_server, template_db, tmp_path, "llama.cpp", mode) as s:
+        assert s.node("max_concurrency") == (2,)
+        try:
+            for parallel in (4, 1):
+                s.server.kill()
+                wait_for(lambda: s.node("status") == ("offline",), timeout=10)
+                log = tmp_path / f"np{parallel}.log"
+                s.server = real_server("llama.cpp", s.server.port, log, parallel=parallel).start()
+                wait_for(lambda p=parallel: s.node("status", "max_concurrency") == ("online", p), timeout=60)
+                s.settle()
+                with s.sdk() as sdk:
+                    assert sdk.chat.completions.create(model=SMOLLM2, messages=STORY, max_tokens=2).choices
+        finally:
+            s.server.kill()  # the stack kills the server it started
+        assert "runs 1 request at once" in s.agent.output()
+
+
 @contextmanager
 def mid_stream(s: Stack, body: dict[str, Any], after: int = 1) -> Iterator[list[dict[str, Any]]]:
     """A stream through the gateway. The block runs once `after` events have come, and the list

@@ -72,6 +72,36 @@ def test_a_server_restarted_with_another_model_is_not_sent_the_first_ones_reques
     assert conn.execute(models, (node,)).fetchall() == [("model-b", "loaded")]
 
 
+def test_a_nodes_slots_follow_its_server_even_below_what_it_runs(conn: psycopg.Connection) -> None:
+    """Found as an owner: a server restarted with another -np kept its node's first slot count.
+    The heartbeat's specs carry the new one; lowered below the requests running, those end as they
+    would and nothing new is claimed until the node has a free slot under the new count."""
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    node = agent_node(conn, max_concurrency=4)
+    for _ in range(3):
+        claimed = conn.execute("select node_id from match_job(%s, null, 'balanced')", (model,)).fetchone()
+        assert claimed == (node,)
+    specs = {"gpu_model": "NVIDIA L4", "gpu_count": 1, "vram_gb": 24, "tflops": 121}
+    call = "select agent_heartbeat(%s, %s, 'online', 0, null, null, %s, %s, true, null)"
+    lowered = conn.execute(call, (node, KEY, [model], Jsonb({**specs, "max_concurrency": 2}))).fetchone()
+    assert lowered == ("busy",)
+    assert conn.execute("select inflight, max_concurrency from nodes where id = %s", (node,)).fetchone() == (
+        3,
+        2,
+    )
+    refused = conn.execute("select node_id, error from match_job(%s, null, 'balanced')", (model,)).fetchone()
+    assert refused is not None and refused[0] is None
+    raised = conn.execute(call, (node, KEY, [model], Jsonb({**specs, "max_concurrency": 8}))).fetchone()
+    assert raised == ("online",)
+    claimed = conn.execute("select node_id from match_job(%s, null, 'balanced')", (model,)).fetchone()
+    assert claimed == (node,)
+    # Specs without a slot count leave it as it is; an impossible one is refused, nothing stored.
+    assert conn.execute(call, (node, KEY, [model], Jsonb(specs))).fetchone() == ("online",)
+    with pytest.raises(psycopg.errors.CheckViolation), conn.transaction():
+        conn.execute(call, (node, KEY, [model], Jsonb({**specs, "max_concurrency": 0})))
+    assert conn.execute("select max_concurrency from nodes where id = %s", (node,)).fetchone() == (8,)
+
+
 def test_a_tunnel_node_is_online_only_while_its_tunnel_is_up_and_its_server_answers(
     conn: psycopg.Connection,
 ) -> None:

@@ -135,7 +135,6 @@ def test_the_rules_on_the_request_paths_writes_are_still_constraints(conn: psyco
     node = make_node(conn, max_concurrency=2)
     key = make_key(conn, budget_usd=5)
     for table, row, column, value in (
-        ("nodes", node, "inflight", 3),
         ("nodes", node, "inflight", -1),
         ("nodes", node, "status", "asleep"),
         ("nodes", node, "successes", -1),

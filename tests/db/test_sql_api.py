@@ -82,6 +82,7 @@ PRIVATE_HELPERS = sorted(
         "endpoint_is_private",
         "gateway_is_live",
         "schedule_sweep_with_pg_cron",
+        "sync_warm_models",  # a heartbeat's warm models (node_heartbeat(), agent_heartbeat())
         "ewma_fold",
         "great_circle_km",
         "mark_cold_start",

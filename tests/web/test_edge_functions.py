@@ -141,6 +141,8 @@ BODIES: list[Any] = [
     },
     {"queue_depth": 1_000_000, "gpu_utilization": 1, "free_vram_gb": 100_000},
     {"specs": {**SPECS, "gpu_count": 64, "vram_gb": 100_000, "tflops": 1_000_000}},
+    {"specs": {**SPECS, "max_concurrency": 1024}},
+    {"specs": {**SPECS, "max_concurrency": None}},
     {"models": ["é" * 256]},  # 256 characters, 512 bytes
     # Refused by both:
     [],
@@ -168,6 +170,10 @@ BODIES: list[Any] = [
     {"specs": {**SPECS, "vram_gb": 0}},
     {"specs": {"gpu_model": "L4", "gpu_count": 1, "vram_gb": 24}},
     {"specs": {**SPECS, "gpu_model": ""}},
+    {"specs": {**SPECS, "max_concurrency": 0}},
+    {"specs": {**SPECS, "max_concurrency": 1025}},
+    {"specs": {**SPECS, "max_concurrency": 2.5}},
+    {"specs": {"max_concurrency": 8}},
     {"backend_up": None},
     {"backend": {}},
     {"backend": {"kind": ""}},
@@ -218,7 +224,7 @@ def test_the_function_reads_heartbeats_as_the_gateway_does(tmp_path: Path) -> No
     assert answer["fields"] == list(Heartbeat.model_fields)
     for body, read in zip(BODIES, answer["read"], strict=True):
         assert read == gateway_reads(body), json.dumps(body)[:200]
-    assert sum(r is not None for r in answer["read"]) == 11, "the first eleven bodies are valid"
+    assert sum(r is not None for r in answer["read"]) == 13, "the first thirteen bodies are valid"
 
 
 # A node agent that heartbeats through the function ------------------------------------------------

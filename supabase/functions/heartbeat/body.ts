@@ -35,6 +35,7 @@ export interface Specs {
   gpu_count: number;
   vram_gb: number;
   tflops: number;
+  max_concurrency: number | null; // the requests its server runs at once, when that changed
 }
 
 export interface Heartbeat {
@@ -116,15 +117,17 @@ function list<T>(value: unknown, at: string, max: number, item: (v: unknown, at:
 }
 
 const modelName = (v: unknown, at: string) => text(v, at, 1, 256);
+const slots = (v: unknown, at: string) => number(v, at, { ge: 1, le: 1024 }, true); // requests at once
 const unique = <T>(items: T[]): T[] => [...new Set(items)];
 
 function specs(value: unknown): Specs {
-  const s = object(value, "specs", ["gpu_model", "gpu_count", "vram_gb", "tflops"]);
+  const s = object(value, "specs", ["gpu_model", "gpu_count", "vram_gb", "tflops", "max_concurrency"]);
   return {
     gpu_model: text(s.gpu_model, "specs.gpu_model", 1, 100),
     gpu_count: number(s.gpu_count, "specs.gpu_count", { ge: 1, le: 64 }, true),
     vram_gb: number(s.vram_gb, "specs.vram_gb", { gt: 0, le: 100_000 }),
     tflops: number(s.tflops, "specs.tflops", { gt: 0, le: 1_000_000 }),
+    max_concurrency: s.max_concurrency == null ? null : slots(s.max_concurrency, "specs.max_concurrency"),
   };
 }
 
@@ -150,7 +153,7 @@ function backend(value: unknown): BackendInfo {
   return {
     kind: text(b.kind, "backend.kind", 1, 32),
     version: b.version == null ? null : text(b.version, "backend.version", 0, 64),
-    parallel: b.parallel == null ? null : number(b.parallel, "backend.parallel", { ge: 1, le: 1024 }, true),
+    parallel: b.parallel == null ? null : slots(b.parallel, "backend.parallel"),
     usage_in_streams: flag("usage_in_streams"),
     continues: flag("continues"),
     echoes: flag("echoes"),
