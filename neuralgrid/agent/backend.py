@@ -66,6 +66,18 @@ class BackendStarting(BackendError):
 
 
 @dataclass(frozen=True)
+class WarmUpRefusal:
+    """A server's refusal of a warm-up request: its status, and what it said, in its own words."""
+
+    status: int
+    request: str  # which request: "a streamed chat", "POST /v1/embeddings"
+    said: str
+
+    def __str__(self) -> str:
+        return f"{self.request} gave HTTP {self.status}: {self.said}"
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """What the agent knows of its server; sent to the platform at registration and on change."""
 
@@ -222,8 +234,7 @@ class Backend:
         self.info = ServerInfo(GENERIC.name)
         self.relay = Relay(self.url)  # the gateway's requests: kept-alive connections, a C parser
         self.served: list[str] = []  # its models, as /v1/models last listed them
-        self.refusal: str | None = None  # the server's last refusal of a warm-up, in its own words
-        self.refusal_status = 0  # and its HTTP status
+        self.refusal: WarmUpRefusal | None = None  # the server's last refusal of a warm-up
         self.resident: str | None = None  # see `swaps`: the model it holds now
 
     async def aclose(self) -> None:
@@ -358,8 +369,7 @@ class Backend:
                 resp = await self.http.post(self.url + path(route), timeout=WARMUP_TIMEOUT_S, **request)
                 if resp.is_success:
                     return None, False
-                self.refusal = f"POST /v1/{route} gave HTTP {resp.status_code}: {resp.text[:200]}"
-                self.refusal_status = resp.status_code
+                self.refusal = WarmUpRefusal(resp.status_code, f"POST /v1/{route}", resp.text[:200])
         return None
 
     async def _continues(self, model: str, text: str) -> bool:
@@ -414,8 +424,7 @@ class Backend:
         async with self.http.stream("POST", url, json=body, timeout=WARMUP_TIMEOUT_S) as resp:
             if not resp.is_success:
                 await resp.aread()
-                self.refusal = f"a streamed chat gave HTTP {resp.status_code}: {resp.text[:200]}"
-                self.refusal_status = resp.status_code
+                self.refusal = WarmUpRefusal(resp.status_code, "a streamed chat", resp.text[:200])
                 log.info("%s", self.refusal)
                 return None
             events = SseEvents(keep_usage_event=True)  # read as the gateway reads a node's stream

@@ -172,11 +172,12 @@ class Agent:
         # warming every model up would load them all.
         info, warm = await self.backend.verify(served if states is None else states[0] or served[:1])
         if not warm:
-            if self.backend.refusal_status == 503:  # llama-server lists its model while it loads it
-                raise BackendStarting(
-                    f"the backend at {self.config.backend_url} is starting: {self.backend.refusal}"
-                )
-            said = f"; the server's answer: {self.backend.refusal}" if self.backend.refusal else ""
+            refusal = self.backend.refusal
+            if (
+                refusal is not None and refusal.status == 503
+            ):  # llama-server lists its model while it loads it
+                raise BackendStarting(f"the backend at {self.config.backend_url} is starting: {refusal}")
+            said = f"; the server's answer: {refusal}" if refusal else ""
             raise BackendError(
                 f"the backend at {self.config.backend_url} serves {served} but none answered{said}"
             )

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import fail, log_to_stderr, out
+from neuralgrid.protocol.nodes import NodeRegistration
 
 app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU owner runs.")
 # Panels are tables of their own, so no column is shared with the widest option of another panel:
@@ -27,24 +28,26 @@ HARDWARE = "Hardware (when NVML cannot tell)"
 MAP = "Location on the map"
 
 
-def _concurrency(value: int | None) -> int | None:
-    """1 to 1024. Checked here, not by min/max, which typer would print in a column too wide for 80."""
-    if value is not None and not 1 <= value <= 1024:
-        raise typer.BadParameter(f"{value} is not in the range 1 to 1024")
-    return value
-
-
-def _within(low: float, high: float, low_open: bool = False) -> Callable[[float | None], float | None]:
+def _within(low: float, high: float, low_open: bool = False) -> Callable[[Any], Any]:
     """A callback that refuses a flag's value outside [low, high] (low excluded when low_open) at
-    once, by the flag's name: the registration would refuse it only after the server's warm-up."""
+    once, by the flag's name: the registration would refuse it only after the server's warm-up.
+    Checked here, not by typer's min/max, which it prints in a column too wide for 80."""
     below = f"greater than {low:g}" if low_open else f"at least {low:g}"
 
-    def check(value: float | None) -> float | None:
+    def check(value: Any) -> Any:
         if value is not None and not ((low < value if low_open else low <= value) and value <= high):
             raise typer.BadParameter(f"{value:g} is not in range: {below}, at most {high:g}")
         return value
 
     return check
+
+
+def _as_registered(field: str) -> Callable[[Any], Any]:
+    """_within() the range the gateway's registration accepts for `field` (its pydantic bounds)."""
+    bounds = {type(rule).__name__: rule for rule in NodeRegistration.model_fields[field].metadata}
+    if "Gt" in bounds:
+        return _within(bounds["Gt"].gt, bounds["Le"].le, low_open=True)
+    return _within(bounds["Ge"].ge, bounds["Le"].le)
 
 
 @app.command("run")
@@ -64,14 +67,16 @@ def run(
     price: Annotated[
         float,
         typer.Option(
-            callback=_within(0, 10_000), envvar="NEURALGRID_NODE_PRICE", help="Your price, USD per hour."
+            callback=_as_registered("hourly_rate"),
+            envvar="NEURALGRID_NODE_PRICE",
+            help="Your price, USD per hour.",
         ),
     ] = 0.5,
     max_concurrency: Annotated[
         int | None,
         typer.Option(
             envvar="NEURALGRID_NODE_MAX_CONCURRENCY",
-            callback=_concurrency,
+            callback=_as_registered("max_concurrency"),
             help="Requests at once, 1 to 1024 (default: what the server runs at once, when it says; else 4).",
         ),
     ] = None,
@@ -108,7 +113,7 @@ def run(
     vram_gb: Annotated[
         float | None,
         typer.Option(
-            callback=_within(0, 100_000, low_open=True),
+            callback=_as_registered("vram_gb"),
             envvar="NEURALGRID_VRAM_GB",
             rich_help_panel=HARDWARE,
             help="Total VRAM, GB.",
@@ -117,7 +122,7 @@ def run(
     tflops: Annotated[
         float | None,
         typer.Option(
-            callback=_within(0, 1_000_000, low_open=True),
+            callback=_as_registered("tflops"),
             envvar="NEURALGRID_TFLOPS",
             rich_help_panel=HARDWARE,
             help="Dense FP16 TFLOPS.",
@@ -126,7 +131,7 @@ def run(
     latitude: Annotated[
         float | None,
         typer.Option(
-            callback=_within(-90, 90),
+            callback=_as_registered("latitude"),
             envvar="NEURALGRID_NODE_LATITUDE",
             rich_help_panel=MAP,
             help="For the map.",
@@ -135,7 +140,7 @@ def run(
     longitude: Annotated[
         float | None,
         typer.Option(
-            callback=_within(-180, 180),
+            callback=_as_registered("longitude"),
             envvar="NEURALGRID_NODE_LONGITUDE",
             rich_help_panel=MAP,
             help="For the map.",

@@ -451,7 +451,17 @@ def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_pat
 
 @pytest.mark.parametrize(
     "flag",
-    ["--price=-1", "--vram-gb=0", "--tflops=0", "--listen-port=70000", "--listen-port=0", "--latitude=91"],
+    [
+        "--price=-1",
+        "--vram-gb=0",
+        "--tflops=0",
+        "--listen-port=70000",
+        "--listen-port=0",
+        "--latitude=91",
+        "--longitude=-181",
+        "--max-concurrency=0",
+        "--max-concurrency=1025",
+    ],
 )
 def test_node_run_refuses_a_bad_flag_at_once_by_its_name(flag: str) -> None:
     """Found as an owner: these were refused only after the server's warm-up (minutes with a big
