@@ -142,7 +142,7 @@ class Agent:
                     specs.max_concurrency,
                     self.interval_s,
                 )
-                await self._beat(http, stop, models, specs)
+                models = await self._beat(http, stop, models, specs)
                 await self._drain(http, models)
                 if tunnel is not None and self._tunnel_task is not None:
                     tunnel.close.set()
@@ -191,8 +191,8 @@ class Agent:
 
     async def _beat(
         self, http: httpx.AsyncClient, stop: asyncio.Event, models: list[str], specs: Specs
-    ) -> None:
-        """Heartbeat until told to stop. Each beat checks the server's health first: a server that
+    ) -> list[str]:
+        """Heartbeat until told to stop; the warm models last reported. Each beat checks the server's health first: a server that
         refuses or errs takes the node out within that beat, one that stays silent within two. Back
         up, it is detected and warmed up again (once nothing of ours runs on it) before it takes work.
         Nothing the server answers can stop the beats."""
@@ -228,6 +228,7 @@ class Agent:
             beats += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+        return models
 
     async def _states(self, previous: list[str]) -> list[str]:
         """What a server that loads on demand holds now: its loaded models (returned) and the ones it
