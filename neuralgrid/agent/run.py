@@ -192,10 +192,10 @@ class Agent:
     async def _beat(
         self, http: httpx.AsyncClient, stop: asyncio.Event, models: list[str], specs: Specs
     ) -> list[str]:
-        """Heartbeat until told to stop; the warm models last reported. Each beat checks the server's health first: a server that
-        refuses or errs takes the node out within that beat, one that stays silent within two. Back
-        up, it is detected and warmed up again (once nothing of ours runs on it) before it takes work.
-        Nothing the server answers can stop the beats."""
+        """Heartbeat until told to stop; returns the warm models last reported. Each beat checks the
+        server's health first: a server that refuses or errs takes the node out within that beat, one
+        that stays silent within two. Back up, it is detected and warmed up again (once nothing of ours
+        runs on it) before it takes work. Nothing the server answers can stop the beats."""
         beats, up, slow, reported, changed = 0, True, False, None, None
         while not stop.is_set():
             try:

@@ -337,6 +337,30 @@ def health(
     report(table, out_file, "health", [result], targets=targets)
 
 
+@app.command("sse")
+@friendly_errors
+def sse(
+    rounds: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_ROUNDS", help="Runs per shape (the least is kept).", min=1)
+    ] = 5,
+    out_file: OutFile = Path("bench-results/sse.json"),
+) -> None:
+    """CPU of the gateway's SSE reader by stream shape; a 15 MiB event in pieces against in one read."""
+    from neuralgrid.bench import stream_reader as bench
+
+    result = bench.run(rounds, progress=progress)
+    table = Table(
+        "stream",
+        "MiB",
+        "cpu ms",
+        "cpu ms per MiB",
+        caption=f"a 15 MiB event in 64 KiB pieces / in one read: {result['pieces_over_whole']:.2f}x",
+    )
+    for r in result["shapes"]:
+        table.add_row(r["shape"], f"{r['mib']:.2f}", f"{r['cpu_ms']:.1f}", f"{r['cpu_ms_per_mib']:.1f}")
+    report(table, out_file, "sse", [result], target="pieces_over_whole near 1: each byte read once")
+
+
 @app.command("calibrate")
 def calibrate(
     url: Annotated[

@@ -293,6 +293,19 @@ def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Pat
         assert 0 < r["p50_ms"] <= r["p99_ms"]
 
 
+def test_bench_sse_prints_and_writes_the_readers_cost_by_shape(db_url: str, tmp_path: Path) -> None:
+    """`neuralgrid bench sse`: the gateway's stream reader, each shape read whole (every event of
+    it), and the 15 MiB event's cost in pieces against in one read."""
+    out_file = tmp_path / "sse.json"
+    code, out, err = run(db_url, "bench", "sse", "--rounds", "1", "--out", str(out_file))
+    assert code == 0, out + err
+    assert "in one read" in out
+    (result,) = json.loads(out_file.read_text())["results"]
+    assert [round(r["mib"]) for r in result["shapes"]] == [1, 4, 15, 15, 4, 3]
+    assert [r["events"] for r in result["shapes"]] == [1, 1, 1, 1, 4 << 17, 20_002]
+    assert all(r["cpu_ms"] > 0 for r in result["shapes"]) and result["pieces_over_whole"] > 0
+
+
 def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
     db_url: str, tmp_path: Path
 ) -> None:
