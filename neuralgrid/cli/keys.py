@@ -113,7 +113,9 @@ def _limits(r: dict[str, Any]) -> str:
 
 
 def _budget(r: dict[str, Any]) -> str:
-    return "-" if r["budget_usd"] is None else f"{r['budget_usd']:.2f}"
+    """As kept (to a hundredth of a cent), cents at least: 5.00, 0.0001."""
+    budget = r["budget_usd"]
+    return "-" if budget is None else f"{budget:.4f}".rstrip("0").ljust(len(f"{budget:.2f}"), "0")
 
 
 # What a key's owner checks first (which key, its limits, what it spent, is it in use) fits 80

@@ -9,8 +9,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from neuralgrid.protocol.routes import Route
 
-# Every number has a range a real machine fits in (64 GPUs of today's largest), so nothing
-# out of Postgres's range, or absurd, reaches the matcher.
+# Every number has a range a real machine fits in, so nothing out of Postgres's range, or absurd,
+# reaches the matcher; a node's specs take the ranges its table's rules do (nodes_check_description).
 # Text is a name or a version: printable, no control characters (Postgres cannot even hold NUL).
 PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=PRINTABLE)]
@@ -24,8 +24,8 @@ Models = Annotated[
 AvailableModels = Annotated[
     list[ModelName], Field(max_length=1000), AfterValidator(lambda m: list(dict.fromkeys(m)))
 ]
-VramGb = Annotated[float, Field(gt=0, le=100_000)]  # all GPUs together
-Tflops = Annotated[float, Field(gt=0, le=1_000_000)]
+VramGb = Annotated[float, Field(gt=0, le=8192)]  # all GPUs together
+Tflops = Annotated[float, Field(gt=0, le=100_000)]
 Slots = Annotated[int, Field(ge=1, le=1024)]  # requests a node runs at once
 
 # What an agent may say of its node: serving, finishing what it has (SIGTERM), or gone.

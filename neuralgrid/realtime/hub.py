@@ -512,11 +512,13 @@ class Hub:
     async def _deliver_change(self, change: dict[str, Any]) -> None:
         schema, name, kind = change["schema"], change["table"], change["type"]
         record, old = change.get("record"), change.get("old_record")
-        subscribed: list[tuple[Channel, list[int]]] = []
+        # A first pass on the whole row finds the channels that may want the change (cheap; a filter
+        # that fails on it fails on less of it too).
+        subscribed: list[tuple[Channel, list[Binding]]] = []
         for channel in list(self.channels()):
-            ids = [b.id for b in channel.bindings if b.matches(schema, name, kind, record)]
-            if ids:
-                subscribed.append((channel, ids))
+            bindings = [b for b in channel.bindings if b.matches(schema, name, kind, record)]
+            if bindings:
+                subscribed.append((channel, bindings))
         if not subscribed:
             return
         table = await self.authz.table(schema, name)
@@ -526,12 +528,17 @@ class Hub:
         # One RLS check and one payload per distinct subscriber identity, not per subscriber.
         views: dict[str, dict[str, Any] | None] = {}
         cache: dict[tuple[str, str, str, tuple[int, ...]], Outgoing] = {}
-        for channel, ids in subscribed:
+        for channel, bindings in subscribed:
             identity = json.dumps(channel.claims, sort_keys=True)
             if identity not in views:
                 views[identity] = await self._view(channel.claims, table, kind, record, old, stamp)
             data = views[identity]
             if data is None:
+                continue
+            # Filters are tested on what the subscriber may see: one on a column it may not select
+            # would say, by the ids it matched, what that column holds.
+            ids = [b.id for b in bindings if b.matches(schema, name, kind, data["record"])]
+            if not ids:
                 continue
             key = (channel.sink.vsn, channel.topic, identity, tuple(ids))
             message = cache.get(key)

@@ -290,6 +290,14 @@ class Connection:
                     f"Unable to subscribe to changes with given parameters: {binding.schema}.{binding.table}"
                     " is not in the supabase_realtime publication"
                 )
+                continue
+            # Such a filter matches nothing (the hub tests filters on what the subscriber sees): said.
+            visible = await self.hub.authz.visible_columns(channel.claims["role"], table)
+            for hidden in sorted({c.column for c in binding.conditions} - visible):
+                errors.append(
+                    f"Unable to subscribe to changes with given parameters: filter on {hidden}, which"
+                    f" {channel.claims['role']} may not select on {binding.schema}.{binding.table}"
+                )
         if errors:
             for error in errors:
                 self._system(channel, "error", "postgres_changes", error)

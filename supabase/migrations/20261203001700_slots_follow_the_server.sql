@@ -1,4 +1,5 @@
--- A node's slots follow its server, and a heartbeat and node_heartbeat() share one warm-model sync.
+-- A node's slots follow its server, and a heartbeat and node_heartbeat() share one warm-model sync;
+-- a key that registers a node is in use.
 --
 -- Found as an owner with a real llama-server: restarted with another -np, a node kept the slot
 -- count it registered with (registration alone set max_concurrency), so the platform sent it half
@@ -116,3 +117,40 @@ end;
 $$;
 
 comment on function public.agent_heartbeat(uuid, bytea, text, integer, real, real, text[], jsonb, boolean, jsonb) is 'A node agent''s heartbeat, authenticated by its secret''s hash: status (online, draining, offline; changed once a beat), load, warm models, specs when they changed (its GPUs, and max_concurrency: the requests its server runs at once), whether its inference server answers and, when it changed, what the agent found of it. Returns the node''s status.';
+
+-- Found by an owner's trial: `keys ls` showed the key an owner's nodes registered with as never
+-- used. A registration is a use of the key.
+create or replace function public.register_node(
+  p_owner_id uuid,
+  p_name text,
+  p_gpu_model text,
+  p_gpu_count integer,
+  p_vram_gb real,
+  p_tflops real,
+  p_hourly_rate numeric,
+  p_region text,
+  p_latitude double precision,
+  p_longitude double precision,
+  p_endpoint_url text,
+  p_max_concurrency integer,
+  p_models text[],
+  p_agent_version text,
+  p_api_key_id uuid,
+  p_backend jsonb
+) returns table (node_id uuid, node_secret text)
+language plpgsql
+set search_path = ''
+as $$
+declare
+  v_node record;
+begin
+  select r.node_id, r.node_secret into v_node
+  from public.register_node(p_owner_id, p_name, p_gpu_model, p_gpu_count, p_vram_gb, p_tflops, p_hourly_rate,
+                            p_region, p_latitude, p_longitude, p_endpoint_url, p_max_concurrency, p_models,
+                            p_agent_version, p_api_key_id) r;
+  update public.nodes n set backend = coalesce(p_backend, '{}'), backend_up = true, tunnel_connected = false
+  where n.id = v_node.node_id;
+  update public.api_keys k set last_used_at = now() where k.id = p_api_key_id;
+  return query select v_node.node_id, v_node.node_secret;
+end;
+$$;

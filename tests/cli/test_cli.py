@@ -260,6 +260,10 @@ def test_keys_commands(db_url: str) -> None:
     (listed,) = json.loads(out)
     assert (listed["name"], listed["rpm_limit"], listed["budget_usd"]) == ("ci", 60, 5.0)
     assert key not in out
+    # A budget is shown as kept (to 4 decimals), not to the cent: $0.0001 is not "0.00".
+    code, out, _ = run(db_url, "keys", "create", "--name", "tiny", "--budget-usd", "0.0001")
+    code, out, _ = run(db_url, "keys", "ls")
+    assert code == 0 and "0.000000/0.0001" in out and "0.000000/5.00" in out, out
     code, out, _ = run(db_url, "keys", "revoke", key[:11])
     assert code == 0 and "revoked" in out
     code, _, err = run(db_url, "keys", "revoke", key[:11])
@@ -467,7 +471,9 @@ def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_pat
     [
         "--price=-1",
         "--vram-gb=0",
+        "--vram-gb=9000",
         "--tflops=0",
+        "--tflops=200000",
         "--listen-port=70000",
         "--listen-port=0",
         "--latitude=91",

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from tests.conftest import make_node
+from tests.conftest import make_key, make_node
 
 SECRET = "ngn-test-secret"
 KEY = hashlib.sha256(SECRET.encode()).digest()
@@ -100,6 +100,20 @@ def test_a_nodes_slots_follow_its_server_even_below_what_it_runs(conn: psycopg.C
     with pytest.raises(psycopg.errors.CheckViolation), conn.transaction():
         conn.execute(call, (node, KEY, [model], Jsonb({**specs, "max_concurrency": 0})))
     assert conn.execute("select max_concurrency from nodes where id = %s", (node,)).fetchone() == (8,)
+
+
+def test_a_key_that_registers_a_node_is_in_use(conn: psycopg.Connection) -> None:
+    """Found by an owner's trial: `keys ls` showed the key their nodes registered with as never used."""
+    key = make_key(conn)
+    conn.execute(
+        "select register_node(null, 'box', 'NVIDIA L4', 1, 24, 121, 0.3, 'eu-west', null, null,"
+        " 'http://127.0.0.1:9', 4, %s, null, %s, null)",
+        (["meta-llama/Llama-3.1-8B-Instruct"], key),
+    )
+    used = conn.execute(
+        "select last_used_at > now() - interval '1 minute' from api_keys where id = %s", (key,)
+    )
+    assert used.fetchone() == (True,)
 
 
 def test_a_tunnel_node_is_online_only_while_its_tunnel_is_up_and_its_server_answers(

@@ -118,6 +118,44 @@ async def test_filters_and_events_select_changes(
     assert "endpoint_url" in only_b[0]["data"]["record"]
 
 
+async def test_a_filter_never_tests_a_column_the_subscriber_cannot_select(
+    connect: Callable[..., Any], conn: psycopg.Connection, db_url: str, gateway: str
+) -> None:
+    """Found by a security review: filters were tested against the whole row before it was trimmed
+    to what the subscriber may select, and each event's `ids` said which filter matched. An
+    anonymous map visitor read any node's endpoint and the hash its requests are signed with, a
+    character an update, and sent a signed request to a node with it. A filter on such a column is
+    refused at the join and matches nothing."""
+    owner = make_user(conn)
+    node = make_node(conn, "rt-hidden", owner_id=owner, endpoint_url="http://10.1.2.3:8001/secret")
+    client = await connect()
+    hits: dict[str, list[dict[str, Any]]] = {"visible": [], "hidden": []}
+    channel = client.channel("oracle")
+    for name, condition in (("visible", "status=eq.offline"), ("hidden", "endpoint_url=gte.http")):
+        channel.on_postgres_changes(
+            "UPDATE", hits[name].append, table="nodes", schema="public", filter=f"id=eq.{node},{condition}"
+        )
+    await subscribed(channel)
+    await asyncio.to_thread(set_status, db_url, node, "offline")
+    await until(lambda: hits["visible"])
+    await asyncio.sleep(0.3)
+    assert hits["hidden"] == []
+    assert [m["ids"] for m in hits["visible"]] == [[channel.postgres_changes_callbacks[0].id]]
+
+    # Said at the join, in the system message Realtime sends for a binding it cannot serve.
+    async with await raw_socket(gateway, ANON) as ws:
+        changes = [{"event": "UPDATE", "schema": "public", "table": "nodes", "filter": "secret_hash=eq.x"}]
+        join = {"config": {"postgres_changes": changes}}
+        await ws.send(
+            json.dumps(
+                {"topic": "realtime:y", "event": "phx_join", "ref": "1", "join_ref": "1", "payload": join}
+            )
+        )
+        assert json.loads(await ws.recv())["payload"]["status"] == "ok"
+        said = json.loads(await ws.recv())["payload"]
+        assert said["status"] == "error" and "secret_hash" in said["message"], said
+
+
 async def test_rls_hides_rows_a_subscriber_cannot_select(
     connect: Callable[..., Any], conn: psycopg.Connection, db_url: str
 ) -> None:

@@ -140,7 +140,7 @@ BODIES: list[Any] = [
         "refused": [{"model": MODEL, "reason": "one model"}],
     },
     {"queue_depth": 1_000_000, "gpu_utilization": 1, "free_vram_gb": 100_000},
-    {"specs": {**SPECS, "gpu_count": 64, "vram_gb": 100_000, "tflops": 1_000_000}},
+    {"specs": {**SPECS, "gpu_count": 64, "vram_gb": 8192, "tflops": 100_000}},
     {"specs": {**SPECS, "max_concurrency": 1024}},
     {"specs": {**SPECS, "max_concurrency": None}},
     {"models": ["é" * 256]},  # 256 characters, 512 bytes
@@ -168,6 +168,8 @@ BODIES: list[Any] = [
     {"specs": {**SPECS, "gpu_count": 0}},
     {"specs": {**SPECS, "gpu_count": 65}},
     {"specs": {**SPECS, "vram_gb": 0}},
+    {"specs": {**SPECS, "vram_gb": 8192.5}},
+    {"specs": {**SPECS, "tflops": 100_001}},
     {"specs": {"gpu_model": "L4", "gpu_count": 1, "vram_gb": 24}},
     {"specs": {**SPECS, "gpu_model": ""}},
     {"specs": {**SPECS, "max_concurrency": 0}},

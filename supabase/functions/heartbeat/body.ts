@@ -125,8 +125,8 @@ function specs(value: unknown): Specs {
   return {
     gpu_model: text(s.gpu_model, "specs.gpu_model", 1, 100),
     gpu_count: number(s.gpu_count, "specs.gpu_count", { ge: 1, le: 64 }, true),
-    vram_gb: number(s.vram_gb, "specs.vram_gb", { gt: 0, le: 100_000 }),
-    tflops: number(s.tflops, "specs.tflops", { gt: 0, le: 1_000_000 }),
+    vram_gb: number(s.vram_gb, "specs.vram_gb", { gt: 0, le: 8192 }),
+    tflops: number(s.tflops, "specs.tflops", { gt: 0, le: 100_000 }),
     max_concurrency: s.max_concurrency == null ? null : slots(s.max_concurrency, "specs.max_concurrency"),
   };
 }
