@@ -180,6 +180,41 @@ def test_a_node_cannot_bill_more_than_the_request_could_use(conn: psycopg.Connec
             assert budget is None or spent <= budget
 
 
+def test_a_prompt_of_media_by_url_is_bounded_by_the_models_context(
+    conn: psycopg.Connection, gateway: str, api_key: str
+) -> None:
+    """A review's case: an image given by URL is a few bytes of the request and a thousand tokens or
+    more of the prompt, so a node's honest count was cut to a token a byte (plus 1,024). A prompt
+    with media by reference is bounded by what any prompt is: the model's context. Media inline (a
+    data: URL) is bytes of the request, and keeps the tighter bound."""
+    (context,) = conn.execute("select context_length from models where id = %s", (LLAMA8,)).fetchone() or (0,)
+    with ThreadedServer(_lying_node()) as node:
+        make_node(conn, "vision", endpoint_url=node.url, max_concurrency=8)
+        for url in ("https://example.com/cat.png", "data:image/png;base64,iVBORw0KGgo="):
+            parts = [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ]
+            body = {"model": LLAMA8, "messages": [{"role": "user", "content": parts}], "max_tokens": 5}
+            resp = httpx.post(
+                f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+            )
+            assert resp.status_code == 200, resp.text
+        prompts = wait_for(
+            lambda: (
+                [
+                    p
+                    for (p,) in conn.execute(
+                        "select prompt_tokens from jobs where status = 'succeeded' order by created_at"
+                    ).fetchall()
+                ]
+                if len(conn.execute("select 1 from jobs where status = 'succeeded'").fetchall()) == 2
+                else None
+            )
+        )
+        assert prompts[0] == context and prompts[1] < 1500, prompts
+
+
 def _batch_node() -> Starlette:
     """A completions server answering each of a list of prompts, max_tokens each, as vLLM does."""
 

@@ -74,7 +74,9 @@ class Pipeline:
             model=call.model,
             stream=admitted.stream,
             bounds=Bounds(
-                len(admitted.payload), admitted.max_output_tokens if call.kind in ANSWER_LIMIT else None
+                len(admitted.payload),
+                admitted.max_output_tokens if call.kind in ANSWER_LIMIT else None,
+                admitted.prompt_limit,
             ),
         )
         try:

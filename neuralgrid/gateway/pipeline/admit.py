@@ -23,6 +23,10 @@ UNCATALOGUED_MAX_TOKENS = 131_072
 
 
 JSON = "application/json"
+# Content parts that name media the server fetches itself (OpenAI's image_url, vLLM's video_url and
+# audio_url, the Responses API's input_image and input_file): a few bytes of the request, and any
+# number of the prompt's tokens.
+MEDIA_KEYS = ("image_url", "video_url", "audio_url", "file_url")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class Admitted:
     tpm_hold: TokenHold | None = None  # the estimate held on the key's tpm limit, settled at the end
     limit_headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*, for the answer
     content_type: str = JSON  # the payload's
+    # The most prompt tokens a node may report: None for a token a byte of the payload (meter.py);
+    # the model's context for a prompt of media by reference.
+    prompt_limit: int | None = None
 
     def capped(self, max_output_tokens: int) -> Admitted:
         """The same call told to answer in fewer tokens (what its key's budget pays for)."""
@@ -69,6 +76,26 @@ class Admitted:
         body = {**self.body, limit: max(1, max_output_tokens // choices)}
         payload = json.dumps(body).encode()
         return replace(self, body=body, payload=payload, max_output_tokens=max_output_tokens)
+
+
+def media_by_reference(payload: bytes, body: dict[str, Any]) -> bool:
+    """Whether the prompt names media by URL (a data: URL is inline: bytes of the payload)."""
+    if not any(key.encode() in payload for key in MEDIA_KEYS):  # most requests: one scan of bytes
+        return False
+    return _names_media(body.get("messages")) or _names_media(body.get("input"))
+
+
+def _names_media(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_names_media(item) for item in value)
+    if not isinstance(value, dict):
+        return False
+    for key in MEDIA_KEYS:
+        ref = value.get(key)
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if isinstance(url, str) and not url.startswith("data:"):
+            return True
+    return any(_names_media(v) for v in value.values() if isinstance(v, list | dict))
 
 
 def answers(body: dict[str, Any]) -> int:
@@ -116,10 +143,15 @@ class Admission:
             max_out = self._max_tokens(call, body, entry)
             max_out *= answers(call.body)
         payload = call.upload if call.upload is not None else json.dumps(body).encode()
+        prompt_limit = None
+        if media_by_reference(payload, body):
+            prompt_limit = entry.context_length if entry else UNCATALOGUED_MAX_TOKENS
         # Limited last, once the request is known to be valid: its tpm charge is this estimate.
         allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
         hold, headers = allowed.hold, allowed.headers
-        return Admitted(call, body, payload, stream, max_out, hold, headers, content_type=call.content_type)
+        return Admitted(
+            call, body, payload, stream, max_out, hold, headers, call.content_type, prompt_limit=prompt_limit
+        )
 
     def _max_tokens(self, call: Call, body: dict[str, Any], entry: q.ModelKind | None) -> int:
         """The answer's length per choice, at most the model's context. A key with a budget always

@@ -40,9 +40,10 @@ class Bounds:
 
     prompt_bytes: int  # the request's body, as the node was sent it
     max_output_tokens: int | None  # over all choices; None for a kind with no answer limit
+    prompt_limit: int | None = None  # for media by reference, the model's context (admit.py)
 
     def settle(self, usage: Usage) -> Usage:
-        most_prompt = self.prompt_bytes + TEMPLATE_TOKENS
+        most_prompt = max(self.prompt_bytes + TEMPLATE_TOKENS, self.prompt_limit or 0)
         prompt = usage.prompt_tokens
         if not prompt and usage.completion_tokens:  # tokens came, the node's account did not
             prompt = -(-self.prompt_bytes // BYTES_PER_TOKEN)
