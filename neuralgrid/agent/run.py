@@ -354,7 +354,12 @@ class Agent:
         answer = resp.json()
         self.node_id, self.secret = answer["node_id"], answer["node_secret"]
         self.interval_s = float(answer["heartbeat_interval_s"])
-        self.front.key = signing.node_key(answer["node_secret"])
+        # The key the gateways sign this node's requests with (a gateway before it signed with the
+        # secret's hash, which its database holds).
+        key = answer.get("request_key")
+        self.front.key = (
+            bytes.fromhex(key) if isinstance(key, str) else signing.node_key(answer["node_secret"])
+        )
 
     def _specs_if_changed(self, current: Specs) -> Specs | None:
         """The node's specs when they differ from `current` (the ones the platform has): its GPUs as

@@ -60,7 +60,9 @@ from neuralgrid.bench import (
     send_load,
     served,
 )
+from neuralgrid.protocol import signing
 from neuralgrid.server.serving import free_port, run_fast
+from neuralgrid.server.settings import Settings
 
 # The gateway_agent path asks for a model only the agents' nodes have, and the gateway path caps the
 # price below the agents': each path's requests reach its own nodes, whatever the matcher prefers.
@@ -206,7 +208,12 @@ def _agents(db_url: str, gateway_url: str, key: str, node_url: str, count: int) 
                 procs.append((subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True), log))
             rows = _online(db_url, names, procs)
             urls = [f"http://127.0.0.1:{port}{CHAT}" for port in ports]
-            keys = {url: bytes(rows[name][0]) for url, name in zip(urls, names, strict=True)}
+            # Signed as the gateway signs (the agents registered with one of this environment).
+            platform = Settings().platform_key(signing.REQUEST_KEYS)
+            keys = {
+                url: signing.request_key(platform, bytes(rows[name][0]))
+                for url, name in zip(urls, names, strict=True)
+            }
             yield Agents([p.pid for p, _ in procs], urls, keys, sum(int(row[1]) for row in rows.values()))
         finally:
             for proc, _ in procs:

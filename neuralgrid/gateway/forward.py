@@ -22,8 +22,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import math
@@ -75,8 +73,7 @@ _KEY_LABEL = b"neuralgrid inter-gateway forwarding v1"
 def forwarding_key(settings: Settings) -> bytes:
     """The key every gateway signs and checks forwarded requests with: NEURALGRID_INTERNAL_SECRET,
     else derived from NEURALGRID_JWT_SECRET (a key of its own, so neither reveals the other)."""
-    secret = settings.internal_secret or settings.jwt_secret
-    return hmac.new(secret.encode(), _KEY_LABEL, hashlib.sha256).digest()
+    return settings.platform_key(_KEY_LABEL)
 
 
 def internal_url(settings: Settings) -> str:

@@ -43,7 +43,15 @@ async def register(request: Request, key: ApiKeyDep, services: ServicesDep) -> d
     params = {**node.model_dump(), "owner": key.owner_id, "key": key.id, "backend": _jsonb(node.backend)}
     row = await services.store.get(q.REGISTER_NODE, params)
     interval = await services.store.get(q.HEARTBEAT_INTERVAL)
-    return {"node_id": row.node_id, "node_secret": row.node_secret, "heartbeat_interval_s": interval}
+    # What the gateways sign this node's requests with: the agent checks each one with it.
+    platform = services.settings.platform_key(signing.REQUEST_KEYS)
+    request_key = signing.request_key(platform, signing.node_key(row.node_secret))
+    return {
+        "node_id": row.node_id,
+        "node_secret": row.node_secret,
+        "request_key": request_key.hex(),
+        "heartbeat_interval_s": interval,
+    }
 
 
 @router.post("/{node_id}/heartbeat")

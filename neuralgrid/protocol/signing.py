@@ -1,9 +1,12 @@
 """Requests from the gateway to a node agent carry an HMAC signature the agent checks.
 
-The key is the SHA-256 of the node's secret: the agent derives it from the secret it holds, the
-gateway reads it from the database (which stores only that hash). A signature covers a timestamp, a
-random nonce, the path and the body. The agent refuses one older than `max_age_s`, and one whose
-nonce it has already seen in that window: a captured request cannot be replayed, later or at once.
+The key is the node's request key: an HMAC of the SHA-256 of its secret (what the database stores,
+to check its heartbeats) under a key only the gateways hold (NEURALGRID_INTERNAL_SECRET's). A gateway
+derives it for each request; the agent is given it at registration. So a read of the database, or a
+leak of its `secret_hash` column, signs nothing (a security review leaked that column through
+Realtime and had a node serve requests it signed). A signature covers a timestamp, a random nonce,
+the path and the body. The agent refuses one older than `max_age_s`, and one whose nonce it has
+already seen in that window: a captured request cannot be replayed, later or at once.
 """
 
 from __future__ import annotations
@@ -17,8 +20,18 @@ from collections import OrderedDict
 HEADER = "x-neuralgrid-signature"
 
 
+# What a gateway derives nodes' request keys from: settings.platform_key(REQUEST_KEYS).
+REQUEST_KEYS = b"neuralgrid node request keys v1"
+
+
 def node_key(secret: str) -> bytes:
+    """The SHA-256 of a node's secret: what the database keeps of it (nodes.secret_hash)."""
     return hashlib.sha256(secret.encode()).digest()
+
+
+def request_key(platform_key: bytes, secret_hash: bytes) -> bytes:
+    """The key a node's requests are signed with, from its secret's hash and the gateways' key."""
+    return hmac.new(platform_key, secret_hash, hashlib.sha256).digest()
 
 
 def _mac(key: bytes, timestamp: int, nonce: str, path: str, body: bytes) -> str:

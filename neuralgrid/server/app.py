@@ -50,6 +50,7 @@ from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.gateway.waiting import WaitingRoom
+from neuralgrid.protocol import signing
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
 from neuralgrid.server.liveness import check_in, keep_checking_in
@@ -270,7 +271,13 @@ def _pipeline(
     claims = Claims(store, gateway_id, abandon=metering.abandon)
     placement = Placement(store, claims, metrics, settings.max_attempts, room, settings.queue_timeout_s)
     sender = Sender(
-        nodes, tunnels, placement, metrics, settings.first_byte_timeout_s, settings.max_answer_bytes
+        nodes,
+        tunnels,
+        placement,
+        metrics,
+        settings.first_byte_timeout_s,
+        settings.platform_key(signing.REQUEST_KEYS),
+        settings.max_answer_bytes,
     )
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams)
     admission = Admission(Catalog(store), limiter, settings.default_max_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from pathlib import Path
 from typing import Literal
 
@@ -83,8 +85,8 @@ class Settings(BaseSettings):
     # forward requests for the tunnels it holds; unset: http://<host>:<port> (the machine's name
     # when the gateway listens on every address).
     internal_url: str | None = Field(None, alias="NEURALGRID_INTERNAL_URL", pattern=r"^https?://\S+$")
-    # The secret every gateway signs forwarded requests with (all must share it); unset: a key
-    # derived from NEURALGRID_JWT_SECRET.
+    # The secret every gateway derives its keys from (all must share it): the key it signs forwarded
+    # requests with, and each node's request key (platform_key()). Unset: NEURALGRID_JWT_SECRET.
     internal_secret: str | None = Field(None, alias="NEURALGRID_INTERNAL_SECRET")
     # LISTEN (key changes, freed slots, the Realtime feed) and the sweeper need a session of their
     # own: behind a transaction-mode pooler, point this at a session-mode one. Unset: DATABASE_URL.
@@ -93,6 +95,12 @@ class Settings(BaseSettings):
     # transaction port): no server-side prepared statements, no session settings (so the request
     # path commits durably whatever NEURALGRID_ASYNC_COMMIT says).
     transaction_pooler: bool = Field(False, alias="NEURALGRID_DB_TRANSACTION_POOLER")
+
+    def platform_key(self, label: bytes) -> bytes:
+        """A key of the gateways' own for one use (`label`), from NEURALGRID_INTERNAL_SECRET, else
+        NEURALGRID_JWT_SECRET: every gateway derives the same, and no key reveals another."""
+        secret = self.internal_secret or self.jwt_secret
+        return hmac.new(secret.encode(), label, hashlib.sha256).digest()
 
     @property
     def signing_keys_url(self) -> str | None:

@@ -351,9 +351,14 @@ def test_an_agent_joins_serves_signed_requests_and_refuses_others(
         forged = signing.sign(signing.node_key("not-the-secret"), "/v1/chat/completions", body)
         assert httpx.post(url, content=body, headers={signing.HEADER: forged}).status_code == 401
         assert backend.app.state.requests == warm_ups + 1  # nothing unsigned reached the backend
-        # Signed as the gateway signs (with the key it reads from the database): served once only.
-        (key,) = conn.execute("select secret_hash from nodes where id = %s", (node_id,)).fetchone() or (b"",)
-        signed = {signing.HEADER: signing.sign(bytes(key), "/v1/chat/completions", body)}
+        # Signed with what the database holds of the secret: refused. A security review leaked that
+        # column (through Realtime) and had a node serve a request it signed so, unbilled.
+        (held,) = conn.execute("select secret_hash from nodes where id = %s", (node_id,)).fetchone() or (b"",)
+        leaked = {signing.HEADER: signing.sign(bytes(held), "/v1/chat/completions", body)}
+        assert httpx.post(url, content=body, headers=leaked).status_code == 401
+        # Signed as the gateway signs (the hash under the gateways' own key): served once only.
+        key = signing.request_key(Settings().platform_key(signing.REQUEST_KEYS), bytes(held))
+        signed = {signing.HEADER: signing.sign(key, "/v1/chat/completions", body)}
         assert httpx.post(url, content=body, headers=signed).status_code == 200
         assert httpx.post(url, content=body, headers=signed).status_code == 401  # the replay
 

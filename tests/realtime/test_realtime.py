@@ -156,6 +156,16 @@ async def test_a_filter_never_tests_a_column_the_subscriber_cannot_select(
         assert said["status"] == "error" and "secret_hash" in said["message"], said
 
 
+def test_no_api_role_can_feed_the_gateways(conn: psycopg.Connection) -> None:
+    """Found by a security review: anon could call realtime.feed_notify(), whose payload every
+    gateway delivers to its subscribers as a row change or a message."""
+    for role in ("anon", "authenticated"):
+        allowed = conn.execute(
+            "select has_function_privilege(%s, 'realtime.feed_notify(jsonb)', 'execute')", (role,)
+        ).fetchone()
+        assert allowed == (False,), role
+
+
 async def test_rls_hides_rows_a_subscriber_cannot_select(
     connect: Callable[..., Any], conn: psycopg.Connection, db_url: str
 ) -> None:

@@ -32,6 +32,7 @@ revoke all on realtime.feed_subscriptions from public, anon, authenticated;
 
 create or replace function realtime.feed_notify(payload jsonb) returns void
 language plpgsql
+set search_path = ''
 as $$
 declare
   v_text text := payload::text;
@@ -45,6 +46,9 @@ begin
   end if;
 end;
 $$;
+-- Only the feed's own triggers (security definer) notify the gateways: a payload from anyone else
+-- would reach subscribers as a row change or a message (found by a security review).
+revoke execute on function realtime.feed_notify(jsonb) from public, anon, authenticated;
 
 create or replace function realtime.feed_row_change() returns trigger
 language plpgsql

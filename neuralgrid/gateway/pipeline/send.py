@@ -95,9 +95,11 @@ class Sender:
         placement: Placement,
         metrics: Metrics,
         first_byte_timeout_s: float,
+        request_keys: bytes,
         max_answer_bytes: int = 64 << 20,
     ) -> None:
         self.nodes = nodes
+        self.request_keys = request_keys  # what nodes' request keys derive from (protocol/signing.py)
         self.tunnels = tunnels
         self.placement = placement
         self.metrics = metrics
@@ -205,7 +207,8 @@ class Sender:
         if not node.url.startswith("tunnel:"):
             headers = {"content-type": content_type}
             if node.key is not None:  # the node runs an agent: it checks the gateway's signature
-                headers[signing.HEADER] = signing.sign(node.key, path, payload)
+                key = signing.request_key(self.request_keys, node.key)
+                headers[signing.HEADER] = signing.sign(key, path, payload)
             return await self.nodes.post(node.url.rstrip("/") + path, payload, headers, timeout_s)
         # Over the agent's tunnel, held here or by another gateway (which the request goes through).
         return await self.tunnels.open(node.id, path, payload, timeout_s, content_type)
