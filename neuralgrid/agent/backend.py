@@ -323,6 +323,7 @@ class Backend:
         """Find the routes the server serves (unless the owner named them), warm each model up with
         a real request on one of them and verify what the server does; returns the new info and the
         models that answered (the warm ones)."""
+        self.refusal = None  # this warm-up's, not an earlier one's (a 503 then would say "starting")
         routes = self.routes_given or await detect_routes(
             self.http, self.url, self.kind.name, self.identity, self.info.version, next(iter(models), None)
         )

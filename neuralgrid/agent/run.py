@@ -115,6 +115,7 @@ class Agent:
         self._loaded: list[str] = []
         self._refused: list[dict[str, str]] = []
         self._prewarm_heard = False  # the gateway has answered with `load`: it takes the answers
+        self.beat_refused = False  # the gateway refused the last heartbeat as wrong (a 4xx)
 
     @property
     def endpoint_url(self) -> str:
@@ -211,6 +212,7 @@ class Agent:
                     changed = self._specs_if_changed(specs)  # restarted with another -np, say
                 elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self.front.busy():
                     async with self.front.own_turn():
+                        await self.backend.detect()  # back within a beat with other slots, say
                         models = await self._models_or(models)
                     changed = self._specs_if_changed(specs)
                 if up and self.available is not None:  # it loads and lets go of models itself: every beat
@@ -220,11 +222,16 @@ class Agent:
                 log.warning("the backend is not ready: %r", err)
                 up = False
             backend = self.backend.info if self.backend.info != reported else None
-            load = await self._heartbeat(http, "online", models, changed, up=up, backend=backend)
-            if load is not None:  # said once the gateway has them, so a lost beat says them again
+            sent = changed  # the slots only when they changed: a gateway before they could refuses them
+            if changed is not None and changed.max_concurrency == specs.max_concurrency:
+                sent = dataclasses.replace(changed, max_concurrency=None)
+            load = await self._heartbeat(http, "online", models, sent, up=up, backend=backend)
+            # Said once the gateway has them, so a lost beat says them again; not after a refusal (an
+            # older gateway may not know a field: said every beat, refused every beat, the node out).
+            if load is not None or self.beat_refused:
                 reported, specs, changed = self.backend.info, changed or specs, None
-                if up:
-                    self._prewarm(load, models)
+            if load is not None and up:
+                self._prewarm(load, models)
             beats += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
@@ -390,8 +397,9 @@ class Agent:
         up: bool = True,
         backend: ServerInfo | None = None,
     ) -> list[str] | None:
-        """Send one heartbeat; None when the gateway did not take it, else the models it asks the
-        node to pre-load (none or one)."""
+        """Send one heartbeat; None when the gateway did not take it (beat_refused: it refused what
+        the beat said), else the models it asks the node to pre-load (none or one)."""
+        self.beat_refused = False
         load = gpu.load()
         queued = await self.backend.queue_depth() if up else None
         beat = Heartbeat.model_construct(
@@ -404,7 +412,7 @@ class Agent:
         )
         body = beat.model_dump(exclude={"specs", "backend", "available", "loaded", "refused"})
         if specs is not None:  # only when they changed since registration
-            body["specs"] = dataclasses.asdict(specs)
+            body["specs"] = {k: v for k, v in dataclasses.asdict(specs).items() if v is not None}
         if backend is not None:  # only when it changed
             body["backend"] = BackendInfo.model_construct(**backend.as_json()).model_dump()
         # Pre-warm's fields go only to a gateway that knows them (it answered with `load`): an older
@@ -436,6 +444,7 @@ class Agent:
                 f"node {self.config.name} was registered again by another agent (its secret is not this"
                 " agent's any more): this one stops"
             )
+        self.beat_refused = 400 <= resp.status_code < 500  # what it said is wrong: not to be said again
         if resp.status_code != 200:
             log.warning("heartbeat refused: %s", _message(resp))
             return None

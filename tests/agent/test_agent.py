@@ -212,6 +212,50 @@ def test_a_server_restarted_with_another_model_is_detected_and_only_that_model_i
             raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
 
 
+def test_a_server_restarted_between_two_beats_with_other_slots_is_given_as_many(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    """From a review: slots followed a server only when its agent saw it go down. One that comes back
+    within a beat, same model, another -np, is found by the agent's look at it every few beats."""
+    config = FakeNodeConfig.like("llama.cpp", models=(LLAMA8,), parallel=2)
+    with (
+        ThreadedServer(create_fake_node(config)) as server,
+        running_agent(conn, platform, operator_key, server.url) as agent,
+    ):
+        slots = "select max_concurrency from nodes where name = 'box'"
+        assert conn.execute(slots).fetchone() == (2,)
+        server.app.state.config.parallel = 6  # as if restarted with -np 6
+        try:
+            wait_for(lambda: conn.execute(slots).fetchone() == (6,), timeout=15)
+        except AssertionError:
+            agent.terminate()
+            raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+
+
+def test_a_heartbeat_refused_for_what_it_says_does_not_take_the_node_out(
+    conn: psycopg.Connection, platform: str, operator_key: str
+) -> None:
+    """From a review: what a beat carried once (changed specs, the server found again) was carried by
+    every beat until a gateway took it, so a gateway that refused it (an older one, a field it does
+    not know) refused every beat and the node went offline for good. A refused beat's news is
+    dropped; the next beats are plain. Here the news is a server that says it runs 2,000 requests at
+    once, more than a gateway takes."""
+    config = FakeNodeConfig.like("llama.cpp", models=(LLAMA8,), parallel=2)
+    with (
+        ThreadedServer(create_fake_node(config)) as server,
+        running_agent(conn, platform, operator_key, server.url) as agent,
+    ):
+        server.app.state.config.parallel = 2000
+        beat = "select status, max_concurrency, now() - last_heartbeat_at < interval '1 second' from nodes"
+        time.sleep(6)  # the agent's look at its server (every sixth beat of 0.3 s), and beats after it
+        try:
+            wait_for(lambda: conn.execute(beat).fetchone() == ("online", 2, True), timeout=5)
+        finally:
+            agent.terminate()
+            output = agent.communicate(timeout=30)[0]
+        assert output.count("heartbeat refused") == 1, output[-3000:]
+
+
 def test_a_listen_port_in_use_is_one_line_and_a_failed_exit(
     platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
