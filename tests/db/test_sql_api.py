@@ -86,6 +86,7 @@ PRIVATE_HELPERS = sorted(
         "ewma_fold",
         "great_circle_km",
         "mark_cold_start",
+        "nodes_keep_price_floor",  # a node's lowest recent price per slot (a rise applies later)
         "move_job",
         "node_is_eligible",
         "node_map_payload",

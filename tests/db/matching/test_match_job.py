@@ -113,6 +113,31 @@ def test_time_priced_model_costs_a_slot_of_node_time(conn: psycopg.Connection) -
     assert cost == pytest.approx(3.6 / 3600 / 4)
 
 
+def test_a_price_raised_while_a_job_runs_is_not_its_price(conn: psycopg.Connection) -> None:
+    """Found by a security review: a job priced by node time was charged the node's price as it was
+    when the job ended, which its owner may change through the Data API; raised a million-fold (and
+    its slots cut to one) mid-job, a one-minute job cost its key $16,666 and earned the owner 85% of
+    it. A rise applies to what runs after a job deadline (15 minutes) has passed; a cut, at once."""
+    node = make_node(conn, hourly_rate=3.6, max_concurrency=4, models={"custom:7b": "loaded"})
+    running = match_job(conn, MatchRequest(model="custom:7b"))
+    conn.execute("update nodes set hourly_rate = 9999, max_concurrency = 1 where id = %s", (node,))
+    assert complete_job(conn, running.job_id, latency_ms=1000) == pytest.approx(3.6 / 3600 / 4)
+    # Placed after the rise, within the deadline: still the price it rose from.
+    after = match_job(conn, MatchRequest(model="custom:7b"))
+    assert complete_job(conn, after.job_id, latency_ms=1000) == pytest.approx(3.6 / 3600 / 4)
+    # A cut applies at once.
+    conn.execute("update nodes set hourly_rate = 0.36, max_concurrency = 4 where id = %s", (node,))
+    cut = match_job(conn, MatchRequest(model="custom:7b"))
+    assert complete_job(conn, cut.job_id, latency_ms=1000) == pytest.approx(0.36 / 3600 / 4)
+    # Once a job deadline has passed since the rise, the new price is the price.
+    conn.execute("update nodes set hourly_rate = 36 where id = %s", (node,))
+    conn.execute(
+        "update nodes set price_floor_until = now() - interval '1 second' where id = %s", (node,)
+    )
+    later = match_job(conn, MatchRequest(model="custom:7b"))
+    assert complete_job(conn, later.job_id, latency_ms=1000) == pytest.approx(36 / 3600 / 4)
+
+
 def test_failover_moves_to_the_next_fallback_and_cools_the_node(conn: psycopg.Connection) -> None:
     first = make_node(conn, "first", vram_gb=24)
     second = make_node(conn, "second", vram_gb=48)
