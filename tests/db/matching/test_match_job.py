@@ -131,9 +131,7 @@ def test_a_price_raised_while_a_job_runs_is_not_its_price(conn: psycopg.Connecti
     assert complete_job(conn, cut.job_id, latency_ms=1000) == pytest.approx(0.36 / 3600 / 4)
     # Once a job deadline has passed since the rise, the new price is the price.
     conn.execute("update nodes set hourly_rate = 36 where id = %s", (node,))
-    conn.execute(
-        "update nodes set price_floor_until = now() - interval '1 second' where id = %s", (node,)
-    )
+    conn.execute("update nodes set price_floor_until = now() - interval '1 second' where id = %s", (node,))
     later = match_job(conn, MatchRequest(model="custom:7b"))
     assert complete_job(conn, later.job_id, latency_ms=1000) == pytest.approx(36 / 3600 / 4)
 
