@@ -31,6 +31,8 @@ interface MatchQuery {
 }
 
 const NUMBERS = ["min_vram_gb", "latitude", "longitude", "max_hourly_rate", "limit"];
+// A place on the globe (score_nodes() ranked every node NaN from one off it).
+const RANGES: Record<string, [number, number]> = { latitude: [-90, 90], longitude: [-180, 180] };
 const STRINGS = ["policy", "region", "route"];
 const FIELDS = new Set(["model", "explain", ...NUMBERS, ...STRINGS]);
 
@@ -41,7 +43,11 @@ function parse(body: unknown): MatchQuery | string {
   if (unknown !== undefined) return `${unknown}: not a parameter of match`;
   if (typeof q.model !== "string" || q.model.length === 0) return "model: a model id is required";
   for (const key of NUMBERS) {
-    if (q[key] !== undefined && q[key] !== null && typeof q[key] !== "number") return `${key}: must be a number`;
+    const value = q[key];
+    if (value === undefined || value === null) continue;
+    if (typeof value !== "number" || !Number.isFinite(value)) return `${key}: must be a number`;
+    const range = RANGES[key];
+    if (range && (value < range[0] || value > range[1])) return `${key}: must be between ${range[0]} and ${range[1]}`;
   }
   for (const key of STRINGS) {
     if (q[key] !== undefined && q[key] !== null && typeof q[key] !== "string") return `${key}: must be a string`;

@@ -50,6 +50,12 @@ Deno.test("ranks nodes with score_nodes, explains rejections, refuses bad input"
     assert((await post(handler, { model: MODEL, limit: 0 }, token)).status === 400, "limit 0");
     assert((await post(handler, { nope: 1, model: MODEL }, token)).status === 400, "unknown field");
     assert((await post(handler, { nope: 1 }, token)).status === 400, "missing model");
+    // From a review: a place off the globe ranked every node NaN (1e999 is Infinity to JSON.parse).
+    const raw = (text: string) =>
+      handler(new Request("http://localhost/match", { method: "POST", body: text, headers: { authorization: `Bearer ${token}` } }));
+    assert((await raw(`{"model": "${MODEL}", "latitude": 1e999, "longitude": 0}`)).status === 400, "latitude Infinity");
+    assert((await post(handler, { model: MODEL, latitude: 91, longitude: 0 }, token)).status === 400, "latitude 91");
+    assert((await post(handler, { model: MODEL, latitude: 0, longitude: -181 }, token)).status === 400, "longitude -181");
     const notJson = await handler(
       new Request("http://localhost/match", { method: "POST", body: "{", headers: { authorization: `Bearer ${token}` } }),
     );
