@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -192,6 +192,15 @@ def backend() -> Iterator[ThreadedServer]:
         yield server
 
 
+def wait_or_say(agent: subprocess.Popen[str], predicate: Callable[[], Any], timeout: float = 15) -> None:
+    """wait_for(), or fail with what the agent logged."""
+    try:
+        wait_for(predicate, timeout=timeout)
+    except AssertionError:
+        agent.terminate()
+        raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+
+
 def test_a_server_restarted_with_another_model_is_detected_and_only_that_model_is_routed(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
@@ -205,11 +214,7 @@ def test_a_server_restarted_with_another_model_is_detected_and_only_that_model_i
         models = "select model_id, state from node_models where node_id = %s"
         assert conn.execute(models, (node_id,)).fetchall() == [(LLAMA8, "loaded")]
         backend.app.state.config.models = (other,)  # as if restarted with another model
-        try:
-            wait_for(lambda: conn.execute(models, (node_id,)).fetchall() == [(other, "loaded")], timeout=15)
-        except AssertionError:
-            agent.terminate()
-            raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+        wait_or_say(agent, lambda: conn.execute(models, (node_id,)).fetchall() == [(other, "loaded")])
 
 
 def test_a_server_restarted_between_two_beats_with_other_slots_is_given_as_many(
@@ -225,11 +230,7 @@ def test_a_server_restarted_between_two_beats_with_other_slots_is_given_as_many(
         slots = "select max_concurrency from nodes where name = 'box'"
         assert conn.execute(slots).fetchone() == (2,)
         server.app.state.config.parallel = 6  # as if restarted with -np 6
-        try:
-            wait_for(lambda: conn.execute(slots).fetchone() == (6,), timeout=15)
-        except AssertionError:
-            agent.terminate()
-            raise AssertionError(agent.communicate(timeout=30)[0][-3000:]) from None
+        wait_or_say(agent, lambda: conn.execute(slots).fetchone() == (6,))
 
 
 def test_a_heartbeat_refused_for_what_it_says_does_not_take_the_node_out(
