@@ -105,10 +105,12 @@ select table_privs_are('public', 'my_usage', 'authenticated', array['SELECT']);
 -- Column privileges where a table is granted column by column ----------------------------------------
 
 select set_eq($$ select * from tests.columns_withheld('anon', 'public.nodes', 'SELECT') $$,
-  array['owner_id', 'endpoint_url', 'secret_hash', 'registered_by_key', 'tunnel_connected', 'outside_load']::name[],
+  array['owner_id', 'endpoint_url', 'secret_hash', 'registered_by_key', 'tunnel_connected', 'outside_load',
+        'slot_price_floor', 'price_floor_until']::name[],
   'anon reads every column of nodes but its owner, endpoint, secret and the gateway''s bookkeeping');
 select set_eq($$ select * from tests.columns_withheld('authenticated', 'public.nodes', 'SELECT') $$,
-  array['endpoint_url', 'secret_hash', 'registered_by_key', 'outside_load']::name[],
+  array['endpoint_url', 'secret_hash', 'registered_by_key', 'outside_load', 'slot_price_floor',
+        'price_floor_until']::name[],
   'authenticated reads the owner of nodes and whether a tunnel is up too, but no endpoint, secret or bookkeeping');
 select set_eq($$ select * from tests.columns_granted('authenticated', 'public.nodes', 'INSERT') $$,
   array['name', 'gpu_model', 'gpu_count', 'vram_gb', 'tflops', 'hourly_rate', 'region', 'latitude', 'longitude',
