@@ -273,6 +273,20 @@ class Backend:
         self.info = replace(self.info, kind=GENERIC.name, version=None, parallel=None)
         return self.info
 
+    async def reread_parallel(self) -> None:
+        """The server's parallelism again, where its kind says it (a server restarted between two
+        beats with another -np). A late, failed or unrecognised answer keeps what was found: a busy
+        server must not turn into another kind, nor take its node out."""
+        if self.kind is GENERIC:
+            return
+        try:
+            data = await self._json(self.kind.identify)
+        except httpx.HTTPError:
+            return
+        parallel = self.kind.parallel(data) if data is not None and self.kind.recognise(data) else None
+        if parallel is not None:
+            self.info = replace(self.info, parallel=parallel)
+
     async def models(self) -> list[str]:
         """The models the server serves (its /v1/models), or BackendError saying what is wrong."""
         try:

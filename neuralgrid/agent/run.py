@@ -212,7 +212,7 @@ class Agent:
                     changed = self._specs_if_changed(specs)  # restarted with another -np, say
                 elif health == "up" and beats % REPROBE_EVERY == 0 and beats and not self.front.busy():
                     async with self.front.own_turn():
-                        await self.backend.detect()  # back within a beat with other slots, say
+                        await self.backend.reread_parallel()  # back within a beat with another -np
                         models = await self._models_or(models)
                     changed = self._specs_if_changed(specs)
                 if up and self.available is not None:  # it loads and lets go of models itself: every beat
