@@ -202,7 +202,13 @@ async def _answer_request(
     )
     n = max(0, min(asked, config.context_length - prompt_tokens))
     tokens = _text_tokens(body, n, config.continues)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    # `n` answers, the same text each (as a greedy server gives), counted together as vLLM does.
+    choices = max(1, int(body.get("n") or 1)) if kind != "responses" else 1
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n * choices,
+        "total_tokens": prompt_tokens + n * choices,
+    }
     prompt = body.get("prompt")
     if kind == "completion" and config.echoes and body.get("echo") is True and isinstance(prompt, str):
         tokens = [prompt, *tokens]  # the prompt first, as the text's start
@@ -212,27 +218,28 @@ async def _answer_request(
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         include_usage = include_usage and config.usage_in_streams
-        stream = _stream(config, state, kind, ident, model, tokens, usage if include_usage else None)
+        stream = _stream(config, state, kind, ident, model, tokens, usage if include_usage else None, choices)
         return StreamingResponse(_holding(slot, stream), media_type="text/event-stream")
     if config.tokens_per_s:
         await asyncio.sleep(n / config.tokens_per_s)
     slot.release()
     text = "".join(tokens)
     if kind == "chat":
-        choice: dict[str, object] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": "length",
-        }
+        answers: list[dict[str, object]] = [
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            for i in range(choices)
+        ]
     else:
-        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        answers = [
+            {"index": i, "text": text, "finish_reason": "length", "logprobs": None} for i in range(choices)
+        ]
     return JSONResponse(
         {
             "id": ident,
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [choice],
+            "choices": answers,
             "usage": usage,
         }
     )
@@ -254,13 +261,15 @@ async def _stream(
     model: str,
     tokens: list[str],
     usage: dict[str, int] | None,
+    choices: int = 1,
 ) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     created = int(time.time())
     interrupted = asyncio.Event()
     state.streams.add(interrupted)
     try:
-        async for event in _events(config, kind, ident, obj, created, model, tokens, usage, interrupted):
+        events = _events(config, kind, ident, obj, created, model, tokens, usage, interrupted, choices)
+        async for event in events:
             yield event
     finally:
         state.streams.discard(interrupted)
@@ -276,6 +285,7 @@ async def _events(
     tokens: list[str],
     usage: dict[str, int] | None,
     interrupted: asyncio.Event,
+    choices: int = 1,
 ) -> AsyncIterator[bytes]:
     for i, token in enumerate(tokens):
         if interrupted.is_set():  # ended early: [DONE] without a finish_reason, as llama-cpp-python does
@@ -286,19 +296,20 @@ async def _events(
         if config.tokens_per_s:
             await asyncio.sleep(1 / config.tokens_per_s)
         last = i == len(tokens) - 1
-        if kind == "chat":
-            delta = {"content": token} if i else {"role": "assistant", "content": token}
-            choice: dict[str, object] = {
-                "index": 0,
-                "delta": delta,
-                "finish_reason": "length" if last else None,
-            }
-        else:
-            choice = {"index": 0, "text": token, "finish_reason": "length" if last else None}
-        chunk = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
-        if usage is not None:
-            chunk["usage"] = None
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        for index in range(choices):  # each choice's token in an event of its own, as servers send them
+            if kind == "chat":
+                delta = {"content": token} if i else {"role": "assistant", "content": token}
+                choice: dict[str, object] = {
+                    "index": index,
+                    "delta": delta,
+                    "finish_reason": "length" if last else None,
+                }
+            else:
+                choice = {"index": index, "text": token, "finish_reason": "length" if last else None}
+            chunk = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if usage is not None:
+                chunk["usage"] = None
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
     if usage is not None:
         tail = {"id": ident, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
         yield f"data: {json.dumps(tail)}\n\n".encode()
