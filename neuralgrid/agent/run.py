@@ -174,9 +174,8 @@ class Agent:
         info, warm = await self.backend.verify(served if states is None else states[0] or served[:1])
         if not warm:
             refusal = self.backend.refusal
-            if (
-                refusal is not None and refusal.status == 503
-            ):  # llama-server lists its model while it loads it
+            # llama-server lists its model while it loads it, and answers 503 until then.
+            if refusal is not None and refusal.status == 503:
                 raise BackendStarting(f"the backend at {self.config.backend_url} is starting: {refusal}")
             said = f"; the server's answer: {refusal}" if refusal else ""
             raise BackendError(

@@ -145,12 +145,7 @@ async def test_a_filter_never_tests_a_column_the_subscriber_cannot_select(
     # Said at the join, in the system message Realtime sends for a binding it cannot serve.
     async with await raw_socket(gateway, ANON) as ws:
         changes = [{"event": "UPDATE", "schema": "public", "table": "nodes", "filter": "secret_hash=eq.x"}]
-        join = {"config": {"postgres_changes": changes}}
-        await ws.send(
-            json.dumps(
-                {"topic": "realtime:y", "event": "phx_join", "ref": "1", "join_ref": "1", "payload": join}
-            )
-        )
+        await ws.send(join("realtime:y", {"config": {"postgres_changes": changes}}))
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"
         said = json.loads(await ws.recv())["payload"]
         assert said["status"] == "error" and "secret_hash" in said["message"], said
@@ -265,6 +260,11 @@ async def raw_socket(gateway: str, token: str, vsn: str = "1.0.0") -> websockets
     return await websockets.connect(f"{realtime_url(gateway)}/websocket?apikey={token}&vsn={vsn}")
 
 
+def join(topic: str, payload: dict[str, Any], ref: str = "1") -> str:
+    """A phx_join as vsn 1.0.0 sends it (the ref is the channel's join_ref too)."""
+    return json.dumps({"topic": topic, "event": "phx_join", "ref": ref, "join_ref": ref, "payload": payload})
+
+
 async def test_heartbeat_and_vsn2_arrays(gateway: str) -> None:
     async with await raw_socket(gateway, ANON, "2.0.0") as ws:
         await ws.send(json.dumps([None, "7", "phoenix", "heartbeat", {}]))
@@ -300,33 +300,13 @@ async def test_bad_tokens_and_expiry(gateway: str, conn: psycopg.Connection) -> 
     user = make_user(conn)
     async with await raw_socket(gateway, ANON) as ws:
         expired = user_token(PLACEHOLDER_SECRET, user, None, ttl_s=-5)
-        await ws.send(
-            json.dumps(
-                {
-                    "topic": "realtime:t",
-                    "event": "phx_join",
-                    "ref": "1",
-                    "join_ref": "1",
-                    "payload": {"config": {}, "access_token": expired},
-                }
-            )
-        )
+        await ws.send(join("realtime:t", {"config": {}, "access_token": expired}))
         reply = json.loads(await ws.recv())
         assert reply["payload"]["status"] == "error"
         assert reply["payload"]["response"]["reason"].startswith("InvalidJWTExpiration: Token has expired")
 
         short = user_token(PLACEHOLDER_SECRET, user, None, ttl_s=1)
-        await ws.send(
-            json.dumps(
-                {
-                    "topic": "realtime:t",
-                    "event": "phx_join",
-                    "ref": "2",
-                    "join_ref": "2",
-                    "payload": {"config": {}, "access_token": short},
-                }
-            )
-        )
+        await ws.send(join("realtime:t", {"config": {}, "access_token": short}, ref="2"))
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"
         system = json.loads(await asyncio.wait_for(ws.recv(), 5))
         assert system["event"] == "system" and system["payload"]["status"] == "error"
@@ -335,17 +315,13 @@ async def test_bad_tokens_and_expiry(gateway: str, conn: psycopg.Connection) -> 
 
         # A refreshed token keeps the channel open past the first one's expiry.
         await ws.send(
-            json.dumps(
+            join(
+                "realtime:t",
                 {
-                    "topic": "realtime:t",
-                    "event": "phx_join",
-                    "ref": "3",
-                    "join_ref": "3",
-                    "payload": {
-                        "config": {},
-                        "access_token": user_token(PLACEHOLDER_SECRET, user, None, ttl_s=1),
-                    },
-                }
+                    "config": {},
+                    "access_token": user_token(PLACEHOLDER_SECRET, user, None, ttl_s=1),
+                },
+                ref="3",
             )
         )
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"
@@ -370,17 +346,7 @@ async def test_bad_bindings_are_reported_not_fatal(gateway: str) -> None:
             {"event": "UPDATE", "schema": "public", "table": "nodes", "filter": "status=like.x"},
             {"event": "*", "schema": "public", "table": "jobs_that_do_not_exist"},
         ]
-        await ws.send(
-            json.dumps(
-                {
-                    "topic": "realtime:x",
-                    "event": "phx_join",
-                    "ref": "1",
-                    "join_ref": "1",
-                    "payload": {"config": {"postgres_changes": changes}},
-                }
-            )
-        )
+        await ws.send(join("realtime:x", {"config": {"postgres_changes": changes}}))
         assert json.loads(await ws.recv())["payload"]["status"] == "ok"
         errors = [json.loads(await ws.recv())["payload"] for _ in range(2)]
         assert all(e["status"] == "error" and e["extension"] == "postgres_changes" for e in errors)
@@ -390,17 +356,7 @@ async def test_bad_bindings_are_reported_not_fatal(gateway: str) -> None:
 
         # Config sections that are not objects are taken as absent, not a crash.
         odd = {"broadcast": "yes", "presence": [1], "postgres_changes": None}
-        await ws.send(
-            json.dumps(
-                {
-                    "topic": "realtime:odd",
-                    "event": "phx_join",
-                    "ref": "3",
-                    "join_ref": "3",
-                    "payload": {"config": odd},
-                }
-            )
-        )
+        await ws.send(join("realtime:odd", {"config": odd}, ref="3"))
         assert json.loads(await ws.recv())["payload"] == {
             "status": "ok",
             "response": {"postgres_changes": []},
