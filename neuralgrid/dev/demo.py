@@ -31,12 +31,14 @@ DEMO_MODELS = (
 # The routes the demo's fake node serves: OpenAI's Responses API too, so the tour can try it.
 DEMO_ROUTES: tuple[Route, ...] = ("chat/completions", "completions", "embeddings", "responses")
 # What an agent would find of the demo's fake node: vLLM-like, usage in streams, it goes on with its
-# own answers when asked to continue (so demo streams resume on another node), and its routes.
+# own answers when asked to continue (so demo streams resume on another node), it echoes a
+# completion's prompt when asked, and its routes.
 FAKE_BACKEND = {
     "kind": "vllm",
     "version": "fake",
     "usage_in_streams": True,
     "continues": True,
+    "echoes": True,
     "routes": list(DEMO_ROUTES),
 }
 

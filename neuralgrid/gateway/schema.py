@@ -15,7 +15,7 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from neuralgrid.protocol.tunnel import MAX_TYPE, is_content_type
 
@@ -37,11 +37,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+# Servers' own names for an answer's length and count: llama.cpp's n_predict and n_cmpl, Ollama's
+# num_predict, TGI's and SGLang's max_new_tokens. Where a server reads them they win over max_tokens
+# and n, so a node would generate what they ask while the key is held and billed within max_tokens
+# times n (a review got 400 tokens from a real llama-server billed as 5).
+OTHER_LIMITS = {
+    "n_predict": "max_tokens",
+    "n_cmpl": "n",
+    "num_predict": "max_tokens",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class _Billed(_Strict):
+    """A request for generated text: its length and count are asked in OpenAI's terms only."""
+
+    n_predict: Any = None
+    n_cmpl: Any = None
+    num_predict: Any = None
+    max_new_tokens: Any = None
+
+    @field_validator(*OTHER_LIMITS, mode="before")
+    @classmethod
+    def _in_openai_terms(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            name = str(info.field_name)
+            raise ValueError(
+                f"{name} is not accepted here: ask with {OTHER_LIMITS[name]}, which is what is billed"
+            )
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Generation(_Strict):
+class _Generation(_Billed):
     model: ModelId
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,6 +127,14 @@ class CompletionRequest(_Generation):
     best_of: Annotated[int, Field(ge=1, le=20)] | None = None
     suffix: str | None = None
 
+    @field_validator("best_of")
+    @classmethod
+    def _no_unbilled_candidates(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        # The candidates past n are generated and never reported in the usage: not billed.
+        if best_of is not None and best_of > (info.data.get("n") or 1):
+            raise ValueError("best_of above n is not served: the extra candidates would not be billed")
+        return best_of
+
 
 class EmbeddingRequest(_Strict):
     model: ModelId
@@ -106,7 +144,7 @@ class EmbeddingRequest(_Strict):
     user: EndUser | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Billed):
     """OpenAI's Responses API. Stateless here: a response is not kept where the next request may
     run (any node), so continuing one (previous_response_id, conversation) is refused."""
 

@@ -19,6 +19,12 @@ Route = Literal[
 ROUTES: tuple[Route, ...] = get_args(Route)
 # What every node served before nodes reported their routes (and what one that does not say serves).
 DEFAULT_ROUTES: tuple[Route, ...] = ("chat/completions", "completions", "embeddings")
+# Not a path: a completion that echoes its prompt (`echo: true`), which some servers ignore
+# (llama-server). A node serves it when its agent verified that its server echoes (backend.echoes;
+# derived in SQL, never listed by an agent), and the matcher sends echo requests only to those.
+ECHO = "completions+echo"
+# What the matcher filters on (nodes.routes in SQL may hold exactly these).
+MATCHED: tuple[str, ...] = (*ROUTES, ECHO)
 
 
 def path(route: Route) -> str:

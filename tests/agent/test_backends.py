@@ -352,21 +352,65 @@ def test_embeddings_of_a_chat_model_are_the_clients_400_and_no_nodes_fault(stack
     assert stack.node("status", "consecutive_failures") == ("online", 0)
 
 
-def test_echo_is_the_prompt_and_its_answer_or_a_400_where_the_server_cannot(stack: Stack) -> None:
+def test_a_servers_own_length_and_count_fields_are_refused_not_generated_unbilled(stack: Stack) -> None:
+    """llama-server reads n_predict before max_tokens and n_cmpl as n: passed on, a review got 400
+    tokens billed as 5. The gateway asks in OpenAI's terms only, which are what it bills."""
+    headers = {"authorization": f"Bearer {stack.key}"}
+    chat = {"model": SMOLLM2, "messages": STORY, "max_tokens": 5, "temperature": 0}
+    for extra, param in (({"n_predict": 64}, "n_predict"), ({"n_cmpl": 2}, "n_cmpl")):
+        resp = httpx.post(stack.gateway + "/v1/chat/completions", json={**chat, **extra}, headers=headers)
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["error"]["param"] == param, resp.json()
+
+
+ECHO = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "echo": True}
+
+
+def test_echo_is_the_prompt_and_its_answer_or_refused_where_no_server_can(stack: Stack) -> None:
     """llama-server ignores `echo`: its answer would come without the prompt, and nothing would
-    say so. The agent checks what its server does, and refuses what it cannot do."""
-    body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "echo": True}
+    say so. The agent checks what its server does, and the matcher sends echo requests only to
+    nodes whose server echoes: with none, the client is told so (no retry helps)."""
     headers = {"authorization": f"Bearer {stack.key}"}
     stack.settle()
-    resp = httpx.post(stack.gateway + "/v1/completions", json=body, headers=headers, timeout=60)
+    resp = httpx.post(stack.gateway + "/v1/completions", json=ECHO, headers=headers, timeout=60)
     if stack.server.kind == "llama.cpp":
-        assert resp.status_code == 400, resp.text
+        assert resp.status_code == 503, resp.text
         error = resp.json()["error"]
-        assert error["message"] == "this node's server (llama.cpp) does not echo prompts", error
+        assert error["code"] == "route_not_served", error
+        assert (
+            error["message"]
+            == f"no online node for {SMOLLM2} echoes prompts: `echo` needs a server that honours it"
+        )
+        assert stack.node("status", "consecutive_failures") == ("online", 0)
         return
     assert resp.status_code == 200, resp.text
     text = resp.json()["choices"][0]["text"]
     assert text.startswith("Once upon a time") and len(text) > len("Once upon a time"), text
+
+
+def test_echo_goes_to_a_node_whose_server_echoes_past_a_better_one_that_cannot(
+    pg_server: Any, template_db: str, tmp_path: Path
+) -> None:
+    """A fleet of a real llama-server (which ignores `echo`) and a dearer server that echoes: plain
+    completions go to the llama-server node, which ranks first; echo requests to the other."""
+    with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s, ExitStack() as cleanup:
+        echoing = make_server("fake", tmp_path)
+        cleanup.callback(echoing.kill)
+        agent, echoing_id = join(s.gateway, s.key, s.conn, echoing, "node-b", "direct")
+        cleanup.callback(agent.stop)
+        s.conn.execute("update nodes set hourly_rate = 5 where id = %s", (echoing_id,))
+        routes: dict[str, list[str]] = dict(s.conn.execute("select name, routes from nodes").fetchall())
+        assert "completions+echo" in routes["node-b"] and "completions+echo" not in routes["node-a"], routes
+        headers = {"authorization": f"Bearer {s.key}"}
+        for echo in (False, True, False, True):
+            s.settle()
+            resp = httpx.post(
+                s.gateway + "/v1/completions", json={**ECHO, "echo": echo}, headers=headers, timeout=60
+            )
+            assert resp.status_code == 200, resp.text
+            node = UUID(resp.headers["x-neuralgrid-node"])
+            assert node == (echoing_id if echo else s.node_id), (echo, node)
+            assert resp.json()["choices"][0]["text"].startswith("Once upon a time") == echo
 
 
 def test_a_seed_gives_the_same_answer_twice(stack: Stack) -> None:

@@ -48,6 +48,11 @@ HOSTILE: list[tuple[str, Any]] = [
         json.dumps({**CHAT, "temperature": "NAN"}).replace('"NAN"', "NaN"),
     ),
     ("messages not a list", {**CHAT, "messages": "hi"}),
+    # Servers' own names for the answer's length and count: generated, never billed.
+    ("llama.cpp's n_predict", {**CHAT, "max_tokens": 5, "n_predict": 400}),
+    ("llama.cpp's n_cmpl", {**CHAT, "n_cmpl": 8}),
+    ("Ollama's num_predict", {**CHAT, "num_predict": 400}),
+    ("TGI's max_new_tokens", {**CHAT, "max_new_tokens": 400}),
     ("a body that is a list", [CHAT]),
     ("not JSON", "{"),
     ("not UTF-8", b"\xff\xfe{}"),
@@ -72,6 +77,29 @@ def test_hostile_bodies_get_a_4xx_in_openais_shape(
     error = resp.json()["error"]
     assert error["message"] and error["type"], case
     assert node.requests == 0, case  # no node was troubled with it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/responses", {"model": LLAMA8, "input": "hi", "n_predict": 400}, "n_predict"),
+        ("/v1/completions", {"model": LLAMA8, "prompt": "hi", "n": 2, "best_of": 4}, "best_of"),
+    ],
+)
+def test_generation_beyond_what_is_billed_is_refused_on_every_route(
+    gateway: str, api_key: str, fake_nodes: Any, path: str, body: dict[str, Any], param: str
+) -> None:
+    node = fake_nodes()
+    resp = httpx.post(gateway + path, json=body, headers={"authorization": f"Bearer {api_key}"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text[:300]
+    assert node.requests == 0
+
+
+def test_best_of_as_many_as_n_is_n_answers(gateway: str, api_key: str, fake_nodes: Any) -> None:
+    fake_nodes()
+    body = {"model": LLAMA8, "prompt": "hi", "n": 2, "best_of": 2, "max_tokens": 3}
+    resp = httpx.post(gateway + "/v1/completions", json=body, headers={"authorization": f"Bearer {api_key}"})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 2, resp.text[:300]
 
 
 def test_an_error_names_the_rule_the_value_broke(gateway: str, api_key: str) -> None:

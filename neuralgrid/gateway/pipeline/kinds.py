@@ -3,7 +3,10 @@ serve it), the catalog models that serve it, whether it streams, and which field
 
 from __future__ import annotations
 
-from neuralgrid.protocol.routes import Route, path
+from collections.abc import Mapping
+from typing import Any
+
+from neuralgrid.protocol.routes import ECHO, Route, path
 
 ROUTES: dict[str, Route] = {
     "chat": "chat/completions",
@@ -17,6 +20,14 @@ ROUTES: dict[str, Route] = {
     "speech": "audio/speech",
 }
 PATHS = {kind: path(route) for kind, route in ROUTES.items()}
+
+
+def matched_route(kind: str, body: Mapping[str, Any]) -> str:
+    """The route the matcher looks for nodes serving: the kind's, or for a completion that asks to
+    echo its prompt, the echo route (only nodes whose server echoes serve it)."""
+    return ECHO if kind == "completion" and body.get("echo") is True else ROUTES[kind]
+
+
 # The kinds whose answer a client may have streamed (chat and completions in OpenAI's chunks, the
 # Responses API in its response.* events).
 STREAMING = frozenset({"chat", "completion", "responses"})

@@ -17,9 +17,9 @@ from neuralgrid.gateway import errors
 from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
-from neuralgrid.gateway.pipeline.kinds import ROUTES
+from neuralgrid.gateway.pipeline.kinds import matched_route
 from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
-from neuralgrid.protocol.routes import DEFAULT_ROUTES
+from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
 QUEUE_MS = "x-neuralgrid-queue-ms"  # how long a request waited for a slot, on its answer or refusal
 
@@ -72,7 +72,7 @@ class Placement:
             policy=call.policy,
             region=call.region,
             max_hourly_rate=call.max_hourly_rate,
-            route=ROUTES[call.kind],
+            route=matched_route(call.kind, call.body),
         )
         fallbacks = self.max_attempts - 1
         hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
@@ -97,7 +97,7 @@ class Placement:
                     waited = time.perf_counter() - queued
             self.metrics.queue_wait.observe(waited)
             if match.refusal == "route":  # no wait makes a node serve another route
-                raise errors.RouteNotServed(match.error or f"no online node serves {request.route}")
+                raise errors.RouteNotServed(_not_served(request, match.error))
             if match.node_id is None or match.endpoint_url is None:
                 raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
         except errors.GatewayError as refused:  # a refusal says how long it waited, as an answer does
@@ -167,6 +167,12 @@ class Placement:
 
     async def reject(self, job_id: UUID, error: str, status: int | None) -> None:
         await self.store.one(q.REJECT_JOB, (job_id, error, status))
+
+
+def _not_served(request: q.MatchRequest, error: str | None) -> str:
+    if request.route == ECHO:
+        return f"no online node for {request.model} echoes prompts: `echo` needs a server that honours it"
+    return error or f"no online node serves /v1/{request.route} for {request.model}"
 
 
 def _node(row: q.Assignment | None) -> Node | None:

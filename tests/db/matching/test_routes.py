@@ -12,7 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from neuralgrid.db.matching import MatchRequest, score_nodes
-from neuralgrid.protocol.routes import DEFAULT_ROUTES, ROUTES
+from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO, MATCHED, ROUTES
 from tests.conftest import LLAMA8, make_key, make_node
 from tests.db.matching.test_fast_path import full_scan, random_fleet, random_request
 
@@ -67,8 +67,10 @@ def test_the_routes_an_agent_reports_are_the_nodes_and_unknown_ones_are_refused(
 
 
 def test_sql_knows_exactly_the_routes_python_knows(conn: psycopg.Connection) -> None:
-    for route in ROUTES:
-        make_node(conn, routes=[route])
+    for route in MATCHED:
+        # The echo route is a server's that echoes, serving completions (derived, not written).
+        echoes = {"routes": ["completions"], "backend": Jsonb({"kind": "vllm", "echoes": True})}
+        make_node(conn, **(echoes if route == ECHO else {"routes": [route]}))
         with conn.transaction(force_rollback=True):
             conn.execute("update nodes set status = 'offline'")
             assert place(conn, route)[3] == "none"  # a known route: placed (or refused) as any other
@@ -145,7 +147,7 @@ def test_the_fast_path_equals_the_full_scan_with_routes(conn: psycopg.Connection
             conn.execute("update nodes set routes = %s where id = %s", (routes, node))
     for _ in range(150):
         base, k = random_request(rng), rng.randint(1, 40)
-        request = MatchRequest(**{**base.__dict__, "route": rng.choice([None, *ROUTES])})
+        request = MatchRequest(**{**base.__dict__, "route": rng.choice([None, *MATCHED])})
         fast = score_nodes(conn, request, limit=k)
         slow = full_scan(conn, request, k)
         assert [r.node_id for r in fast] == [r.node_id for r in slow], request
@@ -168,3 +170,39 @@ def test_the_fast_path_equals_the_full_scan_with_routes_under_vram_pressure(conn
         assert [r.node_id for r in score_nodes(conn, request, limit=k)] == [
             r.node_id for r in full_scan(conn, request, k)
         ]
+
+
+def test_a_node_serves_echo_when_its_agent_found_its_server_echoes_and_only_then(
+    conn: psycopg.Connection,
+) -> None:
+    """The echo route is derived from backend.echoes, whoever writes the routes, and needs completions."""
+    vllm = {"kind": "vllm", "routes": ["chat/completions", "completions"]}
+    node = make_node(conn, backend=Jsonb({**vllm, "echoes": True}))
+    assert routes_of(conn, node) == ["chat/completions", "completions", ECHO]
+    conn.execute("update nodes set backend = %s where id = %s", (Jsonb({**vllm, "echoes": False}), node))
+    assert routes_of(conn, node) == ["chat/completions", "completions"]
+    # Listed by an agent, or written alone, it is not served unless the server echoes.
+    listed = {**vllm, "routes": ["completions", ECHO]}
+    conn.execute("update nodes set backend = %s where id = %s", (Jsonb(listed), node))
+    assert routes_of(conn, node) == ["completions"]
+    conn.execute("update nodes set routes = %s where id = %s", (["completions", ECHO], node))
+    assert routes_of(conn, node) == ["completions"]
+    # An agent that no longer says its routes keeps them, and echo still follows what it found.
+    conn.execute(
+        "update nodes set backend = %s where id = %s", (Jsonb({"kind": "vllm", "echoes": True}), node)
+    )
+    assert routes_of(conn, node) == ["completions", ECHO]
+    # No completions, no echo.
+    chat = {"kind": "vllm", "routes": ["chat/completions"], "echoes": True}
+    conn.execute("update nodes set backend = %s where id = %s", (Jsonb(chat), node))
+    assert routes_of(conn, node) == ["chat/completions"]
+
+
+def test_echo_requests_go_only_to_nodes_that_echo(conn: psycopg.Connection) -> None:
+    make_node(conn, "ignores", backend=Jsonb({"kind": "llama.cpp", "echoes": False}), hourly_rate=0.1)
+    echoes = make_node(conn, "echoes", backend=Jsonb({"kind": "vllm", "echoes": True}), hourly_rate=5)
+    assert place(conn, "completions")[0] != echoes  # the cheaper one, for a plain completion
+    assert place(conn, ECHO)[0] == echoes
+    conn.execute("update nodes set status = 'offline' where id = %s", (echoes,))
+    node, error, _, refusal = place(conn, ECHO, wait=True)
+    assert (node, refusal) == (None, "route") and error == f"no online node serves /v1/{ECHO} for {LLAMA8}"
