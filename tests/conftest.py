@@ -254,6 +254,7 @@ def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
         found = {
             "kind": config.kind,
             "continues": config.continues,
+            "echoes": config.echoes,
             "usage_in_streams": config.usage_in_streams,
             "routes": list(config.routes),
         }

@@ -264,7 +264,12 @@ PLACE_JOB = Query(
 # Requests placed together (gateway/claims.py): each request's PLACE_JOB parameters but the gateway,
 # as a JSON array of objects.
 PLACE_JOBS = Query("place_jobs", "select * from public.place_jobs(%s, %s)", class_row(GroupedMatch))
-GATEWAY_ALIVE = Query("gateway_alive", "select public.gateway_alive(%s)", scalar_row)
+# A check-in also reads how long a job may run (the sweep ends one running longer, unbilled).
+GATEWAY_ALIVE = Query(
+    "gateway_alive",
+    "select s.job_deadline_s from public.gateway_alive(%s), public.platform_settings s",
+    scalar_row,
+)
 FAILOVER_JOB = Query(
     "failover_job",
     "select node_id, endpoint_url, node_key, attempt from public.failover_job(%s, %s, %s, %s::uuid[])",
@@ -501,7 +506,11 @@ FEED_INSTALLED = Query(
 PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", scalar_row)
 # Tunnels through any gateway (20261125000300_tunnel_routes.sql): each gateway says where the others
 # reach it, records the tunnels it holds, and asks which gateway holds the tunnels it does not.
-GATEWAY_ALIVE_AT = Query("gateway_alive_at", "select public.gateway_alive(%s, %s)", scalar_row)
+GATEWAY_ALIVE_AT = Query(
+    "gateway_alive_at",
+    "select s.job_deadline_s from public.gateway_alive(%s, %s), public.platform_settings s",
+    scalar_row,
+)
 ATTACH_TUNNEL = Query("attach_tunnel", "select public.attach_tunnel(%s, %s, %s)", scalar_row)
 DETACH_TUNNEL = Query("detach_tunnel", "select public.detach_tunnel(%s, %s)", scalar_row)
 TUNNEL_ROUTE = Query(

@@ -44,7 +44,7 @@ from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
 from neuralgrid.gateway.pipeline.meter import Metering
 from neuralgrid.gateway.pipeline.place import Placement
-from neuralgrid.gateway.pipeline.relay import Relay
+from neuralgrid.gateway.pipeline.relay import JobDeadline, Relay
 from neuralgrid.gateway.pipeline.send import Sender
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
@@ -134,8 +134,11 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         peers = forward.Peers(store, gateway_id, forward.forwarding_key(settings), settings.connect_timeout_s)
         tunnels = Tunnels(gateway_id, peers)
         internal_url = forward.internal_url(settings)
-        await check_in(store, gateway_id, internal_url)  # known before it places a job or holds a tunnel
-        pipeline = _pipeline(settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id)
+        # Known before it places a job or holds a tunnel; and the job deadline, before it relays a stream.
+        deadline = JobDeadline(await check_in(store, gateway_id, internal_url))
+        pipeline = _pipeline(
+            settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id, deadline
+        )
         hub = Hub(pool, session_url)
         tokens = TokenKeys(
             settings.jwt_secret,
@@ -154,7 +157,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                     reconnected=lambda: _missed(keys, room),
                 )
             ),
-            asyncio.create_task(keep_checking_in(store, gateway_id, stop, internal_url)),
+            asyncio.create_task(keep_checking_in(store, gateway_id, stop, internal_url, deadline.learned)),
         ]
         if await store.get(q.REALTIME_FEED_INSTALLED):
             tasks.append(asyncio.create_task(hub.run(stop)))
@@ -265,6 +268,7 @@ def _pipeline(
     tunnels: Tunnels,
     room: WaitingRoom,
     gateway_id: uuid.UUID,
+    deadline: JobDeadline,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
     metering = Metering(Completions(store), limiter, metrics)
@@ -279,6 +283,6 @@ def _pipeline(
         settings.platform_key(signing.REQUEST_KEYS),
         settings.max_answer_bytes,
     )
-    relay = Relay(sender, placement, metering, metrics, settings.resume_streams)
+    relay = Relay(sender, placement, metering, metrics, settings.resume_streams, deadline)
     admission = Admission(Catalog(store), limiter, settings.default_max_tokens)
     return Pipeline(admission, placement, sender, relay, metering, metrics)

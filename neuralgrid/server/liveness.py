@@ -4,7 +4,8 @@ Each job records the gateway that placed it (PLACE_JOB), and the sweep ends the 
 gateway silent for platform_settings.gateway_timeout_s (15 s): a gateway killed mid-request leaves
 no node slot or budget hold taken for longer than that. A check-in also says where the other gateways
 reach this one (its internal URL), to forward requests for the tunnels it holds; those tunnels are
-forgotten, their nodes offline, when it falls silent.
+forgotten, their nodes offline, when it falls silent. And it reads how long a job may run
+(platform_settings.job_deadline_s), so that the gateway ends its streams before the sweep would.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from uuid import UUID
 
 from neuralgrid.db import queries as q
@@ -22,22 +24,29 @@ log = logging.getLogger(__name__)
 CHECK_IN_EVERY_S = 2.0
 
 
-async def check_in(store: Store, gateway_id: UUID, internal_url: str | None = None) -> None:
-    """One check-in; with internal_url, where the other gateways reach this one."""
+async def check_in(store: Store, gateway_id: UUID, internal_url: str | None = None) -> float:
+    """One check-in; with internal_url, where the other gateways reach this one. Returns the job
+    deadline, in seconds."""
     if internal_url is None:
-        await store.one(q.GATEWAY_ALIVE, (gateway_id,))
-    else:
-        await store.one(q.GATEWAY_ALIVE_AT, (gateway_id, internal_url))
+        return float(await store.get(q.GATEWAY_ALIVE, (gateway_id,)))
+    return float(await store.get(q.GATEWAY_ALIVE_AT, (gateway_id, internal_url)))
 
 
 async def keep_checking_in(
-    store: Store, gateway_id: UUID, stop: asyncio.Event, internal_url: str | None = None
+    store: Store,
+    gateway_id: UUID,
+    stop: asyncio.Event,
+    internal_url: str | None = None,
+    deadline: Callable[[float], None] | None = None,
 ) -> None:
-    """Check in until stop is set, through database outages (said once each)."""
+    """Check in until stop is set, through database outages (said once each); each time, the job
+    deadline read goes to `deadline`."""
     down = False
     while not stop.is_set():
         try:
-            await check_in(store, gateway_id, internal_url)
+            seconds = await check_in(store, gateway_id, internal_url)
+            if deadline is not None:
+                deadline(seconds)
             if down:
                 log.info("gateway %s checks in again", gateway_id)
             down = False

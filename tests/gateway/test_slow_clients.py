@@ -1,19 +1,23 @@
 """Slow clients (a slowloris) cannot hold the gateway's sockets: late headers close the connection,
-a late body gets a 408."""
+a late body gets a 408; nor can a stream outlast its job's deadline, unbilled."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
+from tests.conftest import LLAMA8, wait_for
 
 
 @pytest.fixture
@@ -121,3 +125,93 @@ def test_headers_past_64_kib_are_a_431_and_the_connection_ends(impatient: Thread
     assert _answer_to_headers(impatient.port, 8 << 20).startswith(b"HTTP/1.1 431")
     # One header that never ends: the parser holds it without a callback (a review's case).
     assert _answer_to_headers(impatient.port, 8 << 20, one=True).startswith(b"HTTP/1.1 431")
+
+
+# Streams and the job deadline ---------------------------------------------------------------------
+
+DEADLINE_S = 4  # a stream is cut off 2 s in (half the deadline, for one this short)
+
+
+@pytest.fixture
+def short_deadline(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
+    """A gateway on a platform whose jobs may run DEADLINE_S seconds (read when it starts)."""
+    conn.execute("update platform_settings set job_deadline_s = %s", (DEADLINE_S,))
+    with ThreadedServer(create_app(Settings(), db_url, sweep=False)) as server:
+        yield server.url
+
+
+def job_after_the_sweep(conn: psycopg.Connection) -> tuple[Any, ...]:
+    """The job as the database has it once the deadline has passed and the sweep has run."""
+    wait_for(lambda: time.monotonic() - started[0] > DEADLINE_S + 0.5, timeout=DEADLINE_S + 5)
+    conn.execute("select * from public.sweep()")
+    row = conn.execute("select status, completion_tokens, cost_usd::float8, error from jobs").fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+started = [0.0]
+
+
+def test_a_stream_still_going_at_the_deadline_ends_charged_for_what_was_sent(
+    short_deadline: str, api_key: str, conn: psycopg.Connection, fake_nodes: Any
+) -> None:
+    """Found by a billing review: the sweep ended a stream's job at the deadline as failed, and the
+    stream went on to its end, all of it unbilled. The gateway now ends it first, with an error event."""
+    fake_nodes(tokens_per_s=10)
+    body = {
+        "model": LLAMA8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 200,
+        "stream": True,
+    }
+    started[0] = time.monotonic()
+    with httpx.stream(
+        "POST",
+        f"{short_deadline}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=30,
+    ) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert time.monotonic() - started[0] < DEADLINE_S, "the stream ran past its deadline"
+    error = json.loads(lines[-2][5:])["error"]
+    assert (error["code"], lines[-1]) == ("deadline_exceeded", "data: [DONE]"), lines[-3:]
+    status, tokens, cost, why = job_after_the_sweep(conn)
+    assert (status, why) == ("cancelled", f"the stream passed the job deadline ({DEADLINE_S} s)")
+    assert tokens > 5 and cost > 0, (tokens, cost)
+
+
+def test_a_client_that_stops_reading_cannot_have_a_stream_outlast_the_deadline_unbilled(
+    short_deadline: str, api_key: str, conn: psycopg.Connection, fake_nodes: Any
+) -> None:
+    """A client that reads nothing holds the gateway's writes (and the stream) for as long as it
+    likes: a review read a whole answer after the sweep, free. The gateway gives such a stream up
+    before the deadline, and charges what the node sent."""
+    fake_nodes(context_length=40_000)  # events enough to fill the sockets' buffers (4 MiB here)
+    body = json.dumps(
+        {
+            "model": LLAMA8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30_000,
+            "stream": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    port = int(short_deadline.rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.connect(("127.0.0.1", port))
+        started[0] = time.monotonic()
+        sock.sendall(head + body)
+        status, tokens, cost, why = job_after_the_sweep(conn)  # reading nothing meanwhile
+        received = b""
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    assert (status, why) == ("cancelled", "the client did not read the stream before the job deadline")
+    assert tokens > 0 and cost > 0, (tokens, cost)

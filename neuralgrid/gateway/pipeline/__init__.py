@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobOutcome
@@ -136,8 +136,7 @@ class Pipeline:
         }
         if admitted.stream:
             self._stamp_overhead(headers, call.received, not_ours)
-            events = self.relay.events(admitted, delivery, meter, placed.candidates)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers | STREAM_HEADERS)
+            return self.relay.response(admitted, delivery, meter, placed.candidates, headers | STREAM_HEADERS)
         return await self._answer(admitted, delivery, meter, headers, call.received, not_ours)
 
     def _stamp_overhead(self, headers: dict[str, str], received: float, not_ours: float) -> None:

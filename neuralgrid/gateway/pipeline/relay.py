@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
@@ -13,6 +14,8 @@ from uuid import UUID
 
 import psycopg
 from prometheus_client import Histogram
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobOutcome
@@ -34,24 +37,98 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "str
 # Events a stream may have besides a token's each (two, with a slack): the role's, the finish, usage,
 # keep-alives, the Responses API's lifecycle events.
 EXTRA_EVENTS = 1024
+# A job still running at its deadline (platform_settings.job_deadline_s) is ended by the sweep as
+# failed, unbilled. So a stream is cut off this long before it: the gateway ends its job, charged
+# for what the node sent. A client that does not read (its writes wait) is given up CUT_GRACE_S later.
+CUT_EARLY_S = 10.0
+CUT_GRACE_S = 5.0
+
+
+class JobDeadline:
+    """How long a job may run, as the gateway's last check-in read it: when its streams are cut."""
+
+    def __init__(self, seconds: float = 900.0) -> None:
+        self.seconds = seconds
+
+    def learned(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+
+    def cut(self, received: float) -> tuple[float, float]:
+        """When a stream of a request received then (time.perf_counter()) is cut off, and when one
+        whose client does not read is given up: both before the sweep would end its job."""
+        early = min(CUT_EARLY_S, self.seconds / 2)
+        grace = min(CUT_GRACE_S, early / 2)
+        return received + self.seconds - early, received + self.seconds - early + grace
+
+
+class PastDeadline(Exception):
+    """The stream reached its cut-off before its end."""
+
+
+class CutStream(StreamingResponse):
+    """A stream given up at `give_up` (time.perf_counter()) if it is still being written then: a
+    client that stops reading holds the write, and the stream's events with it, for as long as it
+    likes. Closing the events ends the job (see Relay.events)."""
+
+    def __init__(self, content: AsyncIterator[bytes], give_up: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.events = content
+        self.give_up = give_up
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + self.give_up - time.perf_counter()):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            log.warning("a stream's client read too slowly to have it before the job deadline: cut off")
+            close = getattr(self.events, "aclose", None)
+            if close is not None:
+                await close()
 
 
 class Relay:
     def __init__(
-        self, sender: Sender, placement: Placement, metering: Metering, metrics: Metrics, resume_streams: bool
+        self,
+        sender: Sender,
+        placement: Placement,
+        metering: Metering,
+        metrics: Metrics,
+        resume_streams: bool,
+        deadline: JobDeadline | None = None,
     ) -> None:
         self.sender = sender
         self.placement = placement
         self.metering = metering
         self.metrics = metrics
         self.resume_streams = resume_streams
+        self.deadline = deadline or JobDeadline()
+
+    def response(
+        self,
+        admitted: Admitted,
+        delivery: Delivery,
+        meter: Meter,
+        candidates: list[UUID],
+        headers: dict[str, str],
+    ) -> StreamingResponse:
+        """The client's stream as a response, cut off before its job's deadline."""
+        cut, give_up = self.deadline.cut(admitted.call.received)
+        events = self.events(admitted, delivery, meter, candidates, cut)
+        return CutStream(events, give_up, media_type="text/event-stream", headers=headers)
 
     async def events(
-        self, admitted: Admitted, delivery: Delivery, meter: Meter, candidates: list[UUID]
+        self,
+        admitted: Admitted,
+        delivery: Delivery,
+        meter: Meter,
+        candidates: list[UUID],
+        cut: float = math.inf,
     ) -> AsyncIterator[bytes]:
         """The client's stream; the job ends (metered) however the stream does. A whole answer's
         job is ended before its last event ([DONE]; the Responses API's response.completed) is
-        passed on, so the slot is free when the client is told."""
+        passed on, so the slot is free when the client is told. At `cut` (time.perf_counter()) a
+        stream still going ends with an error event, its job charged for what the node sent."""
         wants_usage = bool((admitted.call.body.get("stream_options") or {}).get("include_usage"))
         most = 2 * admitted.max_output_tokens + EXTRA_EVENTS if admitted.max_output_tokens else None
         events = ResponseEvents(most) if admitted.call.kind == "responses" else SseEvents(wants_usage, most)
@@ -68,7 +145,11 @@ class Relay:
                     while not events.done:
                         for event in last:
                             yield event
-                        raw = await anext(delivery.chunks, None)
+                        try:
+                            async with asyncio.timeout(max(cut - time.perf_counter(), 0)):
+                                raw = await anext(delivery.chunks, None)
+                        except TimeoutError:
+                            raise PastDeadline() from None
                         if raw is None:
                             raise NodeError("the node ended the stream before its last event")
                         last = gaps.fed(events, raw)
@@ -89,9 +170,15 @@ class Relay:
             outcome, error = drop.outcome, drop.message
             for event in _stream_error(admitted.call.kind, error):
                 yield event
+        except PastDeadline:  # neither the node's fault nor the client's: charged, neutral
+            outcome, error = "cancelled", f"the stream passed the job deadline ({self.deadline.seconds:g} s)"
+            for event in _stream_error(admitted.call.kind, error, "deadline_exceeded"):
+                yield event
         except BaseException:
             if not events.done:  # the client went away before the end (cancelled): keep what was used
                 outcome, error = "cancelled", "the client disconnected"
+                if time.perf_counter() >= cut:
+                    error = "the client did not read the stream before the job deadline"
             raise
         finally:
             # Recorded before anything is awaited: a client that left cancels every await here.
@@ -137,13 +224,13 @@ class Relay:
         return delivery
 
 
-def _stream_error(kind: str, message: str) -> list[bytes]:
+def _stream_error(kind: str, message: str, code: str = "upstream_dropped") -> list[bytes]:
     """How a stream that cannot go on ends, in its API's own terms: the Responses API's `error` event
     (its streams have no [DONE]), else an error body and [DONE] as OpenAI's chat streams end."""
     if kind == "responses":
-        event = {"type": "error", "code": "upstream_dropped", "message": message, "param": None}
+        event = {"type": "error", "code": code, "message": message, "param": None}
         return [f"event: error\ndata: {json.dumps(event)}\n\n".encode()]
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_dropped"}}
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return [f"data: {json.dumps(body)}\n\n".encode(), b"data: [DONE]\n\n"]
 
 

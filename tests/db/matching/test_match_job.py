@@ -117,14 +117,22 @@ def test_a_price_raised_while_a_job_runs_is_not_its_price(conn: psycopg.Connecti
     """Found by a security review: a job priced by node time was charged the node's price as it was
     when the job ended, which its owner may change through the Data API; raised a million-fold (and
     its slots cut to one) mid-job, a one-minute job cost its key $16,666 and earned the owner 85% of
-    it. A rise applies to what runs after a job deadline (15 minutes) has passed; a cut, at once."""
+    it. A job is never charged more than the node's price when it was placed: it pays the lower of
+    the price now and the lowest the node had in the job deadline (15 minutes) before; a cut applies
+    at once."""
     node = make_node(conn, hourly_rate=3.6, max_concurrency=4, models={"custom:7b": "loaded"})
     running = match_job(conn, MatchRequest(model="custom:7b"))
     conn.execute("update nodes set hourly_rate = 9999, max_concurrency = 1 where id = %s", (node,))
     assert complete_job(conn, running.job_id, latency_ms=1000) == pytest.approx(3.6 / 3600 / 4)
-    # Placed after the rise, within the deadline: still the price it rose from.
+    # Placed after the rise and ended within the deadline: the lower price it rose from.
     after = match_job(conn, MatchRequest(model="custom:7b"))
     assert complete_job(conn, after.job_id, latency_ms=1000) == pytest.approx(3.6 / 3600 / 4)
+    # Placed after the rise and ended after it: the price it was placed at, never more (a review
+    # read "a rise applies to jobs placed a deadline later" in the docs; no job was charged more
+    # than its placement's price, but the docs promised more than that).
+    later_end = match_job(conn, MatchRequest(model="custom:7b"))
+    conn.execute("update nodes set price_floor_until = now() - interval '1 second' where id = %s", (node,))
+    assert complete_job(conn, later_end.job_id, latency_ms=1000) == pytest.approx(9999 / 3600)
     # A cut applies at once.
     conn.execute("update nodes set hourly_rate = 0.36, max_concurrency = 4 where id = %s", (node,))
     cut = match_job(conn, MatchRequest(model="custom:7b"))
