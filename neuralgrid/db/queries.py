@@ -264,11 +264,21 @@ PLACE_JOB = Query(
 # Requests placed together (gateway/claims.py): each request's PLACE_JOB parameters but the gateway,
 # as a JSON array of objects.
 PLACE_JOBS = Query("place_jobs", "select * from public.place_jobs(%s, %s)", class_row(GroupedMatch))
-# A check-in also reads how long a job may run (the sweep ends one running longer, unbilled).
+
+
+@dataclass(frozen=True)
+class CheckedIn:
+    """What a gateway's check-in reads: how long a job may run (the sweep ends one running longer,
+    unbilled), and how long a gateway may be silent before the sweep forgets its jobs and tunnels."""
+
+    job_deadline_s: float
+    gateway_timeout_s: float
+
+
 GATEWAY_ALIVE = Query(
     "gateway_alive",
-    "select s.job_deadline_s from public.gateway_alive(%s), public.platform_settings s",
-    scalar_row,
+    "select s.job_deadline_s, s.gateway_timeout_s from public.gateway_alive(%s), public.platform_settings s",
+    class_row(CheckedIn),
 )
 FAILOVER_JOB = Query(
     "failover_job",
@@ -508,8 +518,12 @@ PRUNE_FEED = Query("prune_feed", "select realtime.prune_feed()", scalar_row)
 # reach it, records the tunnels it holds, and asks which gateway holds the tunnels it does not.
 GATEWAY_ALIVE_AT = Query(
     "gateway_alive_at",
-    "select s.job_deadline_s from public.gateway_alive(%s, %s), public.platform_settings s",
-    scalar_row,
+    "select s.job_deadline_s, s.gateway_timeout_s"
+    " from public.gateway_alive(%s, %s), public.platform_settings s",
+    class_row(CheckedIn),
+)
+RESTORE_TUNNELS = Query(
+    "restore_tunnels", "select node_id from public.restore_tunnels(%s, %s::uuid[], %s::uuid[])", scalar_row
 )
 ATTACH_TUNNEL = Query("attach_tunnel", "select public.attach_tunnel(%s, %s, %s)", scalar_row)
 DETACH_TUNNEL = Query("detach_tunnel", "select public.detach_tunnel(%s, %s)", scalar_row)

@@ -17,6 +17,7 @@ from uuid import UUID, uuid4
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from neuralgrid.db import queries as q
 from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
 from neuralgrid.protocol.tunnel import (
     MAX_DATA,
@@ -36,6 +37,7 @@ from neuralgrid.protocol.tunnel import (
 )
 
 if TYPE_CHECKING:
+    from neuralgrid.db.store import Store
     from neuralgrid.gateway.forward import Peers
 
 AgentFrame = Start | Data | End | Err
@@ -243,6 +245,15 @@ class Tunnels:
             await resp.close()
             raise
         return resp
+
+    async def restore(self, store: Store) -> list[UUID]:
+        """Record again the tunnels held here that the sweep forgot (this gateway checked in late,
+        its sockets open all along); returns their nodes."""
+        links = list(self.by_node.values())
+        if not links:
+            return []
+        ids = ([link.node_id for link in links], [link.socket_id for link in links])
+        return await store.all(q.RESTORE_TUNNELS, (self.gateway_id, *ids))
 
     def attach(self, link: Tunnel) -> None:
         """The node's newest socket carries its requests from now on."""

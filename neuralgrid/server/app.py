@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -135,7 +136,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         tunnels = Tunnels(gateway_id, peers)
         internal_url = forward.internal_url(settings)
         # Known before it places a job or holds a tunnel; and the job deadline, before it relays a stream.
-        deadline = JobDeadline(await check_in(store, gateway_id, internal_url))
+        deadline = JobDeadline((await check_in(store, gateway_id, internal_url)).job_deadline_s)
         pipeline = _pipeline(
             settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id, deadline
         )
@@ -157,7 +158,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                     reconnected=lambda: _missed(keys, room),
                 )
             ),
-            asyncio.create_task(keep_checking_in(store, gateway_id, stop, internal_url, deadline.learned)),
+            asyncio.create_task(
+                keep_checking_in(store, gateway_id, stop, internal_url, deadline.learned, tunnels)
+            ),
         ]
         if await store.get(q.REALTIME_FEED_INSTALLED):
             tasks.append(asyncio.create_task(hub.run(stop)))
@@ -168,7 +171,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             hub.off = "Supabase's Realtime serves this database: connect to the project's /realtime/v1"
             log.info("embedded Realtime off: %s", hub.off)
         if sweep:
-            tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop)))
+            own = functools.partial(check_in, gateway_id=gateway_id, internal_url=internal_url)
+            tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop, own)))
         try:
             yield
         finally:

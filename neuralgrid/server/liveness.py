@@ -18,18 +18,18 @@ from uuid import UUID
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
+from neuralgrid.gateway.tunnel import Tunnels
 
 log = logging.getLogger(__name__)
 
 CHECK_IN_EVERY_S = 2.0
 
 
-async def check_in(store: Store, gateway_id: UUID, internal_url: str | None = None) -> float:
-    """One check-in; with internal_url, where the other gateways reach this one. Returns the job
-    deadline, in seconds."""
+async def check_in(store: Store, gateway_id: UUID, internal_url: str | None = None) -> q.CheckedIn:
+    """One check-in; with internal_url, where the other gateways reach this one."""
     if internal_url is None:
-        return float(await store.get(q.GATEWAY_ALIVE, (gateway_id,)))
-    return float(await store.get(q.GATEWAY_ALIVE_AT, (gateway_id, internal_url)))
+        return await store.get(q.GATEWAY_ALIVE, (gateway_id,))
+    return await store.get(q.GATEWAY_ALIVE_AT, (gateway_id, internal_url))
 
 
 async def keep_checking_in(
@@ -38,15 +38,24 @@ async def keep_checking_in(
     stop: asyncio.Event,
     internal_url: str | None = None,
     deadline: Callable[[float], None] | None = None,
+    tunnels: Tunnels | None = None,
 ) -> None:
     """Check in until stop is set, through database outages (said once each); each time, the job
-    deadline read goes to `deadline`."""
-    down = False
+    deadline read goes to `deadline`. After a check-in that came late enough for a sweep to have
+    judged this gateway silent, the tunnels it holds are restored (`tunnels`)."""
+    loop = asyncio.get_running_loop()
+    down, last = False, loop.time()
     while not stop.is_set():
         try:
-            seconds = await check_in(store, gateway_id, internal_url)
+            checked = await check_in(store, gateway_id, internal_url)
             if deadline is not None:
-                deadline(seconds)
+                deadline(checked.job_deadline_s)
+            late = loop.time() - last > checked.gateway_timeout_s / 2
+            if late and tunnels is not None and (restored := await tunnels.restore(store)):
+                log.warning(
+                    "gateway %s checked in late: %d tunnels recorded again", gateway_id, len(restored)
+                )
+            last = loop.time()
             if down:
                 log.info("gateway %s checks in again", gateway_id)
             down = False

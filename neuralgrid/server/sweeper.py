@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import psycopg
 
@@ -48,14 +49,23 @@ async def prune_realtime(conn: psycopg.AsyncConnection) -> int:
     return int(await store.get(q.PRUNE_FEED))
 
 
-async def run_sweeper(url: str, interval_s: float, stop: asyncio.Event) -> None:
-    """Sweep every interval_s until stop is set; reconnects if the database goes away."""
+async def run_sweeper(
+    url: str,
+    interval_s: float,
+    stop: asyncio.Event,
+    check_in: Callable[[Store], Awaitable[object]] | None = None,
+) -> None:
+    """Sweep every interval_s until stop is set; reconnects if the database goes away. A gateway's
+    own sweeper checks in for it first (`check_in`): its process is alive, so are the jobs it
+    relays, though its pools may still be reconnecting after an outage."""
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
                 pruned_at = 0.0
                 while not stop.is_set():
+                    if check_in is not None:
+                        await check_in(Store(conn))
                     for name in await sweep_once(conn):
                         log.info("node %s is silent: marked offline", name)
                     if loop.time() - pruned_at > PRUNE_EVERY_S:

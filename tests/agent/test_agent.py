@@ -621,6 +621,25 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
         assert backend.app.state.requests == 3 + 2  # three checks of the agent's, two of the client's
 
 
+def test_a_tunnel_the_sweep_forgot_while_its_socket_stayed_open_is_recorded_again(
+    conn: psycopg.Connection, gateway: str, operator_key: str, backend: ThreadedServer
+) -> None:
+    """Found by a fault-injection review: a gateway judged silent (a database outage, or paused while
+    another gateway's sweeper ran) lost its tunnels' routes, and their nodes stayed offline for good:
+    the sockets were open, the agents beating, nothing dialled again. A gateway that checks in late
+    records them again. (Here the gateway checks in every 2 s and counts as silent after 0.5 s: each
+    check-in is late, and an outside sweep between two of them forgets its tunnels.)"""
+    with running_agent(conn, gateway, operator_key, backend.url, "nat-box", 24, "--tunnel"):
+        conn.execute("update platform_settings set gateway_timeout_s = 0.5")
+        time.sleep(1)  # silent for longer than that, as the sweep sees it
+        forgotten = conn.execute("select name from public.sweep() where kind = 'node_offline'").fetchall()
+        assert forgotten == [("nat-box",)]
+        assert node_row(conn, "nat-box")[1] == "offline"
+        wait_for(lambda: node_row(conn, "nat-box")[1] == "online", timeout=10)
+        routes = conn.execute("select count(*) from private.tunnel_routes").fetchone()
+        assert routes == (1,)
+
+
 def test_a_tunnel_carries_100_concurrent_streams(
     conn: psycopg.Connection, platform: str, operator_key: str
 ) -> None:

@@ -3,6 +3,8 @@ in, while a live gateway's jobs are left alone."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import uuid
 from decimal import Decimal
 
@@ -11,6 +13,8 @@ import psycopg
 from neuralgrid.db import queries as q
 from neuralgrid.db.queries import MatchRequest, match_params
 from neuralgrid.db.store import SyncStore
+from neuralgrid.server.liveness import check_in
+from neuralgrid.server.sweeper import run_sweeper
 from tests.conftest import LLAMA8, make_key, make_node
 
 
@@ -62,3 +66,26 @@ def test_jobs_placed_outside_a_gateway_wait_for_the_deadline(conn: psycopg.Conne
     assert conn.execute("select gateway_id from jobs where id = %s", (job[0],)).fetchone() == (None,)
     conn.execute("update platform_settings set gateway_timeout_s = 0.001")
     assert SyncStore(conn).all(q.SWEEP) == []
+
+
+async def test_a_gateways_own_sweeper_keeps_its_jobs_while_its_pools_reconnect(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """A fault-injection review: after a database outage the sweeper's own connection was back
+    before the gateway's pools, and it ended the jobs its gateway was still relaying. A gateway's
+    own sweeper checks in for it first: the process that sweeps is alive, and so are its jobs."""
+    make_node(conn, max_concurrency=8)
+    key = make_key(conn)
+    own = uuid.uuid4()
+    SyncStore(conn).one(q.GATEWAY_ALIVE, (own,))
+    job = place(conn, own, key)
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (own,))
+    conn.execute("update platform_settings set gateway_timeout_s = 0.5")
+    stop = asyncio.Event()
+    sweeping = asyncio.create_task(
+        run_sweeper(db_url, 0.05, stop, functools.partial(check_in, gateway_id=own))
+    )
+    await asyncio.sleep(0.5)
+    stop.set()
+    await sweeping
+    assert conn.execute("select status from jobs where id = %s", (job,)).fetchone() == ("running",)

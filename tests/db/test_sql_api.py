@@ -51,6 +51,7 @@ PUBLIC_API = sorted(
         "register_node",
         "reject_job",
         "revoke_api_key",  # a user revokes their own key through the Data API (issue 18)
+        "restore_tunnels",  # a gateway that checked in late: the tunnels it holds, recorded again
         "schedule_sweep",  # pg_cron's schedule of sweep(), as its version allows
         "score_nodes",
         "set_tunnel",

@@ -118,3 +118,52 @@ def _answers(base_url: str) -> Any:
         return httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_after_a_long_database_outage_the_gateway_serves_within_seconds_and_keeps_its_jobs() -> None:
+    """Found by a fault-injection review: after an outage of 40 s the gateway's pools waited up to
+    32 s more before reconnecting (psycopg_pool doubles its pause), while its own sweeper, back at
+    once, judged it silent and ended the jobs it was still relaying: served, never charged."""
+    slow = FakeNodeConfig(tokens_per_s=4)
+    with own_postgres() as pg, ThreadedServer(create_fake_node(slow)) as node:
+        url = pg.fresh_database()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("update platform_settings set heartbeat_interval_s = 3600, gateway_timeout_s = 3")
+            make_node(conn, "a", endpoint_url=node.url)
+            (key,) = conn.execute("select api_key from create_api_key('outage')").fetchone() or ("",)
+        gateway = ThreadedServer(create_app(Settings(NEURALGRID_SWEEP_INTERVAL_S=0.2), url)).start()
+        try:
+            body = {**BODY, "max_tokens": 120}  # 30 s at the node's pace
+            headers = {"authorization": f"Bearer {key}"}
+            with httpx.stream(
+                "POST", f"{gateway.url}/v1/chat/completions", json=body, headers=headers
+            ) as resp:
+                lines = resp.iter_lines()
+                next(lines)
+                pg.server.stop()  # mid-stream, for longer than the pools' pauses add up to...
+                stop, outcomes = threading.Event(), Counter[str]()
+                callers = [threading.Thread(target=load, args=([gateway.url] * 2, key, stop, outcomes))]
+                for caller in callers:  # ...with clients asking meanwhile, as they do
+                    caller.start()
+                time.sleep(20)
+                stop.set()
+                pg.server.start()
+                back = time.monotonic()
+                plain = {**BODY, "stream": False, "max_tokens": 1}
+
+                # As a client does: again after its Retry-After (connections the restart broke are
+                # found broken as they are used, and replaced).
+                def served() -> bool:
+                    chat = f"{gateway.url}/v1/chat/completions"
+                    return httpx.post(chat, json=plain, headers=headers, timeout=60).status_code == 200
+
+                wait_for(served, timeout=30)
+                assert time.monotonic() - back < 6, time.monotonic() - back
+                assert "data: [DONE]" in list(lines)
+            for caller in callers:
+                caller.join(timeout=60)
+            with psycopg.connect(url, autocommit=True) as conn:
+                jobs = conn.execute("select status, error from jobs order by created_at").fetchall()
+                assert len(jobs) >= 2 and set(jobs) == {("succeeded", None)}, jobs
+        finally:
+            gateway.stop()

@@ -4,7 +4,7 @@
 -- proves itself with its secret: the service's heartbeat refuses a wrong one.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(43);
+select plan(45);
 
 select tests.create_user('alice');
 
@@ -24,6 +24,7 @@ insert into gateway_calls values
   ('mark a tunnel up', $$select public.set_tunnel(gen_random_uuid(), true)$$, 'set_tunnel'),
   ('attach a tunnel', $$select public.attach_tunnel(gen_random_uuid(), gen_random_uuid(), gen_random_uuid())$$, 'attach_tunnel'),
   ('detach a tunnel', $$select public.detach_tunnel(gen_random_uuid(), gen_random_uuid())$$, 'detach_tunnel'),
+  ('restore a gateway''s tunnels', $$select * from public.restore_tunnels(gen_random_uuid(), '{}', '{}')$$, 'restore_tunnels'),
   ('look up a tunnel''s route', $$select * from public.tunnel_route(gen_random_uuid())$$, 'tunnel_route'),
   ('announce a gateway', $$select public.gateway_alive(gen_random_uuid())$$, 'gateway_alive'),
   ('announce a gateway with its address', $$select public.gateway_alive(gen_random_uuid(), 'http://10.0.0.1:8080')$$, 'gateway_alive'),
