@@ -58,3 +58,24 @@ async def test_demo_heartbeats_outlive_a_database_restart(
     lost = [r for r in caplog.records if "lost the database" in r.getMessage()]
     back = [r for r in caplog.records if "the database is back" in r.getMessage()]
     assert (len(lost), len(back)) == (1, 1)
+
+
+async def test_a_database_restart_is_no_nodes_silence(pg: OwnPostgres) -> None:
+    """Found by a fault-injection review: the first sweep after a restart set every node offline (no
+    heartbeat could be written while the database was away). Silence counts from its start too."""
+    url = pg.fresh_database()
+    with psycopg.connect(url, autocommit=True) as conn:
+        make_node(conn, "quiet-through-the-outage")
+        # Beat last a minute ago: as a node looks when the database was away for that long.
+        conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute'")
+    await asyncio.to_thread(pg.server.stop)
+    await asyncio.to_thread(pg.server.start)
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("select * from public.sweep_stale_nodes()").fetchall() == []
+        assert conn.execute("select status from nodes").fetchone() == ("online",)
+        # Its allowance from the start (3 beats of 5 s) is the same: past it, it is offline.
+        conn.execute("update platform_settings set heartbeat_interval_s = 0.1")
+        await asyncio.sleep(0.4)
+        assert [r[1] for r in conn.execute("select * from public.sweep_stale_nodes()").fetchall()] == [
+            "quiet-through-the-outage"
+        ]
