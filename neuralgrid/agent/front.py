@@ -576,21 +576,42 @@ class Front:
             return await _error(send, 401, UNSIGNED)
         if state.draining:
             return await _error(send, 503, "this node is draining: it takes no new work")
+        # The gateway may hang up before the answer's end (its client left, or it died): the
+        # server's work ends then too, not when it has generated an answer nobody reads (a whole
+        # answer comes at its end: a review saw one go on for minutes, its slot taken).
+        watching = asyncio.ensure_future(receive())
+        content_type = headers.get(b"content-type", b"").decode("latin-1") or JSON
+        forwarding = asyncio.ensure_future(state.forward(path, body, content_type))
+
+        def hung_up(_: object) -> None:
+            forwarding.cancel()
+
+        watching.add_done_callback(hung_up)
         try:
-            answer = await state.forward(
-                path, body, headers.get(b"content-type", b"").decode("latin-1") or JSON
-            )
-        except Refused as refused:
-            return await _error(send, refused.status, refused.message)
-        except BackendUnreachable as err:
-            return await _error(send, 502, str(err))
-        await _relay(answer, receive, send)
+            answer = await forwarding
+        except BaseException as err:
+            watching.remove_done_callback(hung_up)
+            watching.cancel()
+            if isinstance(err, Refused):
+                return await _error(send, err.status, err.message)
+            if isinstance(err, BackendUnreachable):
+                return await _error(send, 502, str(err))
+            if (
+                isinstance(err, asyncio.CancelledError)
+                and forwarding.cancelled()
+                and not watching.cancelled()
+            ):
+                return None  # the gateway hung up: nobody to answer
+            raise
+        watching.remove_done_callback(hung_up)
+        await _relay(answer, watching, send)
 
 
-async def _relay(answer: Answer, receive: Receive, send: Send) -> None:
-    """Send the answer to the gateway as it comes, then end the request."""
+async def _relay(answer: Answer, watching: asyncio.Future[Message], send: Send) -> None:
+    """Send the answer to the gateway as it comes, then end the request; `watching` completes when
+    the gateway hangs up, which ends the server's answer at once."""
     headers = [(b"content-type", answer.media_type.encode("latin-1"))]
-    watching: asyncio.Future[Message] | None = None
+    watching.add_done_callback(answer.give_up)
     try:
         if answer.length is not None:  # a whole answer, its size known: its last chunk ends it
             headers.append((b"content-length", b"%d" % answer.length))
@@ -602,10 +623,6 @@ async def _relay(answer: Answer, receive: Receive, send: Send) -> None:
                 left -= len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
             return
-        # A stream: the gateway may hang up before its end (its client left), which must end
-        # the server's answer at once rather than at its next event.
-        watching = asyncio.ensure_future(receive())
-        watching.add_done_callback(answer.give_up)
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         async for chunk in answer.chunks:
             if answer.upstream.finished():  # the last chunk: it ends the response (one write less)
@@ -620,9 +637,8 @@ async def _relay(answer: Answer, receive: Receive, send: Send) -> None:
             answer.broken(err)
             raise Abort(str(err)) from None
     finally:
-        if watching is not None:
-            watching.remove_done_callback(answer.give_up)
-            watching.cancel()
+        watching.remove_done_callback(answer.give_up)
+        watching.cancel()
         await answer.aclose()
 
 

@@ -409,6 +409,27 @@ def test_a_gateway_that_hangs_up_ends_the_servers_answer_at_once(node: ThreadedS
         assert not front.backend.relay.connections  # closed: the server stops generating
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_gateway_that_hangs_up_before_the_answer_starts_ends_the_servers_work(
+    node: ThreadedServer, stream: bool
+) -> None:
+    """Found by a fault-injection review: a whole answer (which comes at its end) went on being
+    generated for minutes after its gateway died, the server's slot taken; a stream likewise until
+    its first token. The front watches for the gateway hanging up from the request's start."""
+    node.app.state.config.tokens_per_s = 20  # 200 tokens: 10 s before a whole answer's first byte
+    node.app.state.config.latency_s = 0 if not stream else 10  # a stream's first token in 10 s
+    front, server = front_for(node.url)
+    with server:
+        body = chat(stream=stream, max_tokens=200)
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(server.url + CHAT, content=body, headers=signed(body), timeout=0.5)
+        started = time.monotonic()
+        while front.inflight and time.monotonic() - started < 3:
+            time.sleep(0.02)
+        assert front.inflight == 0 and time.monotonic() - started < 1
+        assert not front.backend.relay.connections  # closed: the server stops generating
+
+
 async def test_forwarding_to_a_server_that_is_down_raises_backend_unreachable() -> None:
     front = FrontState(Backend(f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(BackendUnreachable):
