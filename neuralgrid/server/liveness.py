@@ -44,21 +44,24 @@ async def keep_checking_in(
     deadline read goes to `deadline`. After a check-in that came late enough for a sweep to have
     judged this gateway silent, the tunnels it holds are restored (`tunnels`)."""
     loop = asyncio.get_running_loop()
-    down, last = False, loop.time()
+    down, last, restores = False, loop.time(), 0
     while not stop.is_set():
         try:
             checked = await check_in(store, gateway_id, internal_url)
             if deadline is not None:
                 deadline(checked.job_deadline_s)
-            late = loop.time() - last > checked.gateway_timeout_s / 2
-            if late and tunnels is not None and (restored := await tunnels.restore(store)):
-                log.warning(
-                    "gateway %s checked in late: %d tunnels recorded again", gateway_id, len(restored)
-                )
-            last = loop.time()
             if down:
                 log.info("gateway %s checks in again", gateway_id)
             down = False
+            if loop.time() - last > checked.gateway_timeout_s / 2:
+                restores = 2  # at this check-in and the next: a sweep under way may forget them after it
+            last = loop.time()
+            if restores and tunnels is not None:
+                restores -= 1
+                if restored := await tunnels.restore(store):
+                    log.warning(
+                        "gateway %s checked in late: %d tunnels recorded again", gateway_id, len(restored)
+                    )
         except Exception as err:  # the database is away (or refuses): try again
             if not down:
                 log.warning("gateway %s cannot check in (%s); retrying", gateway_id, err)

@@ -236,7 +236,20 @@ begin
     v_state, v_reranked;
 end;
 $$;
--- Nodes whose agents already found their servers echo.
-update public.nodes set routes = routes where backend -> 'echoes' = 'true'::jsonb;
+-- Nodes whose agents already found their servers echo. A row that breaks a rule written since it
+-- was (20261203001800) keeps its routes: its agent's next report of its server derives them.
+do $$
+declare
+  v_node uuid;
+begin
+  for v_node in select n.id from public.nodes n where n.backend -> 'echoes' = 'true'::jsonb loop
+    begin
+      update public.nodes n set routes = n.routes where n.id = v_node;
+    exception when check_violation then
+      null;
+    end;
+  end loop;
+end;
+$$;
 
 comment on column public.nodes.routes is 'The OpenAI routes the node''s server serves, as the paths after /v1/ (chat/completions, responses, rerank, audio/speech, ...): what its agent reported in backend.routes, else the three every node served before; and completions+echo (not a path: completions that echo their prompt) when its agent verified that its server echoes. The matcher sends a request only to nodes serving its route.';

@@ -21,7 +21,8 @@ begin
     insert into private.tunnel_routes as r (node_id, gateway_id, socket_id)
     select t.node_id, p_gateway_id, t.socket_id
     from unnest(p_node_ids, p_socket_ids) as t (node_id, socket_id)
-    where exists (select 1 from public.nodes n where n.id = t.node_id)  -- not one deleted meanwhile
+    -- Not one deleted meanwhile, nor one its owner has since given another endpoint.
+    where exists (select 1 from public.nodes n where n.id = t.node_id and n.endpoint_url like 'tunnel:%')
     on conflict on constraint tunnel_routes_pkey do nothing
     returning r.node_id
   loop

@@ -1,8 +1,9 @@
 -- A node's silence counts from the database's own start, as a gateway's does.
 --
--- Found by a fault-injection review: after a Postgres restart (or any outage longer than 15 s) the
--- first sweep, a tenth of a second after the database came back, set every node offline: their
--- heartbeats could not be written while it was away. The whole fleet flapped on the map, and
+-- Found by a fault-injection review: after a Postgres restart that took longer than 15 s the first
+-- sweep, a tenth of a second after the database came back, set every node offline: their heartbeats
+-- could not be written while it was away. (An outage without a restart, a network cut between the
+-- gateways and a database that pg_cron still sweeps, is not covered.) The whole fleet flapped on the map, and
 -- requests in the next seconds were told no capable node was online. A node now gets its full
 -- allowance of missed heartbeats from the database's start as well (private.gateway_is_live()
 -- already counts a gateway's silence so).

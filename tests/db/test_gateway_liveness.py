@@ -89,3 +89,23 @@ async def test_a_gateways_own_sweeper_keeps_its_jobs_while_its_pools_reconnect(
     stop.set()
     await sweeping
     assert conn.execute("select status from jobs where id = %s", (job,)).fetchone() == ("running",)
+
+
+def test_a_late_gateway_gets_back_the_tunnels_no_one_else_took(conn: psycopg.Connection) -> None:
+    """restore_tunnels(): a tunnel no route names is recorded as the gateway's again (its node online);
+    one another gateway holds now keeps its route; a node given another endpoint since (its owner
+    may, through the Data API) is left out without failing the others (a diff review's case)."""
+    gateway, other = uuid.uuid4(), uuid.uuid4()
+    store = SyncStore(conn)
+    nodes = [make_node(conn, name, endpoint_url=f"tunnel:{name}") for name in ("a", "b", "moved")]
+    sockets = [uuid.uuid4() for _ in nodes]
+    for gw in (gateway, other):
+        store.one(q.GATEWAY_ALIVE, (gw,))
+    conn.execute("select public.attach_tunnel(%s, %s, %s)", (nodes[1], other, uuid.uuid4()))
+    conn.execute("update nodes set status = 'offline' where id in (%s, %s)", (nodes[0], nodes[2]))
+    conn.execute("update nodes set endpoint_url = 'https://moved.example.com' where id = %s", (nodes[2],))
+    restored = store.all(q.RESTORE_TUNNELS, (gateway, nodes, sockets))
+    assert restored == [nodes[0]]
+    routes = dict(conn.execute("select node_id, gateway_id from private.tunnel_routes").fetchall())
+    assert routes == {nodes[0]: gateway, nodes[1]: other}
+    assert conn.execute("select status from nodes where id = %s", (nodes[0],)).fetchone() == ("online",)
