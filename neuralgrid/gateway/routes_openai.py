@@ -29,7 +29,16 @@ from neuralgrid.gateway.errors import (
 )
 from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.pipeline.kinds import ROUTES, SERVED_BY
-from neuralgrid.gateway.schema import END_USER, SCHEMAS, AudioForm, FormError, ModelId, read_audio_form
+from neuralgrid.gateway.schema import (
+    END_USER,
+    SCHEMAS,
+    AudioForm,
+    FormError,
+    ModelId,
+    PassthroughRefused,
+    check_passthrough,
+    read_audio_form,
+)
 from neuralgrid.protocol import wire_json
 from neuralgrid.server.services import ServicesDep
 
@@ -175,8 +184,11 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
     body = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
     try:
         SCHEMAS[kind].model_validate(body)
+        check_passthrough(body)
     except ValidationError as err:
         raise invalid(err.errors()) from err
+    except PassthroughRefused as refused:
+        raise BadRequest(str(refused), param=refused.field) from None
     return await services.pipeline.handle(_call(request, key, kind, body))
 
 

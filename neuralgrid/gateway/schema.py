@@ -5,7 +5,8 @@ A malformed request is the client's 400 here, never a node's failure: servers an
 their own ways (llama-cpp-python with HTTP 500 for `"temperature": "hot"`), and a 5xx would cool the
 node down for every other client. Types are strict, as OpenAI's are: "0.5" is not a number and 1 is
 not a boolean. Fields this schema does not name pass through to the node untouched (servers add
-their own: `top_k`, `min_p`, `continue_final_message`, guided decoding).
+their own: `top_k`, `min_p`, `continue_final_message`, guided decoding), but for those
+check_passthrough() refuses or bounds: what a node would generate unbilled, or what breaks it.
 """
 
 from __future__ import annotations
@@ -37,41 +38,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# Servers' own names for an answer's length and count: llama.cpp's n_predict and n_cmpl, Ollama's
-# num_predict, TGI's and SGLang's max_new_tokens. Where a server reads them they win over max_tokens
-# and n, so a node would generate what they ask while the key is held and billed within max_tokens
-# times n (a review got 400 tokens from a real llama-server billed as 5).
-OTHER_LIMITS = {
-    "n_predict": "max_tokens",
-    "n_cmpl": "n",
-    "num_predict": "max_tokens",
-    "max_new_tokens": "max_tokens",
-}
-
-
-class _Billed(_Strict):
-    """A request for generated text: its length and count are asked in OpenAI's terms only."""
-
-    n_predict: Any = None
-    n_cmpl: Any = None
-    num_predict: Any = None
-    max_new_tokens: Any = None
-
-    @field_validator(*OTHER_LIMITS, mode="before")
-    @classmethod
-    def _in_openai_terms(cls, value: Any, info: ValidationInfo) -> None:
-        if value is not None:
-            name = str(info.field_name)
-            raise ValueError(
-                f"{name} is not accepted here: ask with {OTHER_LIMITS[name]}, which is what is billed"
-            )
-
-
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Generation(_Billed):
+class _Generation(_Strict):
     model: ModelId
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -144,7 +115,7 @@ class EmbeddingRequest(_Strict):
     user: EndUser | None = None
 
 
-class ResponsesRequest(_Billed):
+class ResponsesRequest(_Strict):
     """OpenAI's Responses API. Stateless here: a response is not kept where the next request may
     run (any node), so continuing one (previous_response_id, conversation) is refused."""
 
@@ -289,3 +260,104 @@ def read_audio_form(body: bytes, content_type: str) -> dict[str, str]:
     if not audio:
         raise FormError("the audio file is empty")
     return fields
+
+
+# What passes to a node beyond OpenAI's fields ------------------------------------------------------
+
+# Servers' own names for what is billed: llama.cpp's n_predict, n_cmpl and n_probs, Ollama's
+# num_predict, TGI's and SGLang's max_new_tokens. Where a server reads them they win over OpenAI's
+# fields, so a node would generate what they ask while the key is held and billed within max_tokens
+# times n (a review got 400 tokens from a real llama-server billed as 5, and 4.7 MB of
+# probabilities a token).
+IN_OPENAI_TERMS = {
+    "n_predict": "max_tokens",
+    "n_cmpl": "n",
+    "num_predict": "max_tokens",
+    "max_new_tokens": "max_tokens",
+    "n_probs": "logprobs and top_logprobs",
+}
+# What a server sets for itself, which llama-server's /v1/completions lets a request set, and the
+# slot a request runs in: a review crashed a real llama-server with a chat_parser that refers to
+# itself (every request on the node failed, and the node was blamed), and aimed a request at the
+# slot holding another client's prompt.
+SERVER_ONLY = frozenset(
+    {
+        "chat_parser",
+        "chat_format",
+        "generation_prompt",
+        "grammar_lazy",
+        "grammar_triggers",
+        "grammar_type",
+        "id_slot",
+        "message_delimiters",
+        "preserved_tokens",
+        "reasoning_budget_end_tag",
+        "reasoning_budget_end_tags",
+        "reasoning_budget_message",
+        "reasoning_budget_start_tag",
+        "reasoning_control",
+    }
+)
+# Bounds on what guided decoding may ask: llama.cpp parses a grammar recursively, a level per
+# group (150,000 nested groups crashed it), and runs each sampler named for every token on the
+# loop all its requests share (200,000 of them slowed another client's request 48-fold).
+GRAMMAR_BYTES = 64 << 10
+GRAMMAR_DEPTH = 64
+SAMPLERS = 16
+
+
+class PassthroughRefused(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_passthrough(body: dict[str, Any]) -> None:
+    """PassthroughRefused for a field no node is sent: one that asks in a server's own terms for what
+    is billed, a server's own setting, or guided decoding past the bounds above."""
+    for name, instead in IN_OPENAI_TERMS.items():
+        if body.get(name) is not None:
+            raise PassthroughRefused(
+                name, f"{name} is not accepted here: ask with {instead}, which is what is billed"
+            )
+    for name in SERVER_ONLY.intersection(body):
+        raise PassthroughRefused(name, f"{name} is a server's own setting, not a request's")
+    samplers = body.get("samplers")
+    if samplers is not None and not (isinstance(samplers, str | list) and len(samplers) <= SAMPLERS):
+        raise PassthroughRefused("samplers", f"samplers names at most {SAMPLERS} samplers")
+    grammar = body.get("grammar")
+    if grammar is not None and not (
+        isinstance(grammar, str)
+        and len(grammar.encode()) <= GRAMMAR_BYTES
+        and nesting(grammar) <= GRAMMAR_DEPTH
+    ):
+        raise PassthroughRefused(
+            "grammar",
+            f"a grammar is a string of at most {GRAMMAR_BYTES >> 10} KiB, its groups nested at most"
+            f" {GRAMMAR_DEPTH} deep",
+        )
+
+
+def nesting(grammar: str) -> int:
+    """How deep a GBNF grammar's groups nest: parentheses outside its strings and character classes."""
+    depth = deepest = 0
+    quote: str | None = None  # inside "..." or [...]
+    escaped = False
+    for char in grammar:
+        if escaped:
+            escaped = False
+        elif quote is not None:
+            if char == "\\":
+                escaped = True
+            elif char == quote:
+                quote = None
+        elif char == '"':
+            quote = '"'
+        elif char == "[":
+            quote = "]"
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+    return deepest

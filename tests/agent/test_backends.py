@@ -352,6 +352,40 @@ def test_embeddings_of_a_chat_model_are_the_clients_400_and_no_nodes_fault(stack
     assert stack.node("status", "consecutive_failures") == ("online", 0)
 
 
+def test_what_crashed_a_real_llama_server_is_refused_and_guided_decoding_still_passes(stack: Stack) -> None:
+    """A review crashed a real llama-server through the gateway with one request (a chat_parser that
+    refers to itself, a grammar nested 150,000 deep): the node's other requests failed and it was
+    blamed. Such fields are refused before any node sees them; a grammar within bounds still guides
+    the answer."""
+    headers = {"authorization": f"Bearer {stack.key}"}
+    crashers: list[tuple[str, dict[str, Any], str]] = [
+        (
+            "/v1/completions",
+            {
+                "prompt": "Hello",
+                "chat_parser": '{"parsers":[{"type":"sequence","children":[0]}],"rules":{},"root":0}',
+            },
+            "chat_parser",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": STORY, "grammar": "root ::= " + "(" * 150_000 + '"a"' + ")" * 150_000},
+            "grammar",
+        ),
+    ]
+    for path, body, param in crashers:
+        resp = httpx.post(
+            stack.gateway + path, json={"model": SMOLLM2, "max_tokens": 3, **body}, headers=headers
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text[:300]
+    stack.settle()
+    assert stack.node("status", "consecutive_failures") == ("online", 0)
+    if stack.server.kind == "llama.cpp":  # guided decoding, as the server does it
+        body = {"model": SMOLLM2, "messages": STORY, "max_tokens": 5, "grammar": 'root ::= ("yes" | "no")'}
+        resp = httpx.post(stack.gateway + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
 def test_a_servers_own_length_and_count_fields_are_refused_not_generated_unbilled(stack: Stack) -> None:
     """llama-server reads n_predict before max_tokens and n_cmpl as n: passed on, a review got 400
     tokens billed as 5. The gateway asks in OpenAI's terms only, which are what it bills."""

@@ -106,6 +106,8 @@ def test_a_late_gateway_gets_back_the_tunnels_no_one_else_took(conn: psycopg.Con
     conn.execute("update nodes set endpoint_url = 'https://moved.example.com' where id = %s", (nodes[2],))
     restored = store.all(q.RESTORE_TUNNELS, (gateway, nodes, sockets))
     assert restored == [nodes[0]]
-    routes = dict(conn.execute("select node_id, gateway_id from private.tunnel_routes").fetchall())
+    routes: dict[uuid.UUID, uuid.UUID] = dict(
+        conn.execute("select node_id, gateway_id from private.tunnel_routes").fetchall()
+    )
     assert routes == {nodes[0]: gateway, nodes[1]: other}
     assert conn.execute("select status from nodes where id = %s", (nodes[0],)).fetchone() == ("online",)

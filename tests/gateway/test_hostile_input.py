@@ -53,6 +53,23 @@ HOSTILE: list[tuple[str, Any]] = [
     ("llama.cpp's n_cmpl", {**CHAT, "n_cmpl": 8}),
     ("Ollama's num_predict", {**CHAT, "num_predict": 400}),
     ("TGI's max_new_tokens", {**CHAT, "max_new_tokens": 400}),
+    ("llama.cpp's n_probs", {**CHAT, "max_tokens": 5, "n_probs": 100_000}),
+    # A server's own settings (a chat_parser that refers to itself crashed a real llama-server).
+    (
+        "a chat_parser",
+        {**CHAT, "chat_parser": '{"parsers":[{"type":"sequence","children":[0]}],"rules":{},"root":0}'},
+    ),
+    ("a chat_format", {**CHAT, "chat_format": 1}),
+    ("a slot of the server's", {**CHAT, "id_slot": 0}),
+    # Guided decoding past its bounds (deep groups crashed a real llama-server; long sampler lists
+    # slowed every request on it).
+    (
+        "a grammar nested 150,000 deep",
+        {**CHAT, "grammar": "root ::= " + "(" * 150_000 + '"a"' + ")" * 150_000},
+    ),
+    ("a grammar of 100 KiB", {**CHAT, "grammar": 'root ::= "' + "a" * 100_000 + '"'}),
+    ("a grammar that is not text", {**CHAT, "grammar": ["root ::= 'a'"]}),
+    ("200,000 samplers", {**CHAT, "samplers": "t" * 200_000}),
     ("a body that is a list", [CHAT]),
     ("not JSON", "{"),
     ("not UTF-8", b"\xff\xfe{}"),
