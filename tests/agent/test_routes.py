@@ -27,7 +27,7 @@ from neuralgrid.agent.front import FrontState, create_front
 from neuralgrid.agent.routes import detect_routes
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
-from neuralgrid.protocol.routes import DEFAULT_ROUTES
+from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
@@ -289,7 +289,7 @@ def test_a_rerank_reaches_only_the_node_whose_agent_found_it(
         routes: dict[str, list[str]] = dict(conn.execute("select name, routes from nodes").fetchall())
         assert routes == {
             "reranker": ["rerank", "score"],
-            "chatter": list(DEFAULT_ROUTES),
+            "chatter": [*DEFAULT_ROUTES, ECHO],  # the fake echoes a completion's prompt
             "narrowed": ["rerank"],
         }
         request = RECORDED["vllm-reranker"]["responses"]["POST /v1/rerank"]["request"]
