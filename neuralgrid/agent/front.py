@@ -591,17 +591,14 @@ class Front:
             answer = await forwarding
         except BaseException as err:
             watching.remove_done_callback(hung_up)
+            gone = watching.done()  # the gateway hung up (and so the forward was cancelled)
             watching.cancel()
             if isinstance(err, Refused):
                 return await _error(send, err.status, err.message)
             if isinstance(err, BackendUnreachable):
                 return await _error(send, 502, str(err))
-            if (
-                isinstance(err, asyncio.CancelledError)
-                and forwarding.cancelled()
-                and not watching.cancelled()
-            ):
-                return None  # the gateway hung up: nobody to answer
+            if isinstance(err, asyncio.CancelledError) and gone:
+                return None  # nobody to answer
             raise
         watching.remove_done_callback(hung_up)
         await _relay(answer, watching, send)

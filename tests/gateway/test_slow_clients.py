@@ -140,16 +140,14 @@ def short_deadline(conn: psycopg.Connection, db_url: str) -> Iterator[str]:
         yield server.url
 
 
-def job_after_the_sweep(conn: psycopg.Connection) -> tuple[Any, ...]:
-    """The job as the database has it once the deadline has passed and the sweep has run."""
-    wait_for(lambda: time.monotonic() - started[0] > DEADLINE_S + 0.5, timeout=DEADLINE_S + 5)
+def job_after_the_sweep(conn: psycopg.Connection, started: float) -> tuple[Any, ...]:
+    """The job, sent at `started` (time.monotonic()), as the database has it once its deadline has
+    passed and the sweep has run."""
+    wait_for(lambda: time.monotonic() - started > DEADLINE_S + 0.5, timeout=DEADLINE_S + 5)
     conn.execute("select * from public.sweep()")
     row = conn.execute("select status, completion_tokens, cost_usd::float8, error from jobs").fetchone()
     assert row is not None
     return tuple(row)
-
-
-started = [0.0]
 
 
 def test_a_stream_still_going_at_the_deadline_ends_charged_for_what_was_sent(
@@ -164,7 +162,7 @@ def test_a_stream_still_going_at_the_deadline_ends_charged_for_what_was_sent(
         "max_tokens": 200,
         "stream": True,
     }
-    started[0] = time.monotonic()
+    started = time.monotonic()
     with httpx.stream(
         "POST",
         f"{short_deadline}/v1/chat/completions",
@@ -173,10 +171,10 @@ def test_a_stream_still_going_at_the_deadline_ends_charged_for_what_was_sent(
         timeout=30,
     ) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data:")]
-    assert time.monotonic() - started[0] < DEADLINE_S, "the stream ran past its deadline"
+    assert time.monotonic() - started < DEADLINE_S, "the stream ran past its deadline"
     error = json.loads(lines[-2][5:])["error"]
     assert (error["code"], lines[-1]) == ("deadline_exceeded", "data: [DONE]"), lines[-3:]
-    status, tokens, cost, why = job_after_the_sweep(conn)
+    status, tokens, cost, why = job_after_the_sweep(conn, started)
     assert (status, why) == ("cancelled", f"the stream passed the job deadline ({DEADLINE_S} s)")
     assert tokens > 5 and cost > 0, (tokens, cost)
 
@@ -204,9 +202,9 @@ def test_a_client_that_stops_reading_cannot_have_a_stream_outlast_the_deadline_u
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         sock.connect(("127.0.0.1", port))
-        started[0] = time.monotonic()
+        started = time.monotonic()
         sock.sendall(head + body)
-        status, tokens, cost, why = job_after_the_sweep(conn)  # reading nothing meanwhile
+        status, tokens, cost, why = job_after_the_sweep(conn, started)  # reading nothing meanwhile
         received = b""
         sock.settimeout(5)
         with contextlib.suppress(OSError):

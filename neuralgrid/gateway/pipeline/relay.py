@@ -60,8 +60,8 @@ class JobDeadline:
         """When a stream of a request received then (time.perf_counter()) is cut off, and when one
         whose client does not read is given up: both before the sweep would end its job."""
         early = min(CUT_EARLY_S, self.seconds / 2)
-        grace = min(CUT_GRACE_S, early / 2)
-        return received + self.seconds - early, received + self.seconds - early + grace
+        cut = received + self.seconds - early
+        return cut, cut + min(CUT_GRACE_S, early / 2)
 
 
 class PastDeadline(Exception):
@@ -75,7 +75,6 @@ class CutStream(StreamingResponse):
 
     def __init__(self, content: AsyncIterator[bytes], give_up: float, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.events = content
         self.give_up = give_up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,7 +84,7 @@ class CutStream(StreamingResponse):
                 await super().__call__(scope, receive, send)
         except TimeoutError:
             log.warning("a stream's client read too slowly to have it before the job deadline: cut off")
-            close = getattr(self.events, "aclose", None)
+            close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
 
