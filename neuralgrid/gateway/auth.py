@@ -1,4 +1,6 @@
-"""API keys: SHA-256 lookup, a short cache, and revocations pushed by Postgres NOTIFY."""
+"""Who is calling: API keys (SHA-256 lookup, a short cache, revocations pushed by Postgres NOTIFY)
+and signed-in users' access tokens. No FastAPI here: server/deps.py makes these its dependencies, so
+core code (rate limits, admission) takes an ApiKey without importing a route's machinery."""
 
 from __future__ import annotations
 
@@ -7,17 +9,15 @@ import hmac
 import time
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Annotated, Any
+from typing import Any
 from uuid import UUID
 
 import jwt
-from fastapi import Depends, Request
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
 from neuralgrid.gateway.errors import Unauthorized
-from neuralgrid.server.services import ServicesDep
-from neuralgrid.server.tokens import TokenKeyError
+from neuralgrid.server.tokens import TokenKeyError, TokenKeys
 
 
 @dataclass(frozen=True)
@@ -70,23 +70,15 @@ class KeyStore:
         self._cache.clear()
 
 
-async def api_key(request: Request, services: ServicesDep) -> ApiKey:
-    """The caller's API key (developers, and operators registering nodes)."""
-    return await services.keys.authenticate(request.headers.get("authorization"))
-
-
-ApiKeyDep = Annotated[ApiKey, Depends(api_key)]
-
-
-async def user_claims(request: Request, services: ServicesDep) -> dict[str, Any]:
+async def verify_user(authorization: str | None, tokens: TokenKeys) -> dict[str, Any]:
     """A Supabase user's JWT, as Supabase Auth issues it: signed with one of the project's signing keys
     (ES256 or RS256, from its JWKS) or with the legacy JWT secret (HS256; the embedded stack's)."""
-    header = request.headers.get("authorization") or ""
+    header = authorization or ""
     if not header.lower().startswith("bearer "):
         raise Unauthorized("sign in: send 'Authorization: Bearer <Supabase access token>'")
     token = header[7:].strip()
     try:
-        found = await services.tokens.for_token(token)
+        found = await tokens.for_token(token)
     except TokenKeyError as err:
         raise Unauthorized(f"invalid access token: {err}") from err
     try:
@@ -111,6 +103,3 @@ def _is_uuid(value: object) -> bool:
     except ValueError:
         return False
     return isinstance(value, str)
-
-
-UserDep = Annotated[dict[str, Any], Depends(user_claims)]

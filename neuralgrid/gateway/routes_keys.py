@@ -10,9 +10,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.auth import UserDep
 from neuralgrid.gateway.errors import NotFound
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ServicesDep, UserDep
 from neuralgrid.validation import KEY_BUDGET_MAX_USD, KEY_LIMIT_MAX
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])

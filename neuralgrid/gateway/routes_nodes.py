@@ -11,15 +11,14 @@ from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ValidationError
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.auth import ApiKeyDep
+from neuralgrid.gateway.body import read_json
 from neuralgrid.gateway.endpoints import PrivateEndpoint, check_endpoint
 from neuralgrid.gateway.errors import BadRequest, BodyTooLarge, Unauthorized, invalid
-from neuralgrid.gateway.routes_openai import read_json
 from neuralgrid.gateway.tunnel import Tunnel
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import Heartbeat, NodeRegistration
 from neuralgrid.protocol.tunnel import FLOW, FLOW_HEADER
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ApiKeyDep, ServicesDep
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -4,29 +4,18 @@ through the pipeline to a node that serves its route."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import re
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import TypeAdapter, ValidationError
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.auth import ApiKeyDep
-from neuralgrid.gateway.errors import (
-    BadRequest,
-    BodyTooLarge,
-    ClientGone,
-    ModelNotFound,
-    RequestTimeout,
-    invalid,
-)
+from neuralgrid.gateway.body import read_body, read_json
+from neuralgrid.gateway.errors import BadRequest, ModelNotFound, invalid
 from neuralgrid.gateway.pipeline import Call
 from neuralgrid.gateway.pipeline.kinds import ROUTES, SERVED_BY
 from neuralgrid.gateway.schema import (
@@ -39,8 +28,7 @@ from neuralgrid.gateway.schema import (
     check_passthrough,
     read_audio_form,
 )
-from neuralgrid.protocol import wire_json
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ApiKeyDep, ServicesDep
 
 _MODEL_ID: TypeAdapter[str] = TypeAdapter(ModelId)
 
@@ -246,50 +234,3 @@ async def _hung_up(receive: Receive) -> None:
     connection has for this request is the disconnect."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body's bytes: at most `limit`, all of it within `timeout_s`."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"the request body is over the {limit}-byte limit")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    except ClientDisconnect:
-        raise ClientGone("the client closed the connection before its request body arrived") from None
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
-    """The body as a JSON object: at most `limit` bytes, all of it within `timeout_s`."""
-    raw = await read_body(request, limit, timeout_s)
-    try:
-        body = wire_json.loads(raw)
-    except ValueError as err:
-        raise BadRequest(f"the request body is not valid JSON: {err}") from err
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
-        raise BadRequest("the request body has a \\u escape that is half a character (a lone surrogate)")
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-# \ud800-\udfff: half of a UTF-16 pair. Pairs (emoji, escaped) are common and fine; one alone is no
-# character at all, and neither UTF-8 nor Postgres can hold it.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _has_lone_surrogate(body: Any) -> bool:
-    try:
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return True
-    return False

@@ -2,8 +2,8 @@
 
 The frames are neuralgrid.protocol.tunnel's models, shared with the agent. A TunnelResponse is a
 NodeResponse, so failover, streaming and metering work the same over a tunnel as over HTTP. A tunnel
-held by another gateway is reached through it (gateway/forward.py); Postgres records which gateway
-holds each tunnel (attach_tunnel(), detach_tunnel()).
+held by another gateway is reached through it (a Forwarder: gateway/peers.py's Peers); Postgres
+records which gateway holds each tunnel (attach_tunnel(), detach_tunnel()).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from uuid import UUID, uuid4
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -38,7 +38,6 @@ from neuralgrid.protocol.tunnel import (
 
 if TYPE_CHECKING:
     from neuralgrid.db.store import Store
-    from neuralgrid.gateway.forward import Peers
 
 AgentFrame = Start | Data | End | Err
 # The status a job moves on with when no gateway could reach its node's tunnel (Misdirected
@@ -54,6 +53,17 @@ class TunnelClosed(NodeError):
 class TunnelUnreachable(NodeError):
     """No gateway could take the request to the node's tunnel: none holds it, or the one holding it
     did not answer. The platform's failure, not the node's."""
+
+
+class Forwarder(Protocol):
+    """How a tunnel held by another gateway is reached (gateway/peers.py's Peers). The tunnels' own
+    small interface, as httpx's client has its transport's: what forwards imports the tunnel, never
+    the other way round."""
+
+    async def open(
+        self, node_id: UUID, path: str, body: bytes, first_byte_timeout_s: float, content_type: str
+    ) -> NodeResponse:
+        """The node's answer once its status line is in; TunnelUnreachable for the platform's failures."""
 
 
 class Inbox:
@@ -215,7 +225,7 @@ class TunnelResponse:
 class Tunnels:
     """The tunnels this gateway instance holds, by node, and the way to those other gateways hold."""
 
-    def __init__(self, gateway_id: UUID, peers: Peers | None = None) -> None:
+    def __init__(self, gateway_id: UUID, peers: Forwarder | None = None) -> None:
         self.by_node: dict[UUID, Tunnel] = {}
         self.gateway_id = gateway_id  # recorded as the holder of the tunnels attached here
         self.peers = peers  # None: tunnels held elsewhere are out of reach

@@ -29,6 +29,7 @@ from neuralgrid.db.pool import LastInFirstOut, commit_asynchronously
 from neuralgrid.db.queries import FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
+from neuralgrid.gateway import peers as forwarding
 from neuralgrid.gateway.auth import KeyStore
 from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.completions import Completions
@@ -54,8 +55,9 @@ from neuralgrid.gateway.waiting import WaitingRoom
 from neuralgrid.protocol import signing
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
+from neuralgrid.server.deps import ServicesDep
 from neuralgrid.server.liveness import check_in, keep_checking_in
-from neuralgrid.server.services import Services, ServicesDep
+from neuralgrid.server.services import Services
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
 from neuralgrid.server.tokens import TokenKeys, stack_api_keys
@@ -132,9 +134,11 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         limiter = RateLimiter(settings.redis_url)
         room = WaitingRoom(settings.queue_max_waiting)
         gateway_id = uuid.uuid4()
-        peers = forward.Peers(store, gateway_id, forward.forwarding_key(settings), settings.connect_timeout_s)
+        peers = forwarding.Peers(
+            store, gateway_id, forwarding.forwarding_key(settings), settings.connect_timeout_s
+        )
         tunnels = Tunnels(gateway_id, peers)
-        internal_url = forward.internal_url(settings)
+        internal_url = forwarding.internal_url(settings)
         # Known before it places a job or holds a tunnel; and the job deadline, before it relays a stream.
         deadline = JobDeadline((await check_in(store, gateway_id, internal_url)).job_deadline_s)
         pipeline = _pipeline(
@@ -146,7 +150,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             settings.signing_keys_url,
             api_keys=tuple(stack_api_keys(settings.jwt_secret).values()),
         )
-        services = Services(settings, store, keys, pipeline, metrics, tunnels, hub, StatsCache(), tokens)
+        services = Services(
+            settings, store, keys, pipeline, metrics, tunnels, peers, hub, StatsCache(), tokens
+        )
         app.state.services = services
         stop = asyncio.Event()
         tasks = [

@@ -1,5 +1,5 @@
-"""The parts every route shares, built once per app by server/app.py and handed to routes as one
-typed dependency (`ServicesDep`)."""
+"""The parts every route shares, built once per app by server/app.py; routes take them through
+server/deps.py's `ServicesDep`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from neuralgrid.db.store import Store
     from neuralgrid.gateway.auth import KeyStore
     from neuralgrid.gateway.metrics import Metrics
+    from neuralgrid.gateway.peers import Peers
     from neuralgrid.gateway.pipeline import Pipeline
     from neuralgrid.gateway.tunnel import Tunnels
     from neuralgrid.realtime.hub import Hub
@@ -29,16 +30,19 @@ class Services:
     pipeline: Pipeline
     metrics: Metrics
     tunnels: Tunnels
+    peers: Peers  # the other gateways: how this one asks them, and checks what they forward here
     realtime: Hub
     stats: StatsCache
     tokens: TokenKeys  # what verifies users' JWTs and the stack's opaque API keys
 
 
 async def get_services(connection: HTTPConnection) -> Services:
-    """HTTP requests and websockets alike. A coroutine, though it awaits nothing: FastAPI runs a
-    plain function dependency in its thread pool, a handoff per request."""
+    """The app's services, for HTTP requests and websockets alike. A coroutine, though it awaits
+    nothing: FastAPI runs a plain function dependency in its thread pool, a handoff per request."""
     services: Services = connection.app.state.services
     return services
 
 
+# Routes take this from server/deps.py. realtime/socket.py still imports it from here; once it takes
+# deps.py's, this line and the FastAPI import go.
 ServicesDep = Annotated[Services, Depends(get_services)]

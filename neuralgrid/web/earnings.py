@@ -13,9 +13,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.auth import user_claims
 from neuralgrid.gateway.errors import Forbidden
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ServicesDep, user_claims
 
 router = APIRouter(tags=["web"])
 

@@ -17,9 +17,8 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.auth import UserDep
 from neuralgrid.gateway.errors import BadRequest, NotFound, Unauthorized
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ServicesDep, UserDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.stack import api_key, user_token
 from neuralgrid.web import earnings

@@ -29,7 +29,7 @@ from psycopg.conninfo import conninfo_to_dict
 from websockets.sync.client import connect
 
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
-from neuralgrid.gateway import forward
+from neuralgrid.gateway import peers
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.tunnel import Data, End, Err, Req, Start, encode, gateway_frame
 from neuralgrid.server.app import create_app
@@ -323,7 +323,7 @@ def test_a_nodes_own_failure_through_another_gateway_is_still_its_own(
 
 def test_the_forwarding_route_refuses_what_no_gateway_signed(conn: psycopg.Connection, db_url: str) -> None:
     settings = Settings(NEURALGRID_JWT_SECRET=SECRET, NEURALGRID_PORT=free_port())
-    key = forward.forwarding_key(settings)
+    key = peers.forwarding_key(settings)
     body = b'{"model": "x", "messages": []}'
     node = uuid.uuid4()
     with ThreadedServer(create_app(settings, db_url, sweep=False), port=settings.port) as gateway:
@@ -336,7 +336,7 @@ def test_the_forwarding_route_refuses_what_no_gateway_signed(conn: psycopg.Conne
 
         unsigned = post(path, None)
         assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "invalid_api_key"
-        other = forward.forwarding_key(Settings(NEURALGRID_JWT_SECRET="another-deployment-secret-0123456789"))
+        other = peers.forwarding_key(Settings(NEURALGRID_JWT_SECRET="another-deployment-secret-0123456789"))
         assert post(path, signing.sign(other, path, body)).status_code == 401  # another platform's gateway
         assert post(path, signing.sign(key, path, b"{}")).status_code == 401  # signed for another body
         elsewhere = f"/internal/gateways/{me}/tunnels/{uuid.uuid4()}/v1/chat/completions"

@@ -1,0 +1,33 @@
+"""FastAPI's dependencies, every route's: the app's services, the caller's API key, the signed-in
+user. The one module between the routes and what they use, so nothing below it imports FastAPI's
+wiring and nothing it imports imports a route (tests/unit/test_layers.py holds the layers).
+
+Here rather than in gateway/: the gateway's, the web pages' and Realtime's routes all take these, and
+they unwrap the services server/app.py assembles."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from neuralgrid.gateway.auth import ApiKey, verify_user
+from neuralgrid.server.services import Services, get_services
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+async def api_key(request: Request, services: ServicesDep) -> ApiKey:
+    """The caller's API key (developers, and operators registering nodes)."""
+    return await services.keys.authenticate(request.headers.get("authorization"))
+
+
+ApiKeyDep = Annotated[ApiKey, Depends(api_key)]
+
+
+async def user_claims(request: Request, services: ServicesDep) -> dict[str, Any]:
+    """The claims of a signed-in user's access token (gateway/auth.py verifies it)."""
+    return await verify_user(request.headers.get("authorization"), services.tokens)
+
+
+UserDep = Annotated[dict[str, Any], Depends(user_claims)]
