@@ -11,8 +11,10 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,7 +36,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CHAT = "/v1/chat/completions"
 # The finished jobs a bench fleet's ledger starts with: a deployment in service, not a new one.
 # Postgres plans by the tables' statistics, and a new database's empty, unanalyzed ledger gets
-# other plans than the one a gateway meets in service (docs/benchmarks.md, session 18).
+# other plans than the one a gateway meets in service (docs/benchmarks.md, 2026-11-28, db6d65a).
 LEDGER_HISTORY = 50_000
 BODY: dict[str, Any] = {
     "model": MODEL,
@@ -56,10 +58,14 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
 
 
 def write_report(path: Path, name: str, results: list[dict[str, Any]], **extra: Any) -> None:
+    """The run's JSON: when, on which commit and by which command, the machine, then the results.
+    The latest of each is kept in docs/figures/, which the README's figures are made from."""
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": name,
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {
             "cpus": _cpus(),
             "python": platform.python_version(),
@@ -69,6 +75,21 @@ def write_report(path: Path, name: str, results: list[dict[str, Any]], **extra: 
         "results": results,
     }
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _commit() -> str | None:
+    """The checkout's commit, "-dirty" when its tracked files differ from it; None outside git."""
+    here = Path(__file__).parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{commit}-dirty" if dirty else commit
 
 
 def _cpus() -> int:
