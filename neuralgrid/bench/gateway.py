@@ -15,7 +15,9 @@ their server the fake node). Each case sends the same load, in alternating round
 - agent: the agents' signed fronts (one per 4 callers, in turn), each request signed with its node's
   key as the gateway signs;
 - gateway: the gateway (auth, match, proxy, metering), to nodes with no agent in front;
-- gateway_agent: the gateway, to the agents' nodes: the whole way a request takes in production.
+- gateway_agent: the gateway, to the agents' nodes: the whole way a request takes in production;
+- smg: SGLang's model gateway, a router in Rust (bench/peer.py), round robin over the fake node: a
+  peer measured as ours is, reported with ours over it (added p50, requests/s, CPU per request).
 
 Nothing runs above its default settings. Every node has the default slots (the `nodes` table's
 max_concurrency, 4; an agent its own default, 4), and there are enough of them for the most callers
@@ -29,7 +31,7 @@ Postgres plans by the tables' statistics.
 For each path it reports latency and what it adds to the direct path, requests/s, refused (503) and
 failed requests, the wait for a slot, and the CPU per request of the processes on the path (their
 on-CPU time from /proc, read before and after each round): the gateway and all of Postgres on the
-gateway paths, the agents on the agent paths.
+gateway paths, the agents on the agent paths, smg's process on its path.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import psycopg
@@ -55,6 +58,7 @@ from neuralgrid.bench import (
     Load,
     bench_fleet,
     chat_body,
+    peer,
     postmaster_pid,
     scratch_database,
     send_load,
@@ -70,7 +74,7 @@ AGENT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 AGENT_PRICE, FLEET_MAX_PRICE = "5", "1"
 AGENT_NAME = "bench-agent-{}"
 SCRATCH_DB = "neuralgrid_bench_gateway"
-PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent")
+PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent", "smg")
 WARMUP = 20  # requests before each round counts: connections, caches and plans
 ROUNDS = 4  # each case alternates its targets round by round, so that drift spreads over all of them
 # What each path's numbers are reported as, against the direct path: "<prefix>added_p50_ms", ….
@@ -80,6 +84,7 @@ ADDED = {
     "agent": "agent_",
     "gateway": "",
     "gateway_agent": "gateway_agent_",
+    "smg": "smg_",
 }
 
 
@@ -108,16 +113,21 @@ def run(
     requests: int,
     progress: Callable[[str], None] = lambda _: None,
     paths: tuple[str, ...] = PATHS,
+    smg: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Each case's numbers for the `paths` asked (the direct one always: it is the baseline)."""
+    """Each case's numbers for the `paths` asked (the direct one always: it is the baseline); `smg`:
+    the command of the peer's path (peer.find_smg())."""
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown paths {sorted(unknown)}: choose from {', '.join(PATHS)}")
+    if "smg" in paths and smg is None:
+        raise ValueError("the smg path needs the smg command (peer.find_smg())")
     names = [name for name in PATHS if name == "direct" or name in paths]
     node_port, relay_port, relay_sql_port, gateway_port = (free_port() for _ in range(4))
+    smg_port, smg_metrics_port = free_port(), free_port()
     node_url = f"http://127.0.0.1:{node_port}"
     relay_url, gateway_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{gateway_port}"
-    relay_sql_url = f"http://127.0.0.1:{relay_sql_port}"
+    relay_sql_url, smg_url = f"http://127.0.0.1:{relay_sql_port}", f"http://127.0.0.1:{smg_port}"
     with scratch_database(admin_url, SCRATCH_DB) as db_url:
         fleet = bench_fleet(db_url, [node_url], MODEL, slots=max(callers))  # default-size nodes
         env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
@@ -135,6 +145,11 @@ def run(
             if "relay_sql" in names:
                 with_slots = [*relay, str(relay_sql_port), "--database", db_url]
                 relay_sql.append(stack.enter_context(served(with_slots, env, relay_sql_url)).pid)
+            on_smg: list[int] = []
+            if "smg" in names and smg is not None:
+                launch = peer.launch(smg, [node_url], smg_port, smg_metrics_port)
+                ready = f"{smg_url}{peer.READY}"
+                on_smg.append(stack.enter_context(served(launch, {**env, **peer.ENV}, ready)).pid)
             gateway: list[int] = []
             if {"gateway", "agent", "gateway_agent"} & set(names):
                 gateway.append(stack.enter_context(served([*cli, "up"], env, f"{gateway_url}/readyz")).pid)
@@ -167,6 +182,7 @@ def run(
                     slots=agents.slots,
                     ledger=fleet.history,
                 ),
+                "smg": Target((f"{smg_url}{CHAT}",), cpu={"gateway": on_smg}),  # its process, as ours
             }
             targets = {name: targets[name] for name in names}
             for stream in (False, True):
@@ -185,6 +201,7 @@ def run(
                         # the agents' hop behind the gateway
                         added = runs["gateway_agent"]["p50_ms"] - runs["gateway"]["p50_ms"]
                         result["agent_behind_gateway_added_p50_ms"] = round(added, 3)
+                    result.update(peer.ratios(result))
                     results.append(result)
     return results
 
@@ -271,3 +288,17 @@ def _alternate(
         if t.ledger is not None:
             runs[name]["ledger_jobs"] = t.ledger
     return runs
+
+
+def source_commit() -> dict[str, Any]:
+    """The commit the run measured, and whether the working tree differed from it (tracked files):
+    figures are compared across commits, and a shared tree is often mid-change."""
+    here = Path(__file__).parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout
+
+    try:
+        return {"sha": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain", "-uno"))}
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout: an installed package
+        return {"sha": None, "dirty": None}

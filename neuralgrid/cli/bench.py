@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -79,23 +79,37 @@ def gateway(
         typer.Option(
             envvar="NEURALGRID_BENCH_PATHS",
             help="Paths to measure besides direct, comma-separated: relay, relay_sql, agent, gateway,"
-            " gateway_agent.",
+            " gateway_agent, smg.",
         ),
-    ] = "relay,relay_sql,agent,gateway,gateway_agent",
+    ] = "relay,relay_sql,agent,gateway,gateway_agent,smg",
     out_file: OutFile = Path("bench-results/gateway.json"),
 ) -> None:
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
     agent) of the gateway and of the node agent against the node they front (and a bare relay, alone
     and holding a slot in Postgres), at the default node settings: enough default-size nodes for the
-    most callers."""
+    most callers.
+
+    Beside them, in the same interleaved rounds on the same fake node: smg, SGLang's model gateway in
+    Rust (dev extras), launched as `smg launch --worker-urls NODE --policy round_robin
+    --disable-tokenizer-autoload --disable-load-monitoring --log-level warn`, on loopback only. Its
+    process's CPU shows as "gateway cpu"; a second table gives ours over smg: the gateway's and the
+    bare relay's added p50 and requests/s, and the gateway process's CPU per request. Without smg
+    installed, one line says so and the other paths run. The JSON holds the git commit and smg's
+    version."""
     from neuralgrid.bench import gateway as bench
+    from neuralgrid.bench import peer
 
     chosen = tuple(part.strip() for part in paths.split(",") if part.strip())
     unknown = set(chosen) - set(bench.PATHS)
     if unknown:
         raise fail(f"--paths: unknown {', '.join(sorted(unknown))}; choose from {', '.join(bench.PATHS[1:])}")
+    smg_asked = "smg" in chosen
+    smg = peer.find_smg() if smg_asked else None
+    if smg_asked and smg is None:
+        out.print(peer.NOT_INSTALLED, markup=False, highlight=False, soft_wrap=True)
+        chosen = tuple(name for name in chosen if name != "smg")
     results = bench.run(
-        database_url(ctx), integers(callers, "--callers"), requests, progress=progress, paths=chosen
+        database_url(ctx), integers(callers, "--callers"), requests, progress=progress, paths=chosen, smg=smg
     )
     table = Table(
         "mode",
@@ -114,7 +128,7 @@ def gateway(
         "postgres cpu",
         "agent cpu",
         caption="ms; +: added to the direct path; slots: of the nodes the gateway reaches (default size);"
-        " wait: for a slot; cpu: per request served",
+        " wait: for a slot; cpu: per request served; gateway cpu on relay_sql and smg: the relay's, smg's",
     )
 
     def ms(value: float | None) -> str:
@@ -148,12 +162,49 @@ def gateway(
                 ms(p.get("postgres_cpu_ms_per_request")),
                 ms(p.get("agent_cpu_ms_per_request")),
             )
+    if any("smg" in r for r in results):
+        print_table(_over_smg(results))
     target = (
         "gateway: added <= 1 ms p50 and <= 5 ms p99 sequential; gateway and agent: added <= 1.5 ms p50"
         " sequential; 0 refused while callers <= slots; >= 1000 rps non-streaming; Postgres <= 0.7 ms"
         " CPU per request; agent: added <= 0.5 ms p50 and <= 0.3 ms CPU per request"
     )
-    report(table, out_file, "gateway", results, units="ms", target=target)
+    meta: dict[str, Any] = {"commit": bench.source_commit()}
+    if smg_asked:  # what was measured, or that it could not be
+        meta["smg"] = (
+            {"version": peer.version(smg), "launch": peer.flags(["NODE"])} if smg else {"version": None}
+        )
+    report(table, out_file, "gateway", results, units="ms", target=target, **meta)
+
+
+def _over_smg(results: list[dict[str, Any]]) -> Table:
+    """bench gateway's ratios: ours over smg, case by case."""
+    from neuralgrid.bench import peer
+
+    table = Table(
+        "mode",
+        "callers",
+        "+p50 gateway/smg",
+        "req/s gateway/smg",
+        "cpu gateway/smg",
+        "+p50 relay/smg",
+        "req/s relay/smg",
+        caption="ours over smg: +p50 added to the direct path (above 1: ours adds more); req/s (below 1:"
+        " ours serves fewer); cpu per request of the gateway's process (Postgres's apart); relay: the"
+        " bare Python relay, the floor",
+    )
+
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    for r in results:
+        if "smg" in r:
+            table.add_row(
+                "stream" if r["stream"] else "plain",
+                str(r["callers"]),
+                *(x(r.get(key)) for key, _, _ in peer.RATIOS),
+            )
+    return table
 
 
 @app.command("capacity")
