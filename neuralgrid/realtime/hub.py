@@ -11,6 +11,8 @@ Client broadcasts and presence go to Postgres only for rooms another instance ha
 each instance announces the rooms it holds (`room` when one opens or closes, `rooms` in answer to a
 `hello`), so a topic nobody else watches costs no NOTIFY and no overflow row, and presence lives only
 in the instances that have a subscriber to show it to.
+
+What the hub asks of Postgres, and the feed's connection, are in realtime/sql.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from neuralgrid.realtime import sql
 from neuralgrid.realtime.authz import Access, Authorizer, Table
 from neuralgrid.realtime.bindings import Binding
 from neuralgrid.realtime.fastpath import Coalescer
@@ -38,7 +41,6 @@ from neuralgrid.realtime.protocol import Message, Outgoing, outgoing
 log = logging.getLogger(__name__)
 
 PREFIX = "realtime:"
-FEED_CHANNEL = "realtime"
 RECONNECT_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 WATCH_REFRESH_S = 30.0  # also how often client overflow rows are pruned
 # After (re)connecting to the feed, client events go to every instance until the others have
@@ -50,15 +52,6 @@ ROOMS_PER_NOTIFY_CHARS = 6000  # a `rooms` announcement stays a plain NOTIFY, ne
 # only until every instance has read them, so the hub prunes those itself once it may have parked one.
 MAY_OVERFLOW_CHARS = 3900
 CLIENT_OVERFLOW_KEEP_S = 120.0
-PRUNE_CLIENT_OVERFLOW = (
-    "delete from realtime.feed_overflow where created_at < now() - make_interval(secs => %s)"
-    " and payload->>'k' in ('broadcast', 'presence')"
-)
-WATCH = (
-    "insert into realtime.feed_subscriptions (relid, instance) select unnest(%s::oid[]), %s"
-    " on conflict (relid, instance) do update set seen_at = now()"
-)
-UNWATCH = "delete from realtime.feed_subscriptions where relid = any(%s::oid[]) and instance = %s"
 
 
 Room = tuple[str, bool]  # (sub-topic, private)
@@ -156,8 +149,7 @@ class Hub:
             for relid in channel.relids:
                 self.watched[relid] += 1
             if fresh:
-                async with self.pool.connection() as conn:
-                    await conn.execute(WATCH, (fresh, self.instance))
+                await sql.run(self.pool, sql.WATCH_TABLES, (fresh, self.instance))
 
     async def remove(self, channel: Channel) -> None:
         if channel.expiry:
@@ -181,21 +173,13 @@ class Hub:
                 del self.watched[relid]
                 unwatched.append(relid)
         if unwatched:
-            async with self.pool.connection() as conn:
-                await conn.execute(UNWATCH, (unwatched, self.instance))
+            await sql.run(self.pool, sql.UNWATCH_TABLES, (unwatched, self.instance))
 
     async def _published_relids(self, bindings: list[Binding]) -> list[int]:
-        async with self.pool.connection() as conn:
-            rows = await (
-                await conn.execute(
-                    "select distinct format('%I.%I', schemaname, tablename)::regclass::oid::int8,"
-                    " schemaname, tablename from pg_publication_tables where pubname = 'supabase_realtime'"
-                )
-            ).fetchall()
         return [
-            relid
-            for relid, schema, table in rows
-            if any(b.schema in ("*", schema) and b.table in ("*", table) for b in bindings)
+            table.relid
+            for table in await sql.run(self.pool, sql.PUBLISHED_TABLES)
+            if any(b.schema in ("*", table.schema) and b.table in ("*", table.name) for b in bindings)
         ]
 
     async def _upkeep(self) -> None:
@@ -205,11 +189,9 @@ class Hub:
             await asyncio.sleep(WATCH_REFRESH_S)
             with contextlib.suppress(psycopg.Error):
                 if self.watched:
-                    async with self.pool.connection() as conn:
-                        await conn.execute(WATCH, (list(self.watched), self.instance))
+                    await sql.run(self.pool, sql.WATCH_TABLES, (list(self.watched), self.instance))
                 if self._parked_recently():
-                    async with self.pool.connection() as conn:
-                        await conn.execute(PRUNE_CLIENT_OVERFLOW, (CLIENT_OVERFLOW_KEEP_S,))
+                    await sql.run(self.pool, sql.PRUNE_CLIENT_OVERFLOW, (CLIENT_OVERFLOW_KEEP_S,))
 
     def _parked_recently(self) -> bool:
         return (
@@ -404,8 +386,7 @@ class Hub:
         text = json.dumps(message)
         if len(text) >= MAY_OVERFLOW_CHARS and message["k"] in ("broadcast", "presence"):
             self.parked_at = time.monotonic()
-        async with self.pool.connection() as conn:
-            await conn.execute("select realtime.feed_notify(%s::jsonb)", (text,))
+        await sql.run(self.pool, sql.FEED_NOTIFY, (text,))
 
     async def run(self, stop: asyncio.Event) -> None:
         """LISTEN until stopped, reconnecting with backoff (changes while disconnected are lost)."""
@@ -416,23 +397,18 @@ class Hub:
             keeper.cancel()
             with contextlib.suppress(psycopg.Error):
                 await self._notify({"k": "bye"})  # the others stop sending us this instance's rooms
-                async with self.pool.connection() as conn:
-                    await conn.execute(
-                        "delete from realtime.feed_subscriptions where instance = %s", (self.instance,)
-                    )
+                await sql.run(self.pool, sql.UNWATCH_ALL, (self.instance,))
 
     async def _listen(self, stop: asyncio.Event) -> None:
         attempt = 0
         while not stop.is_set():
             try:
-                async with await psycopg.AsyncConnection.connect(self.database_url, autocommit=True) as conn:
-                    await conn.execute(f"listen {FEED_CHANNEL}")
+                async with sql.feed(self.database_url) as gen:
                     self.forward_all_until = time.monotonic() + PEER_ANSWER_S
                     self.listening.set()
                     attempt = 0
                     await self._notify({"k": "hello"})
                     await self._announce_rooms()  # announcements missed while disconnected
-                    gen = conn.notifies()
                     stopper = asyncio.ensure_future(stop.wait())
                     try:
                         while not stop.is_set():
@@ -456,15 +432,9 @@ class Hub:
         try:
             message = json.loads(text)
             if message.get("k") == "overflow":
-                async with self.pool.connection() as conn:
-                    row = await (
-                        await conn.execute(
-                            "select payload from realtime.feed_overflow where id = %s", (message["id"],)
-                        )
-                    ).fetchone()
-                if row is None:
+                message = await sql.first(self.pool, sql.OVERFLOW_PAYLOAD, (message["id"],))
+                if message is None:
                     return
-                message = row[0]
             await self._dispatch(message)
         except Exception:  # one bad notification must not stop the feed
             log.exception("realtime: could not deliver a feed message")

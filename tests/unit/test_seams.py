@@ -1,7 +1,8 @@
-"""The architecture's seams, held: SQL only through the store, errors mapped once."""
+"""The architecture's seams, held: SQL only through the store (or Realtime's own), errors mapped once."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "neuralgrid"
 # The parts that run the platform's statements only through db/store.py. The migration runner, the
 # Realtime server's feed and the benchmarks' scratch databases speak to Postgres about Postgres.
 THROUGH_THE_STORE = ("gateway", "web", "server", "admin", "dev", "cli", "agent")
+# The Realtime server speaks to Postgres only through its own seam (its docstring says why).
+REALTIME_SEAM = PACKAGE / "realtime" / "sql.py"
+# Running a statement, opening a connection for one, or composing one; and a statement's text.
+TALKS_TO_POSTGRES = re.compile(
+    r"\.(execute|executemany|cursor|connection)\(|Connection\.connect\(|from psycopg import sql|\bsql\.SQL\("
+)
+STATEMENT = re.compile(
+    r"^\s*(select|insert\s+into|update\s+\S+\s+set|delete\s+from|listen|notify)\s", re.IGNORECASE
+)
 
 
 def test_every_named_statement_has_its_own_name() -> None:
@@ -35,6 +45,37 @@ def test_no_sql_outside_the_store(part: str) -> None:
             if re.search(r"\.execute\(", line) and "synchronous_commit" not in line:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{number}")
     assert offenders == []
+
+
+def test_realtime_speaks_sql_only_through_its_seam() -> None:
+    offenders = []
+    for path in sorted((PACKAGE / "realtime").rglob("*.py")):
+        if path == REALTIME_SEAM:
+            continue
+        source = path.read_text()
+        where = path.relative_to(PACKAGE)
+        for number, line in enumerate(source.splitlines(), 1):
+            if TALKS_TO_POSTGRES.search(line):
+                offenders.append(f"{where}:{number}: {line.strip()}")
+        for number, text in _strings_but_docstrings(ast.parse(source)):
+            if STATEMENT.match(text):
+                offenders.append(f"{where}:{number}: {text.strip()[:40]!r}")
+    assert offenders == []
+
+
+def _strings_but_docstrings(tree: ast.Module) -> list[tuple[int, str]]:
+    """The string literals of a module, docstrings left out (one may well begin "LISTEN until...")."""
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
 
 
 def _pg_error(sqlstate: str, message: str) -> Exception:
