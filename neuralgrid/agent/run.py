@@ -16,8 +16,9 @@ import pynvml
 
 from neuralgrid import __version__
 from neuralgrid.agent import gpu
-from neuralgrid.agent.backend import Backend, BackendError, BackendStarting, ServerInfo
+from neuralgrid.agent.backend import Backend, ServerInfo
 from neuralgrid.agent.front import FrontState, create_front
+from neuralgrid.agent.servers.base import BackendError, BackendStarting
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import AgentStatus, BackendInfo, Heartbeat, NodeRegistration

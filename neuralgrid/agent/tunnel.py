@@ -21,8 +21,8 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
-from neuralgrid.agent.backend import RelayError
 from neuralgrid.agent.front import BackendUnreachable, FrontState, Refused
+from neuralgrid.agent.relay import RelayError
 from neuralgrid.protocol.tunnel import (
     FLOW,
     FLOW_HEADER,

@@ -177,8 +177,9 @@ def run(
     """Join the grid: detect the GPU, register with the gateway, heartbeat; SIGTERM drains."""
     import socket
 
-    from neuralgrid.agent.backend import BackendError, parse_aliases
+    from neuralgrid.agent.backend import parse_aliases
     from neuralgrid.agent.run import Agent, AgentConfig, AgentError
+    from neuralgrid.agent.servers.base import BackendError
     from neuralgrid.protocol.routes import parse_routes
 
     try:

@@ -24,9 +24,10 @@ from openai.types.chat import ChatCompletionMessageParam
 from starlette.responses import JSONResponse
 
 from neuralgrid.agent import gpu
-from neuralgrid.agent.backend import Backend, BackendError, parse_aliases
+from neuralgrid.agent.backend import Backend, parse_aliases
 from neuralgrid.agent.front import FrontState
 from neuralgrid.agent.run import AgentConfig, AgentError, resolve_specs
+from neuralgrid.agent.servers.base import BackendError
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.tunnel import WINDOW
@@ -153,7 +154,7 @@ async def test_the_agent_tells_recorded_servers_apart(
         assert await backend.health() == "up"
         assert await backend.queue_depth() == queued  # running and waiting, from its /metrics
         if kind in ("vllm", "tgi"):  # the server's own tokenizer, special tokens not counted
-            assert await backend._count(RECORDED[kind]["model"], "Hello world") == 2
+            assert await backend.count_tokens(RECORDED[kind]["model"], "Hello world") == 2
     finally:
         await backend.aclose()
 

@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from neuralgrid.agent import front as front_module
-from neuralgrid.agent.backend import Backend, Relay, RelayError
+from neuralgrid.agent import answers
+from neuralgrid.agent.backend import Backend
 from neuralgrid.agent.front import MAX_REQUEST_BYTES, BackendUnreachable, FrontState, create_front
+from neuralgrid.agent.relay import Relay, RelayError
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
 from neuralgrid.server.serving import ThreadedServer, free_port
@@ -321,7 +322,7 @@ async def test_usage_is_counted_however_the_events_are_cut(
 ) -> None:
     """CRLF lines, events cut anywhere across chunks, a long answer read as it comes: the usage
     event still goes just before [DONE], counted from the whole text."""
-    monkeypatch.setattr(front_module, "HELD_BYTES", held_bytes)
+    monkeypatch.setattr(answers, "HELD_BYTES", held_bytes)
     words = [f"word{i} " for i in range(12)]
     sse = b"".join(
         f'data: {{"id": "x1", "created": 5, "choices": [{{"index": 0, "delta": {{"content": "{w}"}}}}]}}\r\n\r\n'.encode()
@@ -389,7 +390,7 @@ def test_only_events_with_usage_in_them_are_parsed(monkeypatch: pytest.MonkeyPat
     ]:
         for separators in ((",", ":"), (", ", ": ")):
             event = b"data: " + json.dumps(payload, separators=separators).encode() + b"\n\n"
-            assert front_module._has_usage(event) is has
+            assert answers._has_usage(event) is has
     assert len(parsed) == 4  # the two with a usage object, each written two ways
 
 

@@ -24,7 +24,6 @@ import respx
 
 from neuralgrid.agent.backend import Backend
 from neuralgrid.agent.front import FrontState, create_front
-from neuralgrid.agent.routes import detect_routes
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
@@ -100,9 +99,7 @@ async def detected(base: str, version: str | None = None) -> tuple[str, tuple[st
     try:
         info = await backend.detect()
         version = version or info.version
-        return info.kind, await detect_routes(
-            backend.http, backend.url, info.kind, backend.identity, version, None
-        )
+        return info.kind, await backend.kind.routes(backend, backend.identity, version, None)
     finally:
         await backend.aclose()
 

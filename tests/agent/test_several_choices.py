@@ -65,7 +65,7 @@ async def relayed(
         async def count(model: str, text: str) -> int:
             return len(text.split())
 
-        front.backend._count = count  # type: ignore[method-assign]
+        front.backend.count_tokens = count  # type: ignore[method-assign]
         got: list[bytes] = []
         error: Exception | None = None
         try:
