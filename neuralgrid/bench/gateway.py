@@ -45,7 +45,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import psycopg
@@ -288,17 +287,3 @@ def _alternate(
         if t.ledger is not None:
             runs[name]["ledger_jobs"] = t.ledger
     return runs
-
-
-def source_commit() -> dict[str, Any]:
-    """The commit the run measured, and whether the working tree differed from it (tracked files):
-    figures are compared across commits, and a shared tree is often mid-change."""
-    here = Path(__file__).parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout
-
-    try:
-        return {"sha": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain", "-uno"))}
-    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout: an installed package
-        return {"sha": None, "dirty": None}

@@ -94,8 +94,7 @@ def gateway(
     --disable-tokenizer-autoload --disable-load-monitoring --log-level warn`, on loopback only. Its
     process's CPU shows as "gateway cpu"; a second table gives ours over smg: the gateway's and the
     bare relay's added p50 and requests/s, and the gateway process's CPU per request. Without smg
-    installed, one line says so and the other paths run. The JSON holds the git commit and smg's
-    version."""
+    installed, one line says so and the other paths run. The JSON holds smg's version and flags."""
     from neuralgrid.bench import gateway as bench
     from neuralgrid.bench import peer
 
@@ -169,7 +168,7 @@ def gateway(
         " sequential; 0 refused while callers <= slots; >= 1000 rps non-streaming; Postgres <= 0.7 ms"
         " CPU per request; agent: added <= 0.5 ms p50 and <= 0.3 ms CPU per request"
     )
-    meta: dict[str, Any] = {"commit": bench.source_commit()}
+    meta: dict[str, Any] = {}  # (write_report adds the date and the commit)
     if smg_asked:  # what was measured, or that it could not be
         meta["smg"] = (
             {"version": peer.version(smg), "launch": peer.flags(["NODE"])} if smg else {"version": None}

@@ -31,7 +31,11 @@ def test_bench_gateway_runs_smg_beside_the_gateway_and_the_relay(db_url: str, tm
     assert code == 0, out + err
     assert "smg" in out and "gateway/smg" in out
     report = json.loads(out_file.read_text())
-    assert report["smg"]["version"].startswith("smg ") and len(report["commit"]["sha"]) == 40
+    assert (
+        report["smg"]["version"].startswith("smg ")
+        and "--disable-tokenizer-autoload" in report["smg"]["launch"]
+    )
+    assert report["when"] and report["commit"]  # (every bench's)
     assert [(r["stream"], r["callers"]) for r in report["results"]] == [
         (False, 1),
         (False, 4),
