@@ -1,0 +1,653 @@
+"""The docs: short, placed in time, linked, and their figures read from one source.
+
+Each benchmark's latest run is kept as the JSON it wrote, in docs/figures/, with its date, commit and
+command. The README's Benchmarks table and the tables of docs/benchmarks.md are made from those
+files: what lies between `<!-- figures: NAME -->` and `<!-- /figures -->` is what `BLOCKS[NAME]`
+makes, and a test fails when a page says otherwise. After a run, copy its JSON over the old one and
+rewrite the tables:
+
+    cp bench-results/gateway.json docs/figures/gateway.json
+    .venv/bin/python -m tests.unit.test_docs
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
+DOCS = ROOT / "docs"
+BENCHMARKS = DOCS / "benchmarks.md"
+FIGURES = DOCS / "figures"
+
+README_MAX_LINES = 300
+BENCHMARKS_MAX_LINES = 400
+SESSION = re.compile(r"\bsessions?[ -]\d+", re.IGNORECASE)
+COMMIT = re.compile(r"[0-9a-f]{7,40}(-dirty)?")
+# A figure a reader could take for a measurement: a number with a unit of time or of rate.
+FIGURE = re.compile(r"\d[\d,.]*\s*(?:ms|µs|requests/s|req/s)\b")
+TIMES, NONE = "\N{MULTIPLICATION SIGN}", "\N{EN DASH}"
+BLOCK = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /figures -->\n", re.S)
+
+
+def pages() -> list[Path]:
+    """The pages a reader is sent to: the README, CONTRIBUTING.md and docs/*.md."""
+    return [README, CONTRIBUTING, *sorted(DOCS.glob("*.md"))]
+
+
+# --- length and time --------------------------------------------------------------------------
+
+
+def test_readme_is_at_most_300_lines() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md is {lines} lines: the depth belongs in docs/"
+
+
+def test_benchmarks_doc_is_at_most_400_lines() -> None:
+    lines = len(BENCHMARKS.read_text().splitlines())
+    assert lines <= BENCHMARKS_MAX_LINES, (
+        f"docs/benchmarks.md is {lines} lines: the method, the latest figures and a short history;"
+        " the dated narrative stays in git's history"
+    )
+
+
+def test_no_page_places_anything_by_session() -> None:
+    """A reader cannot place "session 22": dates and commits instead."""
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in pages()
+        if page.exists()
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if SESSION.search(line)
+    ]
+    assert not found, "say the date and the commit:\n" + "\n".join(found)
+
+
+# --- links ------------------------------------------------------------------------------------
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+COMMENT = re.compile(r"<!--.*?-->", re.S)
+LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
+
+
+def prose(text: str) -> str:
+    """The text as it renders to words: no code blocks, code spans or comments."""
+    return CODE_SPAN.sub("", FENCE.sub("", COMMENT.sub("", text)))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading (github-slugger): the rendered text in lower case, without
+    punctuation and symbols, each space a hyphen."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    kept = "".join(ch for ch in text if ch in "-_ " or unicodedata.category(ch)[0] in "LNM")
+    return kept.replace(" ", "-")
+
+
+@cache
+def anchors(page: Path) -> frozenset[str]:
+    text = FENCE.sub("", page.read_text())
+    seen: dict[str, int] = {}
+    found = set(HTML_ANCHOR.findall(text))
+    for heading in HEADING.findall(text):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return frozenset(found)
+
+
+def links(page: Path) -> Iterator[str]:
+    yield from LINK.findall(prose(page.read_text()))
+
+
+def test_slugs_are_githubs() -> None:
+    assert slug("The request path's SQL") == "the-request-paths-sql"
+    assert slug("Calibration against llama.cpp") == "calibration-against-llamacpp"
+    assert slug("2026-11-28 (later): grouped claims") == "2026-11-28-later-grouped-claims"
+    assert slug("`neuralgrid bench` and `place_jobs()`") == "neuralgrid-bench-and-place_jobs"
+    assert slug("Gateway ≤ 1 ms — the floor") == "gateway--1-ms--the-floor"
+
+
+def test_every_relative_link_resolves() -> None:
+    """Every link to a file of the repository finds it, and every #anchor into a page a heading."""
+    broken = []
+    for page in pages():
+        if not page.exists():
+            continue
+        for target in links(page):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = unquote(target).partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: ({target})"
+            if not dest.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{where}: no heading makes #{anchor}")
+    assert not broken, "\n".join(broken)
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+
+@cache
+def load(name: str) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads((FIGURES / f"{name}.json").read_text())
+    return report
+
+
+def one(results: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """The one result whose fields are these."""
+    found = [r for r in results if all(r.get(k) == v for k, v in fields.items())]
+    assert len(found) == 1, f"{len(found)} results with {fields}"
+    return found[0]
+
+
+def dig(record: dict[str, Any], path: str) -> Any:
+    """record["a"]["b"] for "a.b"; None where a step is missing."""
+    value: Any = record
+    for step in path.split("."):
+        value = value.get(step) if isinstance(value, dict) else None
+    return value
+
+
+def ms(value: float | None, digits: int = 2) -> str:
+    return NONE if value is None else f"{value:,.{digits}f}"
+
+
+def times(a: float, b: float) -> str:
+    """a as a multiple of b."""
+    ratio = a / b
+    return f"{ratio:.1f}{TIMES}" if ratio >= 2 else f"{ratio:.2f}{TIMES}"
+
+
+def verdict(target: str, met: bool) -> str:
+    return f"{target}: met" if met else f"{target}: **missed**"
+
+
+def run_cell(name: str, base: str) -> str:
+    report = load(name)
+    return f"[{report['when'][:10]}, {report['commit']}]({base}{name}.json)"
+
+
+def run_line(*names: str) -> str:
+    """Where a table's figures come from: each run's date, commit and command."""
+    said = []
+    for name in names:
+        report = load(name)
+        said.append(
+            f"{report['when'][:10]}, commit {report['commit']}: `{report['command']}`"
+            f" ([{name}.json](figures/{name}.json))"
+        )
+    kept = all("source" not in load(name) for name in names)
+    runs = "the run's own JSON" if len(names) == 1 else "the runs' own JSON"
+    note = "" if kept else f" The figures are those the docs recorded; {runs} was not kept."
+    return "Run: " + "; ".join(said) + "." + note + "\n"
+
+
+def table(header: list[str], rows: list[list[str]], right: int = 0) -> str:
+    """A Markdown table; the columns from `right` on are numbers, aligned right."""
+    align = ["---" if i < right else "---:" for i in range(len(header))] if right else []
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align or ["---"] * len(header)) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# The gateway's peers, measured in the same run: the floor (a relay that only claims and frees a
+# slot in Postgres) and smg, SGLang's Rust gateway, once `bench gateway` runs it beside ours.
+PEERS = (("the floor", "relay_sql"), ("smg", "smg"))
+
+
+def beside_added(result: dict[str, Any]) -> str:
+    ours = result["added_p50_ms"]
+    said = []
+    for name, path in PEERS:
+        theirs = result.get(f"{path}_added_p50_ms")
+        said.append(
+            f"{name}: not in this run"
+            if theirs is None
+            else f"{name}: {ms(theirs)} ms (ours {times(ours, theirs)})"
+        )
+    return "; ".join(said)
+
+
+def beside_rps(results: list[dict[str, Any]]) -> str:
+    said = []
+    for name, path in PEERS:
+        theirs = [dig(r, f"{path}.rps") for r in results]
+        if None in theirs:
+            said.append(f"{name}: not in this run")
+            continue
+        ratios = " / ".join(times(r["gateway"]["rps"], t) for r, t in zip(results, theirs, strict=True))
+        said.append(f"{name}: {' / '.join(ms(t, 0) for t in theirs)} (ours {ratios})")
+    return "; ".join(said)
+
+
+def readme_block() -> str:
+    base = "docs/figures/"
+    rows: list[list[str]] = []
+
+    matching = {(r["nodes"], r["function"]): r for r in load("matching")["results"] if r["callers"] == 1}
+    at10k, at100k = matching[10_000, "match_job"], matching[100_000, "match_job"]
+    rows.append(
+        [
+            "matcher, 10,000 online nodes",
+            "`match_job` p50 / p99, 1 caller",
+            f"{ms(at10k['p50_ms'])} / {ms(at10k['p99_ms'])} ms",
+            f"100,000 nodes: {ms(at100k['p50_ms'])} / {ms(at100k['p99_ms'])} ms",
+            verdict("p99 ≤ 5 ms", at10k["p99_ms"] <= 5),
+            run_cell("matching", base),
+        ]
+    )
+
+    simulated = json.loads((ROOT / load("simulate")["report"]).read_text())
+    policies = simulated["scenarios"]["default"]["policies"]
+    ours, seed_warm = policies["balanced+prewarm"], policies["seed_warm"]
+    cost = ours["supply_usd_per_mtok"] / seed_warm["supply_usd_per_mtok"]
+    rows.append(
+        [
+            "matching, simulated (default scenario)",
+            "supply cost per 1M tokens; VRAM idle per placement (`balanced+prewarm`)",
+            f"${ours['supply_usd_per_mtok']:.4f}; {ours['vram_idle_gb_mean']:.1f} GB",
+            f"`seed_warm`: ${seed_warm['supply_usd_per_mtok']:.4f} (ours {times(cost, 1)});"
+            f" {seed_warm['vram_idle_gb_mean']:.1f} GB",
+            verdict("≥ 30% cheaper; ≤ 15 GB", cost <= 0.7 and ours["vram_idle_gb_mean"] <= 15),
+            run_cell("simulate", base),
+        ]
+    )
+    sweep = simulated["sweep"]
+    served = {name: p["big_model_served_pct"] for name, p in sweep["policies"].items()}
+    rows.append(
+        [
+            "matching, simulated (scarce big nodes)",
+            f"70B requests served at the load where `seed` serves {sweep['target_pct']:.0f}%",
+            f"{served['balanced+prewarm']:.1f}%",
+            f"`seed`: {served['seed']:.1f}%; `seed_warm`: {served['seed_warm']:.1f}%",
+            verdict("≥ 99.9%", served["balanced+prewarm"] >= 99.9),
+            run_cell("simulate", base),
+        ]
+    )
+
+    gateway = load("gateway")["results"]
+    alone = one(gateway, stream=False, callers=1)
+    streams = one(gateway, stream=True, callers=1)
+    loaded = [one(gateway, stream=False, callers=n) for n in (16, 64)]
+    busiest = loaded[-1]
+    run = run_cell("gateway", base)
+    rows.append(
+        [
+            "gateway, sequential (default node settings, a ledger of 50,000 jobs)",
+            "added p50 / p99 over the direct path",
+            f"{ms(alone['added_p50_ms'])} / {ms(alone.get('added_p99_ms'))} ms",
+            beside_added(alone),
+            verdict("p50 ≤ 1 ms", alone["added_p50_ms"] <= 1)
+            + "; "
+            + verdict("p99 ≤ 5 ms", alone.get("added_p99_ms", 5.1) <= 5),
+            run,
+        ]
+    )
+    floor_and_hop = alone["relay_sql_added_p50_ms"] + alone["agent_added_p50_ms"]
+    rows.append(
+        [
+            "gateway + node agent, sequential",
+            "added p50 over the direct path",
+            f"{ms(alone['gateway_agent_added_p50_ms'])} ms",
+            f"the floor and the agent's own hop: {ms(floor_and_hop)} ms"
+            f" (ours {times(alone['gateway_agent_added_p50_ms'], floor_and_hop)})",
+            verdict("≤ 1.5 ms", alone["gateway_agent_added_p50_ms"] <= 1.5),
+            run,
+        ]
+    )
+    agent_cpu = [dig(r, "agent.agent_cpu_ms_per_request") for r in (alone, streams)]
+    rows.append(
+        [
+            "node agent alone, sequential",
+            "added p50; CPU per request (plain / stream)",
+            f"{ms(alone['agent_added_p50_ms'])} ms; {ms(agent_cpu[0])} / {ms(agent_cpu[1])} ms",
+            "",
+            verdict("≤ 0.5 ms", alone["agent_added_p50_ms"] <= 0.5)
+            + "; "
+            + verdict("≤ 0.3 ms", all(c is not None and c <= 0.3 for c in agent_cpu)),
+            run,
+        ]
+    )
+    rps = [r["gateway"]["rps"] for r in loaded]
+    refused = [dig(r, "gateway.refused_503") for r in loaded]
+    rows.append(
+        [
+            f"gateway, 16 / 64 callers on {busiest['gateway']['slots']} default slots",
+            "requests/s (plain); refused (503)",
+            f"{' / '.join(ms(x, 0) for x in rps)}; {' / '.join(ms(x, 0) for x in refused)}",
+            beside_rps(loaded),
+            verdict("≥ 1,000", max(rps) >= 1000) + "; " + verdict("0 refused", refused == [0, 0]),
+            run,
+        ]
+    )
+    cpu = busiest["gateway"]
+    rows.append(
+        [
+            "gateway, 64 callers (plain)",
+            "CPU per request: gateway / Postgres",
+            f"{ms(cpu['gateway_cpu_ms_per_request'])} / {ms(cpu['postgres_cpu_ms_per_request'])} ms",
+            "",
+            verdict("Postgres ≤ 0.7 ms", cpu["postgres_cpu_ms_per_request"] <= 0.7),
+            run,
+        ]
+    )
+
+    sql = {r["group"]: r for r in load("sql")["results"]}
+    now = {g: r.get("compare", r["base"])["postgres_cpu_ms"] for g, r in sql.items()}
+    before = (
+        "the code before it: "
+        + " / ".join(f"{sql[g]['ratio']['postgres_cpu_ms']:.3f}{TIMES}" for g in (1, 14))
+        if all("ratio" in sql[g] for g in (1, 14))
+        else ""
+    )
+    rows.append(
+        [
+            "the request path's SQL alone, groups of 1 / 14",
+            "Postgres CPU per job (`place_jobs` + `complete_jobs`)",
+            f"{ms(now[1])} / {ms(now[14])} ms",
+            before,
+            verdict("≤ 0.7 ms in groups", now[14] <= 0.7),
+            run_cell("sql", base),
+        ]
+    )
+
+    health = load("health")["results"][0]
+    killed, dropped = health["deaths"]["process killed"], health["deaths"]["tunnel dropped"]
+    rows.append(
+        [
+            "health, agent killed",
+            "offline in the database / first request served elsewhere",
+            f"{ms(killed['to_offline_s'])} / {ms(killed['to_first_served_elsewhere_s'])} s",
+            f"the silence that makes a node offline: {health['offline_after_silence_s']} s",
+            "",
+            run_cell("health", base),
+        ]
+    )
+    rows.append(
+        [
+            "health, tunnel dropped",
+            "offline in the database",
+            f"{ms(dropped['to_offline_s'])} s",
+            "",
+            verdict("≤ 1 s", dropped["to_offline_s"] <= 1),
+            run_cell("health", base),
+        ]
+    )
+
+    capacity = load("capacity")["results"]
+    few, many = (one(capacity, stream=False, callers=n) for n in (8, 64))
+    three = one(load("capacity-3-gateways")["results"], stream=False, callers=64)
+    slots = many["slots"]
+    rows.append(
+        [
+            f"capacity, 2 nodes {TIMES} 4 slots, {few['callers']} / {many['callers']} callers (plain)",
+            "refused (503); served",
+            f"{few['refused_503']} / {many['refused_503']};"
+            f" {few['served']}/{few['requests']}, {many['served']}/{many['requests']}",
+            f"three gateways, {three['callers']} callers: {three['refused_503']};"
+            f" {three['served']}/{three['requests']}",
+            verdict("0 refused while callers ≤ slots", few["refused_503"] == 0 and few["callers"] <= slots)
+            + "; "
+            + verdict(f"all served at {many['callers'] // slots}{TIMES}", many["served"] == many["requests"]),
+            run_cell("capacity", base),
+        ]
+    )
+    rows.append(
+        [
+            f"capacity, {many['callers']} callers",
+            "queue wait p50 / p99",
+            f"{ms(many['queue_wait_p50_ms'], 0)} / {ms(many['queue_wait_p99_ms'], 0)} ms",
+            f"three gateways: {ms(three['queue_wait_p50_ms'], 0)} / {ms(three['queue_wait_p99_ms'], 0)} ms",
+            verdict("within the 30 s deadline", many["queue_wait_p99_ms"] < 30_000),
+            run_cell("capacity", base),
+        ]
+    )
+    rows.append(
+        [
+            f"capacity, {many['callers']} callers",
+            "CPU per request: gateway / Postgres",
+            f"{ms(many['gateway_cpu_ms_per_request'])} / {ms(many['postgres_cpu_ms_per_request'])} ms",
+            f"three gateways: {ms(three['gateway_cpu_ms_per_request'])} /"
+            f" {ms(three['postgres_cpu_ms_per_request'])} ms",
+            verdict("Postgres ≤ 0.7 ms", many["postgres_cpu_ms_per_request"] <= 0.7),
+            run_cell("capacity", base),
+        ]
+    )
+
+    realtime = one(load("realtime")["results"], subscribers=1000)
+    rows.append(
+        [
+            f"Realtime, 1,000 subscribers, {realtime['changes_per_s']:.0f} changes/s",
+            "broadcast p50 / p99; lost",
+            f"{ms(realtime['p50_ms'], 1)} / {ms(realtime['p99_ms'], 1)} ms; {realtime['lost']}",
+            "",
+            verdict("p99 ≤ 200 ms", realtime["p99_ms"] <= 200),
+            run_cell("realtime", base),
+        ]
+    )
+    return table(["what", "measure", "figure", "beside it, same run", "target", "run"], rows)
+
+
+def gateway_block() -> str:
+    columns: list[tuple[str, str]] = [
+        ("direct p50", "direct.p50_ms"),
+        ("relay adds p50", "relay_added_p50_ms"),
+        ("the floor adds p50", "relay_sql_added_p50_ms"),
+        ("agent adds p50", "agent_added_p50_ms"),
+        ("gateway adds p50", "added_p50_ms"),
+        ("gateway adds p99", "added_p99_ms"),
+        ("gateway + agent adds p50", "gateway_agent_added_p50_ms"),
+        ("smg adds p50", "smg_added_p50_ms"),
+        ("req/s: the floor", "relay_sql.rps"),
+        ("req/s: gateway", "gateway.rps"),
+        ("req/s: gateway + agent", "gateway_agent.rps"),
+        ("req/s: smg", "smg.rps"),
+        ("gateway refused", "gateway.refused_503"),
+        ("CPU per request: gateway", "gateway.gateway_cpu_ms_per_request"),
+        ("CPU per request: Postgres", "gateway.postgres_cpu_ms_per_request"),
+        ("CPU per request: agent alone", "agent.agent_cpu_ms_per_request"),
+    ]
+    results = sorted(load("gateway")["results"], key=lambda r: (r["stream"], r["callers"]))
+    shown = [(h, p) for h, p in columns if any(dig(r, p) is not None for r in results)]
+
+    def cell(result: dict[str, Any], path: str) -> str:
+        value = dig(result, path)
+        return ms(value, 0) if path.endswith(("rps", "refused_503")) else ms(value)
+
+    rows = [
+        ["stream" if r["stream"] else "plain", str(r["callers"]), *(cell(r, p) for _, p in shown)]
+        for r in results
+    ]
+    return table(["mode", "callers", *(h for h, _ in shown)], rows, right=1) + "\n" + run_line("gateway")
+
+
+def matching_block() -> str:
+    rows = []
+    for r in load("matching")["results"]:
+        function, _, case = r["function"].partition(", ")
+        said = f"`{function}`" + (f", {case}" if case else "")
+        rows.append([f"{r['nodes']:,}", said, str(r["callers"]), ms(r["p50_ms"]), ms(r["p99_ms"])])
+    head = ["nodes", "function", "callers", "p50 ms", "p99 ms"]
+    return table(head, rows, right=2) + "\n" + run_line("matching")
+
+
+def sql_block() -> str:
+    """Each group's figures; with --compare, the code before, the change, and their ratio."""
+    names = {"base": "the code before", "compare": "the change", "ratio": "change / before"}
+    rows = []
+    for r in load("sql")["results"]:
+        for name, said in names.items():
+            if name in r:
+                cells = [
+                    ms(r[name].get(k), 3) + (TIMES if name == "ratio" else "")
+                    for k in ("place_ms", "complete_ms", "postgres_cpu_ms")
+                ]
+                rows.append([str(r["group"]), said if "compare" in r else "", *cells])
+    head = ["group", "code", "place ms", "complete ms", "Postgres CPU ms"]
+    return table(head, rows, right=2) + "\n" + run_line("sql")
+
+
+def capacity_block() -> str:
+    rows = []
+    for name in ("capacity", "capacity-3-gateways"):
+        for r in load(name)["results"]:
+            rows.append(
+                [
+                    str(r["gateways"]),
+                    "stream" if r["stream"] else "plain",
+                    f"{r['callers']} on {r['slots']}",
+                    f"{r['served']}/{r['requests']}",
+                    str(r["refused_503"]),
+                    f"{ms(r['queue_wait_p50_ms'], 0)} / {ms(r['queue_wait_p99_ms'], 0)}",
+                    f"{ms(r['p50_ms'], 1)} / {ms(r['p99_ms'], 1)}",
+                    ms(r["rps"], 0),
+                    f"{ms(r['gateway_cpu_ms_per_request'])} / {ms(r['postgres_cpu_ms_per_request'])}",
+                ]
+            )
+    head = [
+        "gateways",
+        "mode",
+        "callers on slots",
+        "served",
+        "refused",
+        "wait p50 / p99 ms",
+        "p50 / p99 ms",
+        "req/s",
+        "CPU per request, gateways / Postgres ms",
+    ]
+    return table(head, rows, right=2) + "\n" + run_line("capacity", "capacity-3-gateways")
+
+
+def health_block() -> str:
+    result = load("health")["results"][0]
+    rows = [
+        [
+            death,
+            *(
+                "never" if r[k] is None else f"{r[k]:.2f} s"
+                for k in ("to_offline_s", "to_first_served_elsewhere_s", "to_first_request_avoiding_it_s")
+            ),
+        ]
+        for death, r in result["deaths"].items()
+    ]
+    head = [
+        "death",
+        "offline in the database",
+        "first request served elsewhere",
+        "first request that avoids it",
+    ]
+    t = result["tunnel_vs_direct"]
+    overhead = (
+        f"Through the gateway to one node, sequentially: p50 {ms(t['tunnel']['sequential']['p50_ms'])} ms"
+        f" through a tunnel against {ms(t['direct']['sequential']['p50_ms'])} ms direct; streaming at 16"
+        f" callers, {ms(t['tunnel']['stream_x16_rps'], 0)} against {ms(t['direct']['stream_x16_rps'], 0)}"
+        " requests/s."
+    )
+    return table(head, rows, right=1) + "\n" + overhead + " " + run_line("health")
+
+
+def realtime_block() -> str:
+    rows = [
+        [
+            f"{r['subscribers']:,}",
+            f"{r['changes_per_s']:.0f}",
+            f"{r['delivered']:,}",
+            str(r["lost"]),
+            ms(r["p50_ms"], 1),
+            ms(r["p99_ms"], 1),
+            ms(r["max_ms"], 1),
+        ]
+        for r in load("realtime")["results"]
+    ]
+    head = ["subscribers", "changes/s", "delivered", "lost", "p50 ms", "p99 ms", "max ms"]
+    return table(head, rows, right=1) + "\n" + run_line("realtime")
+
+
+def sse_block() -> str:
+    result = load("sse")["results"][0]
+    rows = [[r["shape"], ms(r["cpu_ms"], 1), ms(r["cpu_ms_per_mib"], 1)] for r in result["shapes"]]
+    ratio = f"A 15 MiB event in 64 KiB pieces over the same in one read: {result['pieces_over_whole']:.2f}{TIMES}."
+    return table(["stream", "CPU ms", "ms per MiB"], rows, right=1) + "\n" + ratio + " " + run_line("sse")
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "readme": readme_block,
+    "gateway": gateway_block,
+    "matching": matching_block,
+    "sql": sql_block,
+    "capacity": capacity_block,
+    "health": health_block,
+    "realtime": realtime_block,
+    "sse": sse_block,
+}
+WHERE = {"readme": README}  # the others are in docs/benchmarks.md
+
+
+def made(text: str) -> str:
+    """The page with each figures block as its files make it."""
+    return BLOCK.sub(
+        lambda m: f"<!-- figures: {m['name']} -->\n{BLOCKS[m['name']]()}<!-- /figures -->\n", text
+    )
+
+
+def test_each_figure_file_says_when_where_and_how() -> None:
+    for path in sorted(FIGURES.glob("*.json")):
+        report = json.loads(path.read_text())
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d(T[\d:]+([+-]\d\d:\d\d|Z)?)?", report["when"]), path.name
+        assert COMMIT.fullmatch(report["commit"]), f"{path.name}: the commit it measured"
+        assert report["command"].startswith("neuralgrid "), f"{path.name}: the command that wrote it"
+        assert "results" in report or (ROOT / report["report"]).exists(), path.name
+
+
+def test_figures_on_the_pages_are_made_from_their_files() -> None:
+    """One source: each block of figures in README.md and docs/benchmarks.md is what docs/figures
+    makes (rewrite them with `python -m tests.unit.test_docs`)."""
+    for name, _ in BLOCKS.items():
+        page = WHERE.get(name, BENCHMARKS)
+        blocks = {m["name"]: m["body"] for m in BLOCK.finditer(page.read_text())}
+        assert name in blocks, f"{page.relative_to(ROOT)} has no <!-- figures: {name} --> block"
+        assert blocks[name] == BLOCKS[name](), f"{page.relative_to(ROOT)}: block {name} is stale"
+
+
+def section(page: Path, title: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_the_readme_states_figures_only_in_its_table() -> None:
+    """Known limits and the words around the table state no figure the table could contradict."""
+    for title in ("Benchmarks", "Known limits"):
+        words = BLOCK.sub("", section(README, title))
+        assert not FIGURE.findall(words), f"README's {title} states {FIGURE.findall(words)}"
+
+
+def test_a_benchmark_report_says_when_and_on_which_commit(tmp_path: Path) -> None:
+    from neuralgrid.bench import write_report
+
+    write_report(tmp_path / "bench.json", "bench", [{"p50_ms": 1.0}])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["when"]
+    assert COMMIT.fullmatch(report["commit"]), report["commit"]
+    assert report["command"]
+
+
+if __name__ == "__main__":
+    for page in (README, BENCHMARKS):
+        page.write_text(made(page.read_text()))
+        print(f"wrote {page.relative_to(ROOT)}'s figures from {FIGURES.relative_to(ROOT)}/")
