@@ -1,4 +1,4 @@
-"""The one seam between Python and Postgres: run a named query (db/queries.py), get typed rows.
+"""The one seam between Python and Postgres: run a named query (db/queries/), get typed rows.
 
 Every Postgres error leaves here already translated into the domain's (db/errors.py). `Store` is
 the async face the gateway, web and server use; `SyncStore` the thin sync face of the CLI and tests.

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 import re
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from neuralgrid.db import errors as db
 from neuralgrid.db import queries
 from neuralgrid.gateway import errors
+from neuralgrid.realtime import sql as realtime_sql
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuralgrid"
 # The parts that run the platform's statements only through db/store.py. The migration runner, the
@@ -29,11 +32,22 @@ STATEMENT = re.compile(
 )
 
 
-def test_every_named_statement_has_its_own_name() -> None:
-    named = {k: v for k, v in vars(queries).items() if isinstance(v, queries.Query)}
-    assert len(named) > 30
+@pytest.mark.parametrize(("seam", "at_least"), [(queries, 30), (realtime_sql, 10)], ids=["db", "realtime"])
+def test_every_named_statement_has_its_own_name(seam: ModuleType, at_least: int) -> None:
+    named = {k: v for k, v in vars(seam).items() if isinstance(v, queries.Query)}
+    assert len(named) > at_least
     for constant, query in named.items():
         assert query.name == constant.lower(), constant
+
+
+def test_every_domain_statement_is_read_from_the_package() -> None:
+    """Callers read `q.NAME` from db/queries/: a statement left out of its domain module's __all__
+    would be there only for whoever imports the module itself."""
+    for info in pkgutil.iter_modules(queries.__path__):
+        domain = importlib.import_module(f"{queries.__name__}.{info.name}")
+        for constant, value in vars(domain).items():
+            if isinstance(value, queries.Query):
+                assert getattr(queries, constant, None) is value, f"{info.name}.{constant}"
 
 
 @pytest.mark.parametrize("part", THROUGH_THE_STORE)

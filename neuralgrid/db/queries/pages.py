@@ -1,0 +1,103 @@
+"""What the web pages and /metrics read: the public map, the fleet's gauges, a signed-in owner's
+nodes and earnings (read as the owner: RLS keeps them to their own), and sign-in's users."""
+
+from __future__ import annotations
+
+from psycopg.rows import dict_row, scalar_row
+
+from neuralgrid.db.queries.query import Query
+
+__all__ = [
+    "ADD_USER",
+    "FLEET_GAUGES",
+    "FLEET_STATS",
+    "MAP_NODES",
+    "MY_EARNINGS",
+    "MY_EARNINGS_TOTALS",
+    "MY_NODES",
+    "MY_NODE_STATS",
+    "PLATFORM_FEE_RATE",
+    "USER_ID",
+]
+
+
+# Read as anon: the public map (node_map), each row as JSON as the Data API renders it (numbers as
+# numbers, times in ISO 8601), which is how a hosted project's page reads the same view.
+MAP_NODES = Query("map_nodes", "select to_jsonb(m) from public.node_map m order by m.name, m.id", scalar_row)
+# The map's totals (fleet_stats(): jobs are private, it returns aggregates only).
+FLEET_STATS = Query("fleet_stats", "select * from public.fleet_stats()", dict_row)
+# The fleet gauges of /metrics: per node status, nodes, VRAM, and slots (free: claimable now).
+FLEET_GAUGES = Query(
+    "fleet_gauges",
+    """
+select status, count(*)::int8 as nodes, coalesce(sum(vram_gb), 0)::float8 as vram_gb,
+  coalesce(sum(greatest(max_concurrency - inflight, 0)) filter (
+    where status = 'online' and (cooldown_until is null or cooldown_until <= now())), 0)::int8 as free_slots,
+  coalesce(sum(inflight) filter (where status in ('online', 'busy')), 0)::int8 as busy_slots
+from public.nodes
+group by status
+""",
+    dict_row,
+)
+# Read as the signed-in user: RLS and column grants leave their own nodes.
+MY_NODES = Query(
+    "my_nodes",
+    """
+select id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate::float8 as hourly_rate, region, status,
+  max_concurrency, inflight, queue_depth, gpu_utilization, last_heartbeat_at, successes, failures,
+  agent_version, created_at
+from public.nodes where owner_id = auth.uid()
+order by name, id
+""",
+    dict_row,
+)
+# `on conflict do nothing` covers a concurrent first sign-in (auth.users.email is unique); the id is
+# read by a second statement, which sees a row another sign-in committed meanwhile.
+ADD_USER = Query(
+    "add_user",
+    "insert into auth.users (id, email) select gen_random_uuid(), %(email)s"
+    " where not exists (select from auth.users where email = %(email)s) on conflict do nothing",
+    scalar_row,
+)
+USER_ID = Query("user_id", "select id from auth.users where email = %s", scalar_row)
+
+
+# --- An owner's earnings and nodes (issue 19) ------------------------------------------------------
+
+# A period of `days` is whole UTC days: today and the days before it, as the page's chart draws them.
+# Money as float8 for JSON: the ledger's exact numeric figures stay in SQL (docs/earnings.md).
+MY_EARNINGS = Query(
+    "my_earnings",
+    """
+select day, node_id, node_name, model_id, jobs, gross_usd::float8 as gross_usd, fee_usd::float8 as fee_usd,
+  net_usd::float8 as net_usd
+from public.my_earnings(
+  (date_trunc('day', now(), 'UTC') at time zone 'UTC' - make_interval(days => %(days)s - 1))
+    at time zone 'UTC')
+""",
+    dict_row,
+)
+MY_EARNINGS_TOTALS = Query(
+    "my_earnings_totals",
+    """
+with period as (
+  select date_trunc('day', now(), 'UTC') at time zone 'UTC' - make_interval(days => %(days)s - 1) as first_day
+)
+select p.first_day::date as first_day, t.jobs, t.gross_usd::float8 as gross_usd, t.fee_usd::float8 as fee_usd,
+  t.net_usd::float8 as net_usd
+from period p, public.my_earnings_totals(p.first_day at time zone 'UTC') t
+""",
+    dict_row,
+)
+MY_NODE_STATS = Query(
+    "my_node_stats",
+    """
+select node_id, name, status, gpu_model, gpu_count, region, hourly_rate::float8 as hourly_rate, uptime,
+  observed_s, jobs_served, failures, reputation, warm_models, last_heartbeat_at
+from public.my_node_stats(make_interval(days => %(days)s))
+""",
+    dict_row,
+)
+PLATFORM_FEE_RATE = Query(
+    "platform_fee_rate", "select platform_fee_rate::float8 from public.platform_settings", scalar_row
+)
