@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Column as RichColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -178,11 +180,58 @@ def log_to_stderr() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def print_table(table: Table) -> None:
-    """A table on the console. Piped or in a log, as wide as its cells need (Rich would cut them to
-    80 columns: every number `0…`), unless COLUMNS says how wide."""
-    piped = not out.is_terminal and "COLUMNS" not in os.environ
-    (Console(width=240) if piped else out).print(table)
+def piped() -> bool:
+    """Whether stdout is a pipe or a log, with no COLUMNS to say how wide (Rich then assumes 80)."""
+    return not out.is_terminal and "COLUMNS" not in os.environ
+
+
+def print_table(table: Table, *, narrow: bool = False) -> None:
+    """A table on the console, no cell ever cut (Rich cuts cells to fit its width: every number
+    `0…`). On a terminal it fits the terminal's width if it can, its long cells wrapped, else it is
+    as wide as its cells, a row a line. Piped or in a log (unless COLUMNS says how wide), a narrow
+    view fits 80 columns likewise, and any other table is as wide as its cells."""
+    width = fit_table(table, 80 if narrow else None) if piped() else fit_table(table, out.width)
+    (out if width <= out.width else Console(width=width)).print(table)
+
+
+def fit_table(table: Table, width: int | None) -> int:
+    """Fixes the widths of the table's wrapping columns so that it is at most `width` columns wide
+    if it can be without cutting a word, else leaves it as wide as its cells (so does None); returns
+    the width it takes. Rich's own squeeze ignores a column's longest word, and cuts no_wrap ones."""
+    console = Console(width=_UNLIMITED)
+    spans = [_content_span(console, column) for column in table.columns]
+    natural = console.measure(table).maximum
+    if width is None or natural <= width:
+        return natural
+    overhead = natural - sum(most for _, most in spans)  # padding and edges
+
+    def taken(cap: int) -> list[int]:
+        """Each column's width when no wrapping column is wider than `cap` (but its longest word)."""
+        columns = zip(table.columns, spans, strict=True)
+        return [most if c.no_wrap else min(most, max(least, cap)) for c, (least, most) in columns]
+
+    if overhead + sum(taken(0)) > width:
+        return natural  # too wide whatever wraps: a row a line reads better (and `less -S` scrolls)
+    low, high = 0, max(most for _, most in spans)
+    while low < high:  # the widest cap that fits
+        cap = (low + high + 1) // 2
+        low, high = (cap, high) if overhead + sum(taken(cap)) <= width else (low, cap - 1)
+    widths = taken(low)
+    for column, content in zip(table.columns, widths, strict=True):
+        if not column.no_wrap:
+            column.width = content
+    return overhead + sum(widths)
+
+
+_UNLIMITED = 100_000
+
+
+def _content_span(console: Console, column: RichColumn) -> tuple[int, int]:
+    """The column's content width at least (its longest word; all of it if it never wraps) and at
+    most (its longest cell), header included, padding not."""
+    spans = [Measurement.get(console, console.options, cell) for cell in (column.header, *column.cells)]
+    high = max(span.maximum for span in spans)
+    return (high if column.no_wrap else max(span.minimum for span in spans)), high
 
 
 def report(table: Table, path: Path, name: str, results: list[dict[str, Any]], **meta: Any) -> None:

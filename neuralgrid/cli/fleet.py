@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from datetime import date
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
@@ -17,7 +17,7 @@ from rich import box
 from rich.table import Table
 
 from neuralgrid.cli.account import hosted_errors, signed_in
-from neuralgrid.cli.common import database, fail, friendly_errors, out, print_table
+from neuralgrid.cli.common import database, fail, friendly_errors, out, piped, print_table
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Import and list the fleet of GPU nodes.")
 JsonOption = Annotated[bool, typer.Option("--json", envvar="NEURALGRID_JSON", help="Print JSON.")]
@@ -52,37 +52,75 @@ def print_json(rows: list[dict[str, Any]]) -> None:
 
 
 class Column(NamedTuple):
-    """A column of a listing that fits 80 columns by default (--wide: every column)."""
+    """A column of a listing: a narrow set of them fits 80 columns, --wide shows the others too."""
 
     header: str
     cell: Callable[[dict[str, Any]], str]
-    narrow: bool = True  # in the default view, which fits 80 columns; --wide adds the others
     wraps: bool = False  # only cells of several words: wrapping a one-word cell would cut it
     only_with: str | None = None  # shown only for rows that carry this field (an owner's own nodes)
 
 
+def heartbeat_age(at: datetime | None, now: datetime) -> str:
+    """How long ago, in the unit that reads at a glance: a clock time would need its zone."""
+    if at is None:
+        return "never"
+    seconds = max(0, int((now - at).total_seconds()))  # a server's clock a little ahead: "0 s ago"
+    if seconds < 60:
+        return f"{seconds} s ago"
+    if seconds < 3_600:
+        return f"{seconds // 60} min ago"
+    if seconds < 2 * 86_400:
+        return f"{seconds // 3_600} h ago"
+    return f"{seconds // 86_400} d ago"
+
+
 def _heartbeat(r: dict[str, Any]) -> str:
-    return r["last_heartbeat_at"].strftime("%H:%M:%S") if r["last_heartbeat_at"] else "never"
+    return heartbeat_age(r["last_heartbeat_at"], datetime.now(UTC))
+
+
+def _reputation(r: dict[str, Any]) -> str:
+    """The share of its jobs a node served, as the map's node card and the owner's page show it."""
+    jobs = r["successes"] + r["failures"]
+    return f"{100 * r['successes'] / jobs:.1f}%" if jobs else "no jobs"
 
 
 def _gpu(r: dict[str, Any]) -> str:
     return r["gpu_model"] if r["gpu_count"] == 1 else f"{r['gpu_count']}x {r['gpu_model']}"
 
 
-# What an operator checks first (is it up, how busy, which hardware, where) is narrow.
-_NODE_COLUMNS = (
-    Column("name", lambda r: r["name"], narrow=True),
-    Column("gpu", _gpu, narrow=True, wraps=True),
-    Column("vram", lambda r: f"{r['vram_gb']:g}", narrow=False),
-    Column("tflops", lambda r: f"{r['tflops']:g}", narrow=False),
-    Column("$/h", lambda r: f"{r['hourly_rate']:.2f}", narrow=False),
-    Column("region", lambda r: r["region"], narrow=True),
-    Column("status", lambda r: r["status"], narrow=True),
-    Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}", narrow=True),
-    Column("heartbeat", _heartbeat, narrow=True),
-    Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}", narrow=False),
-    Column("warm models", lambda r: ", ".join(r["warm_models"]), narrow=False, wraps=True),
-    Column("endpoint", lambda r: r["endpoint_url"] or "", narrow=False, wraps=True, only_with="endpoint_url"),
+_VENDOR_WORDS = {"NVIDIA", "GeForce", "AMD"}
+
+
+def _short_gpu(r: dict[str, Any]) -> str:
+    """The model without its maker's words (RTX 4090, A100 40GB): the narrow view's room is short."""
+    model = " ".join(w for w in r["gpu_model"].split() if w not in _VENDOR_WORDS) or r["gpu_model"]
+    return model if r["gpu_count"] == 1 else f"{r['gpu_count']}x {model}"
+
+
+# What an operator checks first (is it up, how busy, is it alive, can it be trusted, which hardware)
+# fits 80 columns; --wide adds the region, specs, price, counts and warm models.
+_NODES_NARROW = (
+    Column("name", lambda r: r["name"]),
+    Column("gpu", _short_gpu, wraps=True),
+    Column("status", lambda r: r["status"]),
+    Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}"),
+    Column("heartbeat", _heartbeat),
+    Column("reputation", _reputation),
+)
+_NODES_WIDE = (
+    Column("name", lambda r: r["name"]),
+    Column("gpu", _gpu, wraps=True),
+    Column("vram", lambda r: f"{r['vram_gb']:g}"),
+    Column("tflops", lambda r: f"{r['tflops']:g}"),
+    Column("$/h", lambda r: f"{r['hourly_rate']:.2f}"),
+    Column("region", lambda r: r["region"]),
+    Column("status", lambda r: r["status"]),
+    Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}"),
+    Column("heartbeat", _heartbeat),
+    Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}"),
+    Column("reputation", _reputation),
+    Column("warm models", lambda r: ", ".join(r["warm_models"]), wraps=True),
+    Column("endpoint", lambda r: r["endpoint_url"] or "", wraps=True, only_with="endpoint_url"),
 )
 
 
@@ -94,11 +132,12 @@ def nodes_ls(
     wide: Annotated[
         bool,
         typer.Option(
-            "--wide", help="Every column: VRAM, TFLOPS, price, ok/fail, warm models (endpoint: yours)."
+            "--wide",
+            help="Every column: region, VRAM, TFLOPS, price, ok/fail, warm models (endpoint: yours).",
         ),
     ] = False,
 ) -> None:
-    """List nodes with status, last heartbeat, load and hardware (--wide: reputation, warm models).
+    """List nodes: GPU, status, load, heartbeat age, reputation (--wide: region, specs, warm models).
 
     Signed in to a hosted project (`neuralgrid login`): your own nodes, with their endpoints."""
     api = signed_in(ctx)
@@ -106,7 +145,7 @@ def nodes_ls(
     if as_json:
         print_json(rows)
         return
-    print_table(column_table(rows, [c for c in _NODE_COLUMNS if wide or c.narrow]))
+    print_table(column_table(rows, _NODES_WIDE if wide else _NODES_NARROW), narrow=not wide)
 
 
 def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> Table:
@@ -148,7 +187,8 @@ def match(
     ] = None,
     limit: Annotated[int | None, typer.Option(envvar="NEURALGRID_LIMIT", help="Show the best N.")] = None,
     explain: Annotated[
-        bool, typer.Option(envvar="NEURALGRID_EXPLAIN", help="Also list rejected nodes and why.")
+        bool,
+        typer.Option(envvar="NEURALGRID_EXPLAIN", help="Also say why the others lost, grouped by reason."),
     ] = False,
     route: Annotated[
         str | None,
@@ -182,23 +222,68 @@ def match(
     if as_json:
         print(json.dumps([asdict(r) for r in rows], default=str, indent=2))
         return
-    components = _MATCH_COMPONENTS if wide else _MATCH_EXPLAIN if explain else _MATCH_NARROW
+    components = _MATCH_COMPONENTS if wide else _MATCH_NARROW
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for header in ("#", "node", "score", *components):
         table.add_column(header, no_wrap=True)
-    if explain:
-        table.add_column("rejected because", min_width=24)  # wraps: the sentence is as long as it needs
-    for r in rows:
-        cells = [str(r.rank or "-"), r.name, _fmt(r.score), *(_fmt(getattr(r, c)) for c in components)]
-        table.add_row(*cells, *([r.reject_reason or ""] if explain else []))
-    print_table(table)
+    ranked = [r for r in rows if r.rank is not None]
+    for r in ranked:
+        table.add_row(str(r.rank), r.name, _fmt(r.score), *(_fmt(getattr(r, c)) for c in components))
+    if ranked:
+        print_table(table, narrow=not wide)
+    else:
+        why = "" if explain else " (--explain says why)"
+        out.print(f"no node can serve {model} now{why}", highlight=False)
+    rejected = [(r.name, r.reject_reason or "") for r in rows if r.rank is None]
+    if rejected:
+        _print_reasons(rejected)
 
 
-# The default view fits 80 columns with the components that weigh most by default (fewer beside the
-# reasons of --explain); --wide shows them all.
+# The default view fits 80 columns with the components that weigh most by default; --wide shows them
+# all.
 _MATCH_COMPONENTS = ("fit", "compute", "price", "warm", "capacity", "reputation", "proximity", "reserve")
 _MATCH_NARROW = ("fit", "warm", "compute", "price", "reserve")
-_MATCH_EXPLAIN = ("fit", "warm", "price")
+_NAMED_UP_TO = 4  # a reason that rejects more nodes gives their count alone: --json names each
+
+
+def _print_reasons(rejected: list[tuple[str, str]]) -> None:
+    """Why the other nodes lost, a paragraph a reason with how many it rejects (most first): a line a
+    node buried the ranking under two dozen copies of one sentence."""
+    import textwrap
+
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in rejected:
+        by_reason.setdefault(reason, []).append(name)
+    width = 80 if piped() else out.width
+    out.print(f"\n{len(rejected)} {_nodes(len(rejected))} rejected:", highlight=False)
+    for reason, names in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        text = _grouped(reason, len(names))
+        if len(names) <= _NAMED_UP_TO:
+            text += f" ({', '.join(names)})"
+        wrapped = textwrap.fill(
+            text,
+            width,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        out.print(wrapped, highlight=False, soft_wrap=True)
+    if any(len(names) > _NAMED_UP_TO for names in by_reason.values()):
+        out.print("  (--json names each node with its reason)", highlight=False)
+
+
+def _nodes(count: int) -> str:
+    return "node" if count == 1 else "nodes"
+
+
+def _grouped(reason: str, count: int) -> str:
+    """'15 nodes: 24 GB VRAM, needs 42 GB'; a reason that is a verb takes the count as its subject:
+    '24 nodes do not hold my/model'."""
+    if reason.startswith("does not "):
+        verb = reason if count == 1 else "do not " + reason.removeprefix("does not ")
+        return f"{count} {_nodes(count)} {verb}"
+    return f"{count} {_nodes(count)}: {reason}"
 
 
 def _fmt(value: float | None) -> str:

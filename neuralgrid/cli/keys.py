@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from neuralgrid.cli.account import hosted_errors, signed_in
-from neuralgrid.cli.common import database, fail, friendly_errors, out, progress, settings
+from neuralgrid.cli.common import database, fail, friendly_errors, out, print_table, progress, settings
 from neuralgrid.cli.fleet import Column, JsonOption, column_table, print_json
 from neuralgrid.cli.node import MAX_DAYS
 from neuralgrid.validation import KEY_BUDGET_MAX_USD, KEY_LIMIT_MAX
@@ -155,7 +155,7 @@ def ls(
     if as_json:
         print_json(rows)
         return
-    out.print(column_table(rows, _KEYS_WIDE if wide else _KEYS_NARROW))
+    print_table(column_table(rows, _KEYS_WIDE if wide else _KEYS_NARROW), narrow=not wide)
 
 
 @friendly_errors

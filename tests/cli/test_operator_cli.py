@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import typer
@@ -12,6 +13,7 @@ from typer.core import TyperGroup
 from typer.testing import CliRunner, Result
 
 from neuralgrid.cli import app
+from neuralgrid.cli.fleet import heartbeat_age
 from neuralgrid.dev.demo import DEMO_FLEET
 
 CUT = "…"  # what rich prints where it cuts a cell
@@ -41,22 +43,87 @@ def test_node_run_help_shows_every_env_var_whole_at_80_columns() -> None:
         assert re.search(rf"\b{name}\b", result.stdout), name
 
 
-def test_nodes_ls_fits_80_columns_and_wide_shows_every_column(db_url: str) -> None:
+# A terminal of 80 columns, and a pipe (no COLUMNS: Rich would assume 80 and cut).
+WIDTHS: tuple[dict[str, str | None], ...] = ({"COLUMNS": "80"}, {"COLUMNS": None})
+
+
+def invoke_at(width: dict[str, str | None], *args: str, **env: str) -> Result:
+    return CliRunner().invoke(app, list(args), env={**width, **env})
+
+
+def widest(result: Result) -> int:
+    return max(len(line) for line in result.stdout.splitlines())
+
+
+def row_of(result: Result, name: str) -> str:
+    return next(line for line in result.stdout.splitlines() if line.startswith(f"{name} "))
+
+
+def test_nodes_ls_fits_80_columns_with_reputation_and_heartbeat_ages(
+    conn: psycopg.Connection, db_url: str
+) -> None:
     assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '12 seconds'")
+    conn.execute("update nodes set successes = 990, failures = 10 where name = 'tokyo-rtx4090'")
+    names = [row[0] for row in conn.execute("select name from nodes")]
 
-    narrow = invoke("nodes", "ls", DATABASE_URL=db_url)
-    assert narrow.exit_code == 0
-    assert CUT not in narrow.stdout
-    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
-    for cell in ("tokyo-rtx4090", "ap-northeast", "online", "0/12"):
-        assert cell in narrow.stdout
-    assert "warm models" not in narrow.stdout
+    for width in WIDTHS:
+        narrow = invoke_at(width, "nodes", "ls", DATABASE_URL=db_url)
+        assert narrow.exit_code == 0, narrow.output
+        assert CUT not in narrow.stdout and widest(narrow) <= 80, (width, narrow.stdout)
+        assert len(narrow.stdout.splitlines()) == 2 + len(names)  # a line a node: nothing wrapped
+        header = narrow.stdout.splitlines()[0].split()
+        assert {"name", "gpu", "status", "load", "heartbeat", "reputation"} <= set(header)
+        tokyo = row_of(narrow, "tokyo-rtx4090")
+        assert "RTX 4090" in tokyo and "online" in tokyo and "0/12" in tokyo and "99.0%" in tokyo
+        assert re.search(r"\b1[2-4] s ago\b", tokyo), tokyo  # an age, never a clock time without a zone
+        assert not re.search(r"\d\d:\d\d:\d\d", narrow.stdout)
+        assert "no jobs" in row_of(narrow, "london-l4")
+        assert all(re.search(rf"^{name} ", narrow.stdout, re.M) for name in names)
 
-    wide = invoke("nodes", "ls", "--wide", DATABASE_URL=db_url, columns=200)
-    assert wide.exit_code == 0
-    assert CUT not in wide.stdout
-    for cell in ("vram", "tflops", "$/h", "ok/fail", "warm models", "BAAI/bge-large-en-v1.5"):
-        assert cell in wide.stdout
+
+def test_heartbeats_read_as_ages() -> None:
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    ages = {0: "0 s ago", 12: "12 s ago", 59: "59 s ago", 60: "1 min ago", 3599: "59 min ago"}
+    ages |= {3600: "1 h ago", 47 * 3600: "47 h ago", 48 * 3600: "2 d ago", -3: "0 s ago"}
+    for seconds, age in ages.items():
+        assert heartbeat_age(now - timedelta(seconds=seconds), now) == age
+    assert heartbeat_age(None, now) == "never"
+
+
+def test_nodes_ls_wide_drops_and_cuts_nothing_at_80_columns(conn: psycopg.Connection, db_url: str) -> None:
+    """--wide is wider than 80 columns: on a terminal its long cells wrap, piped a node is a line;
+    either way no column is dropped and no cell cut."""
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    for width in WIDTHS:
+        wide = invoke_at(width, "nodes", "ls", "--wide", DATABASE_URL=db_url)
+        assert wide.exit_code == 0, wide.output
+        assert CUT not in wide.stdout
+        header = wide.stdout.splitlines()[0]
+        for column in (
+            "gpu",
+            "vram",
+            "tflops",
+            "$/h",
+            "region",
+            "status",
+            "heartbeat",
+            "ok/fail",
+            "reputation",
+        ):
+            assert column in header.split(), (width, header)
+        assert "warm models" in header
+        frankfurt = row_of(wide, "frankfurt-rtx4090")
+        for cell in ("NVIDIA GeForce RTX 4090", "eu-central", "online", "0/12", "0/0"):
+            assert cell in frankfurt, (width, frankfurt)
+        for model in (
+            "BAAI/bge-large-en-v1.5",
+            "Qwen/Qwen2.5-32B-Instruct-AWQ",
+            "meta-llama/Llama-3.1-8B-Instruct",
+        ):
+            assert model in wide.stdout
+    piped = invoke_at(WIDTHS[1], "nodes", "ls", "--wide", DATABASE_URL=db_url)
+    assert "meta-llama/Llama-3.1-8B-Instruct" in row_of(piped, "frankfurt-rtx4090")  # grep finds a node whole
 
 
 def test_keys_ls_fits_80_columns_and_wide_shows_every_column(conn: psycopg.Connection, db_url: str) -> None:
@@ -98,21 +165,13 @@ def test_match_fits_80_columns_and_wide_shows_every_component(db_url: str) -> No
     assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
     model = "meta-llama/Llama-3.1-8B-Instruct"
 
-    narrow = invoke("match", "--model", model, "--explain", DATABASE_URL=db_url)
-    assert narrow.exit_code == 0, narrow.output
-    assert CUT not in narrow.stdout
-    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
-    for cell in ("score", "fit", "warm", "price", "rejected because", "tokyo-rtx4090"):
-        assert cell in narrow.stdout
-    assert "proximity" not in narrow.stdout
-    big = invoke(
-        "match", "--model", "meta-llama/Llama-3.3-70B-Instruct-AWQ", "--explain", DATABASE_URL=db_url
-    )
-    assert max(len(line) for line in big.stdout.splitlines()) <= 80 and CUT not in big.stdout
-    assert "VRAM" in big.stdout  # the small cards' reason, wrapped within the table
-    ranked = invoke("match", "--model", model, DATABASE_URL=db_url)
-    assert max(len(line) for line in ranked.stdout.splitlines()) <= 80 and CUT not in ranked.stdout
-    assert "reserve" in ranked.stdout and "rejected because" not in ranked.stdout
+    for width in WIDTHS:
+        ranked = invoke_at(width, "match", "--model", model, DATABASE_URL=db_url)
+        assert ranked.exit_code == 0, ranked.output
+        assert widest(ranked) <= 80 and CUT not in ranked.stdout, (width, ranked.stdout)
+        for cell in ("score", "fit", "warm", "price", "reserve", "tokyo-rtx4090"):
+            assert cell in ranked.stdout
+        assert "proximity" not in ranked.stdout
 
     wide = invoke("match", "--model", model, "--wide", DATABASE_URL=db_url, columns=200)
     assert wide.exit_code == 0 and CUT not in wide.stdout
@@ -123,3 +182,29 @@ def test_match_fits_80_columns_and_wide_shows_every_component(db_url: str) -> No
     assert no_rerank.exit_code == 0 and "tokyo-rtx4090" not in no_rerank.stdout
     bad = invoke("match", "--model", model, "--route", "teleport", DATABASE_URL=db_url)
     assert bad.exit_code == 1 and "--route" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_match_explain_fits_80_columns_with_the_reasons_grouped(db_url: str) -> None:
+    """The ranking, then why the others lost: a line a reason, with how many nodes it rejects."""
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    big = "meta-llama/Llama-3.3-70B-Instruct-AWQ"  # 42 GB: 15 cards of 24 GB, 2 of 40 GB
+    for width in WIDTHS:
+        explained = invoke_at(width, "match", "--model", big, "--explain", DATABASE_URL=db_url)
+        assert explained.exit_code == 0, explained.output
+        assert widest(explained) <= 80 and CUT not in explained.stdout, (width, explained.stdout)
+        lines = explained.stdout.splitlines()
+        assert "warsaw-rtx3090x2" in explained.stdout  # the ranking comes first
+        assert "17 nodes rejected:" in lines
+        [small] = [line for line in lines if "24 GB VRAM, needs 42 GB" in line]
+        assert small.strip().startswith("15 nodes: 24 GB VRAM, needs 42 GB")
+        [forty] = [line for line in lines if "40 GB VRAM, needs 42 GB" in line]
+        assert forty.strip().startswith("2 nodes: 40 GB VRAM, needs 42 GB")
+        assert "seoul-a100-40g" in explained.stdout and "london-a100-40g" in explained.stdout
+
+        unheld = invoke_at(
+            width, "match", "--model", "my/model", "--min-vram", "1", "--explain", DATABASE_URL=db_url
+        )
+        assert unheld.exit_code == 0, unheld.output
+        assert widest(unheld) <= 80 and CUT not in unheld.stdout
+        [reason] = [line for line in unheld.stdout.splitlines() if "hold" in line]
+        assert reason.strip().startswith("24 nodes do not hold my/model"), unheld.stdout
