@@ -234,6 +234,20 @@ def beside_rps(results: list[dict[str, Any]]) -> str:
     return "; ".join(said)
 
 
+def beside_cpu(result: dict[str, Any]) -> str:
+    """The peers' CPU per request: the floor's process and Postgres, smg's process."""
+    floor = [dig(result, f"relay_sql.{w}_cpu_ms_per_request") for w in ("gateway", "postgres")]
+    said = [] if None in floor else [f"the floor: {ms(floor[0])} / {ms(floor[1])} ms"]
+    theirs, ours = (
+        dig(result, "smg.gateway_cpu_ms_per_request"),
+        result["gateway"]["gateway_cpu_ms_per_request"],
+    )
+    said.append(
+        "smg: not in this run" if theirs is None else f"smg: {ms(theirs)} ms (ours {times(ours, theirs)})"
+    )
+    return "; ".join(said)
+
+
 def readme_block() -> str:
     base = "docs/figures/"
     rows: list[list[str]] = []
@@ -340,7 +354,7 @@ def readme_block() -> str:
             "gateway, 64 callers (plain)",
             "CPU per request: gateway / Postgres",
             f"{ms(cpu['gateway_cpu_ms_per_request'])} / {ms(cpu['postgres_cpu_ms_per_request'])} ms",
-            "",
+            beside_cpu(busiest),
             verdict("Postgres ≤ 0.7 ms", cpu["postgres_cpu_ms_per_request"] <= 0.7),
             run,
         ]
@@ -459,6 +473,8 @@ def gateway_block() -> str:
         ("gateway refused", "gateway.refused_503"),
         ("CPU per request: gateway", "gateway.gateway_cpu_ms_per_request"),
         ("CPU per request: Postgres", "gateway.postgres_cpu_ms_per_request"),
+        ("CPU per request: the floor", "relay_sql.gateway_cpu_ms_per_request"),
+        ("CPU per request: smg", "smg.gateway_cpu_ms_per_request"),
         ("CPU per request: agent alone", "agent.agent_cpu_ms_per_request"),
     ]
     results = sorted(load("gateway")["results"], key=lambda r: (r["stream"], r["callers"]))
@@ -472,7 +488,11 @@ def gateway_block() -> str:
         ["stream" if r["stream"] else "plain", str(r["callers"]), *(cell(r, p) for _, p in shown)]
         for r in results
     ]
-    return table(["mode", "callers", *(h for h, _ in shown)], rows, right=1) + "\n" + run_line("gateway")
+    smg = (load("gateway").get("smg") or {}).get("version")
+    peer = f"smg: {smg}. " if smg else ""
+    return (
+        table(["mode", "callers", *(h for h, _ in shown)], rows, right=1) + "\n" + peer + run_line("gateway")
+    )
 
 
 def matching_block() -> str:
