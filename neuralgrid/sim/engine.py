@@ -21,6 +21,10 @@ What a policy is charged: supply cost, the slot-seconds it used x the node's hou
 (what the capacity used costs its owners). What the developer pays is the catalog's per-token
 price, the same whichever node serves, so the bill per 1M tokens differs between policies only
 through which requests they serve.
+
+This module is the event loop and the platform's rules; the rest is in its neighbours: the fleet,
+workload and churn in scenarios.py, the constants in physics.py, ranking in policies.py, pre-warm in
+prewarm.py, a request's state in inflight.py, and what a run measured in result.py.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from neuralgrid.sim import physics
-from neuralgrid.sim.physics import BIG_MODEL, MODELS, REGIONS, Batching, Platform
+from neuralgrid.sim.inflight import Placement, Req
+from neuralgrid.sim.physics import MODELS, REGIONS, Batching, Platform
 from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, score
 from neuralgrid.sim.prewarm import Job, Prewarm, PrewarmSettings
+from neuralgrid.sim.result import Result
 from neuralgrid.sim.scenarios import (
     MODEL_IDS,
     Fleet,
@@ -50,7 +55,7 @@ from neuralgrid.sim.scenarios import (
     make_workload,
 )
 
-__all__ = ["BASELINES", "REGIONS", "CatalogModel", "Result", "Scenario", "Simulation"]
+__all__ = ["BASELINES", "REGIONS", "CatalogModel", "Scenario", "Simulation"]
 
 BASELINES = ("seed", "seed_warm", "round_robin", "least_loaded", "random")
 
@@ -64,129 +69,6 @@ class CatalogModel:
     tokens_per_s_per_tflop: float | None  # None: an embedding model (no decode)
     input_usd_per_mtok: float = 0.0
     output_usd_per_mtok: float = 0.0
-
-
-@dataclass
-class Result:
-    policy: str
-    latencies: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    served_by_model: dict[str, int] = field(default_factory=dict)
-    failed_by_model: dict[str, int] = field(default_factory=dict)
-    refused: int = 0  # no capable node online, the line full, or waited past the queue timeout
-    lost: int = 0  # failed over until no fallback was left
-    load_waits: int = 0  # served requests that waited for a model load (started or under way)
-    loads: int = 0  # model loads started
-    prewarm_loads: int = 0  # of those, started by pre-warm
-    prewarm_used: int = 0  # pre-loads a request used before the model was evicted or lost
-    prewarm_unused_gb_s: float = 0.0  # VRAM held by pre-loaded models until first use (or eviction)
-    retries: int = 0
-    tokens: int = 0
-    bill_usd: float = 0.0
-    supply_usd: float = 0.0
-    vram_idle_gb: list[float] = field(default_factory=list)
-    busy_slot_s: dict[str, float] = field(default_factory=dict)
-    slot_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def served(self) -> int:
-        return sum(self.served_by_model.values())
-
-    @property
-    def failed(self) -> int:
-        return sum(self.failed_by_model.values())
-
-    def summary(self) -> dict[str, Any]:
-        total = self.served + self.failed
-        by_model = {}
-        for m in MODEL_IDS:
-            served, failed = self.served_by_model.get(m, 0), self.failed_by_model.get(m, 0)
-            if served + failed:
-                by_model[m] = _pct(served, served + failed)
-        return {
-            "policy": self.policy,
-            "requests": total,
-            "served": self.served,
-            "failed": self.failed,
-            "served_pct": _pct(self.served, total),
-            "big_model_served_pct": by_model.get(BIG_MODEL, 0.0),
-            "served_pct_by_model": by_model,
-            "p50_s": _q(self.latencies, 50),
-            "p95_s": _q(self.latencies, 95),
-            "p99_s": _q(self.latencies, 99),
-            "ttft_p50_s": _q(self.ttfts, 50),
-            "ttft_p95_s": _q(self.ttfts, 95),
-            "supply_usd_per_mtok": round(1e6 * self.supply_usd / max(self.tokens, 1), 4),
-            "bill_usd_per_mtok": round(1e6 * self.bill_usd / max(self.tokens, 1), 4),
-            "cold_start_pct": _pct(self.load_waits, self.served),
-            "loads": self.loads,
-            "prewarm_loads": self.prewarm_loads,
-            "prewarm_used_pct": _pct(self.prewarm_used, self.prewarm_loads),
-            "prewarm_unused_gb_s": round(self.prewarm_unused_gb_s, 1),
-            "retries": self.retries,
-            "lost_to_churn": self.lost,
-            "refused": self.refused,
-            "vram_idle_gb_mean": round(float(np.mean(self.vram_idle_gb)), 2) if self.vram_idle_gb else 0.0,
-            "utilization_by_gpu": {
-                g: round(self.busy_slot_s.get(g, 0.0) / s, 4) for g, s in sorted(self.slot_s.items()) if s
-            },
-        }
-
-
-def _pct(part: int, whole: int) -> float:
-    return round(100 * part / whole, 3) if whole else 0.0
-
-
-def _q(values: list[float], q: float) -> float | None:
-    """A percentile, or None when nothing was served."""
-    return round(float(np.percentile(values, q)), 3) if values else None
-
-
-class Req:
-    """One request, across its attempts."""
-
-    __slots__ = (
-        "arrival",
-        "attempt",
-        "caller",
-        "claimed",
-        "id",
-        "job",
-        "kv_bytes",
-        "left",
-        "model",
-        "node",
-        "output",
-        "placement",
-        "prompt",
-        "state",
-        "tried",
-        "waited_load",
-    )
-
-    def __init__(self, rid: int, request: Request, kv_bytes: float) -> None:
-        self.id = rid
-        self.arrival, self.model, self.caller, self.prompt, self.output = request
-        self.kv_bytes = kv_bytes  # KV cache read per decode step, at the answer's mean context
-        self.attempt = 1
-        self.tried: set[int] = set()
-        self.node = -1
-        self.claimed = 0.0
-        self.left = 0.0  # output tokens still to decode
-        self.state = "new"  # queued | loading | prefill | decode | doomed | served | failed
-        self.waited_load = False
-        self.placement: Placement | None = None
-        self.job: Job | None = None  # as pre-warm's demand counts it
-
-
-@dataclass
-class Placement:
-    """A slot held: on which node, for a model needing how much VRAM, from when to when."""
-
-    node: int
-    need_gb: float
-    start: float
-    end: float = math.inf
 
 
 # Event kinds, in the heap as small ints.
@@ -627,10 +509,9 @@ class Simulation:
         self._release(req, t)
         self.fleet.failures[node] += 1
         self.consecutive_failures[node] += 1
-        p = self.platform
-        cooldown = min(p.cooldown_max_s, p.cooldown_base_s * 2 ** (int(self.consecutive_failures[node]) - 1))
+        cooldown = self.platform.cooldown_s(int(self.consecutive_failures[node]))
         self.cool_until[node] = max(self.cool_until[node], t + cooldown)
-        if req.attempt > p.fallbacks:
+        if req.attempt > self.platform.fallbacks:
             self._end(req, "failed", lost=True)
             return
         self.result.retries += 1
@@ -650,12 +531,7 @@ class Simulation:
         candidates = np.flatnonzero(self.alive & self.fleet.online)
         if not len(candidates):
             return
-        weights = self.fleet.inflight[candidates].astype(np.float64)
-        if loss.busy and weights.sum() > 0:
-            cumulative = np.cumsum(weights) / weights.sum()
-            node = int(candidates[min(int(np.searchsorted(cumulative, loss.pick)), len(candidates) - 1)])
-        else:
-            node = int(candidates[min(int(loss.pick * len(candidates)), len(candidates) - 1)])
+        node = loss.strikes(candidates, self.fleet.inflight)
         self.alive[node], self.silent[node] = False, loss.silent
         self.epoch[node] += 1  # its loads stop here
         self.decoding[node] = []
@@ -667,11 +543,7 @@ class Simulation:
         if not loss.silent:  # a crash resets the connections: every request fails over now
             for req in list(self.running[node].values()):
                 self._fail(req, t)
-        # The sweeper marks it offline 3 missed heartbeats after its last one, at its next sweep.
-        p = self.platform
-        phase = float(self.heartbeat_phase[node]) * p.heartbeat_interval_s
-        last_heartbeat = phase + math.floor((t - phase) / p.heartbeat_interval_s) * p.heartbeat_interval_s
-        detected = math.ceil((last_heartbeat + p.offline_after_s) / p.sweep_interval_s) * p.sweep_interval_s
+        detected = self.platform.offline_at(t, float(self.heartbeat_phase[node]))
         self.push(max(detected, t), DETECT, (node, loss.rejoin_s))
 
     def _doom(self, req: Req) -> None:

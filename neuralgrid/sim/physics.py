@@ -47,6 +47,7 @@ Sources:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,20 @@ class Platform:
     @property
     def offline_after_s(self) -> float:
         return self.heartbeat_interval_s * self.missed_heartbeats_offline
+
+    def offline_at(self, lost_at: float, heartbeat_phase: float) -> float:
+        """When the sweeper marks a node lost at `lost_at` offline: at its first sweep once
+        `missed_heartbeats_offline` beats were missed after the node's last one (`heartbeat_phase`:
+        when in the interval it beats, as a share of it)."""
+        interval = self.heartbeat_interval_s
+        phase = heartbeat_phase * interval
+        last_heartbeat = phase + math.floor((lost_at - phase) / interval) * interval
+        sweeps = math.ceil((last_heartbeat + self.offline_after_s) / self.sweep_interval_s)
+        return sweeps * self.sweep_interval_s
+
+    def cooldown_s(self, consecutive_failures: int) -> float:
+        """How long a node that failed that many times in a row is passed over: doubling, capped."""
+        return min(self.cooldown_max_s, self.cooldown_base_s * 2.0 ** (consecutive_failures - 1))
 
 
 def rtt_s(a: int, b: int) -> float:

@@ -25,10 +25,11 @@ import numpy as np
 import psycopg
 
 from neuralgrid.sim import physics
-from neuralgrid.sim.engine import BASELINES, CatalogModel, Result, Simulation
+from neuralgrid.sim.engine import BASELINES, CatalogModel, Simulation
 from neuralgrid.sim.physics import Batching, Platform, read_batching
 from neuralgrid.sim.policies import Weights
 from neuralgrid.sim.prewarm import PrewarmSettings
+from neuralgrid.sim.result import Result
 from neuralgrid.sim.scenarios import MODEL_IDS, Fleet, Request, Scenario, with_overrides
 
 POLICIES = ("seed", "seed_warm", "balanced", "balanced+prewarm", "round_robin", "least_loaded", "random")

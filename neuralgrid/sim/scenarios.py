@@ -301,6 +301,15 @@ class Loss:
     pick: float  # a uniform draw that picks the node
     rejoin_s: float
 
+    def strikes(self, candidates: np.ndarray, inflight: np.ndarray) -> int:
+        """The node lost among `candidates` (node indices; `inflight`: every node's running
+        requests): by `pick`, weighted by running requests when the loss picks a busy node."""
+        weights = inflight[candidates].astype(np.float64)
+        if self.busy and weights.sum() > 0:
+            cumulative = np.cumsum(weights) / weights.sum()
+            return int(candidates[min(int(np.searchsorted(cumulative, self.pick)), len(candidates) - 1)])
+        return int(candidates[min(int(self.pick * len(candidates)), len(candidates) - 1)])
+
 
 def make_losses(scenario: Scenario, nodes: int) -> list[Loss]:
     rng = np.random.default_rng(scenario.seed + 200)
