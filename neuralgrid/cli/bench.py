@@ -87,9 +87,7 @@ def gateway(
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
     agent) of the gateway and of the node agent against the node they front (and a bare relay, alone
     and holding a slot in Postgres), at the default node settings: enough default-size nodes for the
-    most callers.
-
-    Beside them, in the same interleaved rounds on the same fake node: smg, SGLang's model gateway in
+    most callers. Beside them, in the same interleaved rounds on the same fake node: smg, SGLang's model gateway in
     Rust (dev extras), launched as `smg launch --worker-urls NODE --policy round_robin
     --disable-tokenizer-autoload --disable-load-monitoring --log-level warn`, on loopback only. Its
     process's CPU shows as "gateway cpu"; a second table gives ours over smg: the gateway's and the
@@ -190,7 +188,8 @@ def _over_smg(results: list[dict[str, Any]]) -> Table:
         "req/s relay/smg",
         caption="ours over smg: +p50 added to the direct path (above 1: ours adds more); req/s (below 1:"
         " ours serves fewer); cpu per request of the gateway's process (Postgres's apart); relay: the"
-        " bare Python relay, the floor",
+        " bare Python relay, the floor; -: smg added nothing measurable (with many callers, a hop that"
+        " pools its connections to the fake node can beat the direct path)",
     )
 
     def x(value: float | None) -> str:
