@@ -43,12 +43,23 @@ FAKE_BACKEND = {
 }
 
 
+# The demo's answers end of themselves after a sentence or two, as a model's do: a key with a budget
+# asks for the gateway's default max_tokens (512), which the tour would print as screens of words.
+ANSWER_WORDS = 24
+
+
+def node_config() -> FakeNodeConfig:
+    """The fake node that answers for the demo fleet."""
+    return FakeNodeConfig(
+        models=DEMO_MODELS, tokens_per_s=200, name="demo-node", routes=DEMO_ROUTES, answer_words=ANSWER_WORDS
+    )
+
+
 @contextlib.asynccontextmanager
 async def backend() -> AsyncIterator[str]:
     """Serve one fake node on a loopback port while the block runs; yields its base URL."""
     port = free_port()
-    config = FakeNodeConfig(models=DEMO_MODELS, tokens_per_s=200, name="demo-node", routes=DEMO_ROUTES)
-    async with running(make_server(create_fake_node(config), "127.0.0.1", port)):
+    async with running(make_server(create_fake_node(node_config()), "127.0.0.1", port)):
         yield f"http://127.0.0.1:{port}"
 
 

@@ -72,6 +72,10 @@ class FakeNodeConfig:
     fail_status: int = 500
     drop_after_chunks: int | None = None  # close a stream after this many chunks
     default_max_tokens: int = 16
+    # Where its answers end of themselves, as a model's do at its end-of-sequence token (finish_reason
+    # "stop"), in words; max_tokens cuts them shorter, and `ignore_eos` (vLLM's and llama.cpp's) runs
+    # them to max_tokens. None: every answer runs to max_tokens (or default_max_tokens).
+    answer_words: int | None = None
     name: str = "fake-node"
     kind: str = "vllm"  # whose identifying endpoints it serves: vllm, llama.cpp or llama-cpp-python
     usage_in_streams: bool = True  # send usage in a stream that asks for it
@@ -97,24 +101,30 @@ def _answer(prompt: object, n: int) -> list[str]:
     return [WORDS[(start + i * 7) % len(WORDS)] + " " for i in range(n)]
 
 
-def _text_tokens(body: dict[str, Any], n: int, continues: bool = True) -> list[str]:
-    """The next n words. A request that continues this node's own answer exactly (chat: vLLM's
-    `continue_final_message` with the answer so far; completions: the prompt plus the answer so
-    far) gets the rest of that answer, as a model would; anything else is a new prompt."""
+def _text_tokens(body: dict[str, Any], n: int, continues: bool = True, ends: int | None = None) -> list[str]:
+    """The next n words, fewer where the whole answer ends after `ends` words. A request that
+    continues this node's own answer exactly (chat: vLLM's `continue_final_message` with the answer
+    so far; completions: the prompt plus the answer so far) gets the rest of that answer, as a model
+    would; anything else is a new prompt."""
     prompt = body.get("messages") or body.get("prompt")
+
+    def rest(prompt: object, done: int) -> list[str]:
+        whole = done + n if ends is None else max(done, min(done + n, ends))
+        return _answer(prompt, whole)[done:]
+
     if isinstance(prompt, list) and prompt and body.get("continue_final_message") and continues:
         so_far = prompt[-1].get("content") if isinstance(prompt[-1], dict) else None
         if isinstance(so_far, str):
             done = len(so_far.split())
             if "".join(_answer(prompt[:-1], done)).rstrip() == so_far.rstrip():
-                return _answer(prompt[:-1], done + n)[done:]
+                return rest(prompt[:-1], done)
     elif isinstance(prompt, str):
         original, done = prompt, 0
         while word := next((w for w in WORDS if original.endswith(w + " ")), None):
             original, done = original[: -len(word) - 1], done + 1
             if "".join(_answer(original, done)) == prompt[len(original) :]:
-                return _answer(original, done + n)[done:]
-    return _answer(prompt, n)
+                return rest(original, done)
+    return rest(prompt, 0)
 
 
 def _count_prompt_tokens(body: dict[str, object]) -> int:
@@ -194,14 +204,18 @@ async def _answer_request(
     if prompt_tokens > config.context_length:  # refused as llama-server refuses it, in its shape
         slot.release()
         return JSONResponse(_too_long(prompt_tokens, config.context_length), status_code=400)
+    ends = None if body.get("ignore_eos") else config.answer_words
     asked = int(
         body.get("max_tokens")
         or body.get("max_completion_tokens")
         or body.get("max_output_tokens")
-        or config.default_max_tokens
+        # An answer that ends of itself is bounded by the context alone (vLLM's default).
+        or (config.context_length if ends else config.default_max_tokens)
     )
     n = max(0, min(asked, config.context_length - prompt_tokens))
-    tokens = _text_tokens(body, n, config.continues)
+    tokens = _text_tokens(body, n, config.continues, ends)
+    finish = "stop" if len(tokens) < n else "length"  # it ended of itself, or was cut off
+    n = len(tokens)
     # `n` answers, the same text each (as a greedy server gives), counted together as vLLM does.
     choices = max(1, int(body.get("n") or 1)) if kind != "responses" else 1
     usage = {
@@ -218,7 +232,8 @@ async def _answer_request(
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         include_usage = include_usage and config.usage_in_streams
-        stream = _stream(config, state, kind, ident, model, tokens, usage if include_usage else None, choices)
+        used = usage if include_usage else None
+        stream = _stream(config, state, kind, ident, model, tokens, used, choices, finish)
         return StreamingResponse(_holding(slot, stream), media_type="text/event-stream")
     if config.tokens_per_s:
         await asyncio.sleep(n / config.tokens_per_s)
@@ -226,12 +241,12 @@ async def _answer_request(
     text = "".join(tokens)
     if kind == "chat":
         answers: list[dict[str, object]] = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             for i in range(choices)
         ]
     else:
         answers = [
-            {"index": i, "text": text, "finish_reason": "length", "logprobs": None} for i in range(choices)
+            {"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i in range(choices)
         ]
     return JSONResponse(
         {
@@ -262,13 +277,16 @@ async def _stream(
     tokens: list[str],
     usage: dict[str, int] | None,
     choices: int = 1,
+    finish: str = "length",
 ) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     created = int(time.time())
     interrupted = asyncio.Event()
     state.streams.add(interrupted)
     try:
-        events = _events(config, kind, ident, obj, created, model, tokens, usage, interrupted, choices)
+        events = _events(
+            config, kind, ident, obj, created, model, tokens, usage, interrupted, choices, finish
+        )
         async for event in events:
             yield event
     finally:
@@ -286,6 +304,7 @@ async def _events(
     usage: dict[str, int] | None,
     interrupted: asyncio.Event,
     choices: int = 1,
+    finish: str = "length",
 ) -> AsyncIterator[bytes]:
     for i, token in enumerate(tokens):
         if interrupted.is_set():  # ended early: [DONE] without a finish_reason, as llama-cpp-python does
@@ -302,10 +321,10 @@ async def _events(
                 choice: dict[str, object] = {
                     "index": index,
                     "delta": delta,
-                    "finish_reason": "length" if last else None,
+                    "finish_reason": finish if last else None,
                 }
             else:
-                choice = {"index": index, "text": token, "finish_reason": "length" if last else None}
+                choice = {"index": index, "text": token, "finish_reason": finish if last else None}
             chunk = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
             if usage is not None:
                 chunk["usage"] = None
@@ -326,50 +345,90 @@ def _responses(
     tokens: list[str],
     usage: dict[str, int],
 ) -> Response:
-    """OpenAI's Responses API, shaped as llama.cpp's server answers it: one message of output text;
-    usage as input and output tokens; a stream of `response.*` events, usage in response.completed."""
+    """OpenAI's Responses API: one message of output text, usage as input and output tokens, and a
+    stream of `response.*` events in the order OpenAI sends them, usage in response.completed.
+    vLLM builds its events from OpenAI's SDK's own types: every event numbered, each content event
+    placed by output_index and content_index (the SDK's stream helper builds the answer by them),
+    whole response objects. llama.cpp's server (like("llama.cpp")) sends the same events without the
+    positions and numbers, and smaller response objects, as its tools/server/server-task.cpp does."""
+    llama = config.kind == "llama.cpp"
     ident, item = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
-    used = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    used: dict[str, Any] = {
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+    }
     used["total_tokens"] = usage["total_tokens"]
+    used["input_tokens_details"] = {"cached_tokens": 0}
+    if not llama:
+        used["output_tokens_details"] = {"reasoning_tokens": 0}
     text = "".join(tokens)
-    message = {
-        "type": "message",
-        "id": item,
-        "status": "completed",
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-    whole = {
-        "id": ident,
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "completed",
-        "model": model,
-        "output": [message],
-        "usage": used,
-    }
+    part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+    message = {"type": "message", "id": item, "status": "completed", "role": "assistant", "content": [part]}
+    created = int(time.time())
+
+    def response(status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        whole = {"id": ident, "object": "response", "created_at": created, "status": status, "model": model}
+        whole |= {"output": output, "usage": usage}
+        if not llama:  # what OpenAI's Response has that llama.cpp's leaves out
+            whole |= {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None}
+            whole |= {
+                "max_output_tokens": body.get("max_output_tokens"),
+                "text": {"format": {"type": "text"}},
+            }
+        return whole
+
+    done = response("completed", [message], used)
     if not body.get("stream"):
         slot.release()
-        return JSONResponse(whole)
+        return JSONResponse(done)
+
+    # Where an event's item, and its content, are; the text's logprobs (none asked for).
+    at: dict[str, Any] = {} if llama else {"output_index": 0}
+    within: dict[str, Any] = {} if llama else {**at, "content_index": 0}
+    logprobs: dict[str, Any] = {} if llama else {"logprobs": []}
+    # llama.cpp's stream begins with the response's id and status only.
+    started = (
+        {"id": ident, "object": "response", "status": "in_progress"}
+        if llama
+        else response("in_progress", [], None)
+    )
+    said: list[dict[str, Any]] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+        {
+            "type": "response.output_item.added",
+            **at,
+            "item": {**message, "status": "in_progress", "content": []},
+        },
+        {
+            "type": "response.content_part.added",
+            "item_id": item,
+            **within,
+            "part": {"type": "output_text", "text": ""} if llama else {**part, "text": ""},
+        },
+    ]
+    said += [
+        {"type": "response.output_text.delta", "item_id": item, **within, "delta": t, **logprobs}
+        for t in tokens
+    ]
+    said += [
+        {"type": "response.output_text.done", "item_id": item, **within, "text": text, **logprobs},
+        {"type": "response.content_part.done", "item_id": item, **within, "part": part},
+        {"type": "response.output_item.done", **at, "item": message},
+        {"type": "response.completed", "response": done},
+    ]
 
     async def events() -> AsyncIterator[bytes]:
-        started = {"id": ident, "object": "response", "status": "in_progress", "model": model}
-        said: list[dict[str, Any]] = [
-            {"type": "response.created", "response": started},
-            {"type": "response.output_item.added", "output_index": 0, "item": {**message, "content": []}},
-        ]
-        said += [{"type": "response.output_text.delta", "item_id": item, "delta": t} for t in tokens]
-        said += [
-            {"type": "response.output_text.done", "item_id": item, "text": text},
-            {"type": "response.output_item.done", "output_index": 0, "item": message},
-            {"type": "response.completed", "response": whole},
-        ]
+        deltas = 0
         for number, event in enumerate(said):
-            if config.drop_after_chunks is not None and number >= config.drop_after_chunks:
-                raise ConnectionError(f"{config.name} dropped the stream on purpose")
-            if config.tokens_per_s and event["type"] == "response.output_text.delta":
-                await asyncio.sleep(1 / config.tokens_per_s)
-            event["sequence_number"] = number
+            if event["type"] == "response.output_text.delta":
+                if config.drop_after_chunks is not None and deltas >= config.drop_after_chunks:
+                    raise ConnectionError(f"{config.name} dropped the stream on purpose")
+                deltas += 1
+                if config.tokens_per_s:
+                    await asyncio.sleep(1 / config.tokens_per_s)
+            if not llama:
+                event["sequence_number"] = number
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
     return StreamingResponse(_holding(slot, events()), media_type="text/event-stream")
