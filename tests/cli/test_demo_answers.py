@@ -11,13 +11,14 @@ import httpx
 import openai
 import psycopg
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.dev import demo
 from neuralgrid.dev.fakenode import create_fake_node
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, make_node
 
-HELLO = [{"role": "user", "content": "Hello, grid!"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello, grid!"}]
 
 
 @pytest.fixture
@@ -48,9 +49,8 @@ def test_max_tokens_still_bounds_the_demos_answer_and_ignore_eos_runs_it_to_them
 
 
 def test_a_streamed_demo_answer_ends_of_itself_too(demo_node: str) -> None:
-    body = {"model": LLAMA8, "messages": HELLO, "stream": True, "max_tokens": 512}
     with openai.OpenAI(base_url=f"{demo_node}/v1", api_key="-") as sdk:
-        chunks = list(sdk.chat.completions.create(**body))
+        chunks = list(sdk.chat.completions.create(model=LLAMA8, messages=HELLO, stream=True, max_tokens=512))
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert len(text.split()) == demo.ANSWER_WORDS and chunks[-1].choices[0].finish_reason == "stop"
 
