@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -104,7 +104,8 @@ def status(
 ) -> None:
     """Print whether the stack runs, with its URLs and keys, as `supabase status` does.
 
-    The API, map, Realtime and database URLs, the JWT secret, the anon and service_role keys."""
+    The API, map, Realtime and database URLs, the JWT secret, the anon and service_role keys. When
+    no `neuralgrid up` runs from this home: one line and a non-zero exit."""
     from neuralgrid.db import connect
     from neuralgrid.server import stack
 
@@ -112,6 +113,8 @@ def status(
     if output not in ("pretty", "json", "env"):
         raise fail("--output takes pretty, json or env")
     state, running_now = _running_state(config)
+    if not running_now:  # a stack that is gone has no URLs to print, and a script must see it failed
+        raise fail(state)
     info = stack.status(config, connect.database_url(config, start=False))
     if output == "json":
         print(json.dumps(info, indent=2))
@@ -123,8 +126,6 @@ def status(
         width = max(len(n) for n in info)
         for name, value in info.items():
             out.print(f"{name.replace('_', ' ').lower():>{width}}: {value}", highlight=False, soft_wrap=True)
-    if output != "pretty" and not running_now:  # stdout stays JSON or env; the news goes to stderr
-        Console(stderr=True).print(state, highlight=False, soft_wrap=True)
 
 
 def _running_state(config: Settings) -> tuple[str, bool]:
@@ -171,7 +172,8 @@ def watch(
     count: Annotated[int | None, typer.Option(help="Exit after this many events.", min=1)] = None,
     timeout: Annotated[float | None, typer.Option(help="Exit after this many seconds.", min=0)] = None,
 ) -> None:
-    """Print the fleet's live feed (node status and health changes) through Supabase Realtime."""
+    """Print the fleet as it stands, then its live feed (node status and health changes) through
+    Supabase Realtime."""
     from neuralgrid.realtime.watch import watch as watch_feed
     from neuralgrid.server import stack
 
@@ -181,6 +183,7 @@ def watch(
     if not running_now and not named:  # fail now, not after the Realtime client's retries
         raise fail(f"{state} (or name a gateway with NEURALGRID_HOST and NEURALGRID_PORT)")
     info = stack.status(config, "")
+    _print_fleet(info["MAP_URL"])
     try:
         asyncio.run(
             watch_feed(
@@ -196,6 +199,28 @@ def watch(
         pass
     except (OSError, ConnectionError) as err:
         raise fail(f"cannot watch {info['REALTIME_URL']}: {err} (is `neuralgrid up` running?)") from err
+
+
+def _print_fleet(map_url: str) -> None:
+    """The fleet as it stands, a line a node, before the feed's changes: on a quiet fleet the feed
+    says nothing for minutes, which read as a hang. The map's own snapshot, which anyone may read."""
+    import httpx
+
+    from neuralgrid.realtime.watch import describe
+
+    url = f"{map_url.rstrip('/')}/api/nodes"
+    try:
+        reply = httpx.get(url, timeout=10)
+        reply.raise_for_status()
+        nodes: list[dict[str, Any]] = reply.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:  # the feed may still work: say, go on
+        warn = Console(stderr=True, highlight=False, soft_wrap=True)
+        warn.print(f"cannot read the fleet from {url}: {err}")
+        return
+    if not nodes:
+        print("the fleet has no nodes yet", flush=True)
+    for node in nodes:
+        print(describe("fleet", {"node": node}), flush=True)
 
 
 @db_app.command("migrate")

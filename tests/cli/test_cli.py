@@ -221,6 +221,8 @@ def test_embedded_stack_up_serves_the_demo_fleet_and_sweeps(tmp_path: Path) -> N
             [*cli, "watch", "--count", "2", "--timeout", "30"], env=env, stdout=subprocess.PIPE, text=True
         )
         assert watcher.stdout is not None
+        fleet = [watcher.stdout.readline() for _ in range(24)]  # the fleet as it stands, first
+        assert all(" fleet " in line and "online" in line for line in fleet), fleet
         assert "watching node-map" in watcher.stdout.readline()
         with psycopg.connect(url, autocommit=True) as conn:
             # A node that stops heartbeating is swept offline by the running service (silence

@@ -127,7 +127,8 @@ def test_status_signin_and_watch_talk_to_the_running_stack(stack: Stack) -> None
 
     watch = neuralgrid(stack.env, "watch", "--timeout", "1")
     assert watch.returncode == 0, watch.stderr
-    assert "watching node-map" in watch.stdout
+    fleet, header = watch.stdout.splitlines()[:2], watch.stdout.splitlines()[2]
+    assert all(" fleet " in line for line in fleet) and "watching node-map" in header
 
 
 def test_database_commands_and_simulate_use_the_stack_database(stack: Stack, tmp_path: Path) -> None:
@@ -185,13 +186,14 @@ def test_up_on_the_running_stack_port_names_it(stack: Stack) -> None:
 
 
 def test_status_says_when_nothing_runs(tmp_path: Path) -> None:
+    """Not running is a failure, as `supabase status` has it: one line, no URLs or keys of a stack
+    that is not there, and a non-zero exit for scripts."""
     env = plain_env(tmp_path / "home")
-    pretty = neuralgrid(env, "status")
-    assert pretty.returncode == 0
-    assert pretty.stdout.splitlines()[0].startswith("not running: no `neuralgrid up` runs from")
-    as_json = neuralgrid(env, "status", "-o", "json")
-    assert json.loads(as_json.stdout)["API_URL"] == "http://127.0.0.1:8080/v1"
-    assert as_json.stderr.startswith("not running")
+    for output in ("pretty", "json", "env"):
+        status = neuralgrid(env, "status", "-o", output)
+        assert status.returncode == 1 and status.stdout == "", (output, status.stdout)
+        [line] = status.stderr.splitlines()
+        assert "not running: no `neuralgrid up` runs from" in line and "neuralgrid up" in line
     started = time.monotonic()
     watch = neuralgrid(env, "watch", "--timeout", "30")
     assert watch.returncode == 1 and time.monotonic() - started < 10  # it tried for 15 s
@@ -206,11 +208,10 @@ def test_a_stale_state_file_is_recognised_and_ignored(tmp_path: Path) -> None:
     (home / "stack.json").write_text(json.dumps(stale_record(pid, port)))
     env = plain_env(home)
     status = neuralgrid(env, "status")
-    assert status.returncode == 0
-    assert status.stdout.splitlines()[0].startswith(
-        f"not running: the stack recorded in {home / 'stack.json'}"
-    )
-    assert f"(pid {pid}) is gone" in status.stdout
-    assert f":{port}" not in status.stdout  # its port is not the one commands use
+    assert status.returncode == 1 and status.stdout == ""
+    [line] = status.stderr.splitlines()
+    assert f"not running: the stack recorded in {home / 'stack.json'}" in line
+    assert f"(pid {pid}) is gone" in line
+    assert f":{port}" not in line  # its port is not the one commands use
     signin = neuralgrid(env, "signin")
     assert signin.stdout.startswith("http://127.0.0.1:8080/signin#token=") and "not running" in signin.stderr
