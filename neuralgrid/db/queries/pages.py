@@ -17,6 +17,7 @@ __all__ = [
     "MY_NODES",
     "MY_NODE_STATS",
     "PLATFORM_FEE_RATE",
+    "USERS",
     "USER_ID",
 ]
 
@@ -60,6 +61,18 @@ ADD_USER = Query(
     scalar_row,
 )
 USER_ID = Query("user_id", "select id from auth.users where email = %s", scalar_row)
+# `neuralgrid users ls`, as the service: each user with their active keys and their nodes.
+USERS = Query(
+    "users",
+    """
+select u.id, u.email, u.created_at,
+  (select count(*) from public.api_keys k where k.owner_id = u.id and k.revoked_at is null) as keys,
+  (select count(*) from public.nodes n where n.owner_id = u.id) as nodes
+from auth.users u
+order by u.created_at, u.email
+""",
+    dict_row,
+)
 
 
 # --- An owner's earnings and nodes (issue 19) ------------------------------------------------------
