@@ -213,12 +213,18 @@ class ResponseEvents(SseEvents):
     def __init__(self, most_events: int | None = None) -> None:
         super().__init__(keep_usage_event=True, most_events=most_events)
         self.plain_text = False
+        self.items: dict[str, int] = {}  # output items' places by id (and call_id)
+        self.outputs = 0  # output items added
+        self.numbered = 0  # events passed on
 
     def _take(self, event: bytes) -> bytes | None:
         payload = self._payload(event)
         if payload is PASS_ON:
             return event
         kind = payload.get("type") if isinstance(payload, dict) else None
+        if isinstance(kind, str) and "sequence_number" not in payload:
+            event = self._placed(kind, payload)
+        self.numbered += 1
         if kind == "response.output_text.delta":
             delta = payload.get("delta") if isinstance(payload, dict) else None
             self.chunks += 1
@@ -229,6 +235,27 @@ class ResponseEvents(SseEvents):
             usage = Usage.parse(payload.get("response") if isinstance(payload, dict) else None)
             self.usage = usage or self.usage
         return event
+
+    def _placed(self, kind: str, payload: dict[str, Any]) -> bytes:
+        """An event as OpenAI's are, from llama.cpp's server, which leaves out every event's
+        sequence_number and where its content goes (output_index, content_index): OpenAI's SDK's
+        stream helper builds the answer by them and fails without. Items are placed in the order
+        they are added, and an event by the item it names (one content part an item)."""
+        payload["sequence_number"] = self.numbered
+        item = payload.get("item")
+        if kind.startswith("response.output_item.") and isinstance(item, dict):
+            # A function call's item has its call_id (and no id) in newer builds; its deltas name it.
+            keys = [k for k in (item.get("id"), item.get("call_id")) if isinstance(k, str)]
+            index = next((self.items[k] for k in keys if k in self.items), None)
+            if index is None:
+                index, self.outputs = self.outputs, self.outputs + 1
+            self.items.update(dict.fromkeys(keys, index))
+            payload.setdefault("output_index", index)
+        elif isinstance(payload.get("item_id"), str):
+            payload.setdefault("output_index", self.items.get(payload["item_id"], max(self.outputs - 1, 0)))
+            if "arguments" not in kind:  # a function call's arguments are no content part
+                payload.setdefault("content_index", 0)
+        return f"event: {kind}\ndata: {json.dumps(payload)}".encode()
 
 
 def _usage_fields(usage: Usage) -> dict[str, int]:
