@@ -30,7 +30,7 @@ from neuralgrid.realtime.limits import (
     too_many_presences,
 )
 from neuralgrid.realtime.protocol import V1, VERSIONS, Message, Outgoing, ProtocolError, decode, outgoing
-from neuralgrid.server.services import ServicesDep
+from neuralgrid.server.deps import ServicesDep
 from neuralgrid.server.tokens import TokenKeys
 
 log = logging.getLogger(__name__)

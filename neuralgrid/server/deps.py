@@ -10,9 +10,18 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from starlette.requests import HTTPConnection
 
 from neuralgrid.gateway.auth import ApiKey, verify_user
-from neuralgrid.server.services import Services, get_services
+from neuralgrid.server.services import Services
+
+
+async def get_services(connection: HTTPConnection) -> Services:
+    """The app's services, for HTTP requests and websockets alike. A coroutine, though it awaits
+    nothing: FastAPI runs a plain function dependency in its thread pool, a handoff per request."""
+    services: Services = connection.app.state.services
+    return services
+
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 

@@ -4,10 +4,7 @@ server/deps.py's `ServicesDep`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
-
-from fastapi import Depends
-from starlette.requests import HTTPConnection
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from neuralgrid.db.store import Store
@@ -34,15 +31,3 @@ class Services:
     realtime: Hub
     stats: StatsCache
     tokens: TokenKeys  # what verifies users' JWTs and the stack's opaque API keys
-
-
-async def get_services(connection: HTTPConnection) -> Services:
-    """The app's services, for HTTP requests and websockets alike. A coroutine, though it awaits
-    nothing: FastAPI runs a plain function dependency in its thread pool, a handoff per request."""
-    services: Services = connection.app.state.services
-    return services
-
-
-# Routes take this from server/deps.py. realtime/socket.py still imports it from here; once it takes
-# deps.py's, this line and the FastAPI import go.
-ServicesDep = Annotated[Services, Depends(get_services)]

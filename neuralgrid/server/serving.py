@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 # A client gets this long, from connecting (or starting its next request), to send a request's
 # headers. uvicorn has no such limit: a socket that sends nothing, or a byte now and then, is held
-# for ever (a slowloris). Bodies have their own deadline, in the app (gateway.routes_openai.read_json).
+# for ever (a slowloris). Bodies have their own deadline, in the app (gateway.body.read_json).
 HEADER_TIMEOUT_S = 10.0
 # The most a request's line and headers may hold. uvicorn (and llhttp under it) keeps every header a
 # client sends: a slow trickle of tiny ones inside the deadline grew a gateway by 25 bytes of memory
