@@ -37,7 +37,10 @@ def find_user(conn: psycopg.Connection[Any], id_or_email: str) -> UUID:
     """A user by id or email; NotFound when the database has none."""
     user: UUID | None = SyncStore(conn).one(q.USER_BY_ID_OR_EMAIL, {"who": id_or_email})
     if user is None:
-        raise NotFound(f"no user with id or email {id_or_email!r} (a user exists once they have signed in)")
+        raise NotFound(
+            f"no user with id or email {id_or_email!r} (a user exists once they have signed in; on the"
+            " embedded stack, `neuralgrid users add EMAIL` adds one)"
+        )
     return user
 
 

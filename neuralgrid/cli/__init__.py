@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from neuralgrid.cli import account, bench, dev, fleet, keys, node, platform, sim
+from neuralgrid.cli import account, bench, dev, fleet, keys, node, platform, sim, users
 from neuralgrid.cli.common import Options
 
 HELP = (
@@ -60,4 +60,5 @@ app.command("fake-node")(dev.fake_node)
 app.add_typer(fleet.nodes_app, name="nodes")
 app.add_typer(node.app, name="node")
 app.add_typer(keys.app, name="keys")
+app.add_typer(users.app, name="users")
 app.add_typer(bench.app, name="bench")

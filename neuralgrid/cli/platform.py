@@ -146,12 +146,19 @@ def _running_state(config: Settings) -> tuple[str, bool]:
 
 def signin(ctx: typer.Context) -> None:
     """Print a fresh one-time sign-in link for the local owner (`up` prints one at start)."""
+    from neuralgrid.web.signin import LOCAL_OWNER_EMAIL
+
+    print_signin_link(settings(ctx), LOCAL_OWNER_EMAIL)
+
+
+def print_signin_link(config: Settings, email: str) -> None:
+    """A one-time link that signs in this user, on stdout alone (for scripts); where no gateway runs
+    from this home yet, a line on stderr says when it will work."""
     from neuralgrid.server import stack
     from neuralgrid.web.signin import signin_link
 
-    config = settings(ctx)
     base_url = stack.public_base_url(config)
-    link = signin_link(config, base_url)
+    link = signin_link(config, base_url, email)
     if link is None:
         raise fail(
             "this stack signs in through Supabase Auth (NEURALGRID_SUPABASE_URL): use the page's email form"

@@ -22,7 +22,7 @@ from neuralgrid.server.deps import ServicesDep, UserDep
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.stack import api_key, user_token
 from neuralgrid.web import earnings
-from neuralgrid.web.signin import LOCAL_OWNER_EMAIL, SESSION_TTL_S, consume_signin_token, ensure_local_owner
+from neuralgrid.web.signin import SESSION_TTL_S, consume_signin_token, signin_user
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["web"])
@@ -172,24 +172,22 @@ async def stats(services: ServicesDep) -> dict[str, Any]:
 
 @router.post("/api/auth/signin")
 async def signin(body: SignIn, services: ServicesDep) -> dict[str, Any]:
-    """Trades a one-time sign-in token (printed by `neuralgrid up`) for the local owner's session."""
+    """Trades a one-time sign-in token (printed by `neuralgrid up`, `signin` or `users add`) for its
+    user's session: the local owner's, or the user `users add` made."""
     settings = services.settings
     if settings.supabase_url:
         raise BadRequest("this gateway signs in with Supabase Auth: use the email sign-in on the page")
-    if not await asyncio.to_thread(consume_signin_token, settings, body.token):
+    email = await asyncio.to_thread(consume_signin_token, settings, body.token)
+    user_id = None if email is None else await signin_user(services.store, email)
+    if email is None or user_id is None:
         raise SignInRefused(
-            "this sign-in link is not valid: it expired (after 10 minutes) or was already used;"
-            " restart `neuralgrid up` for a new one",
+            "this sign-in link is not valid: it expired (after 10 minutes), was already used or its user"
+            " is gone; `neuralgrid signin` (or `neuralgrid users add EMAIL`) prints a new one",
             param="token",
         )
-    user_id = await ensure_local_owner(services.store)
     expires_at = int(time.time()) + SESSION_TTL_S  # taken first, so never later than the token's exp
-    token = user_token(settings.jwt_secret, user_id, LOCAL_OWNER_EMAIL, SESSION_TTL_S)
-    return {
-        "access_token": token,
-        "expires_at": expires_at,
-        "user": {"id": user_id, "email": LOCAL_OWNER_EMAIL},
-    }
+    token = user_token(settings.jwt_secret, user_id, email, SESSION_TTL_S)
+    return {"access_token": token, "expires_at": expires_at, "user": {"id": user_id, "email": email}}
 
 
 @router.get("/api/my/nodes")
