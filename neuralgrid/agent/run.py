@@ -22,6 +22,7 @@ from neuralgrid.agent.servers.base import BackendError, BackendStarting
 from neuralgrid.agent.tunnel import TunnelClient
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import AgentStatus, BackendInfo, Heartbeat, NodeRegistration
+from neuralgrid.protocol.regions import located
 from neuralgrid.protocol.routes import Route, root_url
 from neuralgrid.server.serving import CannotListen, make_server, running
 
@@ -335,6 +336,8 @@ class Agent:
                 self.backend.info.kind,
                 parallel,
             )
+        latitude, longitude, where = located(self.config.region, self.config.latitude, self.config.longitude)
+        log.info("%s", where)
         # The gateway's own model of a registration, unvalidated here: the gateway judges it.
         body = NodeRegistration.model_construct(
             name=self.config.name,
@@ -344,8 +347,8 @@ class Agent:
             tflops=specs.tflops,
             hourly_rate=self.config.price_usd_per_hour,
             region=self.config.region,
-            latitude=self.config.latitude,
-            longitude=self.config.longitude,
+            latitude=latitude,
+            longitude=longitude,
             endpoint_url=self.endpoint_url,
             max_concurrency=self._concurrency(),
             models=models,
