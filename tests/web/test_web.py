@@ -503,9 +503,9 @@ def test_the_operator_page_builds_the_command_and_lists_my_nodes(
     page.fill("#node-token", "ng-abc123")
     command = page.locator("#command")
     for part in [
+        "export NEURALGRID_NODE_TOKEN=ng-abc123",  # not --token: ps would show it
         "neuralgrid node run",
         f"--gateway {gateway}",
-        "--token ng-abc123",
         "--backend http://127.0.0.1:8000",
         "--name 'lab box'",
         "--region us-east",
