@@ -4,7 +4,9 @@ max_tokens still bounds them and `ignore_eos` still runs them to it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +20,8 @@ from neuralgrid.dev.fakenode import create_fake_node
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, make_node
 
+README = Path(__file__).parents[2] / "README.md"
+BGE = "BAAI/bge-large-en-v1.5"
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello, grid!"}]
 
 
@@ -55,17 +59,25 @@ def test_a_streamed_demo_answer_ends_of_itself_too(demo_node: str) -> None:
     assert len(text.split()) == demo.ANSWER_WORDS and chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_the_tours_snippet_through_the_gateway_prints_a_short_answer(
-    conn: psycopg.Connection, gateway: str, demo_node: str
+def tour_snippet() -> str:
+    """The README tour's Python, as a reader copies it."""
+    tour = README.read_text().split("## A 60-second tour", 1)[1]
+    return tour.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_snippet_through_the_gateway_prints_a_short_answer_and_an_embedding(
+    conn: psycopg.Connection, gateway: str, demo_node: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The README's snippet, with the tour's key (`--budget-usd 5`): the gateway asks the node for
-    512 tokens, the snippet's max_tokens for fewer."""
-    make_node(conn, "demo", endpoint_url=demo_node)
+    """Run with the tour's key (`--budget-usd 5`: the gateway asks the node for 512 tokens where the
+    client gives no max_tokens) against the demo's node, which serves the tour's two models."""
+    make_node(conn, "demo", endpoint_url=demo_node, models={LLAMA8: "loaded", BGE: "loaded"})
     key = conn.execute("select api_key from create_api_key('laptop', 600, null, 5)").fetchone()
     assert key is not None
-    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=str(key[0]), max_retries=0) as sdk:
-        reply = sdk.chat.completions.create(model=LLAMA8, messages=HELLO)
-        assert reply.choices[0].message.content is not None
-        assert len(reply.choices[0].message.content.split()) == demo.ANSWER_WORDS
-        capped = sdk.chat.completions.create(model=LLAMA8, messages=HELLO, max_tokens=8)
-        assert capped.usage is not None and capped.usage.completion_tokens == 8
+    snippet = tour_snippet()
+    assert 'api_key="ng-…"' in snippet and "http://127.0.0.1:8080/v1" in snippet
+    exec(snippet.replace("ng-…", str(key[0])).replace("http://127.0.0.1:8080/v1", f"{gateway}/v1"), {})
+    answer, node, streamed, embedding = capsys.readouterr().out.split("\n")[:4]
+    assert len(answer.split()) == len(streamed.split()) == demo.ANSWER_WORDS  # not screens of words
+    row = conn.execute("select id::text from nodes where name = 'demo'").fetchone()
+    assert row is not None and node.split()[0] == row[0]
+    assert len(json.loads(embedding.strip())) == 4
