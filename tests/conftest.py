@@ -408,3 +408,28 @@ def _redis_ping(port: int) -> bool:
 def redis_url(tmp_path: Path) -> Iterator[str]:
     with running_redis(tmp_path) as url:
         yield url
+
+
+# The suite's own time is a limit like a module's size: CI runs every test, and the whole suite must
+# stay under 25 minutes there, or a new test has made it slower than the project accepts. Only a run
+# of the whole suite (`./dev test`, CI=true) is held to it; a run of some tests is not.
+SUITE_MINUTES = 25
+WHOLE_SUITE_AT_LEAST = 1000  # tests collected: fewer means a part of the suite was chosen
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_started] = time.monotonic()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    minutes = (time.monotonic() - session.config.stash[_started]) / 60
+    whole = session.testscollected >= WHOLE_SUITE_AT_LEAST and not session.config.option.keyword
+    if os.environ.get("CI") == "true" and whole and minutes > SUITE_MINUTES and exitstatus == 0:
+        session.config.get_terminal_writer().line(
+            f"the whole suite took {minutes:.1f} min, over its {SUITE_MINUTES} min limit (tests/conftest.py)",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_started = pytest.StashKey[float]()
