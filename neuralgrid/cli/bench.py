@@ -87,8 +87,8 @@ def gateway(
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
     agent) of the gateway and of the node agent against the node they front (and a bare relay, alone
     and holding a slot in Postgres), at the default node settings: enough default-size nodes for the
-    most callers. Beside them, in the same interleaved rounds on the same fake node: smg, SGLang's model gateway in
-    Rust (dev extras), launched as `smg launch --worker-urls NODE --policy round_robin
+    most callers. Beside them, in the same interleaved rounds on the same fake node: smg, SGLang's
+    model gateway in Rust (dev extras), launched as `smg launch --worker-urls NODE --policy round_robin
     --disable-tokenizer-autoload --disable-load-monitoring --log-level warn`, on loopback only. Its
     process's CPU shows as "gateway cpu"; a second table gives ours over smg: the gateway's and the
     bare relay's added p50 and requests/s, and the gateway process's CPU per request. Without smg
