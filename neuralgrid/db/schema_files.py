@@ -178,6 +178,16 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.my_nodes",
         "public.fleet_stats",
     ),
+    "115_map": (
+        "The map at any size: a summary of the fleet, broadcast at most once a second, and a viewer's view.",
+        "public.nodes_map_tile",
+        "public.map_feed",
+        "public.map_summary",
+        "private.json_changes",
+        "private.send_map_summary",
+        "public.map_view",
+        "public.node_list",
+    ),
     "120_edge_functions": (
         "What the Edge Functions call, each as a role of its own.",
         "public.node_heartbeat",

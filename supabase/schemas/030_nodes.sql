@@ -78,6 +78,10 @@ ALTER TABLE ONLY public.nodes
 ALTER TABLE ONLY public.nodes
     ADD CONSTRAINT nodes_pkey PRIMARY KEY (id);
 
+CREATE INDEX nodes_map_location_idx ON public.nodes USING btree (latitude, longitude);
+
+COMMENT ON INDEX public.nodes_map_location_idx IS 'The nodes in a box of the map (map_view()). Neither column changes on a claim: claims stay heap-only.';
+
 CREATE INDEX nodes_online_idx ON public.nodes USING btree (id) INCLUDE (vram_gb, max_concurrency) WHERE (status = 'online'::text);
 
 COMMENT ON INDEX public.nodes_online_idx IS 'The online nodes, for claims. Not the in-flight count, which claims and releases change: they stay heap-only updates.';

@@ -37,6 +37,8 @@ PUBLIC_API = sorted(
         "gateway_alive",  # with the address other gateways reach it at
         "handoff_job",
         "handoff_job",  # saying whose failure it was (421: the gateway holding the tunnel broke off)
+        "map_summary",  # the map's summary of the fleet (issue 41)
+        "map_view",  # what a map viewer sees in a box: its nodes, or their clusters
         "match_job",  # the hold given in USD
         "match_job",  # the hold priced in SQL from the request's size
         "my_earnings",  # an owner's earnings (issue 19)
@@ -44,6 +46,7 @@ PUBLIC_API = sorted(
         "my_node_stats",
         "my_nodes",  # an owner's nodes with their endpoints, through the Data API (issue 18)
         "node_heartbeat",
+        "node_list",  # the map's table, a page at a time
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
         "place_jobs",  # the gateway's placements grouped (issue 16)
@@ -82,6 +85,7 @@ PRIVATE_HELPERS = sorted(
         "end_attempt",
         "endpoint_is_private",
         "gateway_is_live",
+        "json_changes",  # what changed between two summaries of the map
         "schedule_sweep_with_pg_cron",
         "sync_warm_models",  # a heartbeat's warm models (node_heartbeat(), agent_heartbeat())
         "ewma_fold",
@@ -115,6 +119,7 @@ PRIVATE_HELPERS = sorted(
         "release_reservation",
         "required_vram_gb",
         "reserve_component",
+        "send_map_summary",  # the map's summary on map:summary, at most once a second
         "set_updated_at",
         "stamp_job_gateway",
         "sweep_dead_tunnels",
