@@ -74,6 +74,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.copy_node_endpoint",
         "private.record_node_status",
         "private.announce_free_slot",
+        "private.notify_node_secret_change",
         "public.register_node",
     ),
     "050_api_keys": (
@@ -159,6 +160,8 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.prewarm_for",
         "private.refresh_prewarm_demand",
         "public.agent_heartbeat",
+        "public.node_liveness",
+        "public.node_heartbeats",
     ),
     "100_realtime": (
         "Realtime: what the map and owners hear when nodes and jobs change.",

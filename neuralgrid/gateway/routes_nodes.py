@@ -64,22 +64,9 @@ async def heartbeat(node_id: UUID, request: Request, services: ServicesDep) -> d
     except BodyTooLarge:
         raise BodyTooLarge(f"a heartbeat is at most {HEARTBEAT_MAX_BYTES} bytes") from None
     beat = _validated(Heartbeat, body)
-    params = (
-        node_id,
-        signing.node_key(header[7:].strip()),
-        beat.status,
-        beat.queue_depth,
-        beat.gpu_utilization,
-        beat.free_vram_gb,
-        beat.models,
-        _jsonb(beat.specs),
-        beat.backend_up,
-        _jsonb(beat.backend),
-        beat.available,
-        beat.loaded,
-        Jsonb([r.model_dump() for r in beat.refused]),
-    )
-    reply = await services.store.get(q.AGENT_HEARTBEAT, params)
+    # Refused at once (secret, node); else written in the gateway's next batch, and answered at once
+    # when it repeats the node's last beat, else once written (gateway/heartbeats.py).
+    reply = await services.heartbeats.beat(node_id, signing.node_key(header[7:].strip()), beat)
     # `load`: the models the node should pre-load now (none or one); agents before pre-warm ignore it.
     return {"node_id": node_id, "status": reply.status, "load": reply.load}
 

@@ -41,6 +41,7 @@ from neuralgrid.gateway.errors import (
     from_http,
     invalid,
 )
+from neuralgrid.gateway.heartbeats import Heartbeats
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
@@ -150,8 +151,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             settings.signing_keys_url,
             api_keys=tuple(stack_api_keys(settings.jwt_secret).values()),
         )
+        heartbeats = Heartbeats(store, settings.heartbeat_flush_s)
         services = Services(
-            settings, store, keys, pipeline, metrics, tunnels, peers, hub, StatsCache(), tokens
+            settings, store, keys, pipeline, metrics, tunnels, peers, hub, StatsCache(), tokens, heartbeats
         )
         app.state.services = services
         stop = asyncio.Event()
@@ -159,14 +161,19 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             asyncio.create_task(
                 listen(
                     session_url,
-                    {q.LISTEN_KEY_CHANGES: keys.forget, q.LISTEN_FREE_SLOTS: room.slot_freed},
+                    {
+                        q.LISTEN_KEY_CHANGES: keys.forget,
+                        q.LISTEN_FREE_SLOTS: room.slot_freed,
+                        q.LISTEN_NODE_SECRETS: heartbeats.forget,
+                    },
                     stop,
-                    reconnected=lambda: _missed(keys, room),
+                    reconnected=lambda: _missed(keys, room, heartbeats),
                 )
             ),
             asyncio.create_task(
                 keep_checking_in(store, gateway_id, stop, internal_url, deadline.learned, tunnels)
             ),
+            asyncio.create_task(heartbeats.run(stop)),
         ]
         if await store.get(q.REALTIME_FEED_INSTALLED):
             tasks.append(asyncio.create_task(hub.run(stop)))
@@ -263,10 +270,12 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     return app
 
 
-def _missed(keys: KeyStore, room: WaitingRoom) -> None:
-    """Announcements may have been missed: cached keys are dropped, waiting requests ask again."""
+def _missed(keys: KeyStore, room: WaitingRoom, heartbeats: Heartbeats) -> None:
+    """Announcements may have been missed: cached keys and node secrets are dropped, waiting requests
+    ask again."""
     keys.forget_all()
     room.slot_freed()
+    heartbeats.forget_all()
 
 
 def _pipeline(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from neuralgrid.db.store import Store
     from neuralgrid.gateway.auth import KeyStore
+    from neuralgrid.gateway.heartbeats import Heartbeats
     from neuralgrid.gateway.metrics import Metrics
     from neuralgrid.gateway.peers import Peers
     from neuralgrid.gateway.pipeline import Pipeline
@@ -31,3 +32,4 @@ class Services:
     realtime: Hub
     stats: StatsCache
     tokens: TokenKeys  # what verifies users' JWTs and the stack's opaque API keys
+    heartbeats: Heartbeats  # agents' heartbeats, checked at once and written in batches

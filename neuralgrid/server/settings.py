@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     # only queue on those locks inside Postgres (measured: more connections, fewer requests/s).
     request_pool_size: int = Field(4, alias="NEURALGRID_REQUEST_POOL_SIZE", ge=1)
     sweep_interval_s: float = Field(1.0, alias="NEURALGRID_SWEEP_INTERVAL_S", gt=0)
+    # Agents' heartbeats are written in one statement this often (or every half heartbeat interval,
+    # if that is less): see gateway/heartbeats.py. 0: each beat at once, one statement a beat.
+    heartbeat_flush_s: float = Field(1.0, alias="NEURALGRID_HEARTBEAT_FLUSH_S", ge=0, le=60)
 
     host: str = Field("127.0.0.1", alias="NEURALGRID_HOST")
     port: int = Field(8080, alias="NEURALGRID_PORT", ge=1, le=65535)
@@ -79,7 +82,9 @@ class Settings(BaseSettings):
     realtime_bytes_per_s: float = Field(262_144.0, alias="NEURALGRID_REALTIME_BYTES_PER_S", gt=0)
     realtime_max_channels: int = Field(100, alias="NEURALGRID_REALTIME_MAX_CHANNELS", ge=1)
     realtime_max_presences: int = Field(10, alias="NEURALGRID_REALTIME_MAX_PRESENCES", ge=1)
-    realtime_read_only_topics: list[str] = Field(["node-map"], alias="NEURALGRID_REALTIME_READ_ONLY_TOPICS")
+    realtime_read_only_topics: list[str] = Field(
+        ["node-map", "map:summary"], alias="NEURALGRID_REALTIME_READ_ONLY_TOPICS"
+    )
 
     # Several gateways on one database (docs/scaling.md). Where the other gateways reach this one to
     # forward requests for the tunnels it holds; unset: http://<host>:<port> (the machine's name

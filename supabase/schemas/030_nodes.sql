@@ -442,7 +442,9 @@ $_$;
 
 COMMENT ON FUNCTION private.nodes_check_description() IS 'Trigger: the rules about what a node is (specs, place, price, address, name, routes, reported load), checked when a statement writes one of those columns; each raises the check_violation its CHECK constraint did. No rule holds NaN.';
 
-CREATE TRIGGER nodes_validate BEFORE INSERT OR UPDATE OF backend, endpoint_url, free_vram_gb, gpu_count, gpu_model, gpu_utilization, hourly_rate, latitude, longitude, max_concurrency, name, outside_load, queue_depth, region, routes, secret_hash, tflops, vram_gb ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.nodes_check_description();
+CREATE TRIGGER nodes_validate BEFORE UPDATE OF backend, endpoint_url, free_vram_gb, gpu_count, gpu_model, gpu_utilization, hourly_rate, latitude, longitude, max_concurrency, name, outside_load, queue_depth, region, routes, secret_hash, tflops, vram_gb ON public.nodes FOR EACH ROW WHEN (((old.backend IS DISTINCT FROM new.backend) OR (old.endpoint_url IS DISTINCT FROM new.endpoint_url) OR (old.free_vram_gb IS DISTINCT FROM new.free_vram_gb) OR (old.gpu_count IS DISTINCT FROM new.gpu_count) OR (old.gpu_model IS DISTINCT FROM new.gpu_model) OR (old.gpu_utilization IS DISTINCT FROM new.gpu_utilization) OR (old.hourly_rate IS DISTINCT FROM new.hourly_rate) OR (old.latitude IS DISTINCT FROM new.latitude) OR (old.longitude IS DISTINCT FROM new.longitude) OR (old.max_concurrency IS DISTINCT FROM new.max_concurrency) OR (old.name IS DISTINCT FROM new.name) OR (old.outside_load IS DISTINCT FROM new.outside_load) OR (old.queue_depth IS DISTINCT FROM new.queue_depth) OR (old.region IS DISTINCT FROM new.region) OR (old.routes IS DISTINCT FROM new.routes) OR (old.secret_hash IS DISTINCT FROM new.secret_hash) OR (old.tflops IS DISTINCT FROM new.tflops) OR (old.vram_gb IS DISTINCT FROM new.vram_gb))) EXECUTE FUNCTION private.nodes_check_description();
+
+CREATE TRIGGER nodes_validate_insert BEFORE INSERT ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.nodes_check_description();
 
 REVOKE ALL ON FUNCTION private.nodes_check_description() FROM PUBLIC;
 
@@ -518,6 +520,25 @@ COMMENT ON FUNCTION private.nodes_keep_price_floor() IS 'Trigger: when a node''s
 CREATE TRIGGER nodes_keep_price_floor BEFORE UPDATE OF hourly_rate, max_concurrency ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.nodes_keep_price_floor();
 
 REVOKE ALL ON FUNCTION private.nodes_keep_price_floor() FROM PUBLIC;
+
+
+CREATE FUNCTION private.notify_node_secret_change() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+begin
+  perform pg_notify('neuralgrid_node_secrets', old.id::text);
+  return null;
+end;
+$$;
+
+COMMENT ON FUNCTION private.notify_node_secret_change() IS 'Trigger: tells LISTENing gateways (channel neuralgrid_node_secrets, the node''s id) that a node''s secret changed or the node is gone, so that they stop taking heartbeats with the secret they kept.';
+
+CREATE TRIGGER nodes_notify_deleted AFTER DELETE ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.notify_node_secret_change();
+
+CREATE TRIGGER nodes_notify_secret_change AFTER UPDATE OF secret_hash ON public.nodes FOR EACH ROW WHEN ((old.secret_hash IS DISTINCT FROM new.secret_hash)) EXECUTE FUNCTION private.notify_node_secret_change();
+
+REVOKE ALL ON FUNCTION private.notify_node_secret_change() FROM PUBLIC;
 
 
 CREATE FUNCTION private.record_node_status() RETURNS trigger

@@ -106,9 +106,12 @@ CREATE FUNCTION public.my_node_stats(p_window interval DEFAULT '7 days'::interva
     SET search_path TO ''
     AS $$
   with mine as (
+    -- The last heartbeat: the later of the row's and the batches' (node_liveness).
     select n.id, n.name, n.status, n.gpu_model, n.gpu_count, n.region, n.hourly_rate, n.successes, n.failures,
-           n.speed_ratio, n.last_heartbeat_at
-    from public.nodes n where n.owner_id = (select auth.uid())
+           n.speed_ratio, greatest(n.last_heartbeat_at, l.last_heartbeat_at) as last_heartbeat_at
+    from public.nodes n
+    left join public.node_liveness l on l.node_id = n.id
+    where n.owner_id = (select auth.uid())
   ),
   recorded as (
     -- The changes inside the window, and the last one before it (the status the window starts in).

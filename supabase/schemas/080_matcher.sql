@@ -75,7 +75,8 @@ CREATE FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_h
     SET search_path TO ''
     AS $$
   -- Nodes that hold the model and pass every filter but a free slot and the route; then, among the
-  -- ones serving the route, what a request may wait for.
+  -- ones serving the route, what a request may wait for. A node's last heartbeat: the later of its
+  -- row's and its node_liveness row's.
   select case
     when count(*) = 0 then 'none'
     when count(*) filter (where c.serves) = 0 then 'route'
@@ -86,13 +87,15 @@ CREATE FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_h
     else 'busy' end
   from public.node_models nm
   join public.nodes n on n.id = nm.node_id
+  left join public.node_liveness l on l.node_id = n.id
   cross join public.platform_settings s
   cross join lateral (select p_route is null or p_route = any (n.routes) as serves) c
   where nm.model_id = p_model
     and n.status in ('online', 'busy')
     and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
     and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
-    and n.last_heartbeat_at >= now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
+    and greatest(n.last_heartbeat_at, l.last_heartbeat_at)
+        >= now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
 $$;
 
 COMMENT ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text) IS 'Why no node took a request for a model: ''busy'' (capable nodes serving the route online, every slot taken), ''cooling'' (those with free slots are all cooling down after failures), ''route'' (capable nodes online, none serving p_route) or ''none'' (no capable node online).';
@@ -101,25 +104,26 @@ REVOKE ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, 
 GRANT ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text) TO service_role;
 
 
-CREATE FUNCTION private.node_is_eligible(n public.nodes, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) RETURNS boolean
+CREATE FUNCTION private.node_is_eligible(n public.nodes, p_last_beat timestamp with time zone, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
   -- reject_reason(...) is null, for a node that holds the model, as plain clauses the planner can
-  -- estimate (tests check the two agree on random fleets).
+  -- estimate (tests check the two agree on random fleets). p_last_beat: the node's last heartbeat,
+  -- the later of n.last_heartbeat_at and its node_liveness row's.
   select n.status = 'online'
      and n.vram_gb >= min_vram_gb
      and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
      and (p_route is null or p_route = any (n.routes))
-     and n.last_heartbeat_at >= fresh_after
+     and p_last_beat >= fresh_after
      and n.inflight < n.max_concurrency
      and (n.cooldown_until is null or n.cooldown_until <= now())
 $$;
 
-COMMENT ON FUNCTION private.node_is_eligible(n public.nodes, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) IS 'True when a node that holds the model passes every hard filter of a weighted policy, the request''s route (null: any) among them.';
+COMMENT ON FUNCTION private.node_is_eligible(n public.nodes, p_last_beat timestamp with time zone, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) IS 'True when a node that holds the model passes every hard filter of a weighted policy, the request''s route (null: any) among them; p_last_beat is its last heartbeat (the later of nodes.last_heartbeat_at and node_liveness).';
 
-REVOKE ALL ON FUNCTION private.node_is_eligible(n public.nodes, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.node_is_eligible(n public.nodes, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) TO service_role;
+REVOKE ALL ON FUNCTION private.node_is_eligible(n public.nodes, p_last_beat timestamp with time zone, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.node_is_eligible(n public.nodes, p_last_beat timestamp with time zone, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) TO service_role;
 
 
 CREATE FUNCTION private.node_scores_after_catalog_change() RETURNS trigger
@@ -152,12 +156,16 @@ CREATE FUNCTION private.node_scores_after_node_models_change() RETURNS trigger
     SET search_path TO ''
     AS $$
 begin
+  -- A statement that changed no row (an upsert whose rows were all there) has nothing to rescore.
+  if not exists (select from new_rows) then
+    return null;
+  end if;
   perform private.refresh_node_scores(array(select distinct node_id from new_rows));
   return null;
 end;
 $$;
 
-COMMENT ON FUNCTION private.node_scores_after_node_models_change() IS 'Trigger: refreshes node_scores for nodes whose models were added or changed state.';
+COMMENT ON FUNCTION private.node_scores_after_node_models_change() IS 'Trigger: refreshes node_scores for nodes whose models were added or changed state (nothing when the statement changed no row).';
 
 CREATE TRIGGER node_models_refresh_scores_insert AFTER INSERT ON public.node_models REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION private.node_scores_after_node_models_change();
 
@@ -373,12 +381,13 @@ REVOKE ALL ON FUNCTION private.refresh_vram_pressure() FROM PUBLIC;
 GRANT ALL ON FUNCTION private.refresh_vram_pressure() TO service_role;
 
 
-CREATE FUNCTION private.reject_reason(n public.nodes, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) RETURNS text
+CREATE FUNCTION private.reject_reason(n public.nodes, p_last_beat timestamp with time zone, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) RETURNS text
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $_$
   -- The first hard filter a node fails, or null when it may take the job. `seed` keeps the
   -- original's two filters (online, enough VRAM); the caller's price cap and route bind every policy.
+  -- p_last_beat: the node's last heartbeat, the later of n.last_heartbeat_at and node_liveness's.
   select case
     when n.status <> 'online' then 'status is ' || n.status
     when n.vram_gb < min_vram_gb then format('%s GB VRAM, needs %s GB', n.vram_gb, min_vram_gb)
@@ -386,18 +395,18 @@ CREATE FUNCTION private.reject_reason(n public.nodes, model_state text, p_model 
       then format('costs $%s/h, over the cap of $%s/h', round(n.hourly_rate, 2), round(p_max_hourly_rate, 2))
     when p_route is not null and not p_route = any (n.routes) then 'does not serve /v1/' || p_route
     when seed then null
-    when n.last_heartbeat_at is null or n.last_heartbeat_at < fresh_after
-      then 'heartbeat is stale (last ' || coalesce(n.last_heartbeat_at::text, 'never') || ')'
+    when p_last_beat is null or p_last_beat < fresh_after
+      then 'heartbeat is stale (last ' || coalesce(p_last_beat::text, 'never') || ')'
     when model_state is null then format('does not hold %s', p_model)
     when n.inflight >= n.max_concurrency then format('at capacity (%s/%s)', n.inflight, n.max_concurrency)
     when n.cooldown_until > now() then 'cooling down until ' || n.cooldown_until::text
   end
 $_$;
 
-COMMENT ON FUNCTION private.reject_reason(n public.nodes, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) IS 'The first hard filter a node fails for a request, as a sentence (a route it does not serve: "does not serve /v1/<route>"); null when the node is eligible.';
+COMMENT ON FUNCTION private.reject_reason(n public.nodes, p_last_beat timestamp with time zone, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) IS 'The first hard filter a node fails for a request, as a sentence (a route it does not serve: "does not serve /v1/<route>"; a heartbeat older than fresh_after: "heartbeat is stale", p_last_beat being its last one); null when the node is eligible.';
 
-REVOKE ALL ON FUNCTION private.reject_reason(n public.nodes, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.reject_reason(n public.nodes, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) TO service_role;
+REVOKE ALL ON FUNCTION private.reject_reason(n public.nodes, p_last_beat timestamp with time zone, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.reject_reason(n public.nodes, p_last_beat timestamp with time zone, model_state text, p_model text, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, seed boolean, p_route text) TO service_role;
 
 
 CREATE FUNCTION private.reserve_component(vram_gb double precision, need_gb double precision, levels real[], pressures double precision[]) RETURNS double precision
@@ -431,28 +440,42 @@ declare
   -- route either way.)
   v_rare boolean := coalesce(p_route <> all ('{chat/completions,completions,embeddings}'::text[]), false);
 begin
+  -- Each cursor reads the node's last heartbeat with it: the later of its row's and its
+  -- node_liveness row's (one probe of that table's key).
   if p_in_region and v_rare then
     open ranked for
-      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      select s.node_id, s.base_score, s.region, n as node,
+             greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = p_policy and s.model_id = p_model and s.region = p_region and p_route = any (n.routes)
       order by s.base_score desc, s.node_id;
   elsif p_in_region then
     open ranked for
-      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      select s.node_id, s.base_score, s.region, n as node,
+             greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = p_policy and s.model_id = p_model and s.region = p_region
       order by s.base_score desc, s.node_id;
   elsif v_rare then
     open ranked for
-      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      select s.node_id, s.base_score, s.region, n as node,
+             greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = p_policy and s.model_id = p_model and p_route = any (n.routes)
       order by s.base_score desc, s.node_id;
   else
     open ranked for
-      select s.node_id, s.base_score, s.region, n as node from public.node_scores s
+      select s.node_id, s.base_score, s.region, n as node,
+             greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = p_policy and s.model_id = p_model
       order by s.base_score desc, s.node_id;
   end if;
@@ -460,7 +483,7 @@ begin
     fetch ranked into r;
     exit when not found or r.base_score < p_floor;
     continue when p_in_region = false and r.region = p_region;
-    continue when not private.node_is_eligible(r.node, p_min_vram_gb, p_fresh_after, p_max_hourly_rate, p_route);
+    continue when not private.node_is_eligible(r.node, r.beat, p_min_vram_gb, p_fresh_after, p_max_hourly_rate, p_route);
     node_id := r.node_id;
     base_score := r.base_score;
     return next;
@@ -490,16 +513,21 @@ declare
   v_total float8;
   v_rare boolean := coalesce(p_route <> all ('{chat/completions,completions,embeddings}'::text[]), false);  -- as in top_by_base
 begin
+  -- Each cursor reads the node's last heartbeat with it, as top_by_base()'s do.
   if v_rare then
     open ranked for
-      select s.node_id, s.base_score, n as node from public.node_scores s
+      select s.node_id, s.base_score, n as node, greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = w.name and s.model_id = p_model and s.tier_gb = p_tier and p_route = any (n.routes)
       order by s.base_score desc, s.node_id;
   else
     open ranked for
-      select s.node_id, s.base_score, n as node from public.node_scores s
+      select s.node_id, s.base_score, n as node, greatest(n.last_heartbeat_at, l.last_heartbeat_at) as beat
+      from public.node_scores s
       join public.nodes n on n.id = s.node_id
+      left join public.node_liveness l on l.node_id = s.node_id
       where s.policy = w.name and s.model_id = p_model and s.tier_gb = p_tier
       order by s.base_score desc, s.node_id;
   end if;
@@ -508,7 +536,7 @@ begin
     -- The tolerance keeps a node that could tie the k-th total (ties go by node id).
     exit when not found
       or (cardinality(v_top) >= p_k and r.base_score + v_bonus_max < v_top[p_k] - 1e-12);
-    continue when not private.node_is_eligible(r.node, p_min_vram_gb, p_fresh_after, p_max_hourly_rate, p_route);
+    continue when not private.node_is_eligible(r.node, r.beat, p_min_vram_gb, p_fresh_after, p_max_hourly_rate, p_route);
     v_total := r.base_score + v_reserve
       + w.proximity * private.proximity_component(
           w, (r.node).region, (r.node).latitude, (r.node).longitude, p_region, p_latitude, p_longitude)
@@ -669,8 +697,10 @@ begin
   with judged as (
     select n.id, n.name, n.vram_gb::float8 as vram_gb, n.tflops::float8 as tflops,
            n.hourly_rate::float8 as hourly_rate, n.region, n.latitude, n.longitude,
-           private.reject_reason(n, nm.state, p_model, v_min, v_fresh_after, p_max_hourly_rate, v_seed, p_route) as reason
+           private.reject_reason(n, greatest(n.last_heartbeat_at, l.last_heartbeat_at), nm.state, p_model, v_min,
+                                 v_fresh_after, p_max_hourly_rate, v_seed, p_route) as reason
     from public.nodes n
+    left join public.node_liveness l on l.node_id = n.id
     left join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
     where p_explain or n.status = 'online'
   ),

@@ -40,11 +40,12 @@ CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text,
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
-  -- As the caller: the owner filter keeps it to their rows, and the endpoints' policy would too.
+  -- As the caller: the owner filter keeps it to their rows, and the endpoints' policy would too. The
+  -- last heartbeat: the later of the row's and the batches' (node_liveness).
   select n.id, n.name, n.status, e.endpoint_url, n.tunnel_connected, n.backend_up, n.backend, n.routes,
          n.gpu_model, n.gpu_count, n.vram_gb, n.tflops, n.hourly_rate, n.region, n.latitude, n.longitude,
-         n.max_concurrency, n.inflight, n.queue_depth, n.last_heartbeat_at, n.successes, n.failures,
-         n.ewma_latency_ms, n.ewma_tokens_per_s, n.cooldown_until,
+         n.max_concurrency, n.inflight, n.queue_depth, greatest(n.last_heartbeat_at, l.last_heartbeat_at),
+         n.successes, n.failures, n.ewma_latency_ms, n.ewma_tokens_per_s, n.cooldown_until,
          coalesce((select array_agg(m.model_id order by m.model_id) from public.node_models m
                    where m.node_id = n.id and m.state = 'loaded'), '{}'),
          coalesce((select array_agg(m.model_id order by m.model_id) from public.node_models m
@@ -52,6 +53,7 @@ CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text,
          n.agent_version, n.created_at
   from public.nodes n
   left join public.node_endpoints e on e.node_id = n.id
+  left join public.node_liveness l on l.node_id = n.id
   where n.owner_id = (select auth.uid())
   order by n.name, n.id
 $$;
@@ -155,7 +157,7 @@ CREATE OR REPLACE VIEW public.node_map WITH (security_invoker='true') AS
     n.status,
     n.max_concurrency,
     n.inflight,
-    n.last_heartbeat_at,
+    GREATEST(n.last_heartbeat_at, max(l.last_heartbeat_at)) AS last_heartbeat_at,
     n.successes,
     n.failures,
     n.ewma_latency_ms,
@@ -167,7 +169,8 @@ CREATE OR REPLACE VIEW public.node_map WITH (security_invoker='true') AS
     n.gpu_utilization,
     n.free_vram_gb,
     n.queue_depth
-   FROM (public.nodes n
+   FROM ((public.nodes n
+     LEFT JOIN public.node_liveness l ON ((l.node_id = n.id)))
      LEFT JOIN public.node_models m ON ((m.node_id = n.id)))
   GROUP BY n.id;
 

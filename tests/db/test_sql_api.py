@@ -46,6 +46,7 @@ PUBLIC_API = sorted(
         "my_node_stats",
         "my_nodes",  # an owner's nodes with their endpoints, through the Data API (issue 18)
         "node_heartbeat",
+        "node_heartbeats",  # a gateway's beats of the last second in one call (issue 41)
         "node_list",  # the map's table, a page at a time
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
@@ -103,6 +104,7 @@ PRIVATE_HELPERS = sorted(
         "nodes_check_description",  # the rules on what a node is, when written (not claims)
         "nodes_derive_routes",
         "notify_api_key_change",
+        "notify_node_secret_change",  # a node's secret changed or the node is gone: gateways forget it
         "parse_ipv4",
         "place",
         "prewarm_for",

@@ -14,14 +14,19 @@ __all__ = [
     "AGENT_HEARTBEAT",
     "FLEET",
     "HEARTBEAT_INTERVAL",
+    "LISTEN_NODE_SECRETS",
     "LIVE_DEMO_NODES",
     "NODE_HEARTBEAT",
+    "NODE_HEARTBEATS",
+    "NODE_KEY",
     "NODE_SECRET_HASH",
     "REGISTER_NODE",
     "REPLACE_NODE_MODELS",
     "SET_TUNNEL",
     "UPSERT_NODE",
+    "BeatWritten",
     "HeartbeatReply",
+    "NodeKey",
     "NodeStatus",
     "RegisteredNode",
 ]
@@ -46,6 +51,26 @@ class HeartbeatReply:
     load: list[str]
 
 
+@dataclass(frozen=True)
+class BeatWritten:
+    """What node_heartbeats() says of each beat of a batch: the node's status and the models it should
+    pre-load now, or the error that refused the beat (error_code: its SQLSTATE; 55P03: put off, the
+    node was locked)."""
+
+    node_id: UUID
+    status: str | None
+    load: list[str] | None
+    error: str | None
+    error_code: str | None
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """A node's secret, as the database keeps it (its SHA-256; null for a node with none)."""
+
+    secret_hash: bytes | None
+
+
 REGISTER_NODE = Query(
     "register_node",
     "select node_id, node_secret from public.register_node(%(owner)s, %(name)s, %(gpu_model)s,"
@@ -62,10 +87,19 @@ AGENT_HEARTBEAT = Query(
     subject="node_id",
 )
 NODE_HEARTBEAT = Query("node_heartbeat", "select public.node_heartbeat(%s)", scalar_row)
+# A gateway's beats of the last second, in one call (gateway/heartbeats.py).
+NODE_HEARTBEATS = Query(
+    "node_heartbeats",
+    "select node_id, status, load, error, error_code from public.node_heartbeats(%s::jsonb)",
+    class_row(BeatWritten),
+)
 HEARTBEAT_INTERVAL = Query(
     "heartbeat_interval", "select heartbeat_interval_s from public.platform_settings", scalar_row
 )
 NODE_SECRET_HASH = Query("node_secret_hash", "select secret_hash from public.nodes where id = %s", scalar_row)
+NODE_KEY = Query("node_key", "select secret_hash from public.nodes where id = %s", class_row(NodeKey))
+# A node's secret changed (registered again) or the node is gone: the payload is its id.
+LISTEN_NODE_SECRETS = Query("listen_node_secrets", "listen neuralgrid_node_secrets", scalar_row)
 SET_TUNNEL = Query("set_tunnel", "select public.set_tunnel(%s, %s)", scalar_row)
 UPSERT_NODE = Query(
     "upsert_node",

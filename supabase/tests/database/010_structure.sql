@@ -4,14 +4,14 @@
 -- policies fails here first; the other files test what the roles can and cannot do with them.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(81);
+select plan(86);
 
 -- What there is ---------------------------------------------------------------------------------------
 
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
   'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity',
-  'node_endpoints'
+  'node_endpoints', 'node_liveness'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -48,6 +48,8 @@ select policies_are('public', 'earnings', array['Owners can see the earnings of 
 select policies_are('public', 'node_status_changes', array['Owners can see the status history of their own nodes']);
 select policies_are('public', 'prewarm_requests', array['Owners can see the pre-warm requests of their own nodes']);
 select policies_are('public', 'node_scores', '{}'::name[], 'node_scores has no policy: only service_role reads it');
+select policies_are('public', 'node_liveness', array['Anyone can see when nodes last beat']);
+select policy_roles_are('public', 'node_liveness', 'Anyone can see when nodes last beat', array['anon', 'authenticated']);
 
 select policy_roles_are('public', 'nodes', 'Anyone can see the nodes on the map', array['anon', 'authenticated']);
 select policy_roles_are('public', 'api_keys', 'Users can see their own keys', array['authenticated']);
@@ -93,6 +95,9 @@ select table_privs_are('public', 'node_status_changes', 'service_role', array['S
 select table_privs_are('public', 'prewarm_requests', 'anon', '{}'::text[]);
 select table_privs_are('public', 'prewarm_requests', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'prewarm_requests', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
+select table_privs_are('public', 'node_liveness', 'anon', array['SELECT']);
+select table_privs_are('public', 'node_liveness', 'authenticated', array['SELECT']);
+select table_privs_are('public', 'node_liveness', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
 select table_privs_are('public', 'node_map', 'anon', array['SELECT']);
 select table_privs_are('public', 'node_map', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'node_base_scores', 'anon', '{}'::text[]);

@@ -4,7 +4,7 @@
 -- proves itself with its secret: the service's heartbeat refuses a wrong one.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(45);
+select plan(52);
 
 select tests.create_user('alice');
 
@@ -21,6 +21,7 @@ insert into gateway_calls values
   ('send an agent''s heartbeat (without pre-warm)', $$select public.agent_heartbeat(gen_random_uuid(), sha256(''), 'online', 0, 0, 0, '{}', null, true, '{}')$$, 'agent_heartbeat'),
   ('send an agent''s heartbeat (the first overload)', $$select public.agent_heartbeat(gen_random_uuid(), sha256(''), 'online', 0, 0, 0, '{}')$$, 'agent_heartbeat'),
   ('beat for a node', $$select public.node_heartbeat(gen_random_uuid())$$, 'node_heartbeat'),
+  ('send a gateway''s batch of heartbeats', $$select * from public.node_heartbeats('[]')$$, 'node_heartbeats'),
   ('mark a tunnel up', $$select public.set_tunnel(gen_random_uuid(), true)$$, 'set_tunnel'),
   ('attach a tunnel', $$select public.attach_tunnel(gen_random_uuid(), gen_random_uuid(), gen_random_uuid())$$, 'attach_tunnel'),
   ('detach a tunnel', $$select public.detach_tunnel(gen_random_uuid(), gen_random_uuid())$$, 'detach_tunnel'),
@@ -66,6 +67,17 @@ select results_eq($$ select h.status from registered r
   array['online'], 'a heartbeat with the node''s secret brings it online');
 select results_eq($$ select public.node_heartbeat(node_id) from registered $$, array['online'],
   'service_role beats for a node (the gateway''s own check)');
+select results_eq($$ select h.status, h.error_code from registered r
+                     cross join lateral public.node_heartbeats(jsonb_build_array(jsonb_build_object(
+                       'node_id', r.node_id, 'key', encode(sha256('not the secret'), 'hex'), 'status', 'online',
+                       'queue_depth', 0, 'models', array['meta-llama/Llama-3.1-8B-Instruct']))) h $$,
+  $$ values (null::text, '42501'::text) $$, 'a batched heartbeat with the wrong secret is refused, by itself');
+select results_eq($$ select h.status, h.error_code from registered r
+                     cross join lateral public.node_heartbeats(jsonb_build_array(jsonb_build_object(
+                       'node_id', r.node_id, 'key', encode(sha256(convert_to(r.node_secret, 'UTF8')), 'hex'),
+                       'status', 'online', 'queue_depth', 0, 'gpu_utilization', 0.1, 'free_vram_gb', 20,
+                       'models', array['meta-llama/Llama-3.1-8B-Instruct']))) h $$,
+  $$ values ('online'::text, null::text) $$, 'a batched heartbeat with the node''s secret is taken');
 select lives_ok($$ select public.gateway_alive(gen_random_uuid(), 'http://10.0.0.1:8080') $$,
   'service_role announces a gateway');
 -- sweep() refreshes private.vram_pressure (writable by service_role since 20261129000400).
@@ -79,6 +91,13 @@ select results_eq($$ select name, status from public.nodes where owner_id = auth
   $$ values ('alice-4090', 'online') $$, 'the owner sees the node the service registered as theirs, online');
 select results_eq($$ select name, status from public.my_node_stats('1 day') $$,
   $$ values ('alice-4090', 'online') $$, 'and in their node stats');
+select results_eq($$ select count(*)::int from public.node_liveness l join registered r on r.node_id = l.node_id $$,
+  array[1], 'a signed-in user reads when nodes last beat through a gateway''s batch');
+select throws_ok($$ update public.node_liveness set last_heartbeat_at = now() $$,
+  '42501', 'permission denied for table node_liveness', 'but cannot keep their own node alive by hand');
+select tests.as_anon();
+select throws_ok($$ insert into public.node_liveness select node_id, now() from registered $$,
+  '42501', 'permission denied for table node_liveness', 'anon cannot write a node''s last heartbeat');
 
 select * from finish();
 rollback;
