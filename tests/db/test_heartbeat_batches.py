@@ -18,7 +18,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.conftest import LLAMA8, make_node
+from neuralgrid.db import queries as q
+from tests.conftest import LLAMA8, make_node, make_user
 
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 SECRET = "ngn-test-secret"
@@ -318,3 +319,26 @@ def test_a_warm_model_sync_that_changes_nothing_fires_no_trigger(conn: psycopg.C
         conn, beat_once.replace("'online', 0", "'online', 2"), (steady, bytes.fromhex(key()), [LLAMA8, QWEN])
     )
     assert calls.get("refresh_node_scores") and calls.get("nodes_check_description") == 1
+
+
+def test_an_owner_sees_the_last_beat_of_the_batches(conn: psycopg.Connection) -> None:
+    """The owner's pages (`Your nodes`, the operator's list) and the Data API's my_nodes() and
+    my_node_stats(), read as the owner, show the batches' last beat, not the row's hour-old one."""
+    owner = make_user(conn)
+    mine = node(conn, "mine", owner_id=owner)
+    send(conn, beat(mine))
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 hour'")
+    send(conn, beat(mine))
+    with conn.transaction():
+        conn.execute("set local role authenticated")
+        claims = json.dumps({"sub": str(owner), "role": "authenticated"})
+        conn.execute("select set_config('request.jwt.claims', %s, true)", (claims,))
+        ages = [
+            conn.execute(f"select now() - last_heartbeat_at from ({query}) q").fetchone()
+            for query in (
+                q.MY_NODES.sql,
+                "select last_heartbeat_at from my_nodes()",
+                "select last_heartbeat_at from my_node_stats('1 day')",
+            )
+        ]
+    assert all(age is not None and age[0] < timedelta(seconds=5) for age in ages), ages

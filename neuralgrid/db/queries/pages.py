@@ -44,11 +44,14 @@ group by status
 MY_NODES = Query(
     "my_nodes",
     """
-select id, name, gpu_model, gpu_count, vram_gb, tflops, hourly_rate::float8 as hourly_rate, region, status,
-  max_concurrency, inflight, queue_depth, gpu_utilization, last_heartbeat_at, successes, failures,
-  agent_version, created_at
-from public.nodes where owner_id = auth.uid()
-order by name, id
+select n.id, n.name, n.gpu_model, n.gpu_count, n.vram_gb, n.tflops, n.hourly_rate::float8 as hourly_rate,
+  n.region, n.status, n.max_concurrency, n.inflight, n.queue_depth, n.gpu_utilization,
+  greatest(n.last_heartbeat_at, l.last_heartbeat_at) as last_heartbeat_at, n.successes, n.failures,
+  n.agent_version, n.created_at
+from public.nodes n
+left join public.node_liveness l on l.node_id = n.id  -- its last beat: the later of the two (issue 41)
+where n.owner_id = auth.uid()
+order by n.name, n.id
 """,
     dict_row,
 )
