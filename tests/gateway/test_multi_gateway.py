@@ -7,6 +7,7 @@ Gateway A runs in its own process (`neuralgrid up`), so it can be killed; B and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -414,3 +415,66 @@ def test_three_gateways_through_pgbouncer(
             listening = [p for p in bouncer.show("pools") if p["database"] == SESSION]
             assert listening and int(listening[0]["cl_active"]) >= 3 * 2  # each gateway's two LISTENs
         assert reputation(conn, node) == (0, 0, None)
+
+
+# Heartbeats in batches through several gateways (issue 41) ----------------------------------------
+
+
+def test_two_gateways_batch_the_same_nodes_beats(
+    conn: psycopg.Connection, db_url: str, operator_key: str
+) -> None:
+    """Agents beat through whichever gateway answers: two gateways batching beats of the same nodes at
+    the same moment take their rows in one order (no deadlock, no beat refused), a node's last beat
+    never goes back in time, and a node registered again through one gateway has its old secret
+    refused by the other (the database tells every gateway)."""
+    settings = Settings(NEURALGRID_JWT_SECRET=SECRET, NEURALGRID_HEARTBEAT_FLUSH_S=0.3)
+    with (
+        ThreadedServer(create_app(settings, db_url, sweep=False)) as b,
+        ThreadedServer(create_app(settings, db_url, sweep=False)) as c,
+    ):
+        nodes = []
+        for i in range(24):
+            spec = {
+                "name": f"box-{i}",
+                "gpu_model": "NVIDIA GeForce RTX 4090",
+                "vram_gb": 24,
+                "tflops": 165,
+                "hourly_rate": 0.3,
+                "region": "eu-west",
+                "endpoint_url": f"https://box-{i}.example.com",
+                "models": [LLAMA8],
+            }
+            auth = {"authorization": f"Bearer {operator_key}"}
+            nodes.append(httpx.post(f"{b.url}/v1/nodes", json=spec, headers=auth).json())
+
+        def beat(gateway: str, node: dict[str, Any], secret: str | None = None) -> int:
+            auth = {"authorization": f"Bearer {secret or node['node_secret']}"}
+            url = f"{gateway}/v1/nodes/{node['node_id']}/heartbeat"
+            return httpx.post(url, json={"models": [LLAMA8]}, headers=auth, timeout=10).status_code
+
+        stamps: list[Any] = []
+        with ThreadPoolExecutor(16) as pool:
+            for _ in range(4):
+                answers = list(
+                    pool.map(lambda args: beat(*args), [(g, n) for n in nodes for g in (b.url, c.url)])
+                )
+                assert set(answers) == {200}, answers
+                time.sleep(0.4)  # a flush of each gateway's
+                stamps.append(
+                    dict(
+                        conn.execute("select node_id::text, last_heartbeat_at from node_liveness").fetchall()
+                    )
+                )
+        assert set(stamps[-1]) == {n["node_id"] for n in nodes}
+        for earlier, later in itertools.pairwise(stamps):
+            assert all(later[n] >= at for n, at in earlier.items())
+        online = conn.execute("select count(*) from nodes where status = 'online'").fetchone()
+        assert online == (len(nodes),)
+
+        # Registered again through B: C refuses the old secret too, and takes the new one.
+        spec["name"] = "box-23"
+        again = httpx.post(
+            f"{b.url}/v1/nodes", json=spec, headers={"authorization": f"Bearer {operator_key}"}
+        ).json()
+        wait_for(lambda: beat(c.url, nodes[-1]) == 403, timeout=3)
+        assert beat(c.url, again) == 200
