@@ -208,6 +208,9 @@ def watch(
         raise fail(f"cannot watch {info['REALTIME_URL']}: {err} (is `neuralgrid up` running?)") from err
 
 
+FLEET_LINES = 1000  # the nodes `watch` prints before the feed, at most
+
+
 def _print_fleet(map_url: str) -> None:
     """The fleet as it stands, a line a node, before the feed's changes: on a quiet fleet the feed
     says nothing for minutes, which read as a hang. The map's own snapshot, which anyone may read."""
@@ -217,9 +220,10 @@ def _print_fleet(map_url: str) -> None:
 
     url = f"{map_url.rstrip('/')}/api/nodes"
     try:
-        reply = httpx.get(url, timeout=10)
+        reply = httpx.get(url, params={"limit": FLEET_LINES}, timeout=10)
         reply.raise_for_status()
         nodes: list[dict[str, Any]] = reply.json()["data"]
+        total = int(reply.json().get("total", len(nodes)))
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:  # the feed may still work: say, go on
         warn = Console(stderr=True, highlight=False, soft_wrap=True)
         warn.print(f"cannot read the fleet from {url}: {err}")
@@ -228,6 +232,8 @@ def _print_fleet(map_url: str) -> None:
         print("the fleet has no nodes yet", flush=True)
     for node in nodes:
         print(describe("fleet", {"node": node}), flush=True)
+    if total > len(nodes):  # the API pages the fleet (issue 41): a terminal needs no 100,000 lines
+        print(f"... and {total - len(nodes):,} more nodes (neuralgrid nodes ls lists them all)", flush=True)
 
 
 @db_app.command("migrate")

@@ -28,7 +28,7 @@ class Limits:
     max_channels: int = 100  # joined channels per socket, as on Supabase
     max_presences: int = 10  # channels of one socket that track presence at once
     # Public topics the platform itself publishes on: clients read them, only service_role writes.
-    read_only_topics: frozenset[str] = frozenset({"node-map"})
+    read_only_topics: frozenset[str] = frozenset({"node-map", "map:summary"})
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:

@@ -63,6 +63,8 @@ from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
 from neuralgrid.server.tokens import TokenKeys, stack_api_keys
 from neuralgrid.web import routes as web_routes
+from neuralgrid.web.map_feed import TOPIC as MAP_TOPIC
+from neuralgrid.web.map_feed import run_map_feed
 from neuralgrid.web.stats import StatsCache
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,13 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         else:
             hub.off = "Supabase's Realtime serves this database: connect to the project's /realtime/v1"
             log.info("embedded Realtime off: %s", hub.off)
+        # The map's summary on map:summary (web/map_feed.py): while this gateway has a map viewer, or,
+        # where a hosted project's Realtime serves the viewers (unseen here), from every sweeping gateway.
+        if hub.off is None:
+            viewed = functools.partial(hub.rooms.__contains__, (MAP_TOPIC, False))
+            tasks.append(asyncio.create_task(run_map_feed(store, stop, viewed)))
+        elif sweep:
+            tasks.append(asyncio.create_task(run_map_feed(store, stop, lambda: True)))
         if sweep:
             own = functools.partial(check_in, gateway_id=gateway_id, internal_url=internal_url)
             tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop, own)))

@@ -8,11 +8,12 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
@@ -156,12 +157,67 @@ async def config(request: Request, services: ServicesDep) -> dict[str, str]:
     }
 
 
+MAX_IDS = 100
+NodeSort = Literal["status", "name", "gpu", "vram", "tflops", "price", "region", "load", "beat"]
+
+
 @router.get("/api/nodes")
-async def nodes(services: ServicesDep) -> dict[str, Any]:
-    """Every node as anyone may see it: the map's snapshot (live changes come through Realtime)."""
+async def nodes(
+    services: ServicesDep,
+    search: Annotated[str, Query(alias="q", max_length=200, description="In a name, GPU or region.")] = "",
+    sort: NodeSort = "name",
+    desc: bool = False,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ids: Annotated[str | None, Query(max_length=MAX_IDS * 37, description="Comma-separated node ids")] = None,
+) -> dict[str, Any]:
+    """The map's table, a page at a time as anyone may see it (node_list(), as anon): searched and
+    sorted in the database, never the whole fleet (issue 41); `total` is how many nodes were found.
+    With `ids`: those nodes as they are now (the rows a page shows, read again), by name."""
+    if ids is not None:
+        wanted = _uuids(ids)
+        async with services.store.as_role({"role": "anon"}) as store:
+            rows = await store.get(q.MAP_NODES_BY_ID, (wanted,))
+        return {"object": "list", "data": rows, "total": len(rows)}
+    params = {"search": search, "sort": sort, "descending": desc, "offset": offset, "limit": limit}
     async with services.store.as_role({"role": "anon"}) as store:
-        rows = await store.all(q.MAP_NODES)
-    return {"object": "list", "data": rows}
+        page = await store.get(q.NODE_LIST, params)
+    return {"object": "list", "data": page["nodes"], "total": page["total"]}
+
+
+def _uuids(text: str) -> list[uuid.UUID]:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if len(parts) > MAX_IDS:
+        raise BadRequest(f"at most {MAX_IDS} ids at once", param="ids")
+    try:
+        return [uuid.UUID(part) for part in parts]
+    except ValueError as err:
+        raise BadRequest(f"ids: not a node id ({err})", param="ids") from err
+
+
+@router.get("/api/map/summary")
+async def map_summary(services: ServicesDep) -> dict[str, Any]:
+    """The fleet by status per map tile, region and GPU model, and its totals: the map's first view,
+    the one last broadcast on Realtime's map:summary topic (web/map_feed.py)."""
+    return await services.stats.summary(services.store)
+
+
+@router.get("/api/map/view")
+async def map_view(
+    services: ServicesDep,
+    west: Annotated[float, Query(ge=-180, le=180)],
+    south: Annotated[float, Query(ge=-90, le=90)],
+    east: Annotated[float, Query(ge=-180, le=180)],
+    north: Annotated[float, Query(ge=-90, le=90)],
+    cell: Annotated[float, Query(gt=0, le=90, description="Degrees a cluster's cell spans.")] = 1.0,
+    max_nodes: Annotated[int, Query(ge=0, le=1000)] = 300,
+) -> dict[str, Any]:
+    """What a map viewer sees in a box (map_view(), as anon): the nodes in it when they are max_nodes
+    or fewer, else clusters of them on a grid of `cell` degrees."""
+    box = {"west": west, "south": south, "east": east, "north": north}
+    params = {**box, "cell_deg": cell, "max_nodes": max_nodes}
+    async with services.store.as_role({"role": "anon"}) as store:
+        return dict(await store.get(q.MAP_VIEW, params))
 
 
 @router.get("/api/stats")

@@ -92,7 +92,9 @@ def test_the_summary_counts_the_fleet_by_status_tile_region_and_gpu(
     assert s["gpus"]["NVIDIA GeForce RTX 4090"] == [2, 1, 1, 1, 0.2]
     # The totals fleet_stats() gives, from the same pass.
     stats = conn.execute("select online_vram_gb, online_tflops from public.fleet_stats()").fetchone()
-    assert stats == (s["stats"]["online_vram_gb"], s["stats"]["online_tflops"]) == (24 * 3 + 80, 165 * 3 + 989)
+    assert (
+        stats == (s["stats"]["online_vram_gb"], s["stats"]["online_tflops"]) == (24 * 3 + 80, 165 * 3 + 989)
+    )
     assert s["stats"]["jobs_last_minute"] == 0
 
 
@@ -164,7 +166,10 @@ def test_the_first_summary_is_sent_whole_then_only_what_changed(
         "922": [TOKYO[0], TOKYO[1], 0, 0, 1, 1],
         "1013": [pytest.approx(52.24, abs=0.01), pytest.approx(5.0, abs=0.01), 1, 1, 0, 0],
     }
-    assert second["gpus"] == {"NVIDIA H100 80GB HBM3": [0, 0, 0, 1, None], "NVIDIA GeForce RTX 4090": [2, 1, 1, 0, 0.2]}
+    assert second["gpus"] == {
+        "NVIDIA H100 80GB HBM3": [0, 0, 0, 1, None],
+        "NVIDIA GeForce RTX 4090": [2, 1, 1, 0, 0.2],
+    }
     assert second["regions"] == {"eu-west": [1, 1, 0, 0], "ap-northeast": [0, 0, 1, 1]}
     # A tile left empty is said gone (null); the feed keeps the whole summary, numbered.
     conn.execute("delete from public.nodes where name like 'ams-%%'")
@@ -300,7 +305,12 @@ def test_the_table_pages_searches_and_sorts_in_the_database(
     assert names(conn, "northeast", "name", False, 0, 50) == ["h100", "tokyo"]
     assert names(conn, "draining", "name", False, 0, 50) == ["tokyo"]
     assert names(conn, "%", "name", False, 0, 50) == []
-    assert value(conn, "select public.node_list('zzz')") == {"total": 0, "offset": 0, "limit": 50, "nodes": []}
+    assert value(conn, "select public.node_list('zzz')") == {
+        "total": 0,
+        "offset": 0,
+        "limit": 50,
+        "nodes": [],
+    }
     assert value(conn, "select public.node_list('', 'name', false, 0, 5000)")["limit"] == 1000
     with pytest.raises(psycopg.errors.InvalidParameterValue):
         conn.execute("select public.node_list('', 'secret_hash')")

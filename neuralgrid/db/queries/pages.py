@@ -11,20 +11,46 @@ __all__ = [
     "ADD_USER",
     "FLEET_GAUGES",
     "FLEET_STATS",
-    "MAP_NODES",
+    "MAP_NODES_BY_ID",
+    "MAP_SUMMARY",
+    "MAP_VIEW",
     "MY_EARNINGS",
     "MY_EARNINGS_TOTALS",
     "MY_NODES",
     "MY_NODE_STATS",
+    "NODE_LIST",
     "PLATFORM_FEE_RATE",
+    "SEND_MAP_SUMMARY",
     "USERS",
     "USER_ID",
 ]
 
 
-# Read as anon: the public map (node_map), each row as JSON as the Data API renders it (numbers as
-# numbers, times in ISO 8601), which is how a hosted project's page reads the same view.
-MAP_NODES = Query("map_nodes", "select to_jsonb(m) from public.node_map m order by m.name, m.id", scalar_row)
+# The map at any size (issue 41), each read as anon, as a hosted project's page reads the same through
+# the Data API (numbers as numbers, times in ISO 8601): the summary of the fleet (the one last broadcast
+# on map:summary while the feed runs), a viewer's box (its nodes, or their clusters), the table's page.
+MAP_SUMMARY = Query("map_summary", "select public.map_summary()", scalar_row)
+# Nodes by id as they are now (the rows a page shows, read again): `= any` of the ids, a condition
+# Postgres applies to node_map's nodes before grouping their models.
+MAP_NODES_BY_ID = Query(
+    "map_nodes_by_id",
+    "select coalesce(jsonb_agg(to_jsonb(m) order by m.name, m.id), '[]') from public.node_map m"
+    " where m.id = any(%s::uuid[])",
+    scalar_row,
+)
+MAP_VIEW = Query(
+    "map_view",
+    "select public.map_view(%(west)s, %(south)s, %(east)s, %(north)s, %(cell_deg)s, %(max_nodes)s)",
+    scalar_row,
+)
+NODE_LIST = Query(
+    "node_list",
+    "select public.node_list(%(search)s, %(sort)s, %(descending)s, %(offset)s, %(limit)s)",
+    scalar_row,
+)
+# Each gateway, every second while it has a map viewer: whether it sent a summary (one in 950 ms at
+# most between them all, and only a changed one).
+SEND_MAP_SUMMARY = Query("send_map_summary", "select private.send_map_summary()", scalar_row)
 # The map's totals (fleet_stats(): jobs are private, it returns aggregates only).
 FLEET_STATS = Query("fleet_stats", "select * from public.fleet_stats()", dict_row)
 # The fleet gauges of /metrics: per node status, nodes, VRAM, and slots (free: claimable now).

@@ -1,143 +1,209 @@
-// The fleet map: a world map with a marker per node, a node card, fleet stats and a sortable table.
-// A snapshot comes from /api/nodes (a hosted project's Data API); after that Realtime (supabase-js, channel 'node-map') keeps it
-// current, and the page falls back to polling while the channel is down.
+// The fleet map at any size (issue 41). Nothing here is a message per node: the page reads a summary
+// of the fleet (counts by status per 15-degree tile, region and GPU model, and the totals), which
+// Realtime keeps current on the public `map:summary` topic with at most one message a second, each
+// the changes from the one before. The world unzoomed shows the summary's tiles as clusters; zoomed
+// in, the page asks for its view (map_view(): the nodes in it when few, else finer clusters) when the
+// view moves or a tile in it changes; the table reads a page at a time (node_list()). The nodes on
+// show, on the map and in the table, are read again by id every few seconds for their load and
+// heartbeats. On a hosted project the same functions are read through the Data API with supabase-js.
 
-import {
-  api, displayStatus, fmt, h, loadConfig, parseTime, showSession, startClock, STATUSES, statusBadge,
-  statusShape, supabaseClient, svg, timeAgo, usd,
-} from './common.js';
+import { api, fmt, h, loadConfig, showSession, startClock, STATUSES, statusBadge, supabaseClient, usd } from './common.js';
+import { createMap } from './mapdraw.js';
+import { createTable } from './nodetable.js';
 
-const WIDTH = 960;
-const HEIGHT = 500;
-const POLL_MS = 5000;
-const STATUS_RANK = { online: 0, busy: 1, draining: 2, offline: 3 };
-// The node columns the page uses: anything else in a payload is ignored.
-const FIELDS = [
-  'id', 'name', 'gpu_model', 'gpu_count', 'vram_gb', 'tflops', 'hourly_rate', 'region', 'latitude', 'longitude',
-  'status', 'max_concurrency', 'inflight', 'last_heartbeat_at', 'missed_heartbeats', 'successes', 'failures',
-  'cooldown_until', 'gpu_utilization', 'free_vram_gb', 'queue_depth', 'warm_models', 'available_models',
-];
-const NUMERIC = new Set(['gpu_count', 'vram_gb', 'tflops', 'hourly_rate', 'latitude', 'longitude', 'max_concurrency',
-  'inflight', 'missed_heartbeats', 'successes', 'failures', 'gpu_utilization', 'free_vram_gb', 'queue_depth']);
-
-const COLUMNS = [
-  { key: 'status', label: 'Status', sort: (n) => STATUS_RANK[displayStatus(n)], cell: (n) => statusBadge(displayStatus(n)) },
-  { key: 'name', label: 'Node', sort: (n) => n.name.toLowerCase(), cell: (n) => nameButton(n) },
-  { key: 'gpu', label: 'GPU', sort: (n) => `${n.gpu_model} ${n.gpu_count}`, cell: (n) => `${n.gpu_count} × ${n.gpu_model}` },
-  { key: 'vram', label: 'VRAM', num: true, sort: (n) => n.vram_gb, cell: (n) => `${fmt(n.vram_gb)} GB` },
-  { key: 'tflops', label: 'TFLOPS', num: true, sort: (n) => n.tflops, cell: (n) => fmt(n.tflops) },
-  { key: 'price', label: '$/h', num: true, sort: (n) => n.hourly_rate, cell: (n) => usd(n.hourly_rate) },
-  { key: 'region', label: 'Region', sort: (n) => n.region, cell: (n) => n.region },
-  { key: 'load', label: 'Load', num: true, sort: (n) => n.inflight / n.max_concurrency, cell: (n) => `${n.inflight}/${n.max_concurrency}` },
-  { key: 'beat', label: 'Last heartbeat', sort: (n) => parseTime(n.last_heartbeat_at)?.getTime() ?? 0, cell: (n) => timeAgo(n.last_heartbeat_at) },
-];
-
-const nodes = new Map(); // id -> node
-const markers = new Map(); // id -> <g>
-let positions = new Map(); // id -> [x, y] on the map
-let projection = null;
-let layoutDirty = true;
-let renderQueued = false;
-let sortBy = { key: 'name', dir: 1 };
-let shown = null; // id of the node whose card is open
-let pinned = false; // opened by click or Enter: stays until closed
-let live = false;
-let resyncTimer = null;
+const POLL_MS = 5000; // without Realtime: the summary, the view and the table
+const ROWS_MS = 5000; // the nodes on show, for their load and heartbeats
+const MAX_NODES = 300; // a view shows its nodes one by one up to this many
+const CLUSTERS_MS = 5000; // zoomed-in clusters are asked again at most this often on changes
+const TILE = 15; // degrees: the summary's tiles
 
 const $ = (id) => document.getElementById(id);
-const mapSvg = $('map');
-const dotsLayer = svg('g', { class: 'dots' });
+let cfg = null;
+let summary = null;
+let live = false;
+let viewAsked = 0;
+let viewAt = 0;
+let fleetSize = null;
+let worldError = null; // the map's libraries missing: said until the page is reloaded
 
-// Nodes -------------------------------------------------------------------------------------------
+// Where the fleet is read: the gateway's API, or on a hosted project the Data API (as anon) -------------
 
-function normalize(row) {
-  const node = {};
-  for (const key of FIELDS) {
-    if (!(key in row)) continue;
-    const value = row[key];
-    node[key] = NUMERIC.has(key) && value !== null && value !== undefined ? Number(value) : value;
+async function rpc(name, args) {
+  const { data, error } = await supabaseClient(cfg).rpc(name, args);
+  if (error) throw new Error(error.message);
+  return data;
+}
+
+function hosted() {
+  return cfg?.mode === 'supabase';
+}
+
+async function readSummary() {
+  return hosted() ? rpc('map_summary') : api('/api/map/summary');
+}
+
+async function readView(box, cell) {
+  if (hosted()) {
+    return rpc('map_view', {
+      p_west: box.west, p_south: box.south, p_east: box.east, p_north: box.north, p_cell_deg: cell, p_max_nodes: MAX_NODES,
+    });
   }
-  return node;
+  const params = new URLSearchParams({ ...box, cell: String(cell), max_nodes: String(MAX_NODES) });
+  return api(`/api/map/view?${params}`);
 }
 
-/** Merges a row (snapshot, broadcast or postgres_changes) into the node; a newer heartbeat pulses it. */
-function mergeNode(row) {
-  if (!row?.id) return;
-  const old = nodes.get(row.id);
-  const node = { warm_models: [], available_models: [], ...old, ...normalize(row) };
-  nodes.set(row.id, node);
-  if (!old || old.latitude !== node.latitude || old.longitude !== node.longitude) layoutDirty = true;
-  const before = parseTime(old?.last_heartbeat_at)?.getTime();
-  const after = parseTime(node.last_heartbeat_at)?.getTime();
-  if (old && after && after !== before) pulse(node.id);
-  scheduleRender();
+async function readPage({ search, sort, descending, offset, limit }) {
+  if (hosted()) {
+    return rpc('node_list', { p_search: search, p_sort: sort, p_descending: descending, p_offset: offset, p_limit: limit });
+  }
+  const params = new URLSearchParams({ q: search, sort, desc: String(descending), offset: String(offset), limit: String(limit) });
+  const page = await api(`/api/nodes?${params}`);
+  return { total: page.total, nodes: page.data };
 }
 
-function removeNode(id) {
-  if (!nodes.delete(id)) return;
-  layoutDirty = true;
-  if (shown === id) closeCard(false);
-  scheduleRender();
+/** Nodes by id, as they are now (up to a page's worth). */
+async function readNodes(ids) {
+  if (!ids.length) return [];
+  if (hosted()) {
+    const { data, error } = await supabaseClient(cfg).from('node_map').select('*').in('id', ids);
+    if (error) throw new Error(error.message);
+    return data;
+  }
+  return (await api(`/api/nodes?${new URLSearchParams({ ids: ids.join(',') })}`)).data;
 }
 
-function applySnapshot(rows) {
-  const seen = new Set(rows.map((r) => r.id));
-  for (const id of [...nodes.keys()]) if (!seen.has(id)) removeNode(id);
-  for (const row of rows) mergeNode(row);
+// The summary ----------------------------------------------------------------------------------------
+
+const located = (s) => Object.values(s.tiles).reduce((sum, t) => sum + t[2] + t[3] + t[4] + t[5], 0);
+const sum = (counts) => counts.reduce((a, b) => a + b, 0);
+
+/** A message of map:summary: the whole, or the changes to the one held (else the whole is read again). */
+function onSummaryMessage(message) {
+  if (message.full || !summary) {
+    setSummary(message, null);
+  } else if (summary.seq != null && message.seq === summary.seq + 1) {
+    const next = { ...summary, ...message, tiles: { ...summary.tiles }, regions: { ...summary.regions }, gpus: { ...summary.gpus } };
+    for (const part of ['tiles', 'regions', 'gpus']) {
+      for (const [key, value] of Object.entries(message[part] ?? {})) {
+        if (value === null) delete next[part][key];
+        else next[part][key] = value;
+      }
+    }
+    setSummary(next, Object.keys(message.tiles ?? {}));
+  } else if (summary.seq == null || message.seq > summary.seq) {
+    refreshSummary(); // one was missed, or ours was computed apart from the feed
+  }
 }
 
-// Where the fleet is read: the gateway's API, or, on a hosted project, Supabase's Data API (the
-// node_map view and fleet_stats(), as anon) with supabase-js: the same view and function either way.
-async function readNodes() {
-  const cfg = await loadConfig();
-  if (cfg.mode !== 'supabase') return (await api('/api/nodes')).data;
-  const { data, error } = await supabaseClient(cfg).from('node_map').select('*').order('name');
-  if (error) throw new Error(error.message);
-  return data;
-}
-
-async function readStats() {
-  const cfg = await loadConfig();
-  if (cfg.mode !== 'supabase') return api('/api/stats');
-  const { data, error } = await supabaseClient(cfg).rpc('fleet_stats').single();
-  if (error) throw new Error(error.message);
-  return data;
-}
-
-async function refreshNodes() {
+async function refreshSummary() {
   try {
-    applySnapshot(await readNodes());
-    showAlertIn('nodes-error', null);
+    setSummary(await readSummary(), null);
+    showAlertIn('stats-error', null);
   } catch (err) {
-    showAlertIn('nodes-error', `Could not load the nodes: ${err.message}`);
+    showAlertIn('stats-error', `Could not load the fleet's summary: ${err.message}`);
   }
 }
 
-/** Broadcasts carry the public columns but not the models: fetch the snapshot again, once, soon. */
-function scheduleResync() {
-  clearTimeout(resyncTimer);
-  resyncTimer = setTimeout(refreshNodes, 800);
-}
-
-// Realtime ----------------------------------------------------------------------------------------
-
-function onBroadcast(event, payload) {
-  const node = payload?.node;
-  if (!node?.id) return;
-  if (event === 'node_delete') removeNode(node.id);
-  else {
-    mergeNode(node);
-    if (event === 'node_insert') scheduleResync();
+/** `changed`: the tiles that changed, or null when anything may have. */
+function setSummary(next, changed) {
+  const first = summary === null;
+  summary = next;
+  renderStats();
+  const size = sum(next.total);
+  const resized = fleetSize !== null && size !== fleetSize;
+  fleetSize = size;
+  if (!first) {
+    if (changed === null || changed.some(tileInView)) refreshView({ soon: true });
+    if (resized) table.load(); // which nodes a page holds
+    else if (changed === null || changed.length) refreshRows();
   }
 }
+
+function tileInView(key) {
+  const t = Number(key);
+  const [row, col] = [Math.floor(t / 100), t % 100];
+  const [south, west] = [-90 + (row - 1) * TILE, -180 + (col - 1) * TILE];
+  const view = map.box();
+  return south <= view.north && south + TILE >= view.south && west <= view.east && west + TILE >= view.west;
+}
+
+function renderStats() {
+  const s = summary;
+  const unplaced = sum(s.unplaced);
+  $('stat-online').textContent = fmt(s.total[0] + s.total[1]);
+  $('stat-vram').textContent = `${fmt(s.stats.online_vram_gb)} GB`;
+  $('stat-tflops').textContent = `${fmt(s.stats.online_tflops)} TFLOPS`;
+  $('stat-jobs').textContent = fmt(s.stats.jobs_last_minute);
+  $('stat-p50').textContent = s.stats.p50_latency_ms == null ? 'no jobs' : `${fmt(s.stats.p50_latency_ms)} ms`;
+  const cheapest = Object.entries(s.gpus).filter(([, g]) => g[4] != null).sort((a, b) => a[1][4] - b[1][4] || a[0].localeCompare(b[0]));
+  $('cheapest').replaceChildren(...(cheapest.length
+    ? cheapest.map(([gpu, g]) => h('tr', {}, h('td', {}, gpu), h('td', { class: 'num' }, usd(g[4]))))
+    : [h('tr', {}, h('td', { colspan: '2', class: 'muted' }, 'no node online'))]));
+  const regions = Object.entries(s.regions).sort((a, b) => sum(b[1]) - sum(a[1]) || a[0].localeCompare(b[0]));
+  $('regions').replaceChildren(...regions.map(([name, c]) => h('tr', {},
+    h('td', {}, name), h('td', { class: 'num' }, fmt(c[0] + c[1])), h('td', { class: 'num' }, fmt(sum(c))))));
+  const total = sum(s.total);
+  $('node-count').textContent = `${fmt(total)} node${total === 1 ? '' : 's'}${unplaced ? ` (${fmt(unplaced)} without a location, not on the map)` : ''}`;
+  for (const item of $('legend').querySelectorAll('[data-status]')) {
+    item.querySelector('.count').textContent = fmt(s.total[Object.keys(STATUSES).indexOf(item.dataset.status)]);
+  }
+}
+
+// The view -------------------------------------------------------------------------------------------
+
+let viewTimer = null;
+
+/** Asks for what the map shows now: the summary's tiles for the world when it holds many nodes, else
+ * the view's nodes or its clusters. `soon`: a change the feed told of (clusters wait CLUSTERS_MS). */
+function refreshView({ soon = false } = {}) {
+  clearTimeout(viewTimer);
+  if (!summary) return;
+  if (map.zoom === 1 && located(summary) > MAX_NODES) {
+    map.setClusters(Object.values(summary.tiles).map((t) => ({ lat: t[0], lon: t[1], counts: t.slice(2, 6) })));
+    markReady();
+    return;
+  }
+  const wait = soon && map.mode === 'clusters' ? Math.max(0, viewAt + CLUSTERS_MS - Date.now()) : 0;
+  viewTimer = setTimeout(async () => {
+    const mine = ++viewAsked;
+    viewAt = Date.now();
+    try {
+      const view = await readView(map.box(), map.cellDegrees());
+      if (mine !== viewAsked) return;
+      if (view.nodes) map.setNodes(view.nodes);
+      else map.setClusters(view.clusters.map((c) => ({ lat: c[0], lon: c[1], counts: c.slice(2, 6) })));
+      if (!worldError) showAlertIn('map-error', null);
+      markReady();
+    } catch (err) {
+      if (!worldError) showAlertIn('map-error', `Could not load the map's view: ${err.message}`);
+    }
+  }, wait);
+}
+
+/** The nodes on show read again for their load and heartbeats: the map's view (its nodes, by their
+ * place: an index) and the table's page (by id). */
+let rowsTimer = null;
+async function refreshRows() {
+  clearTimeout(rowsTimer);
+  rowsTimer = setTimeout(refreshRows, ROWS_MS);
+  if (map.mode === 'nodes') refreshView();
+  try {
+    const rows = await readNodes(table.ids());
+    table.update(rows);
+    map.updateShown(rows);
+  } catch (err) {
+    // the next round tries again; the table keeps what it had
+  }
+}
+
+// Realtime -------------------------------------------------------------------------------------------
 
 function setLive(state, text) {
-  const badge = $('live');
-  badge.dataset.state = state;
-  badge.textContent = text;
+  $('live').dataset.state = state;
+  $('live').textContent = text;
 }
 
-function connectRealtime(cfg) {
+function connectRealtime() {
   let client;
   try {
     client = supabaseClient(cfg);
@@ -146,333 +212,84 @@ function connectRealtime(cfg) {
     return;
   }
   client
-    .channel('node-map')
-    .on('broadcast', { event: '*' }, (message) => onBroadcast(message.event, message.payload))
-    // Heartbeats and load changes arrive as row updates (anon sees the map columns only).
-    .on('postgres_changes', { event: 'UPDATE', schema: 'public', table: 'nodes' }, (change) => mergeNode(change.new))
+    .channel('map:summary')
+    .on('broadcast', { event: 'summary' }, (message) => onSummaryMessage(message.payload))
     .subscribe((status) => {
       const wasLive = live;
       live = status === 'SUBSCRIBED';
       if (live) {
         setLive('live', 'Live');
-        if (!wasLive) refreshNodes(); // catch up on whatever changed while the channel was down
+        if (!wasLive) catchUp(); // whatever changed while the channel was down
       } else {
         setLive('reconnecting', 'Reconnecting… (refreshing every 5 s)');
       }
     });
 }
 
-// The map -----------------------------------------------------------------------------------------
-
-async function drawWorld() {
-  if (!window.d3?.geoNaturalEarth1 || !window.topojson) {
-    throw new Error('the map libraries are not installed on this gateway: run ./dev up (or npm install)');
-  }
-  const response = await fetch('/vendor/countries-110m.json');
-  if (!response.ok) throw new Error('the world map is not installed on this gateway: run ./dev up (or npm install)');
-  const world = await response.json();
-  projection = d3.geoNaturalEarth1().fitExtent([[6, 6], [WIDTH - 6, HEIGHT - 6]], { type: 'Sphere' });
-  const path = d3.geoPath(projection);
-  const countries = world.objects.countries;
-  mapSvg.replaceChildren(
-    svg('path', { class: 'sphere', d: path({ type: 'Sphere' }) }),
-    svg('path', { class: 'graticule', d: path(d3.geoGraticule10()) }),
-    svg('path', { class: 'land', d: path(topojson.feature(world, countries)) }),
-    svg('path', { class: 'borders', d: path(topojson.mesh(world, countries, (a, b) => a !== b)) }),
-    dotsLayer,
-  );
-  layoutDirty = true;
-  scheduleRender();
+function catchUp() {
+  refreshSummary();
+  table.load();
 }
 
-/** Markers grow on small screens so that they stay big enough to see and to tap. */
-function markerScale() {
-  const width = mapSvg.clientWidth || WIDTH;
-  return Math.min(3, Math.max(1.3, 900 / width));
-}
-
-/** Places each located node; nodes in one city would hide each other, so later ones step out along a
- * spiral until they are clear of those already placed (a grid of cells keeps the search local). */
-function layout() {
-  positions = new Map();
-  if (!projection) return;
-  const gap = 12 * markerScale();
-  const cells = new Map();
-  const cellOf = (x, y) => `${Math.floor(x / gap)},${Math.floor(y / gap)}`;
-  const crowded = (x, y) => {
-    const [cx, cy] = [Math.floor(x / gap), Math.floor(y / gap)];
-    for (let dx = -1; dx <= 1; dx++) {
-      for (let dy = -1; dy <= 1; dy++) {
-        for (const [px, py] of cells.get(`${cx + dx},${cy + dy}`) ?? []) if (Math.hypot(px - x, py - y) < gap) return true;
-      }
-    }
-    return false;
-  };
-  const located = [...nodes.values()].filter((n) => n.latitude !== null && n.latitude !== undefined && n.longitude !== null && n.longitude !== undefined);
-  located.sort((a, b) => a.name.localeCompare(b.name) || a.id.localeCompare(b.id));
-  for (const node of located) {
-    const point = projection([node.longitude, node.latitude]);
-    if (!point) continue;
-    let [x, y] = point;
-    for (let i = 1; crowded(x, y) && i < 500; i++) {
-      const radius = gap * 0.6 * Math.sqrt(i);
-      x = point[0] + radius * Math.cos(i * 2.39996); // the golden angle spreads points evenly
-      y = point[1] + radius * Math.sin(i * 2.39996);
-    }
-    const key = cellOf(x, y);
-    cells.set(key, [...(cells.get(key) ?? []), [x, y]]);
-    positions.set(node.id, [x, y]);
-  }
-  layoutDirty = false;
-}
-
-function describe(node) {
-  const status = displayStatus(node);
-  return `${node.name}: ${STATUSES[status].label}, ${node.gpu_count} × ${node.gpu_model}, ${usd(node.hourly_rate)} per hour, ${node.region}`;
-}
-
-function marker(id) {
-  let g = markers.get(id);
-  if (g) return g;
-  g = svg('g', { class: 'node', tabindex: '0', role: 'button', 'aria-controls': 'card', 'aria-expanded': 'false', 'data-id': id },
-    svg('circle', { class: 'pulse', r: '6' }), statusShape('online'), svg('circle', { class: 'focus-ring', r: '9' }));
-  g.addEventListener('mouseenter', () => { if (!pinned) openCard(id, false); });
-  g.addEventListener('mouseleave', () => { if (!pinned && shown === id) closeCard(false); });
-  g.addEventListener('focus', () => { if (!pinned) openCard(id, false); });
-  g.addEventListener('blur', () => { if (!pinned && shown === id) closeCard(false); });
-  g.addEventListener('click', (event) => { event.stopPropagation(); openCard(id, true); });
-  g.addEventListener('keydown', (event) => {
-    if (event.key === 'Enter' || event.key === ' ') {
-      event.preventDefault();
-      openCard(id, true);
-    }
-  });
-  markers.set(id, g);
-  return g;
-}
-
-function renderMarkers() {
-  const scale = markerScale();
-  for (const [id, g] of markers) {
-    if (!positions.has(id)) {
-      g.remove();
-      markers.delete(id);
-    }
-  }
-  for (const [id, [x, y]] of positions) {
-    const node = nodes.get(id);
-    const status = displayStatus(node);
-    const g = marker(id);
-    g.setAttribute('transform', `translate(${x.toFixed(1)} ${y.toFixed(1)}) scale(${scale.toFixed(2)})`);
-    g.setAttribute('class', `node s-${status}`);
-    g.setAttribute('aria-label', describe(node));
-    g.dataset.status = status;
-    g.querySelector('.shape').setAttribute('d', STATUSES[status].path);
-    if (!g.isConnected) dotsLayer.append(g);
-  }
-}
-
-/** Replays the marker's pulse (a CSS animation) for a heartbeat. */
-function pulse(id) {
-  const ring = markers.get(id)?.querySelector('.pulse');
-  if (!ring) return;
-  ring.classList.remove('pulsing');
-  ring.getBoundingClientRect(); // a reflow, so that adding the class starts the animation again
-  ring.classList.add('pulsing');
-}
-
-// The node card -------------------------------------------------------------------------------------
-
-function openCard(id, pin) {
-  shown = id;
-  pinned = pin;
-  renderCard();
-}
-
-function closeCard(restoreFocus) {
-  const id = shown;
-  shown = null;
-  pinned = false;
-  renderCard();
-  if (restoreFocus && id) markers.get(id)?.focus();
-}
-
-function percent(value) {
-  return value === null || value === undefined ? null : `${Math.round(value * 100)}%`;
-}
-
-function renderCard() {
-  const card = $('card');
-  for (const [id, g] of markers) g.setAttribute('aria-expanded', String(id === shown));
-  for (const row of document.querySelectorAll('#nodes-body tr')) row.classList.toggle('selected', row.dataset.id === shown);
-  const node = shown && nodes.get(shown);
-  if (!node) {
-    card.hidden = true;
-    return;
-  }
-  const status = displayStatus(node);
-  const load = [`${node.inflight}/${node.max_concurrency} in flight`];
-  if (node.gpu_utilization !== null && node.gpu_utilization !== undefined) load.push(`GPU ${percent(node.gpu_utilization)}`);
-  if (node.queue_depth !== undefined) load.push(`queue ${node.queue_depth}`);
-  const total = node.successes + node.failures;
-  const reputation = total ? `${node.successes} ok / ${node.failures} failed (${Math.round((100 * node.successes) / total)}%)` : 'no jobs yet';
-  const cooldown = parseTime(node.cooldown_until);
-  const rows = [
-    ['Status', [statusBadge(status), node.missed_heartbeats ? ` · ${node.missed_heartbeats} missed heartbeats` : '',
-      cooldown && cooldown > new Date() ? ' · cooling down' : '']],
-    ['GPU', `${node.gpu_count} × ${node.gpu_model}`],
-    ['VRAM', `${fmt(node.vram_gb)} GB${node.free_vram_gb !== null && node.free_vram_gb !== undefined ? ` (${fmt(node.free_vram_gb)} GB free)` : ''}`],
-    ['Compute', `${fmt(node.tflops)} TFLOPS`],
-    ['Price', `${usd(node.hourly_rate)} per hour`],
-    ['Region', node.region],
-    ['Warm models', node.warm_models.length ? h('ul', {}, node.warm_models.map((m) => h('li', {}, m))) : 'none loaded'],
-    ['Load', load.join(' · ')],
-    ['Reputation', reputation],
-    ['Last heartbeat', timeAgo(node.last_heartbeat_at)],
-  ];
-  const close = h('button', { type: 'button', 'aria-label': 'Close node details', onclick: () => closeCard(true) }, '×');
-  const hadFocus = card.contains(document.activeElement); // live updates must not steal keyboard focus
-  card.replaceChildren(
-    h('div', { class: 'card-head' }, h('h3', { id: 'card-title' }, node.name), pinned ? close : null),
-    h('dl', {}, rows.flatMap(([term, value]) => [h('dt', {}, term), h('dd', {}, value)])),
-  );
-  card.setAttribute('aria-labelledby', 'card-title');
-  card.hidden = false;
-  if (hadFocus && pinned) close.focus({ preventScroll: true });
-  placeCard(card, node.id);
-}
-
-/** Floats the card beside its marker, inside the map (on phones CSS lays it out under the map). */
-function placeCard(card, id) {
-  if (getComputedStyle(card).position !== 'absolute') return;
-  const wrap = $('map-wrap').getBoundingClientRect();
-  const dot = markers.get(id)?.getBoundingClientRect();
-  const width = card.offsetWidth;
-  const height = card.offsetHeight;
-  let left = 8;
-  let top = 8;
-  if (dot) {
-    left = dot.right - wrap.left + 10;
-    if (left + width > wrap.width) left = dot.left - wrap.left - width - 10;
-    top = dot.top - wrap.top - 16;
-  }
-  card.style.left = `${Math.max(0, Math.min(left, wrap.width - width))}px`;
-  card.style.top = `${Math.max(0, Math.min(top, wrap.height - height))}px`;
-}
-
-// The table -----------------------------------------------------------------------------------------
-
-function nameButton(node) {
-  return h('button', {
-    type: 'button',
-    class: 'link-button',
-    'aria-label': `${node.name}: show details`,
-    onclick: () => {
-      openCard(node.id, true);
-      markers.get(node.id)?.focus({ preventScroll: true });
-    },
-  }, node.name);
-}
-
-function renderHead() {
-  const cells = COLUMNS.map((col) => {
-    const sorted = sortBy.key === col.key;
-    const button = h('button', { type: 'button', onclick: () => setSort(col.key) }, col.label, h('span', { class: 'sort-icon', 'aria-hidden': 'true' }));
-    return h('th', { scope: 'col', class: col.num ? 'num' : null, 'aria-sort': sorted ? (sortBy.dir > 0 ? 'ascending' : 'descending') : 'none' }, button);
-  });
-  $('nodes-head').replaceChildren(...cells);
-}
-
-function setSort(key) {
-  sortBy = { key, dir: sortBy.key === key ? -sortBy.dir : 1 };
-  renderHead();
-  renderTable();
-  $('nodes-head').querySelector(`th:nth-child(${COLUMNS.findIndex((c) => c.key === key) + 1}) button`).focus();
-}
-
-function renderTable() {
-  const column = COLUMNS.find((c) => c.key === sortBy.key);
-  const rows = [...nodes.values()].sort((a, b) => {
-    const [x, y] = [column.sort(a), column.sort(b)];
-    return (x < y ? -1 : x > y ? 1 : a.name.localeCompare(b.name)) * sortBy.dir;
-  });
-  // Rows are rebuilt on every update: keep keyboard focus on the same node's row.
-  const focused = document.activeElement?.closest?.('#nodes-body tr')?.dataset.id;
-  $('nodes-body').replaceChildren(...rows.map((node) => h('tr', { 'data-id': node.id, 'data-status': displayStatus(node), class: node.id === shown ? 'selected' : null },
-    COLUMNS.map((col) => h(col.key === 'name' ? 'th' : 'td', { class: col.num ? 'num' : null, scope: col.key === 'name' ? 'row' : null, 'data-label': col.label }, col.cell(node))))));
-  if (focused) $('nodes-body').querySelector(`tr[data-id="${focused}"] button`)?.focus({ preventScroll: true });
-  $('nodes-empty').hidden = nodes.size > 0;
-  const offMap = [...nodes.values()].filter((n) => !positions.has(n.id)).length;
-  $('node-count').textContent = `${nodes.size} node${nodes.size === 1 ? '' : 's'}${offMap && projection ? ` (${offMap} without a location, not on the map)` : ''}`;
-}
-
-function scheduleRender() {
-  if (renderQueued) return;
-  renderQueued = true;
-  requestAnimationFrame(() => {
-    renderQueued = false;
-    if (layoutDirty) layout();
-    renderMarkers();
-    renderTable();
-    renderCard();
-  });
-}
-
-// Stats ---------------------------------------------------------------------------------------------
-
-async function refreshStats() {
-  try {
-    const stats = await readStats();
-    $('stat-online').textContent = fmt(stats.online_nodes);
-    $('stat-vram').textContent = `${fmt(stats.online_vram_gb)} GB`;
-    $('stat-tflops').textContent = `${fmt(stats.online_tflops)} TFLOPS`;
-    $('stat-jobs').textContent = fmt(stats.jobs_last_minute);
-    $('stat-p50').textContent = stats.p50_latency_ms === null ? 'no jobs' : `${fmt(stats.p50_latency_ms)} ms`;
-    $('cheapest').replaceChildren(...(stats.cheapest.length
-      ? stats.cheapest.map((c) => h('tr', {}, h('td', {}, c.gpu_model), h('td', { class: 'num' }, usd(c.hourly_rate))))
-      : [h('tr', {}, h('td', { colspan: '2', class: 'muted' }, 'no node online'))]));
-    showAlertIn('stats-error', null);
-  } catch (err) {
-    showAlertIn('stats-error', `Could not load the stats: ${err.message}`);
-  }
-}
+// Start ----------------------------------------------------------------------------------------------
 
 function showAlertIn(id, message) {
   $(id).textContent = message ?? '';
   $(id).hidden = !message;
 }
 
-function renderLegend() {
-  const notes = { busy: '(every slot in use)', draining: '(finishing its jobs, taking no new ones)' };
-  $('legend').replaceChildren(...Object.keys(STATUSES).map((s) => h('li', {}, statusBadge(s), h('span', { class: 'muted' }, notes[s] ?? ''))));
+let ready = false;
+function markReady() {
+  if (ready || !summary || !tableLoaded) return;
+  ready = true;
+  requestAnimationFrame(() => performance.mark('map-ready'));
 }
 
-// Start ---------------------------------------------------------------------------------------------
+function renderLegend() {
+  const notes = { busy: '(every slot in use)', draining: '(finishing its jobs, taking no new ones)' };
+  $('legend').replaceChildren(
+    ...Object.keys(STATUSES).map((s) => h('li', { 'data-status': s }, statusBadge(s), h('span', { class: 'count' }, ''),
+      h('span', { class: 'muted' }, notes[s] ?? ''))),
+    h('li', {}, h('span', { class: 'cluster-key', 'aria-hidden': 'true' }, '12'),
+      h('span', { class: 'muted' }, 'a cluster of nodes, ringed by their statuses: select it to zoom in')),
+  );
+}
+
+const map = createMap({ svgEl: $('map'), wrapEl: $('map-wrap'), cardEl: $('card'), onView: () => refreshView() });
+let tableLoaded = false;
+const table = createTable({
+  readPage,
+  onOpen: (node) => {
+    map.openCard(node, true);
+    if (map.hasMarker(node.id)) map.focusMarker(node.id);
+  },
+  onError: (message) => showAlertIn('nodes-error', message),
+});
+map.onCardChange((id) => table.select(id));
 
 async function main() {
   renderLegend();
-  renderHead();
-  mapSvg.addEventListener('click', () => { if (shown) closeCard(false); });
-  document.addEventListener('keydown', (event) => { if (event.key === 'Escape' && shown) closeCard(true); });
-  let resizeTimer = null;
-  window.addEventListener('resize', () => {
-    clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(() => { layoutDirty = true; scheduleRender(); }, 150);
-  });
+  $('zoom-in').addEventListener('click', () => map.zoomBy(2));
+  $('zoom-out').addEventListener('click', () => map.zoomBy(0.5));
+  $('zoom-reset').addEventListener('click', () => map.reset());
+  document.addEventListener('keydown', (event) => { if (event.key === 'Escape' && map.shownId) map.closeCard(true); });
   startClock();
-  const world = drawWorld().catch((err) => showAlertIn('map-error', `The map cannot be drawn: ${err.message}. The table below still works.`));
-  await Promise.all([refreshNodes(), refreshStats(), world]);
-  let cfg = null;
   try {
     cfg = await loadConfig();
     showSession(cfg).catch(() => {});
   } catch (err) {
     setLive('unavailable', 'Live updates unavailable: refreshing every 5 s');
   }
-  if (cfg) connectRealtime(cfg);
+  const world = map.drawWorld().catch((err) => {
+    worldError = `The map cannot be drawn: ${err.message}. The table below still works.`;
+    showAlertIn('map-error', worldError);
+  });
+  await Promise.all([refreshSummary(), table.load().then(() => { tableLoaded = true; }), world]);
+  refreshView();
+  rowsTimer = setTimeout(refreshRows, ROWS_MS);
+  if (cfg) connectRealtime();
   setInterval(() => {
-    refreshStats();
-    if (!live) refreshNodes();
+    if (!live) catchUp();
   }, POLL_MS);
 }
 
