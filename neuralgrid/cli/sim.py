@@ -19,7 +19,8 @@ def simulate(
         str,
         typer.Option(
             envvar="NEURALGRID_SIM_SCENARIO",
-            help="default, scarce-big, churn-storm, trace, or all (with the scarce-big load sweep).",
+            help="default, scarce-big, scarce-burst, churn-storm, trace, or all (with the scarce-big load"
+            " sweep and the scarcity study).",
         ),
     ] = "default",
     fleet_file: Annotated[
@@ -45,13 +46,18 @@ def simulate(
     poisson: Annotated[bool, typer.Option(envvar="NEURALGRID_SIM_POISSON", help="No bursts.")] = False,
     policies: Annotated[
         str, typer.Option(envvar="NEURALGRID_SIM_POLICIES", help="Comma-separated policies.")
-    ] = "seed,seed_warm,balanced,balanced+prewarm,round_robin,least_loaded,random",
+    ] = (
+        "seed,seed_warm,balanced,balanced+prewarm,balanced+prewarm+weight-only,round_robin,least_loaded,random"
+    ),
     seed: Annotated[
         int | None, typer.Option(envvar="NEURALGRID_SIM_SEED", help="Same seed, same results.")
     ] = None,
     sweep: Annotated[
         bool,
-        typer.Option(envvar="NEURALGRID_SIM_SWEEP", help="Run scarce-big's load sweep (with that scenario)."),
+        typer.Option(
+            envvar="NEURALGRID_SIM_SWEEP",
+            help="Run scarce-big's load sweep and the scarcity study (with scarce-big or scarce-burst).",
+        ),
     ] = True,
     out_dir: Annotated[
         Path, typer.Option("--out", envvar="NEURALGRID_SIM_OUT", help="Report directory.")
@@ -74,6 +80,7 @@ def simulate(
 
     from neuralgrid.admin import fleet
     from neuralgrid.db.errors import DatabaseError
+    from neuralgrid.sim import scarcity
     from neuralgrid.sim.report import World, run_scenario, seconds, sweep_big_model, write_report
     from neuralgrid.sim.scenarios import SCENARIOS, fleet_from_specs, read_trace, with_overrides
 
@@ -121,7 +128,14 @@ def simulate(
                 task = bar.add_task("scarce-big: load sweep", total=None)
                 swept = sweep_big_model(world, s, names, fleet=custom_fleet)
                 bar.update(task, total=1, completed=1)
-    data = write_report(runs, out_dir, swept, world.batching)
+    cells = []
+    if sweep and workload is None and any(s.heavy_factor for s in scenarios):
+        with Progress(console=Console(stderr=True), disable=not show_progress) as bar:
+            task = bar.add_task("scarcity study", total=None)
+            cells = scarcity.study(world, scenarios, names, fleet=custom_fleet)
+            bar.update(task, total=1, completed=1)
+    sections = {"scarcity": (scarcity.lines(cells), scarcity.as_json(cells))} if cells else {}
+    data = write_report(runs, out_dir, swept, world.batching, sections)
     for name, result in data["scenarios"].items():
         table = Table(
             "policy", "served %", "70B %", "p95 s", "supply $/1M tok", "cold %", "VRAM idle GB", title=name
@@ -145,4 +159,13 @@ def simulate(
             f"load sweep: seed serves {at['target_pct']:g}% of 70B requests at {at['rps']:.1f} requests/s;"
             " there: " + ", ".join(f"{p} {s['big_model_served_pct']:.1f}%" for p, s in at["policies"].items())
         )
+    if cells:
+        table = Table(
+            "scenario", "load", "policy", "70B %", "ceiling %", "served %", "8B / 7B %", "supply $/1M tok",
+            "VRAM idle GB", "p95 s", title="scarcity",
+        )  # fmt: skip
+        scarcity.table(cells, table.add_row)
+        out.print(table)
+        for goal, met, detail in scarcity.goals(cells):
+            out.print(f"{'met   ' if met else 'MISSED'} {goal}: {detail}")
     out.print(f"wrote {out_dir / 'report.md'}")

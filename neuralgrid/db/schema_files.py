@@ -129,6 +129,8 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.reject_reason",
         "private.proximity_component",
         "private.reserve_component",
+        "private.kept_level",
+        "private.kept_last",
         "private.ranking_limit",
         "private.top_by_base",
         "private.top_by_total",

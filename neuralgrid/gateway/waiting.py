@@ -102,6 +102,15 @@ class WaitingRoom:
         line = self.lines.get(model)
         return line is not None and line.blocked(reach)
 
+    def waiting(self) -> dict[str, int]:
+        """Requests waiting now, per model (a line of a route's own, "MODEL /v1/ROUTE", counts for
+        its model): what each check-in reports, for the sweep to count toward the VRAM pressure."""
+        out: dict[str, int] = {}
+        for name, line in self.lines.items():
+            model = name.split(" /v1/", 1)[0]
+            out[model] = out.get(model, 0) + line.size
+        return out
+
     def slot_freed(self, _payload: str = "") -> None:
         """A slot may be free somewhere: each model's heads ask the matcher again."""
         self.announcements += 1

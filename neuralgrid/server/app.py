@@ -173,7 +173,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                 )
             ),
             asyncio.create_task(
-                keep_checking_in(store, gateway_id, stop, internal_url, deadline.learned, tunnels)
+                keep_checking_in(
+                    store, gateway_id, stop, internal_url, deadline.learned, tunnels, room.waiting
+                )
             ),
             asyncio.create_task(heartbeats.run(stop)),
         ]

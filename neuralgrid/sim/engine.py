@@ -42,7 +42,7 @@ import numpy as np
 from neuralgrid.sim import physics
 from neuralgrid.sim.inflight import Placement, Req
 from neuralgrid.sim.physics import MODELS, REGIONS, Batching, Platform
-from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, score
+from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, kept_last, score
 from neuralgrid.sim.prewarm import Job, Prewarm, PrewarmSettings
 from neuralgrid.sim.result import Result
 from neuralgrid.sim.scenarios import (
@@ -197,10 +197,12 @@ class Simulation:
         return self.result
 
     def _sweep(self, t: float, _: Any) -> None:
-        """Each second: the sweeper's refresh_vram_pressure() (running jobs by VRAM need, against the
-        slots), and the pre-warm asks of the nodes that heartbeat in that second."""
+        """Each second: the sweeper's refresh_vram_pressure() (running and waiting jobs by VRAM need,
+        against the slots), and the pre-warm asks of the nodes that heartbeat in that second."""
         needs = [float(self.need[req.model]) for running in self.running for req in running.values()]
-        self.pressure.refresh(t, needs, self.fleet)
+        lines = self.queues if self.platform.waiting_demand else []
+        waiting = [float(self.need[m]) for m, queue in enumerate(lines) for _ in queue]
+        self.pressure.refresh(t, needs, self.fleet, waiting)
         if self.prewarm is not None:
             self._prewarm(t)
         if t + self.platform.sweep_interval_s <= self.end:
@@ -239,8 +241,9 @@ class Simulation:
 
     # Placing a request.
 
-    def choose(self, req: Req, t: float) -> int | None:
-        """The node the policy gives the request, or None when no capable node can take it now."""
+    def choose(self, req: Req, t: float, wait: bool = True) -> int | None:
+        """The node the policy gives the request, or None when no capable node can take it now;
+        while it may `wait` (place_job's p_wait), not a node kept for bigger jobs."""
         f, model = self.fleet, req.model
         need = float(self.need[model])
         # What claim_node() checks (online, a free slot, not cooling down), and that the model is
@@ -271,6 +274,9 @@ class Simulation:
             )
             if self.policy == "seed_warm":  # the original system: nodes with the model loaded first
                 order = order[np.argsort(~self.ready[model, order], kind="stable")]
+            if self.weights is not None and self.weights.reserve > 0:  # place()'s scarcity rule
+                kept_gb = self.pressure.kept_level(need, self.platform.reserve_threshold)
+                order = kept_last(order, f.vram_gb, kept_gb, wait)
             hits = order[ok[order]]
             return int(hits[0]) if len(hits) else None
         candidates = np.flatnonzero(ok)
@@ -301,9 +307,10 @@ class Simulation:
         self.push(req.arrival + self.platform.queue_timeout_s, EXPIRE, req)
 
     def _expire(self, t: float, req: Req) -> None:
-        if req.state == "queued":
+        if req.state == "queued":  # the gateway's last ask, which may take a node kept for others
             self.queues[req.model].remove(req)
-            self._end(req, "failed")
+            node = self.choose(req, t, wait=False)
+            self._claim(node, req, t) if node is not None else self._end(req, "failed")
 
     def _retry_queued(self, t: float, node: int) -> None:
         """A slot freed on `node` (or it came online): waiting requests ask again, oldest first."""

@@ -142,6 +142,8 @@ class Platform:
     cooldown_base_s: float = 5.0
     cooldown_max_s: float = 300.0
     reserve_window_s: float = 30.0
+    reserve_threshold: float | None = 0.2  # platform_settings'; None: no scarcity rule
+    waiting_demand: bool = True  # the gateways' lines count toward the VRAM pressure (issue 43)
 
     @property
     def offline_after_s(self) -> float:

@@ -1,9 +1,10 @@
 """The SQL matching policies as vectorized numpy, for simulating thousands of requests per second.
 
 `score()` mirrors score_nodes(): the same hard filters, the same components, the same weights
-(read from matching_policies), ties broken the same way (node id); `VramPressure` mirrors the
-sweeper's refresh_vram_pressure(). tests/db/matching/test_sim_twin.py checks both equal the SQL's
-on random fleets, weights and pressures, so the simulator decides as production does.
+(read from matching_policies), ties broken the same way (node id); `kept_level()` and `kept_last()`
+mirror place()'s scarcity rule; `VramPressure` mirrors the sweeper's refresh_vram_pressure(), the
+requests waiting in the gateways' lines included. tests/db/matching/test_sim_twin.py checks each
+equals the SQL's on random fleets, weights and pressures, so the simulator decides as production does.
 """
 
 from __future__ import annotations
@@ -144,16 +145,41 @@ def reserve_component(vram_gb: F, need_gb: float, pressure: Sequence[tuple[float
     return 1.0 - taken
 
 
+def kept_level(need_gb: float, levels: Sequence[tuple[float, float, int]], threshold: float) -> float | None:
+    """private.kept_level(): the smallest VRAM level above the request's need whose pressure is at
+    least `threshold` (platform_settings.reserve_threshold) and below which some online node could
+    still hold the request (fewer slots have the level than have the request's own); None if none.
+    `levels`: (level, pressure, slots) rows, as VramPressure.rows() (vram_pressure) gives them."""
+    own = [slots for level, _p, slots in levels if level <= need_gb]
+    own_slots = own[-1] if own else max((slots for _l, _p, slots in levels), default=0)
+    kept = [level for level, p, slots in levels if level > need_gb and p >= threshold and slots < own_slots]
+    return min(kept) if kept else None
+
+
+def kept_last(
+    order: npt.NDArray[np.int64], vram_gb: F, kept_gb: float | None, wait: bool
+) -> npt.NDArray[np.int64]:
+    """private.kept_last(): a ranking under the scarcity rule. The nodes with at least `kept_gb` of
+    VRAM, kept for bigger jobs, are left out while the request may `wait`, else moved last."""
+    if kept_gb is None:
+        return order
+    kept = vram_gb[order] >= kept_gb
+    return order[~kept] if wait else order[np.argsort(kept, kind="stable")]
+
+
 class VramPressure:
     """private.refresh_vram_pressure(), called once a simulated second as the sweeper calls it: per
     catalog VRAM level, the running jobs at that level (smoothed over `window_s`) per slot they can
-    use (online nodes that have the level, less what bigger levels' jobs take)."""
+    use (online nodes that have the level, less what bigger levels' jobs take). Requests waiting in
+    the gateways' lines count at their level as running jobs do: in a burst the line is where the
+    demand is."""
 
     def __init__(self, levels: Sequence[float], window_s: float = 30.0) -> None:
         self.levels = sorted(set(levels))
         self.window_s = window_s
         self.busy: dict[float, float] = {}
         self.pressure: dict[float, float] = {}
+        self.slots: dict[float, int] = {}
         self.updated_at: float | None = None
 
     def level_of(self, need_gb: float) -> float:
@@ -161,16 +187,21 @@ class VramPressure:
         below = [level for level in self.levels if level <= need_gb]
         return below[-1] if below else self.levels[0]
 
-    def refresh(self, now: float, running_needs: Sequence[float], fleet: FleetArrays) -> None:
-        at_level = Counter(self.level_of(need) for need in running_needs)
+    def refresh(
+        self,
+        now: float,
+        running_needs: Sequence[float],
+        fleet: FleetArrays,
+        waiting_needs: Sequence[float] = (),
+    ) -> None:
+        at_level = Counter(self.level_of(need) for need in [*running_needs, *waiting_needs])
         keep = 0.0 if self.updated_at is None else math.exp(-(now - self.updated_at) / self.window_s)
         taken_above = 0.0  # jobs of bigger levels, which can use no smaller node
         for level in reversed(self.levels):
             before = self.busy.get(level)
             busy = at_level[level] if before is None else before * keep + at_level[level] * (1 - keep)
-            left_over = (
-                int(fleet.max_concurrency[fleet.online & (fleet.vram_gb >= level)].sum()) - taken_above
-            )
+            self.slots[level] = int(fleet.max_concurrency[fleet.online & (fleet.vram_gb >= level)].sum())
+            left_over = self.slots[level] - taken_above
             self.busy[level] = busy
             self.pressure[level] = 0.0 if busy == 0 else 1.0 if left_over <= 0 else min(1.0, busy / left_over)
             taken_above += busy
@@ -178,3 +209,11 @@ class VramPressure:
 
     def pairs(self) -> list[tuple[float, float]]:
         return [(level, self.pressure.get(level, 0.0)) for level in self.levels]
+
+    def rows(self) -> list[tuple[float, float, int]]:
+        """(level, pressure, slots), smallest level first, as kept_level() reads them."""
+        return [(level, self.pressure.get(level, 0.0), self.slots.get(level, 0)) for level in self.levels]
+
+    def kept_level(self, need_gb: float, threshold: float | None) -> float | None:
+        """The scarcity rule's level for a request needing `need_gb` (None: no rule, or none kept)."""
+        return None if threshold is None else kept_level(need_gb, self.rows(), threshold)

@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,18 @@ from neuralgrid.sim.scenarios import MODEL_IDS, Fleet, Request, Scenario, with_o
 
 POLICIES = ("seed", "seed_warm", "balanced", "balanced+prewarm", "round_robin", "least_loaded", "random")
 PREWARM = "+prewarm"  # a policy name's suffix: the platform's pre-warm runs too (as it does by default)
+# A last suffix: the reserve as it was before issue 43, a weight on running jobs only (no scarcity
+# rule, the gateways' lines not counted), for comparison.
+WEIGHT_ONLY = "+weight-only"
+
+
+def parse_policy(name: str) -> tuple[str, bool, bool]:
+    """A policy name's matching policy, and whether pre-warm runs and the reserve is a weight only."""
+    rest = name.removesuffix(WEIGHT_ONLY)
+    policy = rest.removesuffix(PREWARM)
+    return policy, policy != rest, rest != name
+
+
 Progress = Callable[[str, float], None]
 
 
@@ -69,22 +81,23 @@ def load_catalog(conn: psycopg.Connection) -> tuple[dict[str, CatalogModel], dic
 
 
 def load_platform(conn: psycopg.Connection) -> tuple[Platform, PrewarmSettings]:
-    """Heartbeats, cooldowns, the reserve's window and pre-warm as the database sets them (one row of
-    platform_settings); the gateway's settings at their defaults."""
+    """Heartbeats, cooldowns, the reserve's window and threshold, and pre-warm as the database sets
+    them (one row of platform_settings); the gateway's settings at their defaults."""
     row = conn.execute(
         "select heartbeat_interval_s, missed_heartbeats_offline, cooldown_base_s, cooldown_max_s,"
-        " reserve_window_s, prewarm_enabled, prewarm_window_s, prewarm_refresh_s, prewarm_interval_s,"
-        " prewarm_busy_ratio from public.platform_settings"
+        " reserve_window_s, reserve_threshold, prewarm_enabled, prewarm_window_s, prewarm_refresh_s,"
+        " prewarm_interval_s, prewarm_busy_ratio from public.platform_settings"
     ).fetchone()
     if row is None:
         return Platform(), PrewarmSettings()
-    heartbeat, missed, cooldown_base, cooldown_max, reserve_window, enabled, *prewarm = row
+    heartbeat, missed, cooldown_base, cooldown_max, reserve_window, threshold, enabled, *prewarm = row
     platform = Platform(
         heartbeat_interval_s=float(heartbeat),
         missed_heartbeats_offline=int(missed),
         cooldown_base_s=float(cooldown_base),
         cooldown_max_s=float(cooldown_max),
         reserve_window_s=float(reserve_window),
+        reserve_threshold=float(threshold),
     )
     return platform, PrewarmSettings(bool(enabled), *(float(v) for v in prewarm))
 
@@ -115,7 +128,7 @@ class World:
         unknown = [
             p
             for p in policies
-            if p.removesuffix(PREWARM) not in BASELINES and p.removesuffix(PREWARM) not in self.weights
+            if parse_policy(p)[0] not in BASELINES and parse_policy(p)[0] not in self.weights
         ]
         if unknown:
             raise ValueError(
@@ -135,7 +148,10 @@ def run_policies(
     world.check(policies)
     results = []
     for name in policies:
-        policy = name.removesuffix(PREWARM)
+        policy, prewarm, weight_only = parse_policy(name)
+        platform = world.platform
+        if weight_only:
+            platform = replace(platform, reserve_threshold=None, waiting_demand=False)
         sim = Simulation(
             scenario,
             policy,
@@ -143,9 +159,9 @@ def run_policies(
             world.catalog,
             fleet=fleet,
             workload=workload,
-            platform=world.platform,
+            platform=platform,
             batching=world.batching,
-            prewarm=world.prewarm if name.endswith(PREWARM) else None,
+            prewarm=world.prewarm if prewarm else None,
         )
         sim.result.policy = name
         results.append(sim.run(progress=partial(progress, name)))
@@ -353,8 +369,13 @@ def _prewarm_lines(summaries: dict[str, dict[str, Any]], scenario: Scenario) -> 
 
 
 def write_report(
-    runs: list[Run], out_dir: Path, sweep: Sweep | None = None, batching: Batching | None = None
+    runs: list[Run],
+    out_dir: Path,
+    sweep: Sweep | None = None,
+    batching: Batching | None = None,
+    sections: dict[str, tuple[list[str], Any]] | None = None,
 ) -> dict[str, Any]:
+    """`sections`: more of the report by name (scarcity.py's), its markdown lines and its JSON."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"model": model_description(batching), "scenarios": {}}
     lines = [
@@ -439,6 +460,9 @@ def write_report(
             "![big-model served % by rate](sweep.png)",
             "",
         ]
+    for key, (more, value) in (sections or {}).items():
+        lines += more
+        data[key] = value
     (out_dir / "report.md").write_text("\n".join(lines))
     (out_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
     return data

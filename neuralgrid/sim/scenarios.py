@@ -47,6 +47,9 @@ class Scenario:
     storm_start_s: float = 120.0  # ... from here ...
     storm_window_s: float = 120.0  # ... within this long
     rejoin_mean_s: float = 600.0  # a lost node returns (cold) after this long on average
+    burst_factor: float = 3.0  # bursty arrivals: the rate times this one minute in five
+    cold: bool = False  # the fleet starts with no model loaded
+    heavy_factor: float | None = None  # the scarcity study's heavy load, times `rps` (scarcity.py)
     description: str = ""
 
     @property
@@ -62,8 +65,20 @@ SCENARIOS = {
         "scarce-big",
         big_node_share=0.10,
         big_model_share=0.20,
+        heavy_factor=2.25,  # 45 requests/s
         description="80 GB nodes are 10% of the fleet (20% by default) and 20% of requests are for the"
         " 70B AWQ model (10% by default), which only they can serve",
+    ),
+    "scarce-burst": Scenario(
+        "scarce-burst",
+        rps=25.0,
+        big_node_share=0.10,
+        big_model_share=0.20,
+        burst_factor=5.0,
+        cold=True,
+        heavy_factor=1.5,  # 37.5 requests/s, more than the 80 GB nodes serve of the 70B alone
+        description="scarce-big, heavier and burstier, on a fleet that starts cold: 25 requests/s, x5"
+        " one minute in five from t = 0, no model loaded anywhere at the start",
     ),
     "churn-storm": Scenario(
         "churn-storm",
@@ -178,7 +193,10 @@ def make_fleet(scenario: Scenario, need_gb: np.ndarray) -> Fleet:
         region=regions,
         max_concurrency=[g.slots for g in gpus],
         bandwidth_gb_s=[g.bandwidth_gb_s for g in gpus],
-        warm=[_draw_warm(g.vram_gb, need_gb, shares, rng) for g in gpus],
+        # Drawn even for a cold fleet, so that the rest of the fleet is the same.
+        warm=[
+            [] if scenario.cold else w for w in (_draw_warm(g.vram_gb, need_gb, shares, rng) for g in gpus)
+        ],
         heartbeat_phase=rng.uniform(0, 1, size=n),
     )
 
@@ -237,9 +255,10 @@ def read_trace(path: Path) -> list[Request]:
 
 
 def _bursty_intensity(scenario: Scenario) -> tuple[np.ndarray, np.ndarray]:
-    """Bursty: the rate triples for one minute in five (a cumulative intensity per request/s)."""
+    """Bursty: the rate times `burst_factor` (3) for one minute in five (a cumulative intensity per
+    request/s)."""
     edges = np.append(np.arange(0.0, scenario.duration_s, 60.0), scenario.duration_s)
-    factor = np.where(scenario.bursty & (edges[:-1] % 300 < 60), 3.0, 1.0)
+    factor = np.where(scenario.bursty & (edges[:-1] % 300 < 60), scenario.burst_factor, 1.0)
     return edges, np.concatenate([[0.0], np.cumsum(factor * np.diff(edges))])
 
 

@@ -99,6 +99,7 @@ CREATE TABLE public.platform_settings (
     prewarm_expiry_s real DEFAULT 300 NOT NULL,
     prewarm_refusal_backoff_s real DEFAULT 3600 NOT NULL,
     platform_fee_rate numeric(5,4) DEFAULT 0.15 NOT NULL,
+    reserve_threshold double precision DEFAULT 0.2 NOT NULL,
     CONSTRAINT "cooldowns must be positive and base <= max" CHECK (((cooldown_base_s > (0)::double precision) AND (cooldown_max_s >= cooldown_base_s))),
     CONSTRAINT "gateway_timeout_s must be positive" CHECK ((gateway_timeout_s > (0)::double precision)),
     CONSTRAINT "heartbeat_interval_s must be positive" CHECK ((heartbeat_interval_s > (0)::double precision)),
@@ -108,6 +109,7 @@ CREATE TABLE public.platform_settings (
     CONSTRAINT "platform_settings has exactly one row" CHECK (id),
     CONSTRAINT "prewarm durations must be positive" CHECK (((prewarm_window_s > (0)::double precision) AND (prewarm_refresh_s >= (0)::double precision) AND (prewarm_interval_s >= (0)::double precision) AND (prewarm_expiry_s > (0)::double precision) AND (prewarm_refusal_backoff_s >= (0)::double precision))),
     CONSTRAINT "prewarm_busy_ratio must be in (0, 1]" CHECK (((prewarm_busy_ratio > (0)::double precision) AND (prewarm_busy_ratio <= (1)::double precision))),
+    CONSTRAINT "reserve_threshold must be positive" CHECK ((reserve_threshold > (0)::double precision)),
     CONSTRAINT "reserve_window_s must be positive" CHECK ((reserve_window_s > (0)::double precision))
 );
 
@@ -134,6 +136,8 @@ COMMENT ON COLUMN public.platform_settings.prewarm_expiry_s IS 'A pre-load reque
 COMMENT ON COLUMN public.platform_settings.prewarm_refusal_backoff_s IS 'A node that refused to pre-load a model, or did not answer, is not asked for that model again for this many seconds.';
 
 COMMENT ON COLUMN public.platform_settings.platform_fee_rate IS 'The share of each paid job''s charge the platform keeps; the node''s owner earns the rest. Applies to jobs ending after a change; each ledger row keeps the rate it was written with.';
+
+COMMENT ON COLUMN public.platform_settings.reserve_threshold IS 'Pressure (private.vram_pressure, 0 to 1) at which a VRAM level''s nodes are kept for the jobs that need it: a smaller job takes one only when no smaller node took it before its deadline (above 1: never kept).';
 
 ALTER TABLE ONLY public.platform_settings
     ADD CONSTRAINT platform_settings_pkey PRIMARY KEY (id);

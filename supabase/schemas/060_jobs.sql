@@ -357,6 +357,8 @@ declare
   v_held numeric := 0;
   v_budgeted boolean;
   v_reranked boolean := false;
+  v_kept real;  -- the scarcity rule: nodes with this much VRAM are kept for bigger jobs (null: none)
+  v_all uuid[];
 begin
   if p_fallbacks < 0 then
     raise exception 'fallbacks must not be negative' using errcode = 'invalid_parameter_value';
@@ -371,8 +373,13 @@ begin
   -- A ranking handed in (place_jobs(): the one of the request before, moved on by its claim) is
   -- tried first; when it has no free node left, nodes it left out may rank now: ranked afresh. An
   -- empty one is a ranking too: nothing was eligible, and the group has freed nothing since.
+  -- Under a policy that weighs the reserve, the nodes kept for bigger jobs (private.kept_level())
+  -- take none while the request may still wait for a smaller one (p_wait); at its deadline (the
+  -- gateway's last ask, p_wait false) they come after every other node.
+  select private.kept_level(v_min) into v_kept
+  from public.matching_policies w where w.name = p_policy and w.reserve > 0;
   if p_ranked is not null then
-    v_ranked := p_ranked;
+    v_ranked := case when v_kept is null then p_ranked else private.kept_last(p_ranked, v_kept, p_wait) end;
     select * into v_node from private.claim_node(v_ranked);
   end if;
   if v_node.id is null and coalesce(cardinality(p_ranked), 1) > 0 then
@@ -380,6 +387,17 @@ begin
     select array_agg(s.node_id order by s.rank) into v_ranked
     from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
                             p_max_hourly_rate, false, private.ranking_limit(p_fallbacks), p_route) s;
+    if v_kept is not null then
+      v_all := v_ranked;
+      v_ranked := private.kept_last(v_all, v_kept, p_wait);
+      if cardinality(v_ranked) = 0 and cardinality(v_all) >= private.ranking_limit(p_fallbacks) then
+        -- The best few were all kept: the nodes beyond them may not be.
+        select array_agg(s.node_id order by s.rank) into v_all
+        from public.score_nodes(p_model, p_min_vram_gb, p_policy, p_region, p_latitude, p_longitude,
+                                p_max_hourly_rate, false, null, p_route) s;
+        v_ranked := private.kept_last(v_all, v_kept, p_wait);
+      end if;
+    end if;
     v_reranked := p_ranked is not null;
     select * into v_node from private.claim_node(coalesce(v_ranked, '{}'));
   end if;
@@ -448,7 +466,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_reserve_usd numeric, p_wait boolean, p_route text, p_ranked uuid[]) IS 'match_job()''s body: holds p_reserve_usd against the key''s budget (NG402 when spent), scores the nodes serving p_route (null: any), claims a slot on the best one, records the job and its first attempt, and returns the node and an ordered fallback list. When no node is free: with p_wait and capable nodes busy (or cooling down), nothing is recorded and busy is true; otherwise the job is recorded as failed with the reason. refusal says which it was when no node was claimed: none (no capable node online), route (none serving p_route), busy or cooling. tokens_per_s: the node''s and each fallback''s measured decode speed (null until measured), in the same order. p_ranked (place_jobs()): a ranking to claim from first, ranked afresh if it has no free node (reranked says so).';
+COMMENT ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_reserve_usd numeric, p_wait boolean, p_route text, p_ranked uuid[]) IS 'match_job()''s body: holds p_reserve_usd against the key''s budget (NG402 when spent), scores the nodes serving p_route (null: any), claims a slot on the best one, records the job and its first attempt, and returns the node and an ordered fallback list. Under a policy that weighs the reserve, the nodes kept for bigger jobs (private.kept_level()) are left out with p_wait (the request waits for a smaller one) and come last without it. When no node is free: with p_wait and capable nodes busy (or cooling down, or kept), nothing is recorded and busy is true; otherwise the job is recorded as failed with the reason. refusal says which it was when no node was claimed: none (no capable node online), route (none serving p_route), busy or cooling. tokens_per_s: the node''s and each fallback''s measured decode speed (null until measured), in the same order. p_ranked (place_jobs()): a ranking to claim from first, ranked afresh if it has no free node (reranked says so).';
 
 REVOKE ALL ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_reserve_usd numeric, p_wait boolean, p_route text, p_ranked uuid[]) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_reserve_usd numeric, p_wait boolean, p_route text, p_ranked uuid[]) TO service_role;

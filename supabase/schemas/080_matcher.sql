@@ -104,6 +104,44 @@ REVOKE ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, 
 GRANT ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text) TO service_role;
 
 
+CREATE FUNCTION private.kept_last(p_ranked uuid[], p_kept real, p_wait boolean) RETURNS uuid[]
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  select coalesce(array_agg(r.id order by coalesce(n.vram_gb >= p_kept, false), r.ord)
+                    filter (where not (p_wait and coalesce(n.vram_gb >= p_kept, false))), '{}')
+  from unnest(p_ranked) with ordinality as r (id, ord)
+  join public.nodes n on n.id = r.id
+$$;
+
+COMMENT ON FUNCTION private.kept_last(p_ranked uuid[], p_kept real, p_wait boolean) IS 'A ranking under the scarcity rule: the nodes with at least p_kept GB of VRAM (kept for bigger jobs) left out while the request may wait (p_wait), else moved after every other node, each part in its order.';
+
+REVOKE ALL ON FUNCTION private.kept_last(p_ranked uuid[], p_kept real, p_wait boolean) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.kept_last(p_ranked uuid[], p_kept real, p_wait boolean) TO service_role;
+
+
+CREATE FUNCTION private.kept_level(p_need_gb double precision) RETURNS real
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  -- The smallest level above the need under enough pressure, of those that some online node below
+  -- them could still serve the request from (fewer slots reach the level than reach the request's
+  -- own level: a job every node's size must serve keeps nothing from anyone).
+  select min(p.level_gb)
+  from private.vram_pressure p
+  cross join public.platform_settings s
+  where p.level_gb > p_need_gb and p.pressure >= s.reserve_threshold
+    and p.slots < coalesce(
+      (select o.slots from private.vram_pressure o where o.level_gb <= p_need_gb order by o.level_gb desc limit 1),
+      (select max(o.slots) from private.vram_pressure o))
+$$;
+
+COMMENT ON FUNCTION private.kept_level(p_need_gb double precision) IS 'The scarcity rule for a request needing p_need_gb: the smallest VRAM level above it whose pressure is at least platform_settings.reserve_threshold and that smaller online nodes do not all reach; nodes with that much VRAM are kept for bigger jobs. Null when none is.';
+
+REVOKE ALL ON FUNCTION private.kept_level(p_need_gb double precision) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.kept_level(p_need_gb double precision) TO service_role;
+
+
 CREATE FUNCTION private.node_is_eligible(n public.nodes, p_last_beat timestamp with time zone, min_vram_gb double precision, fresh_after timestamp with time zone, p_max_hourly_rate numeric, p_route text) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO ''
@@ -328,6 +366,20 @@ CREATE FUNCTION private.refresh_vram_pressure() RETURNS void
     from public.jobs j
     where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running')) and j.status = 'running'
   ),
+  -- Requests waiting in the lines of live gateways (their last check-in, gateway_alive()), each at
+  -- its model's level, counted as running jobs are: in a burst the line is where the demand is.
+  waiting as materialized (
+    select coalesce((select max(l.level_gb) from levels l where l.level_gb <= m.min_vram_gb),
+                    (select min(l.level_gb) from levels l)) as level_gb,
+           sum(w.requests) as requests
+    from private.gateways g
+    cross join public.platform_settings st
+    cross join lateral jsonb_each_text(g.waiting) as e (model_id, value)
+    cross join lateral (select e.value::integer as requests) w
+    join public.models m on m.id = e.model_id
+    where g.seen_at >= now() - make_interval(secs => st.gateway_timeout_s) and w.requests > 0
+    group by 1
+  ),
   -- Slots by VRAM size first (a handful of sizes), so that nodes are read once, not once per level
   -- (materialized: a correlated subquery would otherwise read them again for each level).
   sizes as materialized (
@@ -337,7 +389,8 @@ CREATE FUNCTION private.refresh_vram_pressure() RETURNS void
   ),
   measured as (
     select l.level_gb,
-           (select count(*) from running r where r.level_gb = l.level_gb)::float8 as busy_now,
+           (select count(*) from running r where r.level_gb = l.level_gb)::float8
+             + coalesce((select w.requests from waiting w where w.level_gb = l.level_gb), 0)::float8 as busy_now,
            coalesce((select sum(s.slots) from sizes s where s.vram_gb >= l.level_gb), 0)::integer as slots,
            -- The share of the last sample to keep: exp(-elapsed / window).
            exp(-least(extract(epoch from now() - p.updated_at)::float8, 1e6) / st.reserve_window_s) as keep,

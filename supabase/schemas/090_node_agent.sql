@@ -11,12 +11,16 @@ CREATE TABLE private.gateways (
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     seen_at timestamp with time zone DEFAULT now() NOT NULL,
     internal_url text,
-    CONSTRAINT "internal_url must be an http or https URL" CHECK ((internal_url ~ '^https?://[^\s]+$'::text))
+    waiting jsonb DEFAULT '{}'::jsonb NOT NULL,
+    CONSTRAINT "internal_url must be an http or https URL" CHECK ((internal_url ~ '^https?://[^\s]+$'::text)),
+    CONSTRAINT "waiting must be an object of counts" CHECK ((jsonb_typeof(waiting) = 'object'::text))
 );
 
 COMMENT ON TABLE private.gateways IS 'The gateways that place jobs, and when each last checked in.';
 
 COMMENT ON COLUMN private.gateways.internal_url IS 'Where the other gateways reach this one (NEURALGRID_INTERNAL_URL) to forward requests for the tunnels it holds; null for gateways that forward nothing.';
+
+COMMENT ON COLUMN private.gateways.waiting IS 'Requests waiting in the gateway''s lines at its last check-in, per model ({"model": count}): demand the sweep counts toward each VRAM level''s pressure while the gateway is live.';
 
 ALTER TABLE ONLY private.gateways
     ADD CONSTRAINT gateways_pkey PRIMARY KEY (id);
@@ -583,6 +587,18 @@ $$;
 
 COMMENT ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text) IS 'A gateway checks in (every couple of seconds) and says where the other gateways reach it: the jobs it placed stay its own, and the tunnels it holds reachable through it, while it does.';
 
+CREATE FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) RETURNS void
+    LANGUAGE sql
+    SET search_path TO ''
+    AS $$
+  insert into private.gateways as g (id, internal_url, waiting)
+  values (p_gateway_id, p_internal_url, coalesce(p_waiting, '{}'))
+  on conflict (id) do update
+  set seen_at = now(), internal_url = excluded.internal_url, waiting = excluded.waiting;
+$$;
+
+COMMENT ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) IS 'A gateway checks in (every couple of seconds), says where the other gateways reach it (null: nowhere), and how many requests wait in its lines per model ({"model": count}): the jobs it placed stay its own, the tunnels it holds reachable through it, and its waiting requests count toward the VRAM pressure, while it does.';
+
 REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid) FROM PUBLIC;
 GRANT ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid) TO service_role;
@@ -590,6 +606,10 @@ GRANT ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid) TO service_role;
 REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text) FROM PUBLIC;
 GRANT ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text) TO service_role;
+
+REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) FROM anon, authenticated, service_role;
+REVOKE ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) TO service_role;
 
 
 CREATE FUNCTION public.node_heartbeats(p_beats jsonb) RETURNS TABLE(node_id uuid, status text, load text[], error text, error_code text)

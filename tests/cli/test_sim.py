@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from neuralgrid.cli import app
 from neuralgrid.sim.engine import Scenario, Simulation
 from neuralgrid.sim.report import load_catalog
+from neuralgrid.sim.scarcity import SMALL_MODELS
 from tests.conftest import LLAMA8
 
 
@@ -88,7 +89,7 @@ def test_simulate_command_writes_the_report_for_every_scenario(db_url: str, tmp_
     data = simulate_cli(
         db_url, tmp_path, "--scenario", "all", "--nodes", "30", "--rps", "3", "--duration", "60"
     )
-    assert set(data["scenarios"]) == {"default", "scarce-big", "churn-storm", "trace"}
+    assert set(data["scenarios"]) == {"default", "scarce-big", "scarce-burst", "churn-storm", "trace"}
     report = (tmp_path / "report.md").read_text()
     for name, scenario in data["scenarios"].items():
         assert set(scenario["policies"]) == {
@@ -96,6 +97,7 @@ def test_simulate_command_writes_the_report_for_every_scenario(db_url: str, tmp_
             "seed_warm",
             "balanced",
             "balanced+prewarm",
+            "balanced+prewarm+weight-only",  # the reserve as before issue 43
             "round_robin",
             "least_loaded",
             "random",
@@ -115,6 +117,15 @@ def test_simulate_command_writes_the_report_for_every_scenario(db_url: str, tmp_
     assert any(p["seed_big_model_served_pct"] < 90 for p in sweep["probes"] if p["rps"] > sweep["rps"])
     assert set(sweep["policies"]) == set(data["scenarios"]["default"]["policies"])
     assert (tmp_path / "sweep.png").stat().st_size > 0 and "## Load sweep" in report
+    # The scarcity study (issue 43): each policy at two loads of both scarce scenarios, and its ceiling.
+    cells = data["scarcity"]["cells"]
+    assert {(c["scenario"], c["load"]) for c in cells} == {
+        (s, load) for s in ("scarce-big", "scarce-burst") for load in ("moderate", "heavy")
+    }
+    assert len(cells) == 4 * len(data["scenarios"]["default"]["policies"])
+    assert all(c["ceiling_pct"] > 0 and set(c["small_pct"]) == set(SMALL_MODELS) for c in cells)
+    assert [c["rps"] for c in cells if c["scenario"] == "scarce-burst"][-1] == pytest.approx(3 * 1.5)
+    assert len(data["scarcity"]["goals"]) == 8 and "## Scarcity" in report
 
 
 def test_simulate_refuses_unknown_names(db_url: str) -> None:

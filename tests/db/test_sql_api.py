@@ -35,6 +35,7 @@ PUBLIC_API = sorted(
         "fleet_stats",  # the map's totals through the Data API (issue 18)
         "gateway_alive",
         "gateway_alive",  # with the address other gateways reach it at
+        "gateway_alive",  # with the requests waiting in its lines (issue 43)
         "handoff_job",
         "handoff_job",  # saying whose failure it was (421: the gateway holding the tunnel broke off)
         "map_summary",  # the map's summary of the fleet (issue 41)
@@ -119,6 +120,8 @@ PRIVATE_HELPERS = sorted(
         "release_node",
         "refresh_fleet_activity",
         "release_reservation",
+        "kept_last",  # the scarcity rule (issue 43)
+        "kept_level",
         "required_vram_gb",
         "reserve_component",
         "send_map_summary",  # the map's summary on map:summary, at most once a second

@@ -17,6 +17,7 @@ __all__ = [
     "FEED_INSTALLED",
     "GATEWAY_ALIVE",
     "GATEWAY_ALIVE_AT",
+    "GATEWAY_ALIVE_WAITING",
     "PING",
     "PRUNE_FEED",
     "REALTIME_FEED_INSTALLED",
@@ -67,6 +68,14 @@ GATEWAY_ALIVE_AT = Query(
     "gateway_alive_at",
     "select s.job_deadline_s, s.gateway_timeout_s"
     " from public.gateway_alive(%s, %s), public.platform_settings s",
+    class_row(CheckedIn),
+)
+# The requests waiting in its lines per model, for the VRAM pressure (issue 43,
+# 20261204010000_scarcity_rule_and_waiting_demand.sql).
+GATEWAY_ALIVE_WAITING = Query(
+    "gateway_alive_waiting",
+    "select s.job_deadline_s, s.gateway_timeout_s"
+    " from public.gateway_alive(%s, %s, %s::jsonb), public.platform_settings s",
     class_row(CheckedIn),
 )
 RESTORE_TUNNELS = Query(

@@ -1,11 +1,14 @@
 """The simulator's numpy twin decides as the SQL does: the same ranking and scores as score_nodes()
 (full scan and fast path) on random fleets with measured speeds, cooldowns and outside load, for
-every simulated model, under random weights and random VRAM pressure; and the same pressure as the
-sweeper's refresh_vram_pressure()."""
+every simulated model, under random weights and random VRAM pressure; the same pressure as the
+sweeper's refresh_vram_pressure(), requests waiting in the gateways' lines included; and the same
+scarcity rule as place() (kept_level(), kept_last())."""
 
 from __future__ import annotations
 
+import json
 import random
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,8 +16,10 @@ import numpy as np
 import psycopg
 import pytest
 
+from neuralgrid.db import queries as q
 from neuralgrid.db.matching import MatchRequest, score_nodes
-from neuralgrid.sim.policies import FleetArrays, VramPressure, score
+from neuralgrid.db.store import SyncStore
+from neuralgrid.sim.policies import FleetArrays, VramPressure, kept_last, kept_level, score
 from neuralgrid.sim.report import load_catalog
 from tests.conftest import make_node, running_job
 
@@ -148,21 +153,29 @@ def test_the_twin_ranks_and_scores_as_score_nodes(conn: psycopg.Connection) -> N
 
 
 def test_the_twin_measures_pressure_as_the_sweeper_does(conn: psycopg.Connection) -> None:
-    """Running jobs by VRAM need against the slots of online nodes, smoothed over time."""
+    """Running jobs and waiting requests by VRAM need against the slots of online nodes, smoothed
+    over time."""
     rng = random.Random(5)
     random_fleet(conn, rng, size=20)
     _ids, fleet = fleet_arrays(conn)
     levels = [float(r[0]) for r in conn.execute("select distinct min_vram_gb from models").fetchall()]
     twin = VramPressure(levels, window_s=30.0)
     conn.execute("delete from private.vram_pressure")
+    models = catalog_models(conn)
     clock = 0.0
-    for step in range(4):
+    for step in range(6):
         conn.execute("delete from jobs")
+        conn.execute("delete from private.gateways")
         needs = [
             rng.choice([1.0, 2.0, 16.0, 18.0, 20.0, 32.0, 42.0, 200.0]) for _ in range(rng.randint(0, 25))
         ]
         for need in needs:
             running_job(conn, "x", need)
+        waiting: list[float] = []
+        for _gateway in range(rng.randint(0, 3)):  # each gateway's line, per model
+            line = {m: rng.randint(0, 9) for m in rng.sample(sorted(models), rng.randint(0, 4))}
+            SyncStore(conn).get(q.GATEWAY_ALIVE_WAITING, (uuid.uuid4(), None, json.dumps(line)))
+            waiting += [models[m] for m, count in line.items() for _ in range(count)]
         elapsed = rng.choice([1.0, 5.0, 20.0])
         clock += elapsed
         with conn.transaction():  # one now() for both statements
@@ -172,7 +185,7 @@ def test_the_twin_measures_pressure_as_the_sweeper_does(conn: psycopg.Connection
                     (elapsed,),
                 )
             conn.execute("select private.refresh_vram_pressure()")
-        twin.refresh(clock, needs, fleet)
+        twin.refresh(clock, needs, fleet, waiting)
         sql = {
             float(level): (busy, pressure)
             for level, busy, pressure in conn.execute(
@@ -182,3 +195,48 @@ def test_the_twin_measures_pressure_as_the_sweeper_does(conn: psycopg.Connection
         assert sorted(sql) == twin.levels
         for level in twin.levels:
             assert sql[level] == pytest.approx((twin.busy[level], twin.pressure[level]), rel=1e-9, abs=1e-12)
+        rows = conn.execute(
+            "select level_gb, pressure, slots from private.vram_pressure order by 1"
+        ).fetchall()
+        assert [(float(r[0]), r[1], r[2]) for r in rows] == pytest.approx(twin.rows(), rel=1e-9, abs=1e-12)
+
+
+def test_the_twin_keeps_nodes_as_place_does(conn: psycopg.Connection) -> None:
+    """kept_level() for every catalog need under random pressures, slots and thresholds, and
+    kept_last() on random rankings, waiting or not, as private.kept_level() and kept_last()."""
+    rng = random.Random(43)
+    random_fleet(conn, rng)
+    ids, fleet = fleet_arrays(conn)
+    needs = catalog_models(conn)
+    levels = sorted(set(needs.values()))
+    cases = 0
+    for _ in range(40):
+        conn.execute("delete from private.vram_pressure")
+        slots = sorted((rng.choice([0, 4, 8, 20, 40]) for _ in levels), reverse=True)  # fewer further up
+        rows = [
+            (level, rng.choice([0.0, 0.1, 0.2, 0.25, 0.5, 1.0]), n)
+            for level, n in zip(levels, slots, strict=True)
+        ]
+        for level, p, n in rows:
+            conn.execute(
+                "insert into private.vram_pressure (level_gb, pressure, slots) values (%s, %s, %s)",
+                (level, p, n),
+            )
+        threshold = rng.choice([0.1, 0.2, 0.25, 0.5, 1.5])
+        conn.execute("update platform_settings set reserve_threshold = %s", (threshold,))
+        for need in [*needs.values(), 0.5, 17.0, 500.0]:
+            row = conn.execute("select private.kept_level(%s)", (need,)).fetchone()
+            assert row is not None
+            kept = kept_level(need, rows, threshold)
+            assert (None if row[0] is None else float(row[0])) == kept, (need, rows, threshold)
+            order = np.array(rng.sample(range(len(ids)), rng.randint(0, len(ids))), dtype=np.int64)
+            wait = rng.random() < 0.5
+            if kept is None:
+                continue
+            sql = conn.execute(
+                "select private.kept_last(%s::uuid[], %s::real, %s)", ([ids[i] for i in order], kept, wait)
+            ).fetchone()
+            assert sql is not None
+            assert sql[0] == [ids[i] for i in kept_last(order, fleet.vram_gb, kept, wait)]
+            cases += 1
+    assert cases > 100
