@@ -42,7 +42,7 @@ import numpy as np
 from neuralgrid.sim import physics
 from neuralgrid.sim.inflight import Placement, Req
 from neuralgrid.sim.physics import MODELS, REGIONS, Batching, Platform
-from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, kept_last, score
+from neuralgrid.sim.policies import FleetArrays, VramPressure, Weights, placement_order
 from neuralgrid.sim.prewarm import Job, Prewarm, PrewarmSettings
 from neuralgrid.sim.result import Result
 from neuralgrid.sim.scenarios import (
@@ -260,23 +260,12 @@ class Simulation:
         if not ok.any():
             return None
         if self.policy not in ("round_robin", "least_loaded", "random"):
-            # The one place the SQL policies rank (the numpy twin of score_nodes()).
-            sql_policy = "seed" if self.policy in ("seed", "seed_warm") else self.policy
-            order, _ = score(
-                sql_policy,
-                self.weights,
-                f,
-                need,
-                self.holds[model],
-                self.ready[model],
-                req.caller,
-                pressure=self.pressure.pairs(),
-            )
-            if self.policy == "seed_warm":  # the original system: nodes with the model loaded first
-                order = order[np.argsort(~self.ready[model, order], kind="stable")]
-            if self.weights is not None and self.weights.reserve > 0:  # place()'s scarcity rule
-                kept_gb = self.pressure.kept_level(need, self.platform.reserve_threshold)
-                order = kept_last(order, f.vram_gb, kept_gb, wait)
+            # The one place the SQL policies rank (the numpy twin of score_nodes() and place()).
+            kept_gb = self.pressure.kept_level(need, self.platform.reserve_threshold)
+            order = placement_order(
+                self.policy, self.weights, f, need, self.holds[model], self.ready[model], req.caller,
+                self.pressure.pairs(), kept_gb, wait,
+            )  # fmt: skip
             hits = order[ok[order]]
             return int(hits[0]) if len(hits) else None
         candidates = np.flatnonzero(ok)

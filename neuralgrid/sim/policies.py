@@ -167,6 +167,30 @@ def kept_last(
     return order[~kept] if wait else order[np.argsort(kept, kind="stable")]
 
 
+def placement_order(
+    policy: str,
+    weights: Weights | None,
+    fleet: FleetArrays,
+    need_gb: float,
+    holds: B,
+    loaded: B,
+    caller_region: int | None,
+    pressure: Sequence[tuple[float, float]],
+    kept_gb: float | None,
+    wait: bool,
+) -> npt.NDArray[np.int64]:
+    """The order in which place() tries the nodes for a request: score_nodes()'s ranking (`seed` for
+    seed_warm too, which puts the nodes with the model loaded first, as the original system did),
+    then, under a policy that weighs the reserve, the scarcity rule (kept_last())."""
+    sql_policy = "seed" if policy in ("seed", "seed_warm") else policy
+    order, _ = score(sql_policy, weights, fleet, need_gb, holds, loaded, caller_region, pressure=pressure)
+    if policy == "seed_warm":
+        order = order[np.argsort(~loaded[order], kind="stable")]
+    if weights is not None and weights.reserve > 0:
+        order = kept_last(order, fleet.vram_gb, kept_gb, wait)
+    return order
+
+
 class VramPressure:
     """private.refresh_vram_pressure(), called once a simulated second as the sweeper calls it: per
     catalog VRAM level, the running jobs at that level (smoothed over `window_s`) per slot they can
