@@ -22,6 +22,7 @@ export function createMap({ svgEl, wrapEl, cardEl, onView }) {
   let pinned = false;
   let moved = false;
   let viewTimer = null;
+  svgEl.dataset.zoom = '1';
 
   // The world and its zoom --------------------------------------------------------------------------
 
