@@ -4,7 +4,7 @@
 -- proves itself with its secret: the service's heartbeat refuses a wrong one.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(52);
+select plan(55);
 
 select tests.create_user('alice');
 
@@ -29,6 +29,7 @@ insert into gateway_calls values
   ('look up a tunnel''s route', $$select * from public.tunnel_route(gen_random_uuid())$$, 'tunnel_route'),
   ('announce a gateway', $$select public.gateway_alive(gen_random_uuid())$$, 'gateway_alive'),
   ('announce a gateway with its address', $$select public.gateway_alive(gen_random_uuid(), 'http://10.0.0.1:8080')$$, 'gateway_alive'),
+  ('announce a gateway with its waiting lines', $$select public.gateway_alive(gen_random_uuid(), null, '{}')$$, 'gateway_alive'),
   ('sweep', $$select * from public.sweep()$$, 'sweep'),
   ('sweep stale nodes', $$select * from public.sweep_stale_nodes()$$, 'sweep_stale_nodes'),
   ('sweep stale jobs', $$select * from public.sweep_stale_jobs()$$, 'sweep_stale_jobs'),
@@ -80,6 +81,8 @@ select results_eq($$ select h.status, h.error_code from registered r
   $$ values ('online'::text, null::text) $$, 'a batched heartbeat with the node''s secret is taken');
 select lives_ok($$ select public.gateway_alive(gen_random_uuid(), 'http://10.0.0.1:8080') $$,
   'service_role announces a gateway');
+select lives_ok($$ select public.gateway_alive(gen_random_uuid(), null, '{"meta-llama/Llama-3.1-8B-Instruct": 3}') $$,
+  'service_role announces a gateway with the requests waiting in its lines');
 -- sweep() refreshes private.vram_pressure (writable by service_role since 20261129000400).
 select lives_ok($$ select * from public.sweep() $$, 'service_role sweeps');
 select lives_ok($$ select * from public.sweep_stale_jobs() $$, 'service_role sweeps stale jobs');
