@@ -325,6 +325,78 @@ def sql(
     )
 
 
+@app.command("heartbeats")
+@friendly_errors
+def heartbeats(
+    ctx: typer.Context,
+    nodes: Annotated[
+        int, typer.Option(envvar="NEURALGRID_BENCH_NODES", help="Nodes beating through a gateway.", min=1)
+    ] = 2_000,
+    fleet: Annotated[
+        int,
+        typer.Option(envvar="NEURALGRID_BENCH_FLEET", help="Nodes beating in SQL alone (0: none).", min=0),
+    ] = 100_000,
+    seconds: Annotated[
+        float, typer.Option(envvar="NEURALGRID_BENCH_SECONDS", help="Each window's length.", min=1)
+    ] = 15.0,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between a node's beats (the default's).", min=0.1)
+    ] = 5.0,
+    rounds: Annotated[int, typer.Option(help="Rounds through the gateway, per-beat and batched.", min=1)] = 1,
+    out_file: OutFile = Path("bench-results/heartbeats.json"),
+) -> None:
+    """Postgres CPU and WAL per heartbeat, batched (node_heartbeats()) against one agent_heartbeat() a
+    beat (and the code before issue 41), through a gateway and at scale in SQL; beats/s delivered;
+    match_job() p99 while they run against quiet."""
+    from neuralgrid.bench import heartbeats as bench
+
+    results = bench.run(database_url(ctx), nodes, fleet, seconds, interval, rounds, progress=progress)
+    table = Table(
+        "path",
+        "code",
+        "nodes",
+        "offered/s",
+        "beats/s",
+        "pg us/beat",
+        "gw us/beat",
+        "WAL B/beat",
+        "nodes/core",
+        "match p99",
+        "quiet p99",
+        caption="CPU and WAL per beat written; nodes/core: nodes one core of Postgres keeps beating at that"
+        " cost; match p99: match_job() while the beats run, quiet: without them, ms",
+    )
+
+    def num(value: Any, digits: int = 0) -> str:
+        return "-" if value is None else f"{value:,.{digits}f}"
+
+    for r in results:
+        table.add_row(
+            r["path"],
+            r["code"],
+            f"{r['nodes']:,}",
+            num(r.get("offered_beats_per_s")),
+            num(r["beats_per_s"]),
+            num(r["postgres_cpu_us_per_beat"], 1),
+            num(r.get("gateway_cpu_us_per_beat"), 1),
+            num(r["wal_bytes_per_beat"]),
+            num(r.get("nodes_per_postgres_core")),
+            num(r.get("match_p99_ms"), 2),
+            num(r.get("quiet_match_p99_ms"), 2),
+        )
+    summary = bench.summary(results)
+    out.print(", ".join(f"{k}: {v}" for k, v in summary.items()))
+    report(
+        table,
+        out_file,
+        "heartbeats",
+        results,
+        summary=summary,
+        target="a batched beat <= 1/10 of the per-beat path's Postgres CPU; every node's beats delivered"
+        " (400/s at 2,000 nodes); match_job p99 under beats <= 1.5x quiet",
+    )
+
+
 @app.command("realtime")
 @friendly_errors
 def realtime(

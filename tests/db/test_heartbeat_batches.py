@@ -120,7 +120,7 @@ def test_a_beat_that_changes_nothing_writes_its_liveness_and_nothing_else(conn: 
     assert liveness(conn, quiet) == written
 
 
-CHANGES = {
+CHANGES: dict[str, dict[str, Any]] = {
     "warm models": {"models": [LLAMA8, QWEN]},
     "nothing warm": {"models": []},
     "load": {"queue_depth": 3, "gpu_utilization": 0.5, "free_vram_gb": 12.5},
@@ -171,6 +171,7 @@ def test_a_beat_that_changes_something_is_written_as_agent_heartbeat_writes_it(
             json.dumps(said["refused"]),
         ),
     ).fetchone()
+    assert expected is not None
     assert reply == (*expected, None, None)
     rows = conn.execute(f"select name, {WRITTEN} from nodes order by name").fetchall()
     assert rows[0][1:] == rows[1][1:], rows

@@ -98,7 +98,7 @@ def test_a_beat_that_says_something_new_is_answered_once_written(
     warmer = beat(batching_gateway, node, models=[LLAMA8, QWEN], queue_depth=2)
     assert warmer.status_code == 200, warmer.text
     # Written before the answer: no wait here.
-    states = dict(
+    states: dict[str, str] = dict(
         conn.execute(
             "select model_id, state from node_models where node_id = %s", (node["node_id"],)
         ).fetchall()

@@ -1,0 +1,506 @@
+"""`neuralgrid bench heartbeats`: what agents' heartbeats cost Postgres, batched (issue 41) against one
+`agent_heartbeat()` a beat, and what they do to the matcher while they run.
+
+No real agents: one process (this one) beats for many node ids, registered in SQL in bulk, each with
+its own secret, each beating `interval` seconds after its last beat ended, as the agent does, saying
+what an idle node says every beat (its warm model, no load: the steady state). Three parts, side by
+side in one run:
+
+1. **Through a gateway** (`neuralgrid up`, a process of its own), `--nodes` nodes over HTTP: the
+   gateway writing each beat at once (NEURALGRID_HEARTBEAT_FLUSH_S=0, `agent_heartbeat()` a beat)
+   against batching (the default), in alternating rounds: beats/s delivered against those offered,
+   Postgres's and the gateway's CPU per beat, WAL bytes per beat, the beat's latency, and
+   `match_job()`'s p50/p99 while the beats run against the same fleet quiet.
+2. **The code before issue 41**, the same fleet in SQL alone, on a database built from the migrations
+   before it: `agent_heartbeat()` a beat, as the gateway sent them, at the same offered rate.
+3. **At scale**, `--fleet` nodes in SQL alone: the beats a gateway would send, `node_heartbeats()` once
+   a second in statements of 5,000, against `agent_heartbeat()` a beat from 4 connections as fast as
+   they go; the matcher under the batches against quiet.
+
+Postgres's CPU is its whole process tree's (backends, the gateway's sweeper, autovacuum, the WAL
+writer), read from /proc around each window as the other benchmarks read it; WAL is the distance
+pg_current_wal_lsn() moved. A node's first beat (which makes its node_liveness row) is outside the
+windows: at scale the rows are made in bulk first, as the nodes' first beats would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+from psycopg import sql
+
+from neuralgrid.bench import CpuMeter, percentiles, postmaster_pid, scratch_database, served
+from neuralgrid.db import migrate
+from neuralgrid.server.serving import free_port, run_fast
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SCRATCH_DB = "neuralgrid_bench_heartbeats"
+BEFORE_DB = "neuralgrid_bench_heartbeats_before"
+# The first migration of issue 41: a database built from those before it runs the per-beat path as
+# it was when the issue measured it.
+ISSUE_41 = "20261204000100"
+CHUNK = 5_000  # beats per node_heartbeats() statement, as the gateway sends them
+MATCH_EVERY_S = 0.02  # the matcher's caller: 50 placements a second, each ended at once (untimed)
+PER_BEAT_CONNECTIONS = 4  # a gateway's request pool
+
+# A synthetic fleet in one statement (as `bench matching` makes one), each node with a secret of its
+# own ('bench-node-<i>', kept as its SHA-256) and the benchmark's model warm.
+FILL = """
+with gpu(k, model, vram, tflops, rate) as (values
+  (0, 'NVIDIA GeForce RTX 3090', 24, 71, 0.20), (1, 'NVIDIA GeForce RTX 4090', 24, 165, 0.35),
+  (2, 'NVIDIA A10', 24, 125, 0.60), (3, 'NVIDIA L4', 24, 121, 0.45),
+  (4, 'NVIDIA A100 40GB', 40, 312, 1.10), (5, 'NVIDIA A100 80GB', 80, 312, 1.50),
+  (6, 'NVIDIA H100 80GB', 80, 989, 2.50)
+), ins as (
+  insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region, latitude, longitude,
+                            endpoint_url, status, max_concurrency, last_heartbeat_at, secret_hash)
+  select 'bench-' || i, g.model, g.vram, g.tflops, g.rate,
+         (array['us-east', 'us-west', 'eu-west', 'eu-central', 'ap-northeast', 'ap-south'])[1 + i %% 6],
+         -60 + (i %% 120), -180 + (i %% 360), 'https://bench.example.com', 'online', 8, now(),
+         sha256(convert_to('bench-node-' || i, 'UTF8'))
+  from generate_series(%(first)s::int, %(last)s::int) i join gpu g on g.k = i %% 7
+  returning id
+)
+insert into public.node_models (node_id, model_id, state) select id, %(model)s, 'loaded' from ins
+"""
+
+
+def secret(i: int) -> str:
+    return f"bench-node-{i}"
+
+
+@dataclass
+class Fleet:
+    url: str
+    ids: list[str] = field(default_factory=list)  # node i's id at [i - 1]
+
+    def fill(self, size: int) -> None:
+        """Nodes 1..size (those missing), analyzed."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute(FILL, {"first": len(self.ids) + 1, "last": size, "model": MODEL})
+            rows = conn.execute(
+                "select id::text, substr(name, 7)::int from public.nodes where name like 'bench-%'"
+            )
+            found = sorted(rows.fetchall(), key=lambda r: r[1])
+            self.ids = [r[0] for r in found]
+            conn.execute("vacuum analyze public.nodes, public.node_models, public.node_scores")
+
+    def refresh(self) -> None:
+        """Every node fresh and online again, as beating nodes are (before a window without beats):
+        its liveness row, or its row where it has none (or the database predates them)."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute(
+                "update public.nodes set status = 'online', missed_heartbeats = 0, inflight = 0"
+                " where status <> 'online' or inflight > 0 or missed_heartbeats > 0"
+            )
+            if conn.execute("select to_regclass('public.node_liveness') is null").fetchone() == (True,):
+                conn.execute("update public.nodes set last_heartbeat_at = now()")
+                return
+            conn.execute("update public.node_liveness set last_heartbeat_at = now()")
+            conn.execute(
+                "update public.nodes n set last_heartbeat_at = now()"
+                " where not exists (select from public.node_liveness l where l.node_id = n.id)"
+            )
+
+    def beat_json(self, i: int) -> str:
+        """Node i's beat as a gateway sends it to node_heartbeats(): an idle node's steady state."""
+        key = hashlib.sha256(secret(i).encode()).hexdigest()
+        return (
+            f'{{"node_id":"{self.ids[i - 1]}","key":"{key}","age_ms":500,"status":"online","queue_depth":0,'
+            f'"gpu_utilization":null,"free_vram_gb":null,"models":["{MODEL}"],"specs":null,"backend_up":true,'
+            f'"backend":null,"available":null,"loaded":[],"refused":[]}}'
+        )
+
+
+class Window:
+    """CPU of named process trees and the WAL written, between start() and stop()."""
+
+    def __init__(self, url: str, meter: CpuMeter) -> None:
+        self.url, self.meter = url, meter
+
+    def start(self) -> None:
+        self.cpu, self.lsn, self.at = self.meter.read(), self._lsn(), time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        cpu, lsn, at = self.meter.read(), self._lsn(), time.perf_counter()
+        with psycopg.connect(self.url) as conn:
+            row = conn.execute("select pg_wal_lsn_diff(%s, %s)::float8", (lsn, self.lsn)).fetchone()
+        used = {f"{name}_cpu_s": cpu[name] - self.cpu[name] for name in cpu}
+        return {"wall_s": at - self.at, "wal_bytes": float(row[0]) if row else 0.0, **used}
+
+    def _lsn(self) -> str:
+        with psycopg.connect(self.url) as conn:
+            row = conn.execute("select pg_current_wal_lsn()::text").fetchone()
+        return str(row[0]) if row else "0/0"
+
+
+@contextmanager
+def matcher(url: str) -> Iterator[list[float]]:
+    """A caller placing a job every MATCH_EVERY_S (match_job(), ended at once, untimed) while the
+    block runs; yields the placements' latencies in ms, filled when the block ends."""
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def call() -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            place = "select job_id from public.match_job(%s, null, 'balanced', null, 'eu-west')"
+            for _ in range(5):  # plans and caches, as a gateway's connection has them
+                _end(conn, conn.execute(place, (MODEL,)).fetchone())
+            while not stop.is_set():
+                started = time.perf_counter()
+                row = conn.execute(place, (MODEL,)).fetchone()
+                samples.append((time.perf_counter() - started) * 1000)
+                _end(conn, row)
+                stop.wait(max(0.0, MATCH_EVERY_S - (time.perf_counter() - started)))
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def _end(conn: psycopg.Connection[Any], row: Any) -> None:
+    if row is not None and row[0] is not None:
+        conn.execute("select * from public.complete_job(%s)", (row[0],))
+
+
+def _quiet(fleet: Fleet, seconds: float) -> dict[str, float]:
+    """The matcher with no beats running (the fleet made fresh first: it stays so for 15 s)."""
+    fleet.refresh()
+    with matcher(fleet.url) as samples:
+        time.sleep(min(seconds, 10.0))
+    return _prefixed("quiet_match", samples)
+
+
+def _prefixed(prefix: str, samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    cut = percentiles(samples)
+    return {f"{prefix}_p50_ms": cut["p50_ms"], f"{prefix}_p99_ms": cut["p99_ms"]}
+
+
+def _per_beat(used: dict[str, float], beats: int, interval_s: float) -> dict[str, Any]:
+    """CPU and WAL per beat, and how many nodes one core of Postgres keeps beating at this cost."""
+    cpu_us = used["postgres_cpu_s"] * 1e6 / max(beats, 1)
+    result: dict[str, Any] = {
+        "beats_per_s": round(beats / used["wall_s"], 1),
+        "postgres_cpu_us_per_beat": round(cpu_us, 1),
+        "wal_bytes_per_beat": round(used["wal_bytes"] / max(beats, 1), 1),
+        "nodes_per_postgres_core": int(interval_s * 1e6 / cpu_us) if cpu_us else None,
+    }
+    if "gateway_cpu_s" in used:
+        result["gateway_cpu_us_per_beat"] = round(used["gateway_cpu_s"] * 1e6 / max(beats, 1), 1)
+    return result
+
+
+# 1. Through a gateway --------------------------------------------------------------------------------
+
+
+@dataclass
+class Beats:
+    """What the simulated agents saw: each beat's end (perf_counter) and latency, by outcome."""
+
+    ok: list[tuple[float, float]] = field(default_factory=list)
+    failed: list[float] = field(default_factory=list)
+
+    def between(self, start: float, end: float) -> tuple[int, list[float], int]:
+        done = [ms for at, ms in self.ok if start <= at < end]
+        return len(done), done, len([at for at in self.failed if start <= at < end])
+
+
+async def _agents(gateway: str, fleet: Fleet, interval_s: float, beats: Beats, stop: asyncio.Event) -> None:
+    """Every node beats, staggered over an interval, `interval_s` after its last beat ended."""
+    connector = aiohttp.TCPConnector(limit=64)
+    timeout = aiohttp.ClientTimeout(total=30)
+    body = f'{{"models": ["{MODEL}"]}}'.encode()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def agent(i: int) -> None:
+            url = f"{gateway}/v1/nodes/{fleet.ids[i - 1]}/heartbeat"
+            headers = {"authorization": f"Bearer {secret(i)}", "content-type": "application/json"}
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s * i / len(fleet.ids))
+            while not stop.is_set():
+                started = time.perf_counter()
+                try:
+                    async with http.post(url, data=body, headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                ended = time.perf_counter()
+                if ok:
+                    beats.ok.append((ended, (ended - started) * 1000))
+                else:
+                    beats.failed.append(ended)
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval_s)
+
+        await asyncio.gather(*(agent(i) for i in range(1, len(fleet.ids) + 1)))
+
+
+def _through_gateway(
+    fleet: Fleet, code: str, seconds: float, interval_s: float, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": fleet.url,
+        "NEURALGRID_PORT": str(port),
+        "NEURALGRID_HEARTBEAT_FLUSH_S": "0" if code == "per-beat" else "1",
+    }
+    gateway = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "neuralgrid.cli", "up", "--demo", "0"]
+    fleet.refresh()
+    with served(cli, env, f"{gateway}/readyz") as proc:
+        meter = CpuMeter({"postgres": [postmaster_pid(fleet.url)], "gateway": [proc.pid]})
+        window = Window(fleet.url, meter)
+        beats = Beats()
+
+        async def run() -> tuple[dict[str, float], list[float]]:
+            stop = asyncio.Event()
+            agents = asyncio.create_task(_agents(gateway, fleet, interval_s, beats, stop))
+            progress(f"through a gateway, {code}: {len(fleet.ids):,} nodes, their first beats")
+            await asyncio.sleep(interval_s + 1)  # every node's first beat, outside the windows
+            progress(f"through a gateway, {code}: beats alone for {seconds:.0f} s")
+            window.start()
+            await asyncio.sleep(seconds)
+            used = window.stop()
+            progress(f"through a gateway, {code}: beats and the matcher for {seconds:.0f} s")
+            with matcher(fleet.url) as samples:
+                await asyncio.sleep(seconds)
+            stop.set()
+            await agents
+            return used, samples
+
+        used, samples = run_fast(run())
+    end = window.at + used["wall_s"]
+    count, latencies, failed = beats.between(window.at, end)
+    return {
+        "path": "gateway",
+        "code": code,
+        "nodes": len(fleet.ids),
+        "offered_beats_per_s": round(len(fleet.ids) / interval_s, 1),
+        **_per_beat(used, count, interval_s),
+        "failed": failed,
+        **(
+            {"beat_p50_ms": percentiles(latencies)["p50_ms"], "beat_p99_ms": percentiles(latencies)["p99_ms"]}
+            if latencies
+            else {}
+        ),
+        **_prefixed("match", samples),
+    }
+
+
+# 2 and 3. In SQL alone -------------------------------------------------------------------------------
+
+PER_BEAT = (
+    "select status, load from public.agent_heartbeat(%s, %s, 'online', 0, null::real, null::real,"
+    " %s::text[], null::jsonb, true, null::jsonb, null::text[], '{}'::text[], '[]'::jsonb)"
+)
+
+
+def _per_beat_sql(
+    fleet: Fleet, seconds: float, rate: float | None, stop_early: threading.Event | None = None
+) -> int:
+    """agent_heartbeat() a beat from PER_BEAT_CONNECTIONS connections, as a gateway sent them: each
+    connection beats its share of the nodes in turn, at `rate` beats/s in all (None: as fast as it
+    goes), for `seconds`. Returns the beats written."""
+    done = [0] * PER_BEAT_CONNECTIONS
+    keys = {i: hashlib.sha256(secret(i).encode()).digest() for i in range(1, len(fleet.ids) + 1)}
+
+    def beat(k: int) -> None:
+        mine = list(range(1 + k, len(fleet.ids) + 1, PER_BEAT_CONNECTIONS))
+        pace = None if rate is None else PER_BEAT_CONNECTIONS / rate
+        with psycopg.connect(fleet.url, autocommit=True) as conn:
+            began = time.perf_counter()
+            n = 0
+            while time.perf_counter() - began < seconds:
+                i = mine[n % len(mine)]
+                conn.execute(PER_BEAT, (fleet.ids[i - 1], keys[i], [MODEL])).fetchall()
+                n += 1
+                if pace is not None:
+                    time.sleep(max(0.0, began + n * pace - time.perf_counter()))
+            done[k] = n
+
+    threads = [threading.Thread(target=beat, args=(k,)) for k in range(PER_BEAT_CONNECTIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done)
+
+
+def _batched_sql(fleet: Fleet, seconds: float, interval_s: float) -> int:
+    """What gateways send for the whole fleet: each second, the beats of the nodes whose turn it is
+    (a node every interval_s), in statements of CHUNK. Returns the beats written."""
+    beats = [fleet.beat_json(i) for i in range(1, len(fleet.ids) + 1)]
+    per_second = max(1, round(len(beats) / interval_s))
+    written = 0
+    with psycopg.connect(fleet.url, autocommit=True) as conn:
+        began = time.perf_counter()
+        second = 0
+        while time.perf_counter() - began < seconds:
+            first = (second * per_second) % len(beats)
+            turn = beats[first : first + per_second] + beats[: max(0, first + per_second - len(beats))]
+            for start in range(0, len(turn), CHUNK):
+                payload = "[" + ",".join(turn[start : start + CHUNK]) + "]"
+                rows = conn.execute("select error_code from public.node_heartbeats(%s::jsonb)", (payload,))
+                written += sum(1 for (code,) in rows.fetchall() if code is None)
+            second += 1
+            time.sleep(max(0.0, began + second - time.perf_counter()))
+    return written
+
+
+def _in_sql(
+    fleet: Fleet,
+    code: str,
+    seconds: float,
+    interval_s: float,
+    rate: float | None,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    meter = CpuMeter({"postgres": [postmaster_pid(fleet.url)]})
+    window = Window(fleet.url, meter)
+    fleet.refresh()
+    drive: Callable[[], int] = (
+        (lambda: _batched_sql(fleet, seconds, interval_s))
+        if code == "batched"
+        else (lambda: _per_beat_sql(fleet, seconds, rate))
+    )
+    progress(f"in SQL, {code}: {len(fleet.ids):,} nodes, beats alone for {seconds:.0f} s")
+    window.start()
+    beats = drive()
+    used = window.stop()
+    result = {
+        "path": "sql",
+        "code": code,
+        "nodes": len(fleet.ids),
+        "offered_beats_per_s": None if rate is None else round(rate, 1),
+        **_per_beat(used, beats, interval_s),
+    }
+    if rate is not None:  # under an offered load the matcher's latency means something
+        progress(f"in SQL, {code}: beats and the matcher for {seconds:.0f} s")
+        fleet.refresh()
+        with matcher(fleet.url) as samples:
+            drive()
+        result.update(_prefixed("match", samples))
+    return result
+
+
+@contextmanager
+def database_before(admin_url: str) -> Iterator[str]:
+    """A scratch database built from the migrations before issue 41's (the per-beat path as it was)."""
+    drop = sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(BEFORE_DB))
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(drop)
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(BEFORE_DB)))
+    url = psycopg.conninfo.make_conninfo(admin_url, dbname=BEFORE_DB)
+    older = Path(tempfile.mkdtemp(prefix="ng-before-41-"))
+    try:
+        for path in migrate.discover(migrate.default_migrations_dir()):
+            if path.version < ISSUE_41:
+                shutil.copy(path.path, older)
+        with psycopg.connect(url, autocommit=True) as conn:
+            migrate.apply_compat_layer(conn)
+            migrate.migrate(conn, older)
+            migrate.apply_realtime_feed(conn)
+        yield url
+    finally:
+        shutil.rmtree(older, ignore_errors=True)
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(drop)
+
+
+# The run -----------------------------------------------------------------------------------------
+
+
+def run(
+    admin_url: str,
+    nodes: int,
+    fleet_size: int,
+    seconds: float,
+    interval_s: float = 5.0,
+    rounds: int = 1,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    rate = nodes / interval_s
+    with scratch_database(admin_url, SCRATCH_DB) as url:
+        fleet = Fleet(url)
+        progress(f"registering {nodes:,} nodes")
+        fleet.fill(nodes)
+        quiet = _quiet(fleet, seconds)
+        for _ in range(rounds):  # alternating, so that the machine's drift falls on both
+            for code in ("per-beat", "batched"):
+                results.append({**_through_gateway(fleet, code, seconds, interval_s, progress), **quiet})
+        with database_before(admin_url) as old_url:
+            before = Fleet(old_url)
+            before.fill(nodes)
+            quiet_before = _quiet(before, seconds)
+            code = "per-beat, before issue 41"
+            results.append({**_in_sql(before, code, seconds, interval_s, rate, progress), **quiet_before})
+        if fleet_size > nodes:
+            progress(f"registering {fleet_size:,} nodes")
+            fleet.fill(fleet_size)
+            with psycopg.connect(url, autocommit=True) as conn:  # as the nodes' first beats leave them
+                conn.execute(
+                    "insert into public.node_liveness select id, now() from public.nodes"
+                    " on conflict do nothing"
+                )
+                conn.execute("vacuum analyze public.node_liveness")
+            quiet_at_scale = _quiet(fleet, seconds)
+            scale_rate = fleet_size / interval_s
+            results.append(
+                {**_in_sql(fleet, "batched", seconds, interval_s, scale_rate, progress), **quiet_at_scale}
+            )
+            results.append(
+                {**_in_sql(fleet, "per-beat", seconds, interval_s, None, progress), **quiet_at_scale}
+            )
+    return results
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets, from the run: a batched beat's Postgres CPU against the per-beat path's (and the
+    code before issue 41's), the beats delivered at the offered rate, the matcher's p99 under beats
+    over quiet."""
+
+    def mean(code: str, path: str, key: str) -> float | None:
+        found = [
+            r[key] for r in results if r["code"] == code and r["path"] == path and r.get(key) is not None
+        ]
+        return statistics.fmean(found) if found else None
+
+    batched = mean("batched", "gateway", "postgres_cpu_us_per_beat")
+    per_beat = mean("per-beat", "gateway", "postgres_cpu_us_per_beat")
+    before = mean("per-beat, before issue 41", "sql", "postgres_cpu_us_per_beat")
+    delivered = mean("batched", "gateway", "beats_per_s")
+    offered = mean("batched", "gateway", "offered_beats_per_s")
+    under, quiet = (
+        mean("batched", "gateway", "match_p99_ms"),
+        mean("batched", "gateway", "quiet_match_p99_ms"),
+    )
+    return {
+        "batched_over_per_beat_cpu": None if not (batched and per_beat) else round(batched / per_beat, 4),
+        "batched_over_before_cpu": None if not (batched and before) else round(batched / before, 4),
+        "delivered_over_offered": None if not (delivered and offered) else round(delivered / offered, 3),
+        "match_p99_under_beats_over_quiet": None if not (under and quiet) else round(under / quiet, 2),
+    }
