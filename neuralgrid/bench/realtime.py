@@ -113,7 +113,7 @@ class Subscriber(asyncio.Protocol):
         self.buffer = buf[offset:]
 
 
-def _write_changes(db_url: str, rate: int, seconds: float, results: Any) -> None:
+def write_changes(db_url: str, rate: int, seconds: float, results: Any) -> None:
     """In its own process, so its pace never waits on the subscribers: flips node statuses at
     `rate` per second and returns when each UPDATE was sent (time.monotonic is system-wide)."""
     stamps: dict[tuple[bytes, bytes], float] = {}
@@ -160,7 +160,7 @@ async def _case(
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    writer = context.Process(target=_write_changes, args=(db_url, rate, seconds, results), daemon=True)
+    writer = context.Process(target=write_changes, args=(db_url, rate, seconds, results), daemon=True)
     writer.start()
     while results.empty():
         await asyncio.sleep(0.1)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from neuralgrid.cli import account, bench, dev, fleet, keys, node, platform, sim, users
+from neuralgrid.cli import account, bench, bench_map, dev, fleet, keys, node, platform, sim, users
 from neuralgrid.cli.common import Options
 
 HELP = (
@@ -61,4 +61,5 @@ app.add_typer(fleet.nodes_app, name="nodes")
 app.add_typer(node.app, name="node")
 app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
+bench_map.register(bench.app)
 app.add_typer(bench.app, name="bench")

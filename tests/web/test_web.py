@@ -357,7 +357,7 @@ def test_a_heartbeat_pulses_the_node_and_updates_its_load(
     expect(ring).to_have_class("pulse pulsing", timeout=8000)
     expect(page.locator("#card")).to_contain_text("GPU 50%")
     expect(page.locator("#card")).to_contain_text("queue 3")
-    expect(page.locator("#card time")).to_have_text("just now")
+    expect(page.locator("#card time")).to_have_text(re.compile(r"^(just now|\d s ago)$"))  # not 20 s ago
     expect(close).to_be_focused()  # the live update did not take keyboard focus away
     watch.assert_clean()
 

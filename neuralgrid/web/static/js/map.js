@@ -21,9 +21,9 @@ const $ = (id) => document.getElementById(id);
 let cfg = null;
 let summary = null;
 let live = false;
+let everLive = false; // the first subscription follows the first read: nothing to catch up on
 let viewAsked = 0;
 let viewAt = 0;
-let fleetSize = null;
 let worldError = null; // the map's libraries missing: said until the page is reloaded
 
 // Where the fleet is read: the gateway's API, or on a hosted project the Data API (as anon) -------------
@@ -80,7 +80,7 @@ const sum = (counts) => counts.reduce((a, b) => a + b, 0);
 /** A message of map:summary: the whole, or the changes to the one held (else the whole is read again). */
 function onSummaryMessage(message) {
   if (message.full || !summary) {
-    setSummary(message, null);
+    setSummary(message);
   } else if (summary.seq != null && message.seq === summary.seq + 1) {
     const next = { ...summary, ...message, tiles: { ...summary.tiles }, regions: { ...summary.regions }, gpus: { ...summary.gpus } };
     for (const part of ['tiles', 'regions', 'gpus']) {
@@ -89,7 +89,7 @@ function onSummaryMessage(message) {
         else next[part][key] = value;
       }
     }
-    setSummary(next, Object.keys(message.tiles ?? {}));
+    setSummary(next);
   } else if (summary.seq == null || message.seq > summary.seq) {
     refreshSummary(); // one was missed, or ours was computed apart from the feed
   }
@@ -97,26 +97,32 @@ function onSummaryMessage(message) {
 
 async function refreshSummary() {
   try {
-    setSummary(await readSummary(), null);
+    setSummary(await readSummary());
     showAlertIn('stats-error', null);
   } catch (err) {
     showAlertIn('stats-error', `Could not load the fleet's summary: ${err.message}`);
   }
 }
 
-/** `changed`: the tiles that changed, or null when anything may have. */
-function setSummary(next, changed) {
-  const first = summary === null;
+const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
+
+/** What changed from the summary held to the next: its tiles that differ, and whether anything did. */
+function changes(before, after) {
+  const keys = new Set([...Object.keys(before.tiles), ...Object.keys(after.tiles)]);
+  const tiles = [...keys].filter((key) => !same(before.tiles[key], after.tiles[key]));
+  const any = tiles.length > 0 || ['total', 'unplaced', 'regions', 'gpus', 'stats'].some((k) => !same(before[k], after[k]));
+  return { tiles, any };
+}
+
+function setSummary(next) {
+  const before = summary;
   summary = next;
   renderStats();
-  const size = sum(next.total);
-  const resized = fleetSize !== null && size !== fleetSize;
-  fleetSize = size;
-  if (!first) {
-    if (changed === null || changed.some(tileInView)) refreshView({ soon: true });
-    if (resized) table.load(); // which nodes a page holds
-    else if (changed === null || changed.length) refreshRows();
-  }
+  if (!before) return; // the first: main() reads the view and the table
+  const { tiles, any } = changes(before, next);
+  if (tiles.some(tileInView)) refreshView({ soon: true });
+  if (sum(next.total) !== sum(before.total)) table.load(); // the fleet grew or shrank: which nodes a page holds
+  else if (any) refreshRows();
 }
 
 function tileInView(key) {
@@ -219,7 +225,8 @@ function connectRealtime() {
       live = status === 'SUBSCRIBED';
       if (live) {
         setLive('live', 'Live');
-        if (!wasLive) catchUp(); // whatever changed while the channel was down
+        if (!wasLive && everLive) catchUp(); // whatever changed while the channel was down
+        everLive = true;
       } else {
         setLive('reconnecting', 'Reconnecting… (refreshing every 5 s)');
       }
