@@ -276,7 +276,8 @@ def test_keys_commands(db_url: str) -> None:
 
 
 def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Path) -> None:
-    """A small run of `neuralgrid bench realtime`: a real gateway process, real subscribers."""
+    """A small run of `neuralgrid bench realtime`: a real gateway process, real subscribers; and map
+    viewers of the summary against viewers of the row changes the map heard before (issue 41)."""
     out_file = tmp_path / "realtime.json"
     code, out, err = run(
         db_url,
@@ -284,20 +285,27 @@ def test_bench_realtime_prints_and_writes_its_numbers(db_url: str, tmp_path: Pat
         "realtime",
         "--subscribers",
         "1,3",
+        "--viewers",
+        "2",
         "--rate",
         "20",
         "--seconds",
-        "1",
+        "3",
         "--out",
         str(out_file),
     )
     assert code == 0, out + err
-    assert "p99 ms" in out
+    assert "p99 ms" in out and "msgs/s per viewer" in out
     report = json.loads(out_file.read_text())
     assert [r["subscribers"] for r in report["results"]] == [1, 3]
     for r in report["results"]:
-        assert r["lost"] == 0 and r["delivered"] == r["expected"] == 20 * r["subscribers"]
+        assert r["lost"] == 0 and r["delivered"] == r["expected"] == 60 * r["subscribers"]
         assert 0 < r["p50_ms"] <= r["p99_ms"]
+    viewers = {v["feed"]: v for v in report["viewers"]}
+    assert set(viewers) == {"summary", "rows"} and all(v["viewers"] == 2 for v in viewers.values())
+    # The summary: at most one a second. The rows: a broadcast and a row change for each change.
+    assert 0 < viewers["summary"]["messages_per_s_per_viewer"] <= 1.5
+    assert viewers["rows"]["messages_per_s_per_viewer"] >= viewers["rows"]["changes_per_s"]
 
 
 def test_bench_sse_prints_and_writes_the_readers_cost_by_shape(db_url: str, tmp_path: Path) -> None:
