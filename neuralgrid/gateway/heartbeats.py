@@ -40,6 +40,7 @@ from psycopg.types.json import Jsonb
 from neuralgrid.db import errors as db
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
+from neuralgrid.gateway.errors import DatabaseUnavailable
 from neuralgrid.protocol.nodes import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,10 @@ class Heartbeats:
         fresh = {n: p for n, p in pending.items() if now - p.heard <= STALE_S}
         for node_id, dropped in pending.items():
             if node_id not in fresh:
-                _fail(dropped, db.ConflictError("the heartbeat was not written in time; send it again"))
+                # Not the beat's fault (a 4xx would tell its agent to drop what it said): a 503.
+                _fail(
+                    dropped, DatabaseUnavailable("the heartbeat could not be written in time; send it again")
+                )
         ids = sorted(fresh, key=str)  # two gateways' batches take their rows in one order
         for start in range(0, len(ids), CHUNK):
             chunk = {node_id: fresh[node_id] for node_id in ids[start : start + CHUNK]}
@@ -180,11 +184,12 @@ class Heartbeats:
                 await self._write({node_id: pending}, now)
             return
         except Exception as err:  # the database is away: the beats wait for the next flush
+            log.warning("heartbeats: %d beats not written (%s); trying again next flush", len(chunk), err)
             for node_id, pending in chunk.items():
-                _fail(pending, err)
+                _fail(pending, err)  # a waiting agent hears of it (503), and sends its beat again
                 pending.waiters = []
                 self._requeue(node_id, pending)
-            raise
+            return
         self.flushes += 1
         for row in rows:
             written = chunk.get(row.node_id)
