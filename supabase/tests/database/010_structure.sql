@@ -11,7 +11,7 @@ select plan(86);
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
   'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity',
-  'node_endpoints', 'node_liveness'
+  'node_endpoints', 'node_liveness', 'map_feed'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -144,8 +144,11 @@ select set_eq($$
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace)
     and has_function_privilege('anon', p.oid, 'EXECUTE')
 $$, array[
-  'fleet_stats()'
-], 'anon can execute only the fleet''s totals');
+  'fleet_stats()',
+  'map_summary(boolean)',
+  'map_view(double precision,double precision,double precision,double precision,double precision,integer)',
+  'node_list(text,text,boolean,integer,integer)'
+], 'anon can execute only the fleet''s totals and the map''s summary, view and table');
 select set_eq($$
   select p.oid::regprocedure::text from pg_catalog.pg_proc p
   where p.pronamespace in ('public'::regnamespace, 'private'::regnamespace)
@@ -157,7 +160,10 @@ $$, array[
   'my_node_stats(interval)',
   'revoke_api_key(uuid)',
   'my_nodes()',
-  'fleet_stats()'
+  'fleet_stats()',
+  'map_summary(boolean)',
+  'map_view(double precision,double precision,double precision,double precision,double precision,integer)',
+  'node_list(text,text,boolean,integer,integer)'
 ], 'authenticated can execute only the functions meant for signed-in users');
 -- Supabase's advisor warns of each definer function anon or authenticated may execute (lints 0028,
 -- 0029); the Supabase CLI in this suite predates those lints, so this is their check. The definers
