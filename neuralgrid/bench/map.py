@@ -10,10 +10,11 @@ insert is not what is measured), spread around the platform's ten regions' citie
   stats and the table's first page): the first paint of the map itself;
 - the JS heap after a garbage collection, the DOM's elements, and the JSON the page read (bytes).
 
-Then, with the page open and live, a writer in its own process changes node statuses at a fixed rate
-(each in its own transaction): the page's Realtime messages a second (every frame its socket receives,
-and the summaries among them), their bytes, the page's requests, and the CPU of Postgres and of the
-gateway a second while the fleet changes.
+Then, with the page open and live: the CPU of Postgres and of the gateway a second while nothing
+changes (what a viewer's feed costs: the summary computed every second), and while a writer in its
+own process changes node statuses at a fixed rate (each in its own transaction), with the page's
+Realtime messages a second (every frame its socket receives, and the summaries among them), their
+bytes and the page's requests.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 READY_TIMEOUT_S = 120.0
+QUIET_S = 5.0  # seconds the page is watched with nothing changing
 
 
 class BenchMapError(RuntimeError):
@@ -234,6 +236,11 @@ def watch_live(
                 raise BenchMapError("the map did not go live within 30 s")
             time.sleep(0.1)
         time.sleep(2.0)  # the first summary after joining
+        # Nothing changing, the viewer watching: what its feed costs (a summary computed a second).
+        quiet, quiet_at = meter.read(), time.monotonic()
+        page.wait_for_timeout(QUIET_S * 1000)
+        quiet_s = time.monotonic() - quiet_at
+        idle = {name: cpu - quiet[name] for name, cpu in meter.read().items()}
         spawn = multiprocessing.get_context("spawn")
         results = spawn.Queue()
         writer = spawn.Process(target=write_changes, args=(db_url, rate, seconds, results), daemon=True)
@@ -259,6 +266,7 @@ def watch_live(
         "summary_bytes_max": max((f[1] for f in summaries), default=0),
         "requests_per_s": round(len([r for r in live.requests if r >= started]) / window, 2),
         **{f"{name}_cpu_ms_per_s": round(cpu * 1000 / window, 1) for name, cpu in used.items()},
+        **{f"quiet_{name}_cpu_ms_per_s": round(cpu * 1000 / quiet_s, 1) for name, cpu in idle.items()},
     }
 
 
