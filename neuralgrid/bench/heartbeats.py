@@ -6,16 +6,21 @@ its own secret, each beating `interval` seconds after its last beat ended, as th
 what an idle node says every beat (its warm model, no load: the steady state). Three parts, side by
 side in one run:
 
-1. **Through a gateway** (`neuralgrid up`, a process of its own), `--nodes` nodes over HTTP: the
-   gateway writing each beat at once (NEURALGRID_HEARTBEAT_FLUSH_S=0, `agent_heartbeat()` a beat)
-   against batching (the default), in alternating rounds: beats/s delivered against those offered,
-   Postgres's and the gateway's CPU per beat, WAL bytes per beat, the beat's latency, and
-   `match_job()`'s p50/p99 while the beats run against the same fleet quiet.
+1. **Through a gateway** (`neuralgrid up`, a process of its own), `--nodes` nodes over HTTP, an
+   agent's connection each: the gateway writing each beat at once (NEURALGRID_HEARTBEAT_FLUSH_S=0,
+   `agent_heartbeat()` a beat) against batching (the default), in alternating rounds: beats/s
+   delivered against those offered, Postgres's and the gateway's CPU per beat, WAL bytes per beat,
+   the beat's latency.
 2. **The code before issue 41**, the same fleet in SQL alone, on a database built from the migrations
-   before it: `agent_heartbeat()` a beat, as the gateway sent them, at the same offered rate.
-3. **At scale**, `--fleet` nodes in SQL alone: the beats a gateway would send, `node_heartbeats()` once
-   a second in statements of 5,000, against `agent_heartbeat()` a beat from 4 connections as fast as
-   they go; the matcher under the batches against quiet.
+   before it: `agent_heartbeat()` a beat from 4 connections, as the gateway sent them, at the same
+   offered rate.
+3. **At scale**, `--fleet` nodes in SQL alone: what gateways would send for them, `node_heartbeats()`
+   once a second in statements of 5,000. (One `agent_heartbeat()` a beat cannot keep a fleet that size
+   beating here: parts 1 and 2 say how many nodes it can.)
+
+Each part also runs `match_job()` (50 a second, each job ended at once) while its beats run, then for
+8 s right after they stop, the same processes up and every node still fresh: its p99 under beats
+against quiet.
 
 Postgres's CPU is its whole process tree's (backends, the gateway's sweeper, autovacuum, the WAL
 writer), read from /proc around each window as the other benchmarks read it; WAL is the distance
@@ -56,6 +61,7 @@ BEFORE_DB = "neuralgrid_bench_heartbeats_before"
 ISSUE_41 = "20261204000100"
 CHUNK = 5_000  # beats per node_heartbeats() statement, as the gateway sends them
 MATCH_EVERY_S = 0.02  # the matcher's caller: 50 placements a second, each ended at once (untimed)
+QUIET_S = 8.0  # the matcher right after a case's beats stop, while every node is still fresh
 PER_BEAT_CONNECTIONS = 4  # a gateway's request pool
 
 # A synthetic fleet in one statement (as `bench matching` makes one), each node with a secret of its
@@ -182,11 +188,11 @@ def _end(conn: psycopg.Connection[Any], row: Any) -> None:
         conn.execute("select * from public.complete_job(%s)", (row[0],))
 
 
-def _quiet(fleet: Fleet, seconds: float) -> dict[str, float]:
-    """The matcher with no beats running (the fleet made fresh first: it stays so for 15 s)."""
-    fleet.refresh()
-    with matcher(fleet.url) as samples:
-        time.sleep(min(seconds, 10.0))
+def _quiet(url: str, seconds: float) -> dict[str, float]:
+    """The matcher with no beats running, right after a case's beats stopped (the same processes up,
+    the nodes still fresh: their last beats are less than an interval old, and the sweep waits 3)."""
+    with matcher(url) as samples:
+        time.sleep(seconds)
     return _prefixed("quiet_match", samples)
 
 
@@ -228,7 +234,7 @@ class Beats:
 
 async def _agents(gateway: str, fleet: Fleet, interval_s: float, beats: Beats, stop: asyncio.Event) -> None:
     """Every node beats, staggered over an interval, `interval_s` after its last beat ended."""
-    connector = aiohttp.TCPConnector(limit=64)
+    connector = aiohttp.TCPConnector(limit=len(fleet.ids))  # a connection an agent, as agents have
     timeout = aiohttp.ClientTimeout(total=30)
     body = f'{{"models": ["{MODEL}"]}}'.encode()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -292,6 +298,8 @@ def _through_gateway(
             return used, samples
 
         used, samples = run_fast(run())
+        progress(f"through a gateway, {code}: the matcher, quiet, for {QUIET_S:.0f} s")
+        quiet = _quiet(fleet.url, QUIET_S)
     end = window.at + used["wall_s"]
     count, latencies, failed = beats.between(window.at, end)
     return {
@@ -307,6 +315,7 @@ def _through_gateway(
             else {}
         ),
         **_prefixed("match", samples),
+        **quiet,
     }
 
 
@@ -318,18 +327,16 @@ PER_BEAT = (
 )
 
 
-def _per_beat_sql(
-    fleet: Fleet, seconds: float, rate: float | None, stop_early: threading.Event | None = None
-) -> int:
+def _per_beat_sql(fleet: Fleet, seconds: float, rate: float) -> int:
     """agent_heartbeat() a beat from PER_BEAT_CONNECTIONS connections, as a gateway sent them: each
-    connection beats its share of the nodes in turn, at `rate` beats/s in all (None: as fast as it
-    goes), for `seconds`. Returns the beats written."""
+    connection beats its share of the nodes in turn, at `rate` beats/s in all, for `seconds`. Returns
+    the beats written."""
     done = [0] * PER_BEAT_CONNECTIONS
     keys = {i: hashlib.sha256(secret(i).encode()).digest() for i in range(1, len(fleet.ids) + 1)}
 
     def beat(k: int) -> None:
         mine = list(range(1 + k, len(fleet.ids) + 1, PER_BEAT_CONNECTIONS))
-        pace = None if rate is None else PER_BEAT_CONNECTIONS / rate
+        pace = PER_BEAT_CONNECTIONS / rate
         with psycopg.connect(fleet.url, autocommit=True) as conn:
             began = time.perf_counter()
             n = 0
@@ -337,8 +344,7 @@ def _per_beat_sql(
                 i = mine[n % len(mine)]
                 conn.execute(PER_BEAT, (fleet.ids[i - 1], keys[i], [MODEL])).fetchall()
                 n += 1
-                if pace is not None:
-                    time.sleep(max(0.0, began + n * pace - time.perf_counter()))
+                time.sleep(max(0.0, began + n * pace - time.perf_counter()))
             done[k] = n
 
     threads = [threading.Thread(target=beat, args=(k,)) for k in range(PER_BEAT_CONNECTIONS)]
@@ -375,7 +381,7 @@ def _in_sql(
     code: str,
     seconds: float,
     interval_s: float,
-    rate: float | None,
+    rate: float,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     meter = CpuMeter({"postgres": [postmaster_pid(fleet.url)]})
@@ -394,15 +400,16 @@ def _in_sql(
         "path": "sql",
         "code": code,
         "nodes": len(fleet.ids),
-        "offered_beats_per_s": None if rate is None else round(rate, 1),
+        "offered_beats_per_s": round(rate, 1),
         **_per_beat(used, beats, interval_s),
     }
-    if rate is not None:  # under an offered load the matcher's latency means something
-        progress(f"in SQL, {code}: beats and the matcher for {seconds:.0f} s")
-        fleet.refresh()
-        with matcher(fleet.url) as samples:
-            drive()
-        result.update(_prefixed("match", samples))
+    progress(f"in SQL, {code}: beats and the matcher for {seconds:.0f} s")
+    fleet.refresh()
+    with matcher(fleet.url) as samples:
+        drive()
+    result.update(_prefixed("match", samples))
+    progress(f"in SQL, {code}: the matcher, quiet, for {QUIET_S:.0f} s")
+    result.update(_quiet(fleet.url, QUIET_S))
     return result
 
 
@@ -448,16 +455,13 @@ def run(
         fleet = Fleet(url)
         progress(f"registering {nodes:,} nodes")
         fleet.fill(nodes)
-        quiet = _quiet(fleet, seconds)
         for _ in range(rounds):  # alternating, so that the machine's drift falls on both
             for code in ("per-beat", "batched"):
-                results.append({**_through_gateway(fleet, code, seconds, interval_s, progress), **quiet})
+                results.append(_through_gateway(fleet, code, seconds, interval_s, progress))
         with database_before(admin_url) as old_url:
             before = Fleet(old_url)
             before.fill(nodes)
-            quiet_before = _quiet(before, seconds)
-            code = "per-beat, before issue 41"
-            results.append({**_in_sql(before, code, seconds, interval_s, rate, progress), **quiet_before})
+            results.append(_in_sql(before, "per-beat, before issue 41", seconds, interval_s, rate, progress))
         if fleet_size > nodes:
             progress(f"registering {fleet_size:,} nodes")
             fleet.fill(fleet_size)
@@ -467,14 +471,7 @@ def run(
                     " on conflict do nothing"
                 )
                 conn.execute("vacuum analyze public.node_liveness")
-            quiet_at_scale = _quiet(fleet, seconds)
-            scale_rate = fleet_size / interval_s
-            results.append(
-                {**_in_sql(fleet, "batched", seconds, interval_s, scale_rate, progress), **quiet_at_scale}
-            )
-            results.append(
-                {**_in_sql(fleet, "per-beat", seconds, interval_s, None, progress), **quiet_at_scale}
-            )
+            results.append(_in_sql(fleet, "batched", seconds, interval_s, fleet_size / interval_s, progress))
     return results
 
 

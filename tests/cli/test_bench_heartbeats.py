@@ -29,13 +29,10 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
         ("gateway", "batched", 40),
         ("sql", "per-beat, before issue 41", 40),
         ("sql", "batched", 120),
-        ("sql", "per-beat", 120),
     ]
     for r in report["results"]:
         assert r["beats_per_s"] > 0 and r["postgres_cpu_us_per_beat"] > 0 and r["wal_bytes_per_beat"] > 0, r
-        assert r["quiet_match_p99_ms"] > 0, r
-        if r["offered_beats_per_s"] is not None:  # a paced load: the matcher ran under it
-            assert r["match_p99_ms"] > 0, r
+        assert r["match_p99_ms"] > 0 and r["quiet_match_p99_ms"] > 0, r
         if r["path"] == "gateway":
             assert r["failed"] == 0 and r["gateway_cpu_us_per_beat"] > 0, r
     assert set(report["summary"]) == {
