@@ -189,6 +189,8 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.map_feed",
         "public.map_summary",
         "private.json_changes",
+        "private.map_changes",
+        "private.note_map_change",
         "private.send_map_summary",
         "public.map_view",
         "public.node_list",

@@ -12,10 +12,19 @@ CREATE TABLE public.map_feed (
     summary jsonb,
     checked_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
     sent_at timestamp with time zone,
+    changes bigint DEFAULT 0 NOT NULL,
+    changed_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    computed_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
     CONSTRAINT "map_feed has one row" CHECK (one_row)
 );
 
 COMMENT ON TABLE public.map_feed IS 'The map''s summary as last broadcast on map:summary (seq: its number), when the gateways last compared it with the fleet (checked_at, at most every 950 ms) and when it was sent. Anyone may read it: what map_summary() answers while the feed runs.';
+
+COMMENT ON COLUMN public.map_feed.changes IS 'private.map_changes as the last check saw it.';
+
+COMMENT ON COLUMN public.map_feed.changed_at IS 'When a check last saw private.map_changes move.';
+
+COMMENT ON COLUMN public.map_feed.computed_at IS 'When the summary was last computed (sent or found unchanged).';
 
 ALTER TABLE ONLY public.map_feed
     ADD CONSTRAINT map_feed_pkey PRIMARY KEY (one_row);
@@ -47,25 +56,58 @@ REVOKE ALL ON FUNCTION private.json_changes(p_old jsonb, p_new jsonb) FROM PUBLI
 GRANT ALL ON FUNCTION private.json_changes(p_old jsonb, p_new jsonb) TO service_role;
 
 
+CREATE FUNCTION private.note_map_change() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+begin
+  perform pg_catalog.nextval('private.map_changes');
+  return null;
+end;
+$$;
+
+COMMENT ON FUNCTION private.note_map_change() IS 'Trigger: a statement changed what the map''s summary counts (nodes inserted, deleted or truncated, or their status, place, region, GPU, VRAM, TFLOPS or price set); moves private.map_changes. Security definer: writers need no right on the sequence.';
+
+CREATE TRIGGER nodes_map_changed AFTER INSERT OR DELETE OR UPDATE OF status, latitude, longitude, region, gpu_model, vram_gb, tflops, hourly_rate ON public.nodes FOR EACH STATEMENT EXECUTE FUNCTION private.note_map_change();
+
+CREATE TRIGGER nodes_map_truncated AFTER TRUNCATE ON public.nodes FOR EACH STATEMENT EXECUTE FUNCTION private.note_map_change();
+
+REVOKE ALL ON FUNCTION private.note_map_change() FROM PUBLIC;
+
+
 CREATE FUNCTION private.send_map_summary() RETURNS boolean
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
 declare
+  v_mark bigint := (select case when s.is_called then s.last_value else 0 end from private.map_changes s);
   v_last jsonb;
   v_seq bigint;
+  v_changed_at timestamptz;
+  v_computed_at timestamptz;
   v_now jsonb;
   v_message jsonb;
 begin
-  -- Every gateway calls this every second: one call in 950 ms compares the fleet with the last summary
-  -- sent. The row's lock makes a caller at the same moment wait, then find it checked.
-  update public.map_feed f set checked_at = now()
+  -- Every gateway calls this every second: one call in 950 ms checks the fleet. The row's lock makes a
+  -- caller at the same moment wait, then find it checked.
+  update public.map_feed f set checked_at = now(),
+    changed_at = case when f.changes is distinct from v_mark then now() else f.changed_at end,
+    changes = v_mark
   where f.checked_at <= now() - interval '950 milliseconds'
-  returning f.summary, f.seq into v_last, v_seq;
+  returning f.summary, f.seq, f.changed_at, f.computed_at into v_last, v_seq, v_changed_at, v_computed_at;
   if not found then
     return false;
   end if;
+  -- Nothing it counts changed lately, nor the jobs' totals it carries: no need to count again.
+  if v_last is not null and v_changed_at < now() - interval '10 seconds'
+     and v_computed_at > now() - interval '30 seconds'
+     and exists (select from public.fleet_activity a
+                 where coalesce(to_jsonb(a.jobs_last_minute), 'null') = v_last -> 'stats' -> 'jobs_last_minute'
+                   and coalesce(to_jsonb(a.p50_latency_ms), 'null') = v_last -> 'stats' -> 'p50_latency_ms') then
+    return false;
+  end if;
   v_now := public.map_summary(false);
+  update public.map_feed set computed_at = now();
   if v_last is not null and (v_now - 'at') = (v_last - 'at' - 'seq') then
     return false;  -- nothing changed: no message
   end if;
@@ -86,7 +128,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.send_map_summary() IS 'Broadcasts the map''s summary on the public map:summary topic (event summary) when it changed since the last one sent, as the changes to it (full: false; tiles, regions and gpus hold the keys that changed, null for one gone) numbered by seq; unless the gateways compared it in the last 950 ms. Returns whether it sent one. Each gateway calls it every second while it has a map viewer (always under a hosted project''s Realtime).';
+COMMENT ON FUNCTION private.send_map_summary() IS 'Broadcasts the map''s summary on the public map:summary topic (event summary) when it changed since the last one sent, as the changes to it (full: false; tiles, regions and gpus hold the keys that changed, null for one gone) numbered by seq; unless the gateways checked in the last 950 ms. Counts the fleet only when private.map_changes moved in the last 10 s, the jobs'' totals changed, or the last count is 30 s old. Returns whether it sent one. Each gateway calls it every second while it has a map viewer (always under a hosted project''s Realtime).';
 
 REVOKE ALL ON FUNCTION private.send_map_summary() FROM PUBLIC;
 GRANT ALL ON FUNCTION private.send_map_summary() TO service_role;
@@ -282,6 +324,18 @@ REVOKE ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending
 GRANT ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) TO anon;
 GRANT ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) TO authenticated;
 GRANT ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) TO service_role;
+
+
+CREATE SEQUENCE private.map_changes
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+COMMENT ON SEQUENCE private.map_changes IS 'Moved by every statement that changes what the map''s summary counts (private.note_map_change()): send_map_summary() computes the summary only when it moved lately.';
+
+GRANT SELECT ON SEQUENCE private.map_changes TO service_role;
 
 
 CREATE STATISTICS public.nodes_map_tile ON (width_bucket(latitude, '-90'::integer::double precision, 90::double precision, 12) * 100 + width_bucket(longitude, '-180'::integer::double precision, 180::double precision, 24)) FROM public.nodes;

@@ -206,6 +206,58 @@ def test_the_gateways_together_send_at_most_one_summary_a_second(
     assert [m["seq"] for m in sent(conn)] == [1, 2]
 
 
+def computed_at(conn: psycopg.Connection) -> Any:
+    return value(conn, "select computed_at from public.map_feed")
+
+
+def settle(conn: psycopg.Connection) -> None:
+    """As if the fleet had been at rest for 11 s, and counted 5 s ago."""
+    conn.execute(
+        "update public.map_feed set changed_at = now() - interval '11 seconds',"
+        " computed_at = now() - interval '5 seconds'"
+    )
+
+
+def test_a_fleet_at_rest_is_not_counted_again(conn: psycopg.Connection, fleet: dict[str, uuid.UUID]) -> None:
+    """bench map at 100,000 nodes: a viewer watching a fleet at rest cost Postgres some 40 ms of CPU a
+    second, the summary counted again every second to find it unchanged. Now it is counted when what it
+    counts changed lately (a sequence the nodes' statements move), the jobs' totals changed, or its last
+    count is 30 s old."""
+    assert send(conn)
+    settle(conn)
+    counted = computed_at(conn)
+    assert not send(conn) and computed_at(conn) == counted  # not counted: nothing it counts moved
+    # Load and heartbeats are not what it counts.
+    conn.execute(
+        "update public.nodes set inflight = 1, gpu_utilization = 0.5 where id = %s", (fleet["ams-1"],)
+    )
+    assert not send(conn) and computed_at(conn) == counted
+    # A status is: counted, and sent.
+    conn.execute("update public.nodes set status = 'draining' where id = %s", (fleet["ams-1"],))
+    assert send(conn) and computed_at(conn) > counted
+    assert sent(conn)[-1]["tiles"]["1013"][2:] == [0, 1, 1, 1]
+    # For 10 s after a change the count goes on (a writer's nextval comes before its commit).
+    assert not send(conn) and computed_at(conn) > counted
+    # Inserts, deletes and truncates move it too; and the jobs' totals the summary carries.
+    for statement in (
+        "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region) values ('n', 'L4', 24, 1, 1, 'x')",
+        "delete from public.nodes where name = 'n'",
+        "update public.fleet_activity set jobs_last_minute = 7",
+        "truncate public.nodes cascade",
+    ):
+        settle(conn)
+        counted = computed_at(conn)
+        conn.execute(statement)
+        assert send(conn), statement
+        assert computed_at(conn) > counted
+    assert sent(conn)[-1]["total"] == [0, 0, 0, 0] and sent(conn)[-2]["stats"]["jobs_last_minute"] == 7
+    # And a count 30 s old is made again (a change written without triggers, as a restore writes).
+    settle(conn)
+    conn.execute("update public.map_feed set computed_at = now() - interval '31 seconds'")
+    counted = computed_at(conn)
+    assert not send(conn) and computed_at(conn) > counted
+
+
 def test_the_cached_summary_is_the_last_one_sent_while_the_feed_runs(
     conn: psycopg.Connection, fleet: dict[str, uuid.UUID]
 ) -> None:

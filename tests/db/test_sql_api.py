@@ -104,6 +104,7 @@ PRIVATE_HELPERS = sorted(
         "nodes_derive_outside_load",
         "nodes_check_description",  # the rules on what a node is, when written (not claims)
         "nodes_derive_routes",
+        "note_map_change",  # a statement changed what the map's summary counts (issue 41)
         "notify_api_key_change",
         "notify_node_secret_change",  # a node's secret changed or the node is gone: gateways forget it
         "parse_ipv4",
