@@ -10,11 +10,11 @@ insert is not what is measured), spread around the platform's ten regions' citie
   stats and the table's first page): the first paint of the map itself;
 - the JS heap after a garbage collection, the DOM's elements, and the JSON the page read (bytes).
 
-Then, with the page open and live: the CPU of Postgres and of the gateway a second while nothing
-changes (what a viewer's feed costs: the summary computed every second), and while a writer in its
-own process changes node statuses at a fixed rate (each in its own transaction), with the page's
-Realtime messages a second (every frame its socket receives, and the summaries among them), their
-bytes and the page's requests.
+Then the CPU of Postgres and of the gateway a second with nothing changing, first with no page open
+(the gateway's own upkeep, its sweep over the fleet), then with the page open and live (its feed
+adds the rest); and with the page live while a writer in its own process changes node statuses at a
+fixed rate (each in its own transaction): the page's Realtime messages a second (every frame its
+socket receives, and the summaries among them), their bytes and the page's requests.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 READY_TIMEOUT_S = 120.0
-QUIET_S = 5.0  # seconds the page is watched with nothing changing
+QUIET_S = 5.0  # seconds the fleet is watched (and not) with nothing changing
+SETTLE_S = 11.0  # the feed counts the fleet for 10 s after a change
+WARM_LOADS = 2  # page loads at each size before those measured (the gateway's plans and caches)
 
 
 class BenchMapError(RuntimeError):
@@ -209,6 +211,11 @@ def watch_live(
 ) -> dict[str, Any]:
     """The page open and live while `rate` node statuses a second change for `seconds`: what its
     Realtime socket received, what it asked, and the CPU of Postgres and the gateway, a second."""
+    # Nothing changing and nobody watching: the gateway's own upkeep (its sweep over the fleet), the base.
+    base, base_at = meter.read(), time.monotonic()
+    time.sleep(QUIET_S)
+    base_s = time.monotonic() - base_at
+    unwatched = {name: cpu - base[name] for name, cpu in meter.read().items()}
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     live = Live()
     try:
@@ -235,8 +242,8 @@ def watch_live(
             if time.monotonic() > deadline:
                 raise BenchMapError("the map did not go live within 30 s")
             time.sleep(0.1)
-        time.sleep(2.0)  # the first summary after joining
-        # Nothing changing, the viewer watching: what its feed costs (a summary computed a second).
+        time.sleep(SETTLE_S)  # the fleet at rest as the feed sees it: no change in the last 10 s
+        # Nothing changing, the viewer watching: what its feed costs besides the base.
         quiet, quiet_at = meter.read(), time.monotonic()
         page.wait_for_timeout(QUIET_S * 1000)
         quiet_s = time.monotonic() - quiet_at
@@ -267,6 +274,7 @@ def watch_live(
         "requests_per_s": round(len([r for r in live.requests if r >= started]) / window, 2),
         **{f"{name}_cpu_ms_per_s": round(cpu * 1000 / window, 1) for name, cpu in used.items()},
         **{f"quiet_{name}_cpu_ms_per_s": round(cpu * 1000 / quiet_s, 1) for name, cpu in idle.items()},
+        **{f"unwatched_{name}_cpu_ms_per_s": round(c * 1000 / base_s, 1) for name, c in unwatched.items()},
     }
 
 
@@ -317,7 +325,8 @@ def run(
                 for size in sizes:
                     progress(f"{size:,} nodes: written in bulk")
                     write_fleet(db_url, size)
-                    load_page(browser, url)  # the gateway's plans and caches warm, not counted
+                    for _ in range(WARM_LOADS):
+                        load_page(browser, url)
                     progress(f"{size:,} nodes: {rounds} page loads")
                     loads = [load_page(browser, url) for _ in range(rounds)]
                     progress(f"{size:,} nodes: the page live while {rate} statuses a second change")
