@@ -11,9 +11,10 @@ side in one run:
    `agent_heartbeat()` a beat) against batching (the default), in alternating rounds: beats/s
    delivered against those offered, Postgres's and the gateway's CPU per beat, WAL bytes per beat,
    the beat's latency.
-2. **The code before issue 41**, the same fleet in SQL alone, on a database built from the migrations
-   before it: `agent_heartbeat()` a beat from 4 connections, as the gateway sent them, at the same
-   offered rate.
+2. **In SQL alone**, the same fleet and offered rate, without the gateway's and this process's HTTP
+   on the machine: `agent_heartbeat()` a beat from 4 connections (as a gateway's pool sends them)
+   against `node_heartbeats()` once a second; and the per-beat path of the code before issue 41, on a
+   database built from the migrations before it.
 3. **At scale**, `--fleet` nodes in SQL alone: what gateways would send for them, `node_heartbeats()`
    once a second in statements of 5,000. (One `agent_heartbeat()` a beat cannot keep a fleet that size
    beating here: parts 1 and 2 say how many nodes it can.)
@@ -458,6 +459,10 @@ def run(
         for _ in range(rounds):  # alternating, so that the machine's drift falls on both
             for code in ("per-beat", "batched"):
                 results.append(_through_gateway(fleet, code, seconds, interval_s, progress))
+        # The same beats in SQL alone: what the database does, without the gateway's and this
+        # process's HTTP beside it on the machine (the matcher's figures mean the database's share).
+        for code in ("per-beat", "batched"):
+            results.append(_in_sql(fleet, code, seconds, interval_s, rate, progress))
         with database_before(admin_url) as old_url:
             before = Fleet(old_url)
             before.fill(nodes)
@@ -476,28 +481,47 @@ def run(
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The targets, from the run: a batched beat's Postgres CPU against the per-beat path's (and the
-    code before issue 41's), the beats delivered at the offered rate, the matcher's p99 under beats
-    over quiet."""
+    """The targets, from the run: a batched beat's Postgres CPU over the per-beat path's (through the
+    gateway, in SQL alone, and over the code before issue 41's), the beats the batching gateway
+    delivered over those offered, and `match_job`'s p99 under batched beats over quiet (through the
+    gateway, in SQL alone at --nodes, and at --fleet)."""
 
-    def mean(code: str, path: str, key: str) -> float | None:
+    def mean(path: str, code: str, key: str, nodes: int | None = None) -> float | None:
         found = [
-            r[key] for r in results if r["code"] == code and r["path"] == path and r.get(key) is not None
+            r[key]
+            for r in results
+            if (r["path"], r["code"]) == (path, code)
+            and (nodes is None or r["nodes"] == nodes)
+            and r.get(key) is not None
         ]
         return statistics.fmean(found) if found else None
 
-    batched = mean("batched", "gateway", "postgres_cpu_us_per_beat")
-    per_beat = mean("per-beat", "gateway", "postgres_cpu_us_per_beat")
-    before = mean("per-beat, before issue 41", "sql", "postgres_cpu_us_per_beat")
-    delivered = mean("batched", "gateway", "beats_per_s")
-    offered = mean("batched", "gateway", "offered_beats_per_s")
-    under, quiet = (
-        mean("batched", "gateway", "match_p99_ms"),
-        mean("batched", "gateway", "quiet_match_p99_ms"),
-    )
+    def ratio(a: float | None, b: float | None, digits: int) -> float | None:
+        return None if a is None or not b else round(a / b, digits)
+
+    cpu, p99, quiet = "postgres_cpu_us_per_beat", "match_p99_ms", "quiet_match_p99_ms"
+    small = min((r["nodes"] for r in results), default=None)
+    large = max((r["nodes"] for r in results), default=None)
     return {
-        "batched_over_per_beat_cpu": None if not (batched and per_beat) else round(batched / per_beat, 4),
-        "batched_over_before_cpu": None if not (batched and before) else round(batched / before, 4),
-        "delivered_over_offered": None if not (delivered and offered) else round(delivered / offered, 3),
-        "match_p99_under_beats_over_quiet": None if not (under and quiet) else round(under / quiet, 2),
+        "batched_over_per_beat_cpu_gateway": ratio(
+            mean("gateway", "batched", cpu), mean("gateway", "per-beat", cpu), 4
+        ),
+        "batched_over_per_beat_cpu_sql": ratio(
+            mean("sql", "batched", cpu, small), mean("sql", "per-beat", cpu, small), 4
+        ),
+        "batched_over_before_cpu_sql": ratio(
+            mean("sql", "batched", cpu, small), mean("sql", "per-beat, before issue 41", cpu), 4
+        ),
+        "delivered_over_offered": ratio(
+            mean("gateway", "batched", "beats_per_s"), mean("gateway", "batched", "offered_beats_per_s"), 3
+        ),
+        "match_p99_under_beats_over_quiet_gateway": ratio(
+            mean("gateway", "batched", p99), mean("gateway", "batched", quiet), 2
+        ),
+        "match_p99_under_beats_over_quiet_sql": ratio(
+            mean("sql", "batched", p99, small), mean("sql", "batched", quiet, small), 2
+        ),
+        "match_p99_under_beats_over_quiet_at_scale": None
+        if large == small
+        else ratio(mean("sql", "batched", p99, large), mean("sql", "batched", quiet, large), 2),
     }

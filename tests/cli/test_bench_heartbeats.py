@@ -20,13 +20,15 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
         app, ["bench", "heartbeats", *args], env={"DATABASE_URL": db_url, "COLUMNS": "200"}
     )
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert "pg us/beat" in result.stdout and "batched_over_per_beat_cpu" in result.stdout
+    assert "pg us/beat" in result.stdout and "batched_over_per_beat_cpu_sql" in result.stdout
     report = json.loads(out_file.read_text())
     assert report["when"] and report["commit"] and report["command"]
     cases = [(r["path"], r["code"], r["nodes"]) for r in report["results"]]
     assert cases == [
         ("gateway", "per-beat", 40),
         ("gateway", "batched", 40),
+        ("sql", "per-beat", 40),
+        ("sql", "batched", 40),
         ("sql", "per-beat, before issue 41", 40),
         ("sql", "batched", 120),
     ]
@@ -36,8 +38,12 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
         if r["path"] == "gateway":
             assert r["failed"] == 0 and r["gateway_cpu_us_per_beat"] > 0, r
     assert set(report["summary"]) == {
-        "batched_over_per_beat_cpu",
-        "batched_over_before_cpu",
+        "batched_over_per_beat_cpu_gateway",
+        "batched_over_per_beat_cpu_sql",
+        "batched_over_before_cpu_sql",
         "delivered_over_offered",
-        "match_p99_under_beats_over_quiet",
+        "match_p99_under_beats_over_quiet_gateway",
+        "match_p99_under_beats_over_quiet_sql",
+        "match_p99_under_beats_over_quiet_at_scale",
     }
+    assert all(value is not None and value > 0 for value in report["summary"].values()), report["summary"]
