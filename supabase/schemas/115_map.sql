@@ -66,9 +66,11 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.note_map_change() IS 'Trigger: a statement changed what the map''s summary counts (nodes inserted, deleted or truncated, or their status, place, region, GPU, VRAM, TFLOPS or price set); moves private.map_changes. Security definer: writers need no right on the sequence.';
+COMMENT ON FUNCTION private.note_map_change() IS 'Trigger: a node changed what the map''s summary counts (inserted, deleted, its status, place, region, GPU, VRAM, TFLOPS or price changed; or the nodes truncated); moves private.map_changes. Security definer: writers need no right on the sequence.';
 
-CREATE TRIGGER nodes_map_changed AFTER INSERT OR DELETE OR UPDATE OF status, latitude, longitude, region, gpu_model, vram_gb, tflops, hourly_rate ON public.nodes FOR EACH STATEMENT EXECUTE FUNCTION private.note_map_change();
+CREATE TRIGGER nodes_map_changed_insert_delete AFTER INSERT OR DELETE ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.note_map_change();
+
+CREATE TRIGGER nodes_map_changed_update AFTER UPDATE OF status, latitude, longitude, region, gpu_model, vram_gb, tflops, hourly_rate ON public.nodes FOR EACH ROW WHEN (((old.status IS DISTINCT FROM new.status) OR (old.latitude IS DISTINCT FROM new.latitude) OR (old.longitude IS DISTINCT FROM new.longitude) OR (old.region IS DISTINCT FROM new.region) OR (old.gpu_model IS DISTINCT FROM new.gpu_model) OR (old.vram_gb IS DISTINCT FROM new.vram_gb) OR (old.tflops IS DISTINCT FROM new.tflops) OR (old.hourly_rate IS DISTINCT FROM new.hourly_rate))) EXECUTE FUNCTION private.note_map_change();
 
 CREATE TRIGGER nodes_map_truncated AFTER TRUNCATE ON public.nodes FOR EACH STATEMENT EXECUTE FUNCTION private.note_map_change();
 
