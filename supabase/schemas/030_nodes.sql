@@ -82,6 +82,10 @@ CREATE INDEX nodes_map_location_idx ON public.nodes USING btree (latitude, longi
 
 COMMENT ON INDEX public.nodes_map_location_idx IS 'The nodes in a box of the map (map_view()). Neither column changes on a claim: claims stay heap-only.';
 
+CREATE INDEX nodes_name_idx ON public.nodes USING btree (lower(name), id);
+
+COMMENT ON INDEX public.nodes_name_idx IS 'The map''s table by name (node_list()), read in order. A claim changes neither: claims stay heap-only.';
+
 CREATE INDEX nodes_online_idx ON public.nodes USING btree (id) INCLUDE (vram_gb, max_concurrency) WHERE (status = 'online'::text);
 
 COMMENT ON INDEX public.nodes_online_idx IS 'The online nodes, for claims. Not the in-flight count, which claims and releases change: they stay heap-only updates.';

@@ -284,6 +284,18 @@ begin
     raise exception 'node_list() sorts by status, name, gpu, vram, tflops, price, region, load or beat, not %', p_sort
       using errcode = '22023';
   end if;
+  if v_search = '' and coalesce(p_sort, 'name') = 'name' then
+    -- The map's first page, and any unsearched one by name: read in order from nodes_name_idx.
+    v_total := (select count(*) from public.nodes);
+    v_ids := case
+      when p_descending then array(select n.id from public.nodes n order by lower(n.name) desc, n.id desc
+                                   offset v_offset limit v_limit)
+      else array(select n.id from public.nodes n order by lower(n.name), n.id offset v_offset limit v_limit)
+    end;
+    select coalesce(jsonb_agg(to_jsonb(m) order by array_position(v_ids, m.id)), '[]') into v_nodes
+    from public.node_map m where m.id = any(v_ids);
+    return jsonb_build_object('total', v_total, 'offset', v_offset, 'limit', v_limit, 'nodes', v_nodes);
+  end if;
   -- A page of ids first (found and sorted on nodes alone), then their rows as node_map has them.
   with found as (
     select n.id, n.name,
@@ -319,7 +331,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) IS 'The map''s table, a page at a time: total (the nodes found), offset, limit (at most 1,000) and nodes (their rows as node_map has them). p_search finds nodes whose name, GPU model or region holds it (any case), or whose status it is; p_sort is status (online, busy (an online node with every slot taken too), draining, offline), name, gpu, vram, tflops, price, region, load (in flight over slots) or beat (last heartbeat), ties by name. Runs as its caller: anon may call it.';
+COMMENT ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) IS 'The map''s table, a page at a time: total (the nodes found), offset, limit (at most 1,000) and nodes (their rows as node_map has them). p_search finds nodes whose name, GPU model or region holds it (any case), or whose status it is; p_sort is status (online, busy (an online node with every slot taken too), draining, offline), name, gpu, vram, tflops, price, region, load (in flight over slots) or beat (last heartbeat), ties by name (unsearched pages by name are read in order from nodes_name_idx). Runs as its caller: anon may call it.';
 
 REVOKE ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) FROM PUBLIC;
