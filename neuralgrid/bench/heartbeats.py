@@ -19,9 +19,9 @@ side in one run:
    once a second in statements of 5,000. (One `agent_heartbeat()` a beat cannot keep a fleet that size
    beating here: parts 1 and 2 say how many nodes it can.)
 
-Each part also runs `match_job()` (50 a second, each job ended at once) while its beats run, then for
-8 s right after they stop, the same processes up and every node still fresh: its p99 under beats
-against quiet.
+Each part then runs `match_job()` (50 a second, each job ended at once, untimed) for twice the window
+while its beats are turned on and off in turns of a heartbeat interval (every node stays fresh: the
+sweep waits three): its p99 under beats against without them, in the same minute.
 
 Postgres's CPU is its whole process tree's (backends, the gateway's sweeper, autovacuum, the WAL
 writer), read from /proc around each window as the other benchmarks read it; WAL is the distance
@@ -62,7 +62,6 @@ BEFORE_DB = "neuralgrid_bench_heartbeats_before"
 ISSUE_41 = "20261204000100"
 CHUNK = 5_000  # beats per node_heartbeats() statement, as the gateway sends them
 MATCH_EVERY_S = 0.02  # the matcher's caller: 50 placements a second, each ended at once (untimed)
-QUIET_S = 8.0  # the matcher right after a case's beats stop, while every node is still fresh
 PER_BEAT_CONNECTIONS = 4  # a gateway's request pool
 
 # A synthetic fleet in one statement (as `bench matching` makes one), each node with a secret of its
@@ -157,10 +156,10 @@ class Window:
 
 
 @contextmanager
-def matcher(url: str) -> Iterator[list[float]]:
+def matcher(url: str) -> Iterator[list[tuple[float, float]]]:
     """A caller placing a job every MATCH_EVERY_S (match_job(), ended at once, untimed) while the
-    block runs; yields the placements' latencies in ms, filled when the block ends."""
-    samples: list[float] = []
+    block runs; yields each placement's start (perf_counter) and latency in ms, filled as it runs."""
+    samples: list[tuple[float, float]] = []
     stop = threading.Event()
 
     def call() -> None:
@@ -171,7 +170,7 @@ def matcher(url: str) -> Iterator[list[float]]:
             while not stop.is_set():
                 started = time.perf_counter()
                 row = conn.execute(place, (MODEL,)).fetchone()
-                samples.append((time.perf_counter() - started) * 1000)
+                samples.append((started, (time.perf_counter() - started) * 1000))
                 _end(conn, row)
                 stop.wait(max(0.0, MATCH_EVERY_S - (time.perf_counter() - started)))
 
@@ -184,17 +183,33 @@ def matcher(url: str) -> Iterator[list[float]]:
         thread.join(30)
 
 
+@dataclass
+class Toggle:
+    """Beats on and off in turns of a heartbeat interval (nodes stay fresh: the sweep waits three),
+    so that the matcher's latency under beats and without them is measured in the same minute."""
+
+    on: bool = True
+    spans: list[tuple[float, float, bool]] = field(default_factory=list)
+
+    def turns(self, seconds: float, turn_s: float) -> Iterator[float]:
+        """Flip every turn_s for `seconds` (on first); yields each turn's length to wait out."""
+        for k in range(max(2, round(seconds / turn_s))):
+            self.on = k % 2 == 0
+            started = time.perf_counter()
+            yield turn_s
+            self.spans.append((started, time.perf_counter(), self.on))
+        self.on = True
+
+    def split(self, samples: list[tuple[float, float]]) -> dict[str, float]:
+        """The matcher's p50/p99 under beats (match_) and without them (quiet_match_)."""
+        under = [ms for at, ms in samples if any(a <= at < b and on for a, b, on in self.spans)]
+        quiet = [ms for at, ms in samples if any(a <= at < b and not on for a, b, on in self.spans)]
+        return {**_prefixed("match", under), **_prefixed("quiet_match", quiet)}
+
+
 def _end(conn: psycopg.Connection[Any], row: Any) -> None:
     if row is not None and row[0] is not None:
         conn.execute("select * from public.complete_job(%s)", (row[0],))
-
-
-def _quiet(url: str, seconds: float) -> dict[str, float]:
-    """The matcher with no beats running, right after a case's beats stopped (the same processes up,
-    the nodes still fresh: their last beats are less than an interval old, and the sweep waits 3)."""
-    with matcher(url) as samples:
-        time.sleep(seconds)
-    return _prefixed("quiet_match", samples)
 
 
 def _prefixed(prefix: str, samples: list[float]) -> dict[str, float]:
@@ -233,8 +248,11 @@ class Beats:
         return len(done), done, len([at for at in self.failed if start <= at < end])
 
 
-async def _agents(gateway: str, fleet: Fleet, interval_s: float, beats: Beats, stop: asyncio.Event) -> None:
-    """Every node beats, staggered over an interval, `interval_s` after its last beat ended."""
+async def _agents(
+    gateway: str, fleet: Fleet, interval_s: float, beats: Beats, stop: asyncio.Event, toggle: Toggle
+) -> None:
+    """Every node beats, staggered over an interval, `interval_s` after its last beat ended (a beat
+    whose time falls while the toggle is off is skipped: no burst when it turns on again)."""
     connector = aiohttp.TCPConnector(limit=len(fleet.ids))  # a connection an agent, as agents have
     timeout = aiohttp.ClientTimeout(total=30)
     body = f'{{"models": ["{MODEL}"]}}'.encode()
@@ -246,6 +264,10 @@ async def _agents(gateway: str, fleet: Fleet, interval_s: float, beats: Beats, s
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s * i / len(fleet.ids))
             while not stop.is_set():
+                if not toggle.on:
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), interval_s)
+                    continue
                 started = time.perf_counter()
                 try:
                     async with http.post(url, data=body, headers=headers) as resp:
@@ -282,25 +304,26 @@ def _through_gateway(
         window = Window(fleet.url, meter)
         beats = Beats()
 
-        async def run() -> tuple[dict[str, float], list[float]]:
+        toggle = Toggle()
+
+        async def run() -> tuple[dict[str, float], list[tuple[float, float]]]:
             stop = asyncio.Event()
-            agents = asyncio.create_task(_agents(gateway, fleet, interval_s, beats, stop))
+            agents = asyncio.create_task(_agents(gateway, fleet, interval_s, beats, stop, toggle))
             progress(f"through a gateway, {code}: {len(fleet.ids):,} nodes, their first beats")
             await asyncio.sleep(interval_s + 1)  # every node's first beat, outside the windows
             progress(f"through a gateway, {code}: beats alone for {seconds:.0f} s")
             window.start()
             await asyncio.sleep(seconds)
             used = window.stop()
-            progress(f"through a gateway, {code}: beats and the matcher for {seconds:.0f} s")
+            progress(f"through a gateway, {code}: the matcher, beats on and off, for {2 * seconds:.0f} s")
             with matcher(fleet.url) as samples:
-                await asyncio.sleep(seconds)
+                for turn in toggle.turns(2 * seconds, interval_s):
+                    await asyncio.sleep(turn)
             stop.set()
             await agents
             return used, samples
 
         used, samples = run_fast(run())
-        progress(f"through a gateway, {code}: the matcher, quiet, for {QUIET_S:.0f} s")
-        quiet = _quiet(fleet.url, QUIET_S)
     end = window.at + used["wall_s"]
     count, latencies, failed = beats.between(window.at, end)
     return {
@@ -315,8 +338,7 @@ def _through_gateway(
             if latencies
             else {}
         ),
-        **_prefixed("match", samples),
-        **quiet,
+        **toggle.split(samples),
     }
 
 
@@ -328,7 +350,7 @@ PER_BEAT = (
 )
 
 
-def _per_beat_sql(fleet: Fleet, seconds: float, rate: float) -> int:
+def _per_beat_sql(fleet: Fleet, seconds: float, rate: float, toggle: Toggle | None = None) -> int:
     """agent_heartbeat() a beat from PER_BEAT_CONNECTIONS connections, as a gateway sent them: each
     connection beats its share of the nodes in turn, at `rate` beats/s in all, for `seconds`. Returns
     the beats written."""
@@ -343,10 +365,11 @@ def _per_beat_sql(fleet: Fleet, seconds: float, rate: float) -> int:
             n = 0
             while time.perf_counter() - began < seconds:
                 i = mine[n % len(mine)]
-                conn.execute(PER_BEAT, (fleet.ids[i - 1], keys[i], [MODEL])).fetchall()
+                if toggle is None or toggle.on:
+                    conn.execute(PER_BEAT, (fleet.ids[i - 1], keys[i], [MODEL])).fetchall()
+                    done[k] += 1
                 n += 1
                 time.sleep(max(0.0, began + n * pace - time.perf_counter()))
-            done[k] = n
 
     threads = [threading.Thread(target=beat, args=(k,)) for k in range(PER_BEAT_CONNECTIONS)]
     for t in threads:
@@ -356,7 +379,7 @@ def _per_beat_sql(fleet: Fleet, seconds: float, rate: float) -> int:
     return sum(done)
 
 
-def _batched_sql(fleet: Fleet, seconds: float, interval_s: float) -> int:
+def _batched_sql(fleet: Fleet, seconds: float, interval_s: float, toggle: Toggle | None = None) -> int:
     """What gateways send for the whole fleet: each second, the beats of the nodes whose turn it is
     (a node every interval_s), in statements of CHUNK. Returns the beats written."""
     beats = [fleet.beat_json(i) for i in range(1, len(fleet.ids) + 1)]
@@ -368,7 +391,7 @@ def _batched_sql(fleet: Fleet, seconds: float, interval_s: float) -> int:
         while time.perf_counter() - began < seconds:
             first = (second * per_second) % len(beats)
             turn = beats[first : first + per_second] + beats[: max(0, first + per_second - len(beats))]
-            for start in range(0, len(turn), CHUNK):
+            for start in range(0, len(turn) if toggle is None or toggle.on else 0, CHUNK):
                 payload = "[" + ",".join(turn[start : start + CHUNK]) + "]"
                 rows = conn.execute("select error_code from public.node_heartbeats(%s::jsonb)", (payload,))
                 written += sum(1 for (code,) in rows.fetchall() if code is None)
@@ -388,14 +411,15 @@ def _in_sql(
     meter = CpuMeter({"postgres": [postmaster_pid(fleet.url)]})
     window = Window(fleet.url, meter)
     fleet.refresh()
-    drive: Callable[[], int] = (
-        (lambda: _batched_sql(fleet, seconds, interval_s))
-        if code == "batched"
-        else (lambda: _per_beat_sql(fleet, seconds, rate))
-    )
+
+    def drive(duration: float, toggle: Toggle | None = None) -> int:
+        if code == "batched":
+            return _batched_sql(fleet, duration, interval_s, toggle)
+        return _per_beat_sql(fleet, duration, rate, toggle)
+
     progress(f"in SQL, {code}: {len(fleet.ids):,} nodes, beats alone for {seconds:.0f} s")
     window.start()
-    beats = drive()
+    beats = drive(seconds)
     used = window.stop()
     result = {
         "path": "sql",
@@ -404,13 +428,16 @@ def _in_sql(
         "offered_beats_per_s": round(rate, 1),
         **_per_beat(used, beats, interval_s),
     }
-    progress(f"in SQL, {code}: beats and the matcher for {seconds:.0f} s")
+    progress(f"in SQL, {code}: the matcher, beats on and off, for {2 * seconds:.0f} s")
     fleet.refresh()
+    toggle = Toggle()
+    driver = threading.Thread(target=drive, args=(2 * seconds + interval_s, toggle))
     with matcher(fleet.url) as samples:
-        drive()
-    result.update(_prefixed("match", samples))
-    progress(f"in SQL, {code}: the matcher, quiet, for {QUIET_S:.0f} s")
-    result.update(_quiet(fleet.url, QUIET_S))
+        driver.start()
+        for turn in toggle.turns(2 * seconds, interval_s):
+            time.sleep(turn)
+    driver.join()
+    result.update(toggle.split(samples))
     return result
 
 
