@@ -304,7 +304,8 @@ begin
                                          when 'busy' then 1 when 'draining' then 2 else 3 end
         when 'vram' then n.vram_gb when 'tflops' then n.tflops when 'price' then n.hourly_rate::float8
         when 'load' then n.inflight::float8 / greatest(n.max_concurrency, 1)
-        when 'beat' then extract(epoch from n.last_heartbeat_at)::float8
+        when 'beat' then extract(epoch from greatest(
+          n.last_heartbeat_at, (select l.last_heartbeat_at from public.node_liveness l where l.node_id = n.id)))::float8
       end as by_number,
       case coalesce(p_sort, 'name')
         when 'name' then lower(n.name) when 'gpu' then n.gpu_model || ' ' || n.gpu_count
@@ -331,7 +332,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) IS 'The map''s table, a page at a time: total (the nodes found), offset, limit (at most 1,000) and nodes (their rows as node_map has them). p_search finds nodes whose name, GPU model or region holds it (any case), or whose status it is; p_sort is status (online, busy (an online node with every slot taken too), draining, offline), name, gpu, vram, tflops, price, region, load (in flight over slots) or beat (last heartbeat), ties by name (unsearched pages by name are read in order from nodes_name_idx). Runs as its caller: anon may call it.';
+COMMENT ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) IS 'The map''s table, a page at a time: total (the nodes found), offset, limit (at most 1,000) and nodes (their rows as node_map has them). p_search finds nodes whose name, GPU model or region holds it (any case), or whose status it is; p_sort is status (online, busy (an online node with every slot taken too), draining, offline), name, gpu, vram, tflops, price, region, load (in flight over slots) or beat (last heartbeat: the later of the row''s and node_liveness''s, as node_map gives it), ties by name (unsearched pages by name are read in order from nodes_name_idx). Runs as its caller: anon may call it.';
 
 REVOKE ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.node_list(p_search text, p_sort text, p_descending boolean, p_offset integer, p_limit integer) FROM PUBLIC;

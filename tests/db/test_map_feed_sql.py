@@ -392,3 +392,18 @@ def test_the_tables_first_page_is_read_from_an_index_not_sorted(conn: psycopg.Co
         assert names(conn, "", "name", descending, 0, 2) == (["c", "b"] if descending else ["A", "b"])
         conn.execute("select pg_stat_force_next_flush()")
     assert scans() == before + 2
+
+
+def test_the_table_sorts_by_the_beats_the_batches_write(
+    conn: psycopg.Connection, fleet: dict[str, uuid.UUID]
+) -> None:
+    """A beat that changes nothing is written to node_liveness, not nodes (the heartbeats' batches):
+    sorted by last heartbeat, a node beating that way is the freshest, as node_map shows it."""
+    conn.execute("update public.nodes set last_heartbeat_at = now() - interval '1 hour'")
+    conn.execute(
+        "update public.nodes set last_heartbeat_at = now() - interval '1 minute' where name = 'tokyo'"
+    )
+    conn.execute(
+        "insert into public.node_liveness (node_id, last_heartbeat_at) values (%s, now())", (fleet["h100"],)
+    )
+    assert names(conn, "", "beat", True, 0, 2) == ["h100", "tokyo"]
