@@ -175,7 +175,13 @@ def print_signin_link(config: Settings, email: str) -> None:
 
 def watch(
     ctx: typer.Context,
-    heartbeats: Annotated[bool, typer.Option(help="Also print every heartbeat (postgres_changes).")] = False,
+    heartbeats: Annotated[
+        bool,
+        typer.Option(
+            help="Also print every change of a node's row (postgres_changes): a heartbeat that changes"
+            " nothing writes none."
+        ),
+    ] = False,
     count: Annotated[int | None, typer.Option(help="Exit after this many events.", min=1)] = None,
     timeout: Annotated[float | None, typer.Option(help="Exit after this many seconds.", min=0)] = None,
 ) -> None:

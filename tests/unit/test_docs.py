@@ -1,10 +1,10 @@
 """The docs: short, placed in time, linked, and their figures read from one source.
 
 Each benchmark's latest run is kept as the JSON it wrote, in docs/figures/, with its date, commit and
-command. The README's Benchmarks table and the tables of docs/benchmarks.md are made from those
-files: what lies between `<!-- figures: NAME -->` and `<!-- /figures -->` is what `BLOCKS[NAME]`
-makes, and a test fails when a page says otherwise. After a run, copy its JSON over the old one and
-rewrite the tables:
+command. The README's Benchmarks table and the tables of docs/benchmarks.md (and the heartbeats' in
+docs/scaling.md) are made from those files: what lies between `<!-- figures: NAME -->` and
+`<!-- /figures -->` is what `BLOCKS[NAME]` makes, and a test fails when a page says otherwise. After
+a run, copy its JSON over the old one and rewrite the tables:
 
     cp bench-results/gateway.json docs/figures/gateway.json
     .venv/bin/python -m tests.unit.test_docs
@@ -594,6 +594,48 @@ def realtime_block() -> str:
     return table(head, rows, right=1) + "\n" + run_line("realtime")
 
 
+def heartbeats_block() -> str:
+    """Each part of the run; then the targets, as the run's summary has them."""
+    report = load("heartbeats")
+    rows = [
+        [
+            "a gateway" if r["path"] == "gateway" else "SQL alone",
+            r["code"],
+            f"{r['nodes']:,}",
+            f"{ms(r['offered_beats_per_s'], 0)} / {ms(r['beats_per_s'], 0)}",
+            ms(r["postgres_cpu_us_per_beat"], 1),
+            ms(r.get("gateway_cpu_us_per_beat"), 1),
+            ms(r["wal_bytes_per_beat"], 0),
+            ms(r["nodes_per_postgres_core"], 0),
+            f"{ms(r['match_p99_ms'])} / {ms(r['quiet_match_p99_ms'])}",
+        ]
+        for r in report["results"]
+    ]
+    head = [
+        "path",
+        "code",
+        "nodes",
+        "beats/s offered / delivered",
+        "Postgres CPU µs per beat",
+        "gateway CPU µs per beat",
+        "WAL bytes per beat",
+        "nodes per Postgres core",
+        "`match_job` p99 under beats / quiet ms",
+    ]
+    said = report["summary"]
+    summary = (
+        f"A batched beat's Postgres CPU over a beat written at once: {said['batched_over_per_beat_cpu_gateway']:.3f}"
+        f"{TIMES} through the gateway, {said['batched_over_per_beat_cpu_sql']:.3f}{TIMES} in SQL alone,"
+        f" {said['batched_over_before_cpu_sql']:.4f}{TIMES} the code before issue 41's; beats the batching"
+        f" gateway delivered over those offered: {said['delivered_over_offered']:.3f}; `match_job` p99 under"
+        f" batched beats over quiet: {said['match_p99_under_beats_over_quiet_sql']:.2f}{TIMES} in SQL alone,"
+        f" {said['match_p99_under_beats_over_quiet_gateway']:.2f}{TIMES} through the gateway (the agents'"
+        f" HTTP on the same two cores), {said['match_p99_under_beats_over_quiet_at_scale']:.2f}{TIMES} at"
+        f" {max(r['nodes'] for r in report['results']):,} nodes."
+    )
+    return table(head, rows, right=2) + "\n" + summary + " " + run_line("heartbeats")
+
+
 def sse_block() -> str:
     result = load("sse")["results"][0]
     rows = [[r["shape"], ms(r["cpu_ms"], 1), ms(r["cpu_ms_per_mib"], 1)] for r in result["shapes"]]
@@ -609,9 +651,12 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "capacity": capacity_block,
     "health": health_block,
     "realtime": realtime_block,
+    "heartbeats": heartbeats_block,
     "sse": sse_block,
 }
-WHERE = {"readme": README}  # the others are in docs/benchmarks.md
+# The heartbeats' figures stand beside their design (docs/benchmarks.md points there); the others are
+# in docs/benchmarks.md.
+WHERE = {"readme": README, "heartbeats": DOCS / "scaling.md"}
 
 
 def made(text: str) -> str:
@@ -665,6 +710,6 @@ def test_a_benchmark_report_says_when_and_on_which_commit(tmp_path: Path) -> Non
 
 
 if __name__ == "__main__":
-    for page in (README, BENCHMARKS):
+    for page in (README, BENCHMARKS, WHERE["heartbeats"]):
         page.write_text(made(page.read_text()))
         print(f"wrote {page.relative_to(ROOT)}'s figures from {FIGURES.relative_to(ROOT)}/")
