@@ -254,6 +254,8 @@ def watch_live(
         before, started = meter.read(), time.monotonic()
         writer.start()
         while results.empty():
+            if not writer.is_alive() and results.empty():
+                raise BenchMapError(f"the writer of changes stopped (exit code {writer.exitcode})")
             page.wait_for_timeout(100)
         _, achieved = results.get()
         writer.join()

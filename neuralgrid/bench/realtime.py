@@ -292,6 +292,8 @@ async def _viewers(
     started = time.monotonic()
     writer.start()
     while results.empty():
+        if not writer.is_alive() and results.empty():
+            raise RuntimeError(f"the writer of changes stopped (exit code {writer.exitcode})")
         await asyncio.sleep(0.1)
     _, achieved = results.get()
     writer.join()
