@@ -440,17 +440,43 @@ def readme_block() -> str:
     )
 
     realtime = one(load("realtime")["results"], subscribers=1000)
+    summary, feed = viewer("summary"), viewer("rows")
     rows.append(
         [
             f"Realtime, 1,000 subscribers, {realtime['changes_per_s']:.0f} changes/s",
             "broadcast p50 / p99; lost",
             f"{ms(realtime['p50_ms'], 1)} / {ms(realtime['p99_ms'], 1)} ms; {realtime['lost']}",
-            "",
-            verdict("p99 ≤ 200 ms", realtime["p99_ms"] <= 200),
+            f"a map viewer: {ms(summary['messages_per_s_per_viewer'])} messages/s (the row feed it"
+            f" replaced: {ms(feed['messages_per_s_per_viewer'])})",
+            verdict("p99 ≤ 200 ms", realtime["p99_ms"] <= 200)
+            + "; "
+            + verdict("≤ 10 messages/s a viewer", summary["messages_per_s_per_viewer"] <= 10),
             run_cell("realtime", base),
         ]
     )
+
+    sizes = sorted(load("map")["results"], key=lambda r: r["nodes"])
+    small, big = sizes[0], sizes[-1]
+    rows.append(
+        [
+            f"the map in Chromium, {big['nodes']:,} nodes",
+            "the fleet first drawn; Realtime messages/s a viewer, statuses changing",
+            f"{ms(big['map_ready_ms'], 0)} ms; {ms(big['live']['messages_per_s'])}",
+            f"{small['nodes']:,} nodes: {ms(small['map_ready_ms'], 0)} ms (ours"
+            f" {times(big['map_ready_ms'], small['map_ready_ms'])})",
+            verdict(f"≤ 2{TIMES} at {small['nodes']:,}", big["map_ready_ms"] <= 2 * small["map_ready_ms"])
+            + "; "
+            + verdict("≤ 10 messages/s", max(r["live"]["messages_per_s"] for r in sizes) <= 10),
+            run_cell("map", base),
+        ]
+    )
     return table(["what", "measure", "figure", "beside it, same run", "target", "run"], rows)
+
+
+def viewer(feed: str) -> dict[str, Any]:
+    """bench realtime's map viewers of a feed, at the most viewers it ran."""
+    viewers = [v for v in load("realtime")["viewers"] if v["feed"] == feed]
+    return max(viewers, key=lambda v: v["viewers"])
 
 
 def gateway_block() -> str:
@@ -591,7 +617,24 @@ def realtime_block() -> str:
         for r in load("realtime")["results"]
     ]
     head = ["subscribers", "changes/s", "delivered", "lost", "p50 ms", "p99 ms", "max ms"]
-    return table(head, rows, right=1) + "\n" + run_line("realtime")
+    feeds = {"summary": "the map's summary (`map:summary`)", "rows": "every row change, as the map before"}
+    seen = [
+        [
+            feeds[v["feed"]],
+            f"{v['viewers']:,}",
+            f"{v['changes_per_s']:.0f}",
+            ms(v["messages_per_s_per_viewer"]),
+            ms(v["bytes_per_s_per_viewer"], 0),
+        ]
+        for v in load("realtime").get("viewers", [])
+    ]
+    viewers = ["map viewers of", "viewers", "changes/s", "messages/s each", "bytes/s each"]
+    return (
+        table(head, rows, right=1)
+        + "\n"
+        + (table(viewers, seen, right=1) + "\n" if seen else "")
+        + run_line("realtime")
+    )
 
 
 def heartbeats_block() -> str:
@@ -636,6 +679,46 @@ def heartbeats_block() -> str:
     return table(head, rows, right=2) + "\n" + summary + " " + run_line("heartbeats")
 
 
+def map_block() -> str:
+    """The map in Chromium at each fleet size (bench map), then its viewers on Realtime (bench realtime)."""
+    results = sorted(load("map")["results"], key=lambda r: r["nodes"])
+    rows = [
+        [
+            f"{r['nodes']:,}",
+            ms(r["first_paint_ms"], 0),
+            ms(r["first_contentful_paint_ms"], 0),
+            f"{ms(r['map_ready_ms'], 0)} ({times(r['map_ready_ms'], results[0]['map_ready_ms'])})",
+            ms(r["js_heap_mb"], 1),
+            f"{r['dom_elements']:,}",
+            ms(r["json_kb"], 1),
+            f"{ms(r['live']['messages_per_s'])} ({ms(r['live']['bytes_per_s'], 0)})",
+            " / ".join(ms(r["live"][f"{k}postgres_cpu_ms_per_s"], 0) for k in ("", "quiet_", "unwatched_")),
+        ]
+        for r in results
+    ]
+    changing = f"{results[0]['live']['changes_per_s']:.0f}"
+    head = [
+        "nodes",
+        "first paint ms",
+        "first contentful paint ms",
+        f"fleet drawn ms (over {results[0]['nodes']:,})",
+        "JS heap MB",
+        "DOM elements",
+        "JSON read KB",
+        f"Realtime messages/s (bytes/s), {changing} statuses/s changing",
+        "Postgres CPU ms/s: changing / at rest / no viewer",
+    ]
+    summary, feed = viewer("summary"), viewer("rows")
+    said = (
+        f"{summary['viewers']} map viewers at {summary['changes_per_s']:.0f} status changes a second"
+        f" (`bench realtime`): {ms(summary['messages_per_s_per_viewer'])} messages and"
+        f" {ms(summary['bytes_per_s_per_viewer'], 0)} bytes a second each on the summary, against"
+        f" {ms(feed['messages_per_s_per_viewer'])} and {ms(feed['bytes_per_s_per_viewer'], 0)} on the"
+        " row feed the map heard before."
+    )
+    return table(head, rows, right=1) + "\n" + said + " " + run_line("map", "realtime")
+
+
 def sse_block() -> str:
     result = load("sse")["results"][0]
     rows = [[r["shape"], ms(r["cpu_ms"], 1), ms(r["cpu_ms_per_mib"], 1)] for r in result["shapes"]]
@@ -651,12 +734,18 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "capacity": capacity_block,
     "health": health_block,
     "realtime": realtime_block,
+    "map": map_block,
     "heartbeats": heartbeats_block,
     "sse": sse_block,
 }
-# The heartbeats' figures stand beside their design (docs/benchmarks.md points there); the others are
-# in docs/benchmarks.md.
-WHERE = {"readme": README, "heartbeats": DOCS / "scaling.md"}
+# The heartbeats' and Realtime's figures stand beside their design, the map's beside its page
+# (docs/benchmarks.md points to each); the others are in docs/benchmarks.md.
+WHERE = {
+    "readme": README,
+    "heartbeats": DOCS / "scaling.md",
+    "realtime": DOCS / "realtime.md",
+    "map": DOCS / "web.md",
+}
 
 
 def made(text: str) -> str:
@@ -710,6 +799,6 @@ def test_a_benchmark_report_says_when_and_on_which_commit(tmp_path: Path) -> Non
 
 
 if __name__ == "__main__":
-    for page in (README, BENCHMARKS, WHERE["heartbeats"]):
+    for page in (README, BENCHMARKS, *sorted(set(WHERE.values()) - {README})):
         page.write_text(made(page.read_text()))
         print(f"wrote {page.relative_to(ROOT)}'s figures from {FIGURES.relative_to(ROOT)}/")
