@@ -49,7 +49,9 @@ def apply(held: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
 
 def checked_at(db_url: str) -> Any:
     with psycopg.connect(db_url) as conn:
-        row = conn.execute("select extract(epoch from checked_at)::float8, seq from public.map_feed").fetchone()
+        row = conn.execute(
+            "select extract(epoch from checked_at)::float8, seq from public.map_feed"
+        ).fetchone()
     assert row is not None
     return row
 
