@@ -158,6 +158,7 @@ async def config(request: Request, services: ServicesDep) -> dict[str, str]:
 
 
 MAX_IDS = 100
+SQL_INT_MAX = 2**31 - 1
 NodeSort = Literal["status", "name", "gpu", "vram", "tflops", "price", "region", "load", "beat"]
 
 
@@ -167,7 +168,7 @@ async def nodes(
     search: Annotated[str, Query(alias="q", max_length=200, description="In a name, GPU or region.")] = "",
     sort: NodeSort = "name",
     desc: bool = False,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,  # node_list() counts in SQL's integer
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ids: Annotated[str | None, Query(max_length=MAX_IDS * 37, description="Comma-separated node ids")] = None,
 ) -> dict[str, Any]:

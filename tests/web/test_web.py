@@ -592,6 +592,14 @@ def test_api_nodes_shows_public_columns_only(conn: psycopg.Connection, gateway: 
     assert not {"endpoint_url", "owner_id", "secret_hash"} & set(row)
 
 
+def test_api_nodes_refuses_an_offset_past_what_sql_counts(gateway: str) -> None:
+    """The fuzz sent offset=61750567224: node_list() takes an integer, and the gateway answered 500."""
+    reply = httpx.get(f"{gateway}/api/nodes", params={"offset": 61750567224})
+    assert reply.status_code in (400, 422), reply.text
+    assert reply.json()["error"]["param"] == "offset" or "offset" in reply.json()["error"]["message"]
+    assert httpx.get(f"{gateway}/api/nodes", params={"offset": 2**31 - 1}).status_code == 200
+
+
 def test_api_stats_aggregates_the_fleet_and_recent_jobs(conn: psycopg.Connection, gateway: str) -> None:
     make_node(conn, "s1", vram_gb=24, tflops=165, hourly_rate=0.40)
     make_node(conn, "s2", vram_gb=24, tflops=165, hourly_rate=0.30)
