@@ -258,7 +258,8 @@ class _Unread:
         return self.read
 
 
-def _object(body: bytes) -> dict[str, Any] | None:
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None when it is not one (the front reads requests with it too)."""
     try:
         request = wire_json.loads(body)
     except ValueError:

@@ -27,11 +27,11 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from neuralgrid.agent.answers import counted_body, renamed_body, rewritten_events, text_answers
+from neuralgrid.agent.answers import counted_body, json_object, renamed_body, rewritten_events, text_answers
 from neuralgrid.agent.backend import Backend
 from neuralgrid.agent.relay import JSON, RelayError, RelayResponse
 from neuralgrid.agent.servers.base import dig
-from neuralgrid.protocol import signing, wire_json
+from neuralgrid.protocol import signing
 from neuralgrid.protocol.routes import route_of
 from neuralgrid.server.serving import Abort
 
@@ -145,7 +145,7 @@ class FrontState:
         request: dict[str, Any] | None = None
         renamed: tuple[str, str] | None = None
         if self.served_names and content_type == JSON:  # without aliases, no request is read
-            request = _object(body)
+            request = json_object(body)
             catalog_id = request.get("model") if request is not None else None
             if request is not None and isinstance(catalog_id, str) and catalog_id in self.served_names:
                 served = self.served_names[catalog_id]
@@ -153,11 +153,11 @@ class FrontState:
                 body = json.dumps(request).encode()
                 renamed = (served, catalog_id) if served != catalog_id else None
         if path == "/v1/completions" and not self.backend.info.echoes and b'"echo"' in body:
-            request = request if request is not None else _object(body)
+            request = request if request is not None else json_object(body)
             if request is not None and request.get("echo") is True:
                 raise Refused(400, f"this node's server ({self.backend.info.kind}) does not echo prompts")
         if self.backend.swaps and content_type == JSON:  # it loads the model a request names: now warm
-            self.backend.note_request(request if request is not None else _object(body))
+            self.backend.note_request(request if request is not None else json_object(body))
         takes_turn = self.fragile
         if takes_turn:
             await self.turn.acquire()
@@ -177,12 +177,12 @@ class FrontState:
         # tokenizer: a server may report the usage of one (llama-server does).
         several = False
         if path in KINDS and b'"n"' in body and self.backend.info.tokenize:
-            request = request if request is not None else _object(body)
+            request = request if request is not None else json_object(body)
             n = request.get("n") if request is not None else None
             several = type(n) is int and n > 1 and text_answers(request or {})
         count = False  # usage is counted only for streams that asked for it
         if sse and path in KINDS and b'"include_usage"' in body:
-            request = request if request is not None else _object(body)
+            request = request if request is not None else json_object(body)
             count = (
                 request is not None
                 and dig(request, "stream_options", "include_usage") is True
@@ -202,14 +202,6 @@ class FrontState:
             answer.chunks = renamed_body(upstream, renamed)
             answer.length = None
         return answer
-
-
-def _object(body: bytes) -> dict[str, Any] | None:
-    try:
-        request = wire_json.loads(body)
-    except ValueError:
-        return None
-    return request if isinstance(request, dict) else None
 
 
 _SIGNATURE = signing.HEADER.encode()
