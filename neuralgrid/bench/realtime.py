@@ -55,6 +55,28 @@ def _frame(text: str) -> bytes:
     return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
 
 
+def _ws_payloads(buf: bytes) -> tuple[list[bytes], int]:
+    """The payloads of the whole server frames (unmasked) at the start of `buf`, and how many of its
+    bytes they took: a frame cut short waits for the rest."""
+    payloads: list[bytes] = []
+    offset = 0
+    while len(buf) - offset >= 2:
+        size, start = buf[offset + 1] & 0x7F, offset + 2
+        if size == 126:
+            if len(buf) - offset < 4:
+                break
+            size, start = int.from_bytes(buf[offset + 2 : offset + 4], "big"), offset + 4
+        elif size == 127:
+            if len(buf) - offset < 10:
+                break
+            size, start = int.from_bytes(buf[offset + 2 : offset + 10], "big"), offset + 10
+        if len(buf) < start + size:
+            break
+        payloads.append(buf[start : start + size])
+        offset = start + size
+    return payloads, offset
+
+
 class Subscriber(asyncio.Protocol):
     """One subscriber: upgrade, join node-map, then note (node id, status, arrival) of each update."""
 
@@ -92,22 +114,8 @@ class Subscriber(asyncio.Protocol):
             buf = buf[end + 4 :]
             join = {"topic": "realtime:node-map", "event": "phx_join", "ref": "1", "join_ref": "1"}
             self.transport.write(_frame(json.dumps({**join, "payload": {"config": {}}})))
-        offset = 0
-        while len(buf) - offset >= 2:
-            size = buf[offset + 1] & 0x7F
-            start = offset + 2
-            if size == 126:
-                if len(buf) - offset < 4:
-                    break
-                size, start = int.from_bytes(buf[offset + 2 : offset + 4], "big"), offset + 4
-            elif size == 127:
-                if len(buf) - offset < 10:
-                    break
-                size, start = int.from_bytes(buf[offset + 2 : offset + 10], "big"), offset + 10
-            if len(buf) < start + size:
-                break
-            payload = buf[start : start + size]
-            offset = start + size
+        payloads, used = _ws_payloads(buf)
+        for payload in payloads:
             if not self.is_member:
                 if b'"phx_reply"' in payload:
                     self.is_member = True
@@ -116,7 +124,7 @@ class Subscriber(asyncio.Protocol):
             match = _NODE.search(payload)
             if match:
                 self.arrivals.append((match[1], match[2], now))
-        self.buffer = buf[offset:]
+        self.buffer = buf[used:]
 
 
 def write_changes(db_url: str, rate: int, seconds: float, results: Any) -> None:
@@ -226,29 +234,16 @@ class Viewer(asyncio.Protocol):
             buf = buf[end + 4 :]
             join = {"topic": f"realtime:{self.topic}", "event": "phx_join", "ref": "1", "join_ref": "1"}
             self.transport.write(_frame(json.dumps({**join, "payload": {"config": self.config}})))
-        offset = 0
-        while len(buf) - offset >= 2:
-            size, start = buf[offset + 1] & 0x7F, offset + 2
-            if size == 126:
-                if len(buf) - offset < 4:
-                    break
-                size, start = int.from_bytes(buf[offset + 2 : offset + 4], "big"), offset + 4
-            elif size == 127:
-                if len(buf) - offset < 10:
-                    break
-                size, start = int.from_bytes(buf[offset + 2 : offset + 10], "big"), offset + 10
-            if len(buf) < start + size:
-                break
-            payload = buf[start : start + size]
-            offset = start + size
+        payloads, used = _ws_payloads(buf)
+        for payload in payloads:
             if not self.is_member:
                 if b'"phx_reply"' in payload:
                     self.is_member = True
                     self.joined()
                 continue
             self.frames += 1
-            self.bytes += size
-        self.buffer = buf[offset:]
+            self.bytes += len(payload)
+        self.buffer = buf[used:]
 
 
 # What a map viewer subscribes to: the summary (issue 41), or every row change as the map did before
