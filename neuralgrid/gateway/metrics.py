@@ -71,6 +71,11 @@ class Metrics:
         self.failovers = Counter(
             "neuralgrid_failovers_total", "Moves to a fallback node.", registry=self.registry
         )
+        self.leased = Counter(
+            "neuralgrid_leased_placements_total",
+            "Requests placed on a slot this gateway leases, with no round trip to Postgres.",
+            registry=self.registry,
+        )
         self.resumes = Counter(
             "neuralgrid_stream_resumes_total",
             "Streams a node dropped after their first byte, resumed on another node.",

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -41,10 +43,14 @@ from neuralgrid.gateway.errors import (
     from_http,
     invalid,
 )
+from neuralgrid.gateway.escrow import Escrows
 from neuralgrid.gateway.heartbeats import Heartbeats
+from neuralgrid.gateway.journal import Journal, Spool, replay_orphans
+from neuralgrid.gateway.leases import LeaseBook, keep_renewing
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
+from neuralgrid.gateway.pipeline.leased import LeasedJobs
 from neuralgrid.gateway.pipeline.meter import Metering
 from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.relay import JobDeadline, Relay
@@ -144,8 +150,13 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         internal_url = forwarding.internal_url(settings)
         # Known before it places a job or holds a tunnel; and the job deadline, before it relays a stream.
         deadline = JobDeadline((await check_in(store, gateway_id, internal_url)).job_deadline_s)
+        leased = None
+        if settings.leases:  # first what gateways that died here left unwritten
+            spool = settings.spool / hashlib.sha256(database_url.encode()).hexdigest()[:16]  # this database's
+            await replay_orphans(store, spool)
+            leased = _leased(store, gateway_id, spool, room)
         pipeline = _pipeline(
-            settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id, deadline
+            settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id, deadline, leased
         )
         hub = Hub(pool, session_url)
         tokens = TokenKeys(
@@ -179,6 +190,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             ),
             asyncio.create_task(heartbeats.run(stop)),
         ]
+        if leased is not None:
+            tasks.append(asyncio.create_task(leased.journal.run(stop)))
+            tasks.append(asyncio.create_task(keep_renewing(leased.book, stop, leased.renew)))
         if await store.get(q.REALTIME_FEED_INSTALLED):
             tasks.append(asyncio.create_task(hub.run(stop)))
             # Serve only once the Realtime feed listens, so no change committed after startup is missed.
@@ -203,6 +217,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             await pipeline.drain()
+            if leased is not None:  # what is still unwritten stays in the spool for the next gateway
+                await leased.drain()
             limiter.close()
             await nodes.close()
             await peers.close()
@@ -289,6 +305,13 @@ def _missed(keys: KeyStore, room: WaitingRoom, heartbeats: Heartbeats) -> None:
     heartbeats.forget_all()
 
 
+def _leased(store: Store, gateway_id: uuid.UUID, spool: Path, room: WaitingRoom) -> LeasedJobs:
+    """Leases and what is served from them, on the general pool: records of jobs written behind
+    commit durably (the request path's pool may commit asynchronously), as they leave the spool."""
+    journal = Journal(store, gateway_id, Spool(spool, gateway_id))
+    return LeasedJobs(store, gateway_id, LeaseBook(), Escrows(), journal, Catalog(store), room.slot_freed)
+
+
 def _pipeline(
     settings: Settings,
     store: Store,
@@ -299,11 +322,14 @@ def _pipeline(
     room: WaitingRoom,
     gateway_id: uuid.UUID,
     deadline: JobDeadline,
+    leased: LeasedJobs | None = None,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
-    metering = Metering(Completions(store), limiter, metrics)
+    metering = Metering(Completions(store), limiter, metrics, leased)
     claims = Claims(store, gateway_id, abandon=metering.abandon)
-    placement = Placement(store, claims, metrics, settings.max_attempts, room, settings.queue_timeout_s)
+    placement = Placement(
+        store, claims, metrics, settings.max_attempts, room, settings.queue_timeout_s, leased
+    )
     sender = Sender(
         nodes,
         tunnels,

@@ -33,6 +33,13 @@ class Settings(BaseSettings):
     # if that is less): see gateway/heartbeats.py. 0: each beat at once, one statement a beat.
     heartbeat_flush_s: float = Field(1.0, alias="NEURALGRID_HEARTBEAT_FLUSH_S", ge=0, le=60)
 
+    # Slots leased from Postgres and spent here, jobs written behind (docs/scaling.md#far-from-the-
+    # database-leases); off: every request is placed in SQL, one round trip. Records not yet written
+    # wait in the spool folder (unset: <NEURALGRID_HOME>/spool), where a gateway that dies leaves them
+    # for the next one started on this machine.
+    leases: bool = Field(True, alias="NEURALGRID_LEASES")
+    spool_dir: Path | None = Field(None, alias="NEURALGRID_SPOOL_DIR")
+
     host: str = Field("127.0.0.1", alias="NEURALGRID_HOST")
     port: int = Field(8080, alias="NEURALGRID_PORT", ge=1, le=65535)
     jwt_secret: str = Field(PLACEHOLDER_SECRET, alias="NEURALGRID_JWT_SECRET")
@@ -106,6 +113,10 @@ class Settings(BaseSettings):
         NEURALGRID_JWT_SECRET: every gateway derives the same, and no key reveals another."""
         secret = self.internal_secret or self.jwt_secret
         return hmac.new(secret.encode(), label, hashlib.sha256).digest()
+
+    @property
+    def spool(self) -> Path:
+        return (self.spool_dir or self.home / "spool").expanduser()
 
     @property
     def signing_keys_url(self) -> str | None:

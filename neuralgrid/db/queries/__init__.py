@@ -14,6 +14,7 @@ modules' `__all__`. Two parts keep their own SQL because it is about Postgres it
 platform's data: the migration runner (db/migrate.py) and the Realtime server (realtime/sql.py).
 """
 
+from neuralgrid.db.queries.dispatch import *  # noqa: F403
 from neuralgrid.db.queries.gateways import *  # noqa: F403
 from neuralgrid.db.queries.jobs import *  # noqa: F403
 from neuralgrid.db.queries.keys import *  # noqa: F403

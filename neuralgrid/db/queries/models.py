@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 
 from psycopg.rows import class_row
 
@@ -20,14 +21,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelKind:
-    """A catalog model's kind (chat, completion, embedding…) and context length in tokens."""
+    """A catalog model's kind (chat, completion, embedding…), context length in tokens and
+    per-token prices (USD per million; None: unpriced)."""
 
     id: str
     kind: str
     context_length: int
+    input_usd_per_mtok: Decimal | None = None
+    output_usd_per_mtok: Decimal | None = None
 
 
-MODEL_KINDS = Query("model_kinds", "select id, kind, context_length from public.models", class_row(ModelKind))
+MODEL_KINDS = Query(
+    "model_kinds",
+    "select id, kind, context_length, input_usd_per_mtok, output_usd_per_mtok from public.models",
+    class_row(ModelKind),
+)
 
 
 @dataclass(frozen=True)

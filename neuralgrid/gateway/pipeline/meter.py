@@ -10,7 +10,8 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
@@ -21,6 +22,9 @@ from neuralgrid.gateway.completions import Completions, NotWritten
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.ratelimit import BYTES_PER_TOKEN, RateLimiter, TokenHold
 from neuralgrid.protocol.sse import Usage
+
+if TYPE_CHECKING:
+    from neuralgrid.gateway.pipeline.leased import LeasedJobs
 
 log = logging.getLogger(__name__)
 # How long an answer is held for its job's ending to be written (its node's slot freed) before it is
@@ -70,7 +74,14 @@ class Metering:
     """Ends jobs in tasks of its own: a client that leaves cannot cancel the write. A delivered
     answer waits for its write (end()), which completions.py batches with the others under way."""
 
-    def __init__(self, completions: Completions, limiter: RateLimiter, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        completions: Completions,
+        limiter: RateLimiter,
+        metrics: Metrics,
+        leased: LeasedJobs | None = None,
+    ) -> None:
+        self.leased = leased  # jobs served from this gateway's leases, ended behind
         self.completions = completions
         self.limiter = limiter
         self.metrics = metrics
@@ -124,10 +135,15 @@ class Metering:
             error=error,
         )
         tokens = usage.prompt_tokens + usage.completion_tokens
+        # A leased job's slot is free once given back here: its end is written behind, and the
+        # answer does not wait for it.
+        behind = None if self.leased is None else self.leased.end(end)
+        if behind is not None and not written.done():
+            written.set_result(None)
         try:
             # The key's tpm is settled alongside the write, so both are done when the answer goes.
             recorded, settled = await asyncio.gather(
-                self.completions.record(end),
+                self.completions.record(end) if behind is None else behind,
                 self.limiter.settle(meter.tpm_hold, tokens),
                 return_exceptions=True,
             )
@@ -143,7 +159,7 @@ class Metering:
         if isinstance(settled, BaseException):
             log.error("could not settle the tpm charge of job %s", meter.job_id, exc_info=settled)
         self.metrics.count(meter.node_id, outcome)
-        cost = recorded if isinstance(recorded, float) else None
+        cost = float(recorded) if isinstance(recorded, float | Decimal) else None
         self.metrics.ended(meter.model, outcome, usage, cost, self._timings(meter, outcome, usage, now))
 
     @staticmethod

@@ -18,6 +18,7 @@ from neuralgrid.gateway.claims import Claims
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
+from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
 from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
@@ -55,7 +56,9 @@ class Placement:
         max_attempts: int,
         room: WaitingRoom,
         queue_timeout_s: float,
+        leased: LeasedJobs | None = None,
     ) -> None:
+        self.leased = leased  # this gateway's leases: None places every request in SQL
         self.store = store
         self.claims = claims
         self.metrics = metrics
@@ -84,18 +87,23 @@ class Placement:
         # The most it pays for a node: a request waits behind those that could take any it could.
         reach = math.inf if call.max_hourly_rate is None else call.max_hourly_rate
         seen = self.room.announcements
-        match = None
-        if not self.room.blocked(line, reach):  # nobody ahead of it in line: ask at once
-            match = await self._match(params)
+        match: q.Match | Dispatched | None = None
+        if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
+            match = await self._lease(admitted, request.route) or await self._match(params)
         waited = 0.0
         try:
-            if match is None or match.busy:
+            if match is None or (isinstance(match, q.Match) and match.busy):
                 queued = time.perf_counter()
                 try:
-                    match = await self._wait(call.model, line, call.key.id, reach, params, seen, call.gone)
+                    match = await self._wait(
+                        call.model, line, call.key.id, reach, params, seen, call.gone, admitted, request.route
+                    )
                 finally:
                     waited = time.perf_counter() - queued
             self.metrics.queue_wait.observe(waited)
+            if isinstance(match, Dispatched):
+                self.metrics.leased.inc()
+                return self._from_lease(match, admitted, waited)
             if match.refusal == "route":  # no wait makes a node serve another route
                 raise errors.RouteNotServed(_not_served(request, match.error))
             if match.node_id is None or match.endpoint_url is None:
@@ -109,6 +117,18 @@ class Placement:
         speeds = dict(zip([match.node_id, *match.fallback_ids], match.tokens_per_s, strict=False))
         return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
 
+    async def _lease(self, admitted: Admitted, route: str | None) -> Dispatched | None:
+        """A slot this gateway leases, with no round trip (leased.py); None: ask SQL."""
+        if self.leased is None or (lane := self.leased.lane(admitted)) is None:
+            return None
+        return await self.leased.dispatch(admitted, lane, route)
+
+    def _from_lease(self, dispatched: Dispatched, admitted: Admitted, waited: float) -> Placed:
+        lease = dispatched.taken.lease
+        node = Node(lease.node_id, lease.url, lease.key, 1)
+        speeds = {lease.node_id: lease.tokens_per_s}
+        return Placed(dispatched.job_id, node, dispatched.fallbacks, admitted, waited, speeds)
+
     async def _wait(
         self,
         model: str,
@@ -118,15 +138,22 @@ class Placement:
         params: dict[str, object],
         seen: int,
         gone: Callable[[], Awaitable[object]] | None,
-    ) -> q.Match:
+        admitted: Admitted,
+        route: str | None,
+    ) -> q.Match | Dispatched:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
 
-        async def ask() -> q.Match | None:
+        async def ask() -> q.Match | Dispatched | None:
+            dispatched = await self._lease(admitted, route)
+            if dispatched is not None:
+                return dispatched
             match = await self._match(params)
             return None if match.busy else match
 
         try:
-            match = await self.room.wait(line, key_id, deadline, ask, seen, gone, reach)
+            match: q.Match | Dispatched | None = await self.room.wait(
+                line, key_id, deadline, ask, seen, gone, reach
+            )
         except ClientLeft:
             raise errors.ClientGone("the client hung up while its request waited for a slot") from None
         except LineFull as full:
@@ -137,7 +164,9 @@ class Placement:
             ) from None
         if match is None:  # the deadline: one last ask, which records the refusal if it is one
             self.metrics.queue_refused.labels("deadline").inc()
-            match = await self._match({**params, "wait": False})
+            match = await self._lease(admitted, route) or await self._match({**params, "wait": False})
+            if isinstance(match, Dispatched):
+                return match
             if match.node_id is None and match.refusal != "route":  # that one: said by place()
                 raise errors.NoCapacity(match.error or f"no node for {model}", retry_after=1)
         return match
@@ -151,7 +180,12 @@ class Placement:
     async def failover(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]
     ) -> Node | None:
-        """The next node, or None: then failover_job() has ended the job as failed."""
+        """The next node, or None: then failover_job() has ended the job as failed. A leased job
+        moves to another slot leased here when there is one (leased.py)."""
+        if self.leased is not None and self.leased.holds(job_id):
+            moved = await self.leased.move(job_id, error, status)
+            if moved is not None:
+                return _node(moved)
         return _node(await self.store.one(q.FAILOVER_JOB, (job_id, error, status, candidates)))
 
     async def handoff(
@@ -159,6 +193,7 @@ class Placement:
     ) -> Node | None:
         """The next node, or None: then handoff_job() has left the job as it was. Status 421 (the
         gateway holding the node's tunnel broke off) ends the dropped attempt neutral for the node."""
+        await self._to_database(job_id)
         return _node(await self.store.one(q.HANDOFF_JOB, (job_id, error, status, candidates)))
 
     async def continuing(self, candidates: list[UUID]) -> list[UUID]:
@@ -166,7 +201,15 @@ class Placement:
         return await self.store.all(q.CONTINUING_NODES, (candidates,))
 
     async def reject(self, job_id: UUID, error: str, status: int | None) -> None:
+        await self._to_database(job_id)
         await self.store.one(q.REJECT_JOB, (job_id, error, status))
+
+    async def _to_database(self, job_id: UUID) -> None:
+        """A leased job that SQL moves or ends from here on: written first, its leased slot freed
+        here (SQL's attempt on it ends without freeing one: the lease holds it)."""
+        if self.leased is not None and self.leased.holds(job_id):
+            await self.leased.to_database(job_id)
+            self.leased.release(job_id)
 
 
 def _not_served(request: q.MatchRequest, error: str | None) -> str:

@@ -1,0 +1,344 @@
+"""Jobs dispatched from leases, written behind: record_jobs() in batches, one call in flight at a
+time (the group commit of completions.py), starts and ends alike.
+
+A job's id is made here when it is dispatched. Its start and its end are appended to a spool file
+before they are queued, and kept in memory until Postgres has committed them: record_jobs() is
+idempotent (a job recorded or ended twice is recorded or ended once), so a record is retried
+through a database outage until it lands, and a gateway that dies leaves its records in its spool.
+A gateway that starts writes the spools of dead gateways first (a live gateway holds a lock on its
+own), under the dead gateway's id, so that the sweep ends what that gateway left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.queries import JobEnd
+from neuralgrid.db.store import Store
+
+log = logging.getLogger(__name__)
+
+BATCH = 500  # records per record_jobs() call
+SEGMENT_BYTES = 4 << 20  # a spool file is closed and a new one begun past this size
+RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is unavailable
+
+
+@dataclass
+class JobRecord:
+    """A leased job as record_jobs() takes it: its start, and its end once it has one."""
+
+    id: UUID
+    key: UUID | None
+    model: str
+    policy: str
+    region: str | None
+    stream: bool
+    node: UUID
+    started_at: datetime
+    hold_usd: Decimal
+    end_user: str | None
+    end: JobEnd | None = None
+    segment: int = -1  # the spool file its last line went to (-1: none, or committed)
+    start_written: bool = False
+    dirty: bool = True  # something of it is not yet committed
+    written: asyncio.Future[Decimal | None] | None = field(default=None, repr=False)
+
+    def as_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "id": str(self.id),
+            "key": None if self.key is None else str(self.key),
+            "model": self.model,
+            "policy": self.policy,
+            "region": self.region,
+            "stream": self.stream,
+            "node": str(self.node),
+            "started_at": self.started_at.isoformat(),
+            "hold_usd": str(self.hold_usd),
+            "end_user": self.end_user,
+            "end": None,
+        }
+        if self.end is not None:
+            record["end"] = {
+                "status": self.end.status,
+                "prompt_tokens": self.end.prompt_tokens,
+                "completion_tokens": self.end.completion_tokens,
+                "ttft_ms": self.end.ttft_ms,
+                "latency_ms": self.end.latency_ms,
+                "error": self.end.error,
+            }
+        return record
+
+
+class Spool:
+    """Append-only files of what is not yet committed, one set per gateway, locked while it lives."""
+
+    def __init__(self, folder: Path, gateway_id: UUID) -> None:
+        self.folder = folder
+        self.gateway_id = gateway_id
+        folder.mkdir(parents=True, exist_ok=True)
+        self.segment = 0
+        self._open: dict[int, int] = {}  # segment -> records in it not yet committed
+        self._fd = self._begin(0)
+
+    def _path(self, segment: int) -> Path:
+        return self.folder / f"{self.gateway_id}.{segment}.jsonl"
+
+    def _begin(self, segment: int) -> int:
+        fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends, however
+        self._open[segment] = 0
+        return fd
+
+    def append(self, record: JobRecord) -> None:
+        """The record's line, in the current file. os.write reaches the kernel at once: a killed
+        process loses nothing written; sync() makes it survive the machine too."""
+        if os.fstat(self._fd).st_size > SEGMENT_BYTES:
+            old = self._fd
+            self.segment += 1
+            self._fd = self._begin(self.segment)
+            self._retire(self.segment - 1, old)
+        os.write(self._fd, (json.dumps(record.as_json()) + "\n").encode())
+        if record.segment != self.segment:  # its latest line is here now: an older file may go
+            self._open[self.segment] = self._open.get(self.segment, 0) + 1
+            self._committed(record.segment)
+            record.segment = self.segment
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def committed(self, record: JobRecord) -> None:
+        """A record Postgres now holds whole: its files may go once nothing else in them waits."""
+        self._committed(record.segment)
+        record.segment = -1
+
+    def _committed(self, segment: int) -> None:
+        if segment < 0 or segment not in self._open:
+            return
+        self._open[segment] -= 1
+        if self._open[segment] <= 0 and segment != self.segment:
+            self._remove(segment)
+        elif self._open[segment] <= 0 and segment == self.segment:
+            os.ftruncate(self._fd, 0)  # everything in it is in Postgres
+            self._open[segment] = 0
+
+    def _retire(self, segment: int, fd: int) -> None:
+        os.close(fd)
+        if self._open.get(segment, 0) <= 0:
+            self._remove(segment)
+
+    def _remove(self, segment: int) -> None:
+        self._open.pop(segment, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._path(segment).unlink()
+
+    def close(self, empty: bool) -> None:
+        os.close(self._fd)
+        if empty:
+            for segment in list(self._open):
+                self._remove(segment)
+
+
+def orphaned_spools(folder: Path) -> dict[UUID, list[Path]]:
+    """The spool files of gateways that are gone (nobody holds their lock), per gateway."""
+    found: dict[UUID, list[Path]] = {}
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.jsonl")):
+        gateway, _, _ = path.name.partition(".")
+        try:
+            gateway_id = UUID(gateway)
+        except ValueError:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live gateway's
+        finally:
+            os.close(fd)
+        found.setdefault(gateway_id, []).append(path)
+    return found
+
+
+def read_spool(paths: list[Path]) -> list[dict[str, Any]]:
+    """The last line of each job in the files (a later line has all an earlier one had)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by a crash
+                record = json.loads(line)
+                if isinstance(record, dict) and isinstance(record.get("id"), str):
+                    if record.get("end") is None and record["id"] in latest:
+                        continue  # never let a start undo an end
+                    latest[record["id"]] = record
+    return list(latest.values())
+
+
+class Journal:
+    def __init__(self, store: Store, gateway_id: UUID, spool: Spool | None) -> None:
+        self.store = store
+        self.gateway_id = gateway_id
+        self.spool = spool
+        self._records: dict[UUID, JobRecord] = {}
+        self._wake = asyncio.Event()
+        self._flushed = asyncio.Condition()
+        self.lock = asyncio.Lock()  # one write at a time, renewals included (escrow.py)
+        # Told of each record committed, and whether its start is new to Postgres.
+        self.on_commit: list[Callable[[JobRecord, bool], None]] = []
+
+    def start(self, record: JobRecord) -> None:
+        self._records[record.id] = record
+        self._queue(record)
+
+    def end(self, job_id: UUID, end: JobEnd) -> asyncio.Future[Decimal | None]:
+        """Queue a leased job's end; the future gets its cost once Postgres has written it."""
+        written: asyncio.Future[Decimal | None] = asyncio.get_running_loop().create_future()
+        record = self._records.get(job_id)
+        if record is None:  # refused when its start was written (logged then)
+            written.set_result(None)
+            return written
+        record.end = end
+        record.written = written
+        self._queue(record)
+        return written
+
+    def leased(self, job_id: UUID) -> bool:
+        record = self._records.get(job_id)
+        return record is not None and record.end is None
+
+    def _queue(self, record: JobRecord) -> None:
+        record.dirty = True
+        if self.spool is not None:
+            self.spool.append(record)
+        self._wake.set()
+
+    async def written(self, job_id: UUID) -> None:
+        """Wait until the job's start is in Postgres (before SQL moves the job on)."""
+        async with self._flushed:
+            await self._flushed.wait_for(lambda: self._start_written(job_id))
+
+    async def hand_over(self, job_id: UUID) -> None:
+        """The job leaves the journal for the database's own path (failover_job() moves it on, and
+        complete_jobs() ends it): its start written, it is forgotten here."""
+        self._wake.set()
+        await self.written(job_id)
+        record = self._records.pop(job_id, None)
+        if record is not None and self.spool is not None:
+            self.spool.committed(record)
+
+    def _start_written(self, job_id: UUID) -> bool:
+        record = self._records.get(job_id)
+        return record is None or record.start_written
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Write what is queued until stop is set, then what is left (drain())."""
+        while not stop.is_set():
+            stopping = asyncio.ensure_future(stop.wait())
+            waking = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({stopping, waking}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            waking.cancel()
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write every queued record, a batch at a time, retrying while the database is away."""
+        while batch := [r for r in self._records.values() if r.dirty][:BATCH]:
+            tries = 0
+            while True:
+                try:
+                    async with self.lock:
+                        await self._write(batch)
+                    break
+                except (psycopg.OperationalError, OSError) as err:
+                    pause = RETRY_S[min(tries, len(RETRY_S) - 1)]
+                    if tries == 1:
+                        log.warning("could not write %d job records (%s): retrying", len(batch), err)
+                    tries += 1
+                    await asyncio.sleep(pause)
+                except (psycopg.Error, DatabaseError):
+                    if len(batch) == 1:
+                        log.error("job record %s refused; dropped", batch[0].id, exc_info=True)
+                        self._done(batch[0], None, refused=True)
+                        break
+                    for record in batch:  # the one at fault fails alone
+                        with contextlib.suppress(psycopg.Error, DatabaseError):
+                            async with self.lock:
+                                await self._write([record])
+                    break
+
+    async def _write(self, batch: list[JobRecord]) -> None:
+        if self.spool is not None:
+            await asyncio.to_thread(self.spool.sync)
+        sent = {r.id: (r.end is not None) for r in batch}
+        for record in batch:
+            record.dirty = False
+        try:
+            rows = await self.store.all(
+                q.RECORD_JOBS, (self.gateway_id, json.dumps([r.as_json() for r in batch]))
+            )
+        except BaseException:
+            for record in batch:
+                record.dirty = True
+            raise
+        costs = {row.job_id: row.cost_usd for row in rows}
+        for record in batch:
+            first = not record.start_written
+            record.start_written = True
+            for told in self.on_commit:
+                told(record, first)
+            if sent[record.id] and not record.dirty:
+                self._done(record, costs.get(record.id))
+        async with self._flushed:
+            self._flushed.notify_all()
+
+    def _done(self, record: JobRecord, cost: Decimal | None, refused: bool = False) -> None:
+        record.start_written = True
+        record.dirty = False
+        self._records.pop(record.id, None)
+        if self.spool is not None:
+            self.spool.committed(record)
+        if record.written is not None and not record.written.done():
+            record.written.set_result(None if refused else cost)
+
+    def pending(self) -> int:
+        return sum(1 for r in self._records.values() if r.dirty)
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close(empty=not self._records)
+
+
+async def replay_orphans(store: Store, folder: Path) -> int:
+    """Write what dead gateways left in their spools, as theirs; returns how many records."""
+    replayed = 0
+    for gateway_id, paths in orphaned_spools(folder).items():
+        records = read_spool(paths)
+        try:
+            for i in range(0, len(records), BATCH):
+                await store.all(q.RECORD_JOBS, (gateway_id, json.dumps(records[i : i + BATCH])))
+        except (psycopg.Error, DatabaseError):  # kept for the next start; this one serves
+            log.error("could not write the spool of stopped gateway %s; kept", gateway_id, exc_info=True)
+            continue
+        replayed += len(records)
+        for path in paths:
+            path.unlink(missing_ok=True)
+        if records:
+            log.info("wrote %d job records a stopped gateway (%s) had not", len(records), gateway_id)
+    return replayed

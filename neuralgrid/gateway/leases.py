@@ -1,0 +1,209 @@
+"""Slots this gateway holds on nodes, leased from Postgres, spent here without asking it.
+
+SQL decides (renew_leases(): which nodes, how many slots, ranked as score_nodes() ranks them, this
+gateway's fair share of each lane); this module only counts. A request takes a free slot of its lane
+on the best ranked node that has one and gives it back when it ends. Once a second the gateway
+renews every lane in one call, saying how many slots it wants and how many of each lease are in use
+(docs/scaling.md#far-from-the-database-leases).
+
+A lease is used only until this gateway's own reckoning of its end: the renewal's send time plus
+lease_s, less a margin. Postgres counts from its commit, later than that, so a gateway that cannot
+renew stops dispatching before SQL could hand its slots to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from uuid import UUID
+
+import psycopg
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.errors import DatabaseError
+from neuralgrid.db.store import Store
+
+log = logging.getLogger(__name__)
+
+RENEW_EVERY_S = 1.0
+MARGIN_S = 0.5  # a lease is not used in its last half second, by this gateway's clock
+IDLE_S = 10.0  # a lane nobody asked for in this long is no longer wanted: its slots go back
+DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwise
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What a gateway leases slots for: a model under a policy, in a region ('' for none)."""
+
+    model: str
+    policy: str
+    region: str = ""
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"model": self.model, "policy": self.policy, "region": self.region or None}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Slots of one node, for one lane, as the last renewal returned them."""
+
+    lane: Lane
+    node_id: UUID
+    url: str
+    key: bytes | None
+    slots: int
+    rank: int
+    tokens_per_s: float | None
+    routes: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One leased slot in use by one request."""
+
+    lease: Lease
+
+    @property
+    def node_id(self) -> UUID:
+        return self.lease.node_id
+
+
+class LeaseBook:
+    """The leases this gateway holds, and how many of each slot are in use."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.lease_s = DEFAULT_LEASE_S
+        self._ranked: dict[Lane, list[Lease]] = {}
+        self._usable_until = float("-inf")
+        # In use per (lane, node): kept apart from the leases, since a request goes on on a node
+        # that a renewal no longer returns (cooling down, say) and its slot is still reported in use.
+        self._in_use: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._peak: dict[Lane, int] = {}  # most in use (or wanted) at once since the last renewal
+        self._asked_at: dict[Lane, float] = {}
+
+    def take(self, lane: Lane, route: str | None, exclude: Iterable[UUID] = ()) -> Taken | None:
+        """A free slot of the lane on the best ranked node serving `route` (None: any), or None."""
+        now = self.clock()
+        self._asked_at[lane] = now
+        in_use = self._lane_in_use(lane)
+        self._peak[lane] = max(self._peak.get(lane, 0), in_use + 1)
+        if now >= self._usable_until:
+            return None
+        skip = set(exclude)
+        for lease in self._ranked.get(lane, ()):
+            if lease.node_id in skip or (route is not None and route not in lease.routes):
+                continue
+            if self._in_use[(lane, lease.node_id)] < lease.slots:
+                self._in_use[(lane, lease.node_id)] += 1
+                return Taken(lease)
+        return None
+
+    def give_back(self, taken: Taken) -> None:
+        key = (taken.lease.lane, taken.node_id)
+        self._in_use[key] -= 1
+        if self._in_use[key] <= 0:
+            del self._in_use[key]
+
+    def others(self, lane: Lane, node_id: UUID) -> list[UUID]:
+        """The lane's other leased nodes, in rank order: a job's fallbacks."""
+        return [lease.node_id for lease in self._ranked.get(lane, ()) if lease.node_id != node_id]
+
+    def _lane_in_use(self, lane: Lane) -> int:
+        return sum(n for (held, _), n in self._in_use.items() if held == lane)
+
+    def lanes(self) -> list[dict[str, object]]:
+        """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
+        slots it wants (its busiest moment since the last renewal, and one spare) and its slots in
+        use per node. Starts the next period's count."""
+        now = self.clock()
+        wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
+        wanted |= {lane for lane, _ in self._in_use}
+        report: list[dict[str, object]] = []
+        for lane in sorted(wanted, key=lambda held: (held.model, held.policy, held.region)):
+            in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
+            busiest = max(self._peak.get(lane, 0), sum(in_use.values()))
+            idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
+            want = sum(in_use.values()) if idle else busiest + 1
+            report.append({**lane.as_json(), "want": want, "in_use": in_use})
+        self._peak = {lane: self._lane_in_use(lane) for lane in wanted}
+        for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
+            del self._asked_at[lane]
+        return report
+
+    def renewed(self, rows: Iterable[q.LeaseRow], sent_at: float, lease_s: float) -> None:
+        """What a renewal returned: the leases held now, usable until `sent_at` (this clock) plus
+        the lease's length, less the margin."""
+        ranked: dict[Lane, list[Lease]] = defaultdict(list)
+        for row in rows:
+            lane = Lane(row.model_id, row.policy, row.region or "")
+            ranked[lane].append(
+                Lease(
+                    lane,
+                    row.node_id,
+                    row.endpoint_url,
+                    None if row.node_key is None else bytes(row.node_key),
+                    row.slots,
+                    row.rank,
+                    row.tokens_per_s,
+                    frozenset(row.routes or ()),
+                )
+            )
+        for leases in ranked.values():
+            leases.sort(key=lambda lease: lease.rank)
+        self.lease_s = lease_s
+        self._ranked = dict(ranked)
+        self._usable_until = sent_at + lease_s - MARGIN_S
+
+    def lapse(self) -> None:
+        """No renewal can be trusted (the database is unreachable): nothing more is dispatched from
+        leases; what is in use goes on."""
+        self._usable_until = float("-inf")
+
+    def holds(self, lane: Lane) -> bool:
+        return self.clock() < self._usable_until and bool(self._ranked.get(lane))
+
+    def held(self) -> dict[str, int]:
+        """Slots held per model now (for /metrics and the tests)."""
+        counts: dict[str, int] = defaultdict(int)
+        if self.clock() < self._usable_until:
+            for lane, leases in self._ranked.items():
+                counts[lane.model] += sum(lease.slots for lease in leases)
+        return dict(counts)
+
+
+async def renew(store: Store, gateway_id: UUID, book: LeaseBook) -> None:
+    """One renewal of every lane this gateway wants or uses."""
+    lanes = book.lanes()
+    sent_at = book.clock()
+    rows = await store.all(q.RENEW_LEASES, (gateway_id, json.dumps(lanes)))
+    lease_s = await store.get(q.LEASE_SECONDS)
+    book.renewed(rows, sent_at, lease_s)
+
+
+async def keep_renewing(
+    book: LeaseBook,
+    stop: asyncio.Event,
+    renewal: Callable[[], Awaitable[None]],
+) -> None:
+    """Renew every RENEW_EVERY_S until stop is set; through a database outage the leases lapse
+    (nothing is dispatched from them) and renewals go on until it answers."""
+    down = False
+    while not stop.is_set():
+        try:
+            await renewal()
+            if down:
+                log.info("leases renewed again")
+            down = False
+        except (psycopg.Error, DatabaseError, OSError) as err:
+            if not down:
+                log.warning("could not renew this gateway's leases (%s): dispatching from none", err)
+                down = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), RENEW_EVERY_S)

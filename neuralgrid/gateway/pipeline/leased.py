@@ -1,0 +1,175 @@
+"""Requests served from this gateway's leases (gateway/leases.py): placed, moved on and ended here,
+with Postgres told behind (gateway/journal.py), except when a node fails.
+
+A leased job that fails goes to the database's path with one round trip, as failures always did:
+its start is written, then SQL moves it, to another slot this gateway leases for the lane
+(move_to_lease(), the slot taken here) or, with none left here, by failover_job() to any node with a
+free slot; from then on its end is complete_jobs()'s. Failures are rare, and failover, rejection and
+stream hand-over keep one implementation, in SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from uuid import UUID, uuid4
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
+from neuralgrid.gateway import leases
+from neuralgrid.gateway.escrow import Escrows, budget_hold
+from neuralgrid.gateway.journal import JobRecord, Journal
+from neuralgrid.gateway.leases import Lane, LeaseBook, Taken
+from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
+
+DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
+
+
+@dataclass
+class Slot:
+    """A leased job's slot now, and what its key's escrow holds for it."""
+
+    taken: Taken
+    route: str | None
+    key_id: UUID
+    hold: Decimal
+    tried: list[UUID]
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    job_id: UUID
+    taken: Taken
+    fallbacks: list[UUID]
+
+
+class LeasedJobs:
+    def __init__(
+        self,
+        store: Store,
+        gateway_id: UUID,
+        book: LeaseBook,
+        escrows: Escrows,
+        journal: Journal,
+        catalog: Catalog,
+        freed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.freed = freed  # told of each slot given back: a request waiting in line may take it
+        self.store = store
+        self.gateway_id = gateway_id
+        self.book = book
+        self.escrows = escrows
+        self.journal = journal
+        self.catalog = catalog
+        self._slots: dict[UUID, Slot] = {}
+        journal.on_commit.append(self._written)
+
+    async def renew(self) -> None:
+        """Renew the leases and the escrows, between two writes of the journal (never during one:
+        an escrow read back must agree with the holds this gateway knows to be written)."""
+        async with self.journal.lock:
+            await leases.renew(self.store, self.gateway_id, self.book)
+            wants = json.dumps(self.escrows.wants())
+            self.escrows.renewed(await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, wants)))
+
+    async def drain(self) -> None:
+        """On shutdown: write what is queued, for a bounded time; what is left stays spooled."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.journal.flush(), DRAIN_S)
+        self.journal.close()
+
+    @staticmethod
+    def lane(admitted: Admitted) -> Lane | None:
+        """The lane a call is served from, or None when it asks what a lane does not carry (a price
+        cap: the nodes within it are the matcher's to find)."""
+        call = admitted.call
+        if call.max_hourly_rate is not None:
+            return None
+        return Lane(call.model, call.policy, call.region or "")
+
+    async def dispatch(self, admitted: Admitted, lane: Lane, route: str | None) -> Dispatched | None:
+        """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
+        free slot for it, or the key's escrow cannot cover its hold."""
+        taken = self.book.take(lane, route)
+        if taken is None:
+            return None
+        call = admitted.call
+        hold = Decimal(0)
+        if call.key.budget_usd is not None:
+            prices = await self.catalog.get(call.model)  # cached: no round trip once loaded
+            hold = budget_hold(prices, len(admitted.payload), admitted.max_output_tokens)
+            if not self.escrows.take(call.key.id, hold):
+                self.book.give_back(taken)
+                return None
+        job_id = uuid4()
+        end_user = call.body.get("user")
+        self.journal.start(
+            JobRecord(
+                job_id,
+                call.key.id,
+                call.model,
+                call.policy,
+                call.region,
+                admitted.stream,
+                taken.node_id,
+                datetime.now(UTC),
+                hold,
+                end_user if isinstance(end_user, str) else None,
+            )
+        )
+        self._slots[job_id] = Slot(taken, route, call.key.id, hold, [taken.node_id])
+        return Dispatched(job_id, taken, self.book.others(lane, taken.node_id))
+
+    def holds(self, job_id: UUID) -> bool:
+        return job_id in self._slots
+
+    def _written(self, record: JobRecord, first: bool) -> None:
+        if first and record.key is not None and record.hold_usd:
+            self.escrows.written(record.key, record.hold_usd)
+
+    async def to_database(self, job_id: UUID) -> None:
+        """Before SQL acts on a leased job: its start written, and the journal's part in it done."""
+        if self.journal.leased(job_id):
+            await self.journal.hand_over(job_id)
+
+    async def move(self, job_id: UUID, error: str, status: int | None) -> q.Assignment | None:
+        """A leased job's node failed: move it to another slot leased here for its lane (the failed
+        attempt ended in SQL, as failover_job() ends one), or return None with the slot given back
+        (the caller moves the job by failover_job())."""
+        slot = self._slots[job_id]
+        await self.to_database(job_id)
+        nxt = self.book.take(slot.taken.lease.lane, slot.route, exclude=slot.tried)
+        self.book.give_back(slot.taken)
+        if nxt is None:
+            del self._slots[job_id]
+            return None
+        row = await self.store.one(q.MOVE_TO_LEASE, (job_id, error, status, nxt.node_id))
+        if row is None:  # the job had ended meanwhile (swept)
+            self.book.give_back(nxt)
+            del self._slots[job_id]
+            return None
+        slot.taken = nxt
+        slot.tried.append(nxt.node_id)
+        return row
+
+    def release(self, job_id: UUID) -> Slot | None:
+        """The job is over (or handed to SQL): its leased slot is free again at once."""
+        slot = self._slots.pop(job_id, None)
+        if slot is not None:
+            self.book.give_back(slot.taken)
+            self.freed()
+        return slot
+
+    def end(self, end: q.JobEnd) -> asyncio.Future[Decimal | None] | None:
+        """End a leased job: its slot free now, its end written behind (the future: its cost once
+        written). None when the job is not the journal's (moved by SQL, or never leased): then
+        complete_jobs() ends it, and any leased slot it held is free now too."""
+        self.release(end.job_id)
+        if not self.journal.leased(end.job_id):
+            return None
+        return self.journal.end(end.job_id, end)

@@ -1,0 +1,152 @@
+"""The lease book, the escrows and the journal's spool on their own: what is counted here, with no
+database (tests/db/test_leases.py holds SQL's side; tests/gateway/test_leased_requests.py both)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from uuid import UUID, uuid4
+
+from neuralgrid.db import queries as q
+from neuralgrid.gateway.escrow import Escrows, budget_hold
+from neuralgrid.gateway.journal import JobRecord, Spool, orphaned_spools, read_spool
+from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook
+
+LANE = Lane("m", "balanced")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def row(node: UUID, slots: int, rank: int, routes: tuple[str, ...] = ("chat/completions",)) -> q.LeaseRow:
+    return q.LeaseRow(
+        "m", "balanced", "", node, "http://n", None, slots, 0, rank, None, list(routes), datetime.now(UTC)
+    )
+
+
+def test_takes_the_best_ranked_free_slot_and_never_more_than_leased() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(b, 1, 2), row(a, 2, 1)], clock(), 5.0)
+    taken = [book.take(LANE, "chat/completions") for _ in range(4)]
+    assert [t.node_id if t else None for t in taken] == [a, a, b, None]
+    first = taken[0]
+    assert first is not None
+    book.give_back(first)
+    again = book.take(LANE, None)
+    assert again is not None and again.node_id == a
+
+
+def test_a_route_the_lease_does_not_serve_is_not_taken_there() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    book.renewed([row(uuid4(), 4, 1)], clock(), 5.0)
+    assert book.take(LANE, "embeddings") is None
+
+
+def test_a_lease_is_not_used_past_the_senders_reckoning_of_its_end() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    sent = clock()
+    clock.now += 0.3  # the renewal's round trip
+    book.renewed([row(uuid4(), 4, 1)], sent, 5.0)
+    clock.now = sent + 5.0 - MARGIN_S - 0.01
+    assert book.take(LANE, None) is not None
+    clock.now = sent + 5.0 - MARGIN_S
+    assert book.take(LANE, None) is None
+    book.renewed([row(uuid4(), 4, 1)], clock(), 5.0)
+    book.lapse()
+    assert book.take(LANE, None) is None
+
+
+def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_spare() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    held = [book.take(LANE, None), book.take(LANE, None)]
+    assert book.take(LANE, None) is None  # a third wanted at once
+    [report] = book.lanes()
+    assert report == {"model": "m", "policy": "balanced", "region": None, "want": 4, "in_use": {str(a): 2}}
+    for taken in held:
+        assert taken is not None
+        book.give_back(taken)
+    [report] = book.lanes()  # since the last renewal nobody asked: what was in use then, and a spare
+    assert report["want"] == 3 and report["in_use"] == {}
+    clock.now += 60
+    assert book.lanes() == []  # nobody asked for a while: the lane is given back
+
+
+def test_a_lane_asked_for_without_a_lease_is_reported_wanted() -> None:
+    book = LeaseBook(Clock())
+    assert book.take(Lane("x", "fast", "eu"), None) is None
+    assert book.lanes() == [{"model": "x", "policy": "fast", "region": "eu", "want": 2, "in_use": {}}]
+
+
+def test_escrow_covers_holds_until_spent_and_follows_what_was_written() -> None:
+    key = uuid4()
+    escrows = Escrows(Clock())
+    assert not escrows.take(key, Decimal("0.1"))  # none yet: the key is now wanted
+    assert escrows.wants() == [{"key": str(key), "want_usd": "0.8"}]
+    escrows.renewed([q.EscrowRow(key, Decimal("0.25"), Decimal("1"))])
+    assert escrows.take(key, Decimal("0.1")) and escrows.take(key, Decimal("0.1"))
+    assert not escrows.take(key, Decimal("0.1"))
+    escrows.written(key, Decimal("0.1"))  # SQL moved one hold to its job: 0.15 left, 0.1 taken
+    assert not escrows.take(key, Decimal("0.1"))
+    assert escrows.take(key, Decimal("0.05"))
+    escrows.renewed([q.EscrowRow(key, Decimal(0), Decimal(0))])
+    assert not escrows.take(key, Decimal(0))  # an empty escrow serves nothing, not even a free model
+
+
+def test_budget_hold_prices_as_sql_does() -> None:
+    prices = q.ModelKind("m", "chat", 4096, Decimal("0.5"), Decimal("1.5"))
+    assert budget_hold(prices, 4000, 100) == Decimal("0.00065000")
+    assert budget_hold(None, 4000, 100) == 0
+
+
+def _record(job: UUID) -> JobRecord:
+    return JobRecord(job, None, "m", "balanced", None, False, uuid4(), datetime.now(UTC), Decimal(0), None)
+
+
+def test_the_spool_keeps_what_is_not_committed_and_empties_when_all_is(tmp_path: Path) -> None:
+    gateway = uuid4()
+    spool = Spool(tmp_path, gateway)
+    one, two = _record(uuid4()), _record(uuid4())
+    spool.append(one)
+    spool.append(two)
+    one.end = q.JobEnd(one.id, "succeeded", 3, 4)
+    spool.append(one)
+    assert orphaned_spools(tmp_path) == {}  # locked: its gateway lives
+    [latest_one, latest_two] = sorted(
+        read_spool(list(tmp_path.glob("*.jsonl"))), key=lambda r: r["id"] != str(one.id)
+    )
+    assert latest_one["end"]["completion_tokens"] == 4 and latest_two["end"] is None
+    spool.committed(one)
+    spool.committed(two)
+    assert [p.stat().st_size for p in tmp_path.glob("*.jsonl")] == [0]
+
+
+def test_a_killed_gateways_spool_is_found_and_read(tmp_path: Path) -> None:
+    gateway, job = uuid4(), uuid4()
+    script = (
+        "import os, sys, uuid, datetime, decimal, pathlib\n"
+        "from neuralgrid.gateway.journal import Spool, JobRecord\n"
+        f"s = Spool(pathlib.Path({str(tmp_path)!r}), uuid.UUID({str(gateway)!r}))\n"
+        f"s.append(JobRecord(uuid.UUID({str(job)!r}), None, 'm', 'balanced', None, True, uuid.uuid4(),"
+        " datetime.datetime.now(datetime.UTC), decimal.Decimal(0), None))\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=False, env={**os.environ})
+    found = orphaned_spools(tmp_path)
+    assert list(found) == [gateway]
+    assert [r["id"] for r in read_spool(found[gateway])] == [str(job)]
