@@ -165,6 +165,12 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.node_liveness",
         "public.node_heartbeats",
     ),
+    "095_leases": (
+        "Leases: slots and budgets gateways hold to dispatch without asking, and the jobs they write behind.",
+        "private.slot_leases",
+        "private.lane_demand",
+        "private.key_escrows",
+    ),
     "100_realtime": (
         "Realtime: what the map and owners hear when nodes and jobs change.",
         "private.node_map_payload",

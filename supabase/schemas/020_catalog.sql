@@ -100,10 +100,14 @@ CREATE TABLE public.platform_settings (
     prewarm_refusal_backoff_s real DEFAULT 3600 NOT NULL,
     platform_fee_rate numeric(5,4) DEFAULT 0.15 NOT NULL,
     reserve_threshold double precision DEFAULT 0.2 NOT NULL,
+    lease_s real DEFAULT 5 NOT NULL,
+    escrow_usd numeric(12,4) DEFAULT 1.00 NOT NULL,
     CONSTRAINT "cooldowns must be positive and base <= max" CHECK (((cooldown_base_s > (0)::double precision) AND (cooldown_max_s >= cooldown_base_s))),
+    CONSTRAINT "escrow_usd must not be negative" CHECK ((escrow_usd >= (0)::numeric)),
     CONSTRAINT "gateway_timeout_s must be positive" CHECK ((gateway_timeout_s > (0)::double precision)),
     CONSTRAINT "heartbeat_interval_s must be positive" CHECK ((heartbeat_interval_s > (0)::double precision)),
     CONSTRAINT "job_deadline_s must be positive" CHECK ((job_deadline_s > (0)::double precision)),
+    CONSTRAINT "lease_s must be positive" CHECK ((lease_s > (0)::double precision)),
     CONSTRAINT "missed_heartbeats_offline must be at least 1" CHECK ((missed_heartbeats_offline >= 1)),
     CONSTRAINT "platform_fee_rate must be in [0, 1)" CHECK (((platform_fee_rate >= (0)::numeric) AND (platform_fee_rate < (1)::numeric))),
     CONSTRAINT "platform_settings has exactly one row" CHECK (id),
@@ -138,6 +142,10 @@ COMMENT ON COLUMN public.platform_settings.prewarm_refusal_backoff_s IS 'A node 
 COMMENT ON COLUMN public.platform_settings.platform_fee_rate IS 'The share of each paid job''s charge the platform keeps; the node''s owner earns the rest. Applies to jobs ending after a change; each ledger row keeps the rate it was written with.';
 
 COMMENT ON COLUMN public.platform_settings.reserve_threshold IS 'Pressure (private.vram_pressure, 0 to 1) at which a VRAM level''s nodes are kept for the jobs that need it: a smaller job takes one only when no smaller node took it before its deadline (above 1: never kept).';
+
+COMMENT ON COLUMN public.platform_settings.lease_s IS 'Seconds a slot lease lasts from its renewal (renew_leases()): a gateway stops dispatching on it at its own reckoning of that end, and the sweep gives back the idle slots of a lease not renewed by then.';
+
+COMMENT ON COLUMN public.platform_settings.escrow_usd IS 'The most a gateway may hold in escrow for one API key (renew_escrows()): money taken from the key''s free budget so that the gateway can admit the key''s requests without asking.';
 
 ALTER TABLE ONLY public.platform_settings
     ADD CONSTRAINT platform_settings_pkey PRIMARY KEY (id);

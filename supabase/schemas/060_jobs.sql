@@ -17,11 +17,14 @@ CREATE TABLE public.job_attempts (
     latency_ms real,
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     ended_at timestamp with time zone,
+    leased boolean DEFAULT false NOT NULL,
     CONSTRAINT "attempt numbers start at 1" CHECK ((attempt >= 1)),
     CONSTRAINT "attempt status must be running, succeeded, failed or cancelled" CHECK ((status = ANY (ARRAY['running'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text])))
 );
 
 COMMENT ON TABLE public.job_attempts IS 'Each try at serving a job on one node, with its outcome; failed attempts feed cooldown and reputation.';
+
+COMMENT ON COLUMN public.job_attempts.leased IS 'The attempt ran on a slot its gateway leased (record_jobs()): ending it frees no slot, since the lease holds it.';
 
 ALTER TABLE ONLY public.job_attempts
     ADD CONSTRAINT job_attempts_pkey PRIMARY KEY (job_id, attempt);
@@ -259,12 +262,12 @@ begin
   if not found then
     raise exception 'job % has no running attempt', p_job_id using errcode = 'object_not_in_prerequisite_state';
   end if;
-  perform private.release_node(v_attempt.node_id, p_outcome);
+  perform private.release_node(v_attempt.node_id, p_outcome, not v_attempt.leased);
   return v_attempt;
 end;
 $$;
 
-COMMENT ON FUNCTION private.end_attempt(p_job_id uuid, p_outcome text, p_error text, p_http_status integer, p_ttft_ms real, p_latency_ms real) IS 'Ends a job''s running attempt with an outcome and releases its node.';
+COMMENT ON FUNCTION private.end_attempt(p_job_id uuid, p_outcome text, p_error text, p_http_status integer, p_ttft_ms real, p_latency_ms real) IS 'Ends a job''s running attempt with an outcome and releases its node (its slot too, unless the attempt ran on a leased slot, which its lease holds).';
 
 REVOKE ALL ON FUNCTION private.end_attempt(p_job_id uuid, p_outcome text, p_error text, p_http_status integer, p_ttft_ms real, p_latency_ms real) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.end_attempt(p_job_id uuid, p_outcome text, p_error text, p_http_status integer, p_ttft_ms real, p_latency_ms real) TO service_role;
@@ -472,7 +475,7 @@ REVOKE ALL ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy t
 GRANT ALL ON FUNCTION private.place(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_reserve_usd numeric, p_wait boolean, p_route text, p_ranked uuid[]) TO service_role;
 
 
-CREATE FUNCTION private.release_node(p_node_id uuid, p_outcome text) RETURNS void
+CREATE FUNCTION private.release_node(p_node_id uuid, p_outcome text, p_frees_slot boolean) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -480,10 +483,11 @@ begin
   if p_outcome not in ('succeeded', 'failed', 'cancelled') then
     raise exception 'unknown outcome "%"', p_outcome using errcode = 'invalid_parameter_value';
   end if;
-  -- Failures cool a node down exponentially (cooldown_until()) so requests route around it.
+  -- Failures cool a node down exponentially (cooldown_until()) so requests route around it. A slot a
+  -- lease holds stays held (and a cancelled attempt on one changes nothing on the node).
   update public.nodes n
-  set inflight = greatest(n.inflight - 1, 0),
-      status = case when n.status = 'busy' then 'online' else n.status end,
+  set inflight = case when p_frees_slot then greatest(n.inflight - 1, 0) else n.inflight end,
+      status = case when p_frees_slot and n.status = 'busy' then 'online' else n.status end,
       successes = n.successes + (p_outcome = 'succeeded')::integer,
       failures = n.failures + (p_outcome = 'failed')::integer,
       consecutive_failures = case p_outcome when 'succeeded' then 0
@@ -494,14 +498,14 @@ begin
         when 'failed' then private.cooldown_until(n.consecutive_failures + 1, s.cooldown_base_s, s.cooldown_max_s)
         else n.cooldown_until end
   from public.platform_settings s
-  where n.id = p_node_id;
+  where n.id = p_node_id and (p_frees_slot or p_outcome <> 'cancelled');
 end;
 $$;
 
-COMMENT ON FUNCTION private.release_node(p_node_id uuid, p_outcome text) IS 'Frees the slot a finished attempt held and records its outcome in the node''s reputation and cooldown.';
+COMMENT ON FUNCTION private.release_node(p_node_id uuid, p_outcome text, p_frees_slot boolean) IS 'Records a finished attempt''s outcome in the node''s reputation and cooldown, and frees the slot it held when p_frees_slot (not for an attempt on a leased slot, which its lease holds).';
 
-REVOKE ALL ON FUNCTION private.release_node(p_node_id uuid, p_outcome text) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.release_node(p_node_id uuid, p_outcome text) TO service_role;
+REVOKE ALL ON FUNCTION private.release_node(p_node_id uuid, p_outcome text, p_frees_slot boolean) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.release_node(p_node_id uuid, p_outcome text, p_frees_slot boolean) TO service_role;
 
 
 CREATE FUNCTION private.release_reservation(p_job_id uuid, p_cost_usd numeric) RETURNS void
@@ -625,7 +629,7 @@ begin
         ended_at = clock_timestamp()
     from input i
     where a.job_id = any (v_running) and a.job_id = i.job_id and a.status = 'running'
-    returning a.job_id, a.node_id, a.latency_ms, i.status, i.prompt_tokens, i.completion_tokens,
+    returning a.job_id, a.node_id, a.leased, a.latency_ms, i.status, i.prompt_tokens, i.completion_tokens,
               i.ttft_ms, i.error, i.ord
   ),
   costed as (
@@ -686,7 +690,8 @@ begin
   ),
   per_node as (
     select p.node_id,
-           count(*) as ended,
+           -- An attempt on a leased slot frees nothing: the lease holds the slot (renew_leases()).
+           count(*) filter (where not p.leased) as freed,
            count(*) filter (where p.status = 'succeeded') as succeeded,
            count(*) filter (where p.status = 'failed') as failed,
            count(*) filter (where p.status = 'failed' and p.ord > coalesce(p.last_success, 0)) as failed_since_success,
@@ -702,8 +707,8 @@ begin
   nodes_done as (
     -- release_node() and the EWMA updates (latency, speed, speed ratio), once per node per batch.
     update public.nodes n
-    set inflight = greatest(n.inflight - c.ended, 0),
-        status = case when n.status = 'busy' then 'online' else n.status end,
+    set inflight = greatest(n.inflight - c.freed, 0),
+        status = case when n.status = 'busy' and c.freed > 0 then 'online' else n.status end,
         successes = n.successes + c.succeeded,
         failures = n.failures + c.failed,
         consecutive_failures = case when c.any_success then c.failed_since_success
@@ -733,7 +738,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], p_prompt_tokens integer[], p_completion_tokens integer[], p_ttft_ms real[], p_latency_ms real[], p_errors text[]) IS 'Ends a batch of running jobs (parallel arrays, one entry per job) as ending them one by one, in order, would: usage, cost charged to keys, node reputation and EWMA speed, slots released. Returns the jobs it ended; jobs no longer running are left out. The one place a job''s price and its node''s moving averages are computed.';
+COMMENT ON FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], p_prompt_tokens integer[], p_completion_tokens integer[], p_ttft_ms real[], p_latency_ms real[], p_errors text[]) IS 'Ends a batch of running jobs (parallel arrays, one entry per job) as ending them one by one, in order, would: usage, cost charged to keys, node reputation and EWMA speed, slots released (not those of attempts on leased slots, which their leases hold). Returns the jobs it ended; jobs no longer running are left out. The one place a job''s price and its node''s moving averages are computed.';
 
 REVOKE ALL ON FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], p_prompt_tokens integer[], p_completion_tokens integer[], p_ttft_ms real[], p_latency_ms real[], p_errors text[]) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], p_prompt_tokens integer[], p_completion_tokens integer[], p_ttft_ms real[], p_latency_ms real[], p_errors text[]) FROM PUBLIC;
