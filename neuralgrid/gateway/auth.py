@@ -4,6 +4,7 @@ core code (rate limits, admission) takes an ApiKey without importing a route's m
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
@@ -35,20 +36,45 @@ def digest(raw_key: str) -> bytes:
 
 
 class KeyStore:
-    """Authenticates bearer keys. A cached key lives at most ttl_s; a NOTIFY drops it at once."""
+    """Authenticates bearer keys. A NOTIFY drops a cached key at once (revoked, changed). A key
+    cached for ttl_s is read again in the background while the cache still answers (what that read
+    finds replaces it, or drops it), so that no request waits on Postgres for a key it knows; a key
+    not read again for three ttl_s is read before it is used."""
 
     def __init__(self, store: Store, ttl_s: float) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self._cache: dict[bytes, tuple[ApiKey, float]] = {}
+        self._reading: dict[bytes, asyncio.Task[None]] = {}
+        self._forgotten = 0  # how many times keys were dropped: a read begun before is not cached
 
     async def authenticate(self, authorization: str | None) -> ApiKey:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         key_digest = digest(authorization[7:].strip())
         cached = self._cache.get(key_digest)
-        if cached and cached[1] > time.monotonic():
+        now = time.monotonic()
+        if cached and cached[1] > now:
             return cached[0]
+        if cached and cached[1] + 2 * self.ttl_s > now:
+            if key_digest not in self._reading:
+                task = asyncio.get_running_loop().create_task(self._read_again(key_digest))
+                self._reading[key_digest] = task
+            return cached[0]
+        return await self._read(key_digest)
+
+    async def _read_again(self, key_digest: bytes) -> None:
+        try:
+            await self._read(key_digest)
+        except Unauthorized:
+            self._cache.pop(key_digest, None)
+        except Exception:  # the cached key serves on until its last ttl; a request reads it then
+            pass
+        finally:
+            self._reading.pop(key_digest, None)
+
+    async def _read(self, key_digest: bytes) -> ApiKey:
+        forgotten = self._forgotten
         row = await self.store.one(q.KEY_BY_HASH, (key_digest,))
         # The lookup is by digest; compare_digest keeps the final check constant-time as well.
         if row is None or not hmac.compare_digest(bytes(row.key_hash), key_digest):
@@ -56,17 +82,19 @@ class KeyStore:
         if row.revoked:
             raise Unauthorized("this API key has been revoked")
         key = ApiKey(row.id, row.owner_id, row.name, row.rpm_limit, row.tpm_limit, row.budget_usd)
-        if self.ttl_s:
+        if self.ttl_s and forgotten == self._forgotten:  # else a revocation may have come since
             self._cache[key_digest] = (key, time.monotonic() + self.ttl_s)
         return key
 
     def forget(self, key_id: str) -> None:
+        self._forgotten += 1
         for cached_digest, (key, _) in list(self._cache.items()):
             if str(key.id) == key_id:
                 del self._cache[cached_digest]
 
     def forget_all(self) -> None:
         """Announcements may have been missed (the listener reconnected): drop every key."""
+        self._forgotten += 1
         self._cache.clear()
 
 

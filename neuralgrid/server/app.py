@@ -150,13 +150,24 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         internal_url = forwarding.internal_url(settings)
         # Known before it places a job or holds a tunnel; and the job deadline, before it relays a stream.
         deadline = JobDeadline((await check_in(store, gateway_id, internal_url)).job_deadline_s)
+        catalog = Catalog(store)  # the models' kinds and prices, for admission and escrows alike
         leased = None
         if settings.leases:  # first what gateways that died here left unwritten
             spool = settings.spool / hashlib.sha256(database_url.encode()).hexdigest()[:16]  # this database's
             await replay_orphans(store, spool)
-            leased = _leased(store, gateway_id, spool, room)
+            leased = _leased(store, gateway_id, spool, room, catalog)
         pipeline = _pipeline(
-            settings, Store(jobs_pool), nodes, limiter, metrics, tunnels, room, gateway_id, deadline, leased
+            settings,
+            Store(jobs_pool),
+            nodes,
+            limiter,
+            metrics,
+            tunnels,
+            room,
+            gateway_id,
+            deadline,
+            catalog,
+            leased,
         )
         hub = Hub(pool, session_url)
         tokens = TokenKeys(
@@ -305,11 +316,13 @@ def _missed(keys: KeyStore, room: WaitingRoom, heartbeats: Heartbeats) -> None:
     heartbeats.forget_all()
 
 
-def _leased(store: Store, gateway_id: uuid.UUID, spool: Path, room: WaitingRoom) -> LeasedJobs:
+def _leased(
+    store: Store, gateway_id: uuid.UUID, spool: Path, room: WaitingRoom, catalog: Catalog
+) -> LeasedJobs:
     """Leases and what is served from them, on the general pool: records of jobs written behind
     commit durably (the request path's pool may commit asynchronously), as they leave the spool."""
     journal = Journal(store, gateway_id, Spool(spool, gateway_id))
-    return LeasedJobs(store, gateway_id, LeaseBook(), Escrows(), journal, Catalog(store), room.slot_freed)
+    return LeasedJobs(store, gateway_id, LeaseBook(), Escrows(), journal, catalog, room.slot_freed)
 
 
 def _pipeline(
@@ -322,6 +335,7 @@ def _pipeline(
     room: WaitingRoom,
     gateway_id: uuid.UUID,
     deadline: JobDeadline,
+    catalog: Catalog,
     leased: LeasedJobs | None = None,
 ) -> Pipeline:
     """The request pipeline, on the request path's own pool (see Settings.async_commit)."""
@@ -340,5 +354,5 @@ def _pipeline(
         settings.max_answer_bytes,
     )
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams, deadline)
-    admission = Admission(Catalog(store), limiter, settings.default_max_tokens)
+    admission = Admission(catalog, limiter, settings.default_max_tokens)
     return Pipeline(admission, placement, sender, relay, metering, metrics)

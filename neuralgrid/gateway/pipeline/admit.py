@@ -3,7 +3,9 @@ the body the nodes will be sent (usage asked for on streams; the answer bounded 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -15,6 +17,8 @@ from neuralgrid.gateway import errors
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.pipeline.kinds import ANSWER_LIMIT, PATHS, SERVED_BY, STREAMING
 from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold, estimate_tokens
+
+log = logging.getLogger(__name__)
 
 CATALOG_TTL_S = 60.0
 # The longest answer asked of a model the catalog does not know (its context length is unknown; the
@@ -107,18 +111,33 @@ def answers(body: dict[str, Any]) -> int:
 
 
 class Catalog:
-    """The catalog's model kinds, reloaded every minute."""
+    """The catalog's model kinds and prices, reloaded every minute: in the background once loaded,
+    so that no request waits on Postgres for it after the first."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.models: dict[str, q.ModelKind] = {}
         self.loaded_at = float("-inf")
+        self._reloading: asyncio.Task[None] | None = None
 
     async def get(self, model: str) -> q.ModelKind | None:
-        if time.monotonic() - self.loaded_at > CATALOG_TTL_S:
-            self.models = {row.id: row for row in await self.store.all(q.MODEL_KINDS)}
-            self.loaded_at = time.monotonic()
+        if self.loaded_at == float("-inf"):
+            await self._load()
+        elif time.monotonic() - self.loaded_at > CATALOG_TTL_S and self._reloading is None:
+            self._reloading = asyncio.get_running_loop().create_task(self._reload())
         return self.models.get(model)
+
+    async def _load(self) -> None:
+        self.models = {row.id: row for row in await self.store.all(q.MODEL_KINDS)}
+        self.loaded_at = time.monotonic()
+
+    async def _reload(self) -> None:
+        try:
+            await self._load()
+        except Exception:  # the last catalog serves on; the next request tries again
+            log.warning("could not reload the catalog", exc_info=True)
+        finally:
+            self._reloading = None
 
 
 class Admission:
