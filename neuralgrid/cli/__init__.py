@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from neuralgrid.cli import account, bench, bench_map, dev, fleet, keys, node, platform, sim, users
+from neuralgrid.cli.bench_world import register as register_bench_world
 from neuralgrid.cli.common import Options
 
 HELP = (
@@ -62,4 +63,5 @@ app.add_typer(node.app, name="node")
 app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
 bench_map.register(bench.app)
+register_bench_world(bench.app)
 app.add_typer(bench.app, name="bench")
