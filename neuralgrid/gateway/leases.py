@@ -178,13 +178,54 @@ class LeaseBook:
         return dict(counts)
 
 
-async def renew(store: Store, gateway_id: UUID, book: LeaseBook) -> None:
-    """One renewal of every lane this gateway wants or uses."""
-    lanes = book.lanes()
-    sent_at = book.clock()
-    rows = await store.all(q.RENEW_LEASES, (gateway_id, json.dumps(lanes)))
-    lease_s = await store.get(q.LEASE_SECONDS)
-    book.renewed(rows, sent_at, lease_s)
+class Renewals:
+    """Renewals of this gateway's leases: one round trip each. A request for a lane this gateway
+    holds nothing for waits for one that asks for its lane (the cold path: one round trip), shared
+    with every request that came for it meanwhile."""
+
+    def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook) -> None:
+        self.store = store
+        self.gateway_id = gateway_id
+        self.book = book
+        self._sent = 0
+        self._applied = 0
+        self._under_way: asyncio.Task[None] | None = None
+        self._lanes: set[Lane] = set()  # those the renewal under way asks for
+        self._answered: dict[Lane, float] = {}  # when a renewal that asked for each came back
+
+    async def renew(self) -> None:
+        """One renewal of every lane this gateway wants or uses."""
+        lanes = self.book.lanes()
+        self._sent += 1
+        sent, sent_at = self._sent, self.book.clock()
+        task = asyncio.get_running_loop().create_task(self._send(lanes, sent, sent_at))
+        self._under_way = task
+        self._lanes = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._under_way is task:
+                self._under_way = None
+
+    async def for_lane(self, lane: Lane) -> None:
+        """Until a renewal that asked for `lane` has come back (the lane was asked for already). Not
+        again within RENEW_EVERY_S of one that did: a lane SQL gave nothing is placed in SQL."""
+        if self.book.clock() - self._answered.get(lane, float("-inf")) < RENEW_EVERY_S:
+            return
+        task = self._under_way
+        if task is not None and lane in self._lanes:
+            await asyncio.shield(task)
+        else:
+            await self.renew()
+
+    async def _send(self, lanes: list[dict[str, object]], sent: int, sent_at: float) -> None:
+        rows = await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))
+        now = self.book.clock()
+        for lane in lanes:
+            self._answered[Lane(str(lane["model"]), str(lane["policy"]), str(lane["region"] or ""))] = now
+        if sent > self._applied:  # a later renewal's answer is never undone by an earlier one's
+            self._applied = sent
+            self.book.renewed(rows, sent_at, self.book.lease_s)
 
 
 async def keep_renewing(

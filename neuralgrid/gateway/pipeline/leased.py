@@ -19,7 +19,10 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from uuid import UUID, uuid4
 
+import psycopg
+
 from neuralgrid.db import queries as q
+from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import leases
 from neuralgrid.gateway.escrow import Escrows, budget_hold
@@ -62,6 +65,7 @@ class LeasedJobs:
         self.freed = freed  # told of each slot given back: a request waiting in line may take it
         self.store = store
         self.gateway_id = gateway_id
+        self.renewals = leases.Renewals(store, gateway_id, book)
         self.book = book
         self.escrows = escrows
         self.journal = journal
@@ -70,10 +74,12 @@ class LeasedJobs:
         journal.on_commit.append(self._written)
 
     async def renew(self) -> None:
-        """Renew the leases and the escrows, between two writes of the journal (never during one:
-        an escrow read back must agree with the holds this gateway knows to be written)."""
+        """The periodic renewal: the lease's length, the leases, then the escrows between two writes
+        of the journal (never during one: an escrow read back must agree with the holds this gateway
+        knows to be written)."""
+        self.book.lease_s = await self.store.get(q.LEASE_SECONDS)
+        await self.renewals.renew()
         async with self.journal.lock:
-            await leases.renew(self.store, self.gateway_id, self.book)
             wants = json.dumps(self.escrows.wants())
             self.escrows.renewed(await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, wants)))
 
@@ -96,6 +102,12 @@ class LeasedJobs:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
         free slot for it, or the key's escrow cannot cover its hold."""
         taken = self.book.take(lane, route)
+        if taken is None and not self.book.holds(lane):  # cold: one renewal, which asks for the lane
+            try:
+                await self.renewals.for_lane(lane)
+            except (psycopg.Error, DatabaseError, OSError):  # placed in SQL, which says what is wrong
+                return None
+            taken = self.book.take(lane, route)
         if taken is None:
             return None
         call = admitted.call
