@@ -170,6 +170,11 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.slot_leases",
         "private.lane_demand",
         "private.key_escrows",
+        "private.lease_usable_nodes",
+        "private.move_lease_slots",
+        "private.lane_target",
+        "private.renew_lane",
+        "public.renew_leases",
     ),
     "100_realtime": (
         "Realtime: what the map and owners hear when nodes and jobs change.",

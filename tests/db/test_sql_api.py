@@ -55,6 +55,7 @@ PUBLIC_API = sorted(
         "register_node",
         "register_node",
         "reject_job",
+        "renew_leases",  # a gateway's slot leases, renewed once a second (issue 42)
         "revoke_api_key",  # a user revokes their own key through the Data API (issue 18)
         "restore_tunnels",  # a gateway that checked in late: the tunnels it holds, recorded again
         "schedule_sweep",  # pg_cron's schedule of sweep(), as its version allows
@@ -122,6 +123,10 @@ PRIVATE_HELPERS = sorted(
         "refresh_fleet_activity",
         "release_reservation",
         "kept_last",  # the scarcity rule (issue 43)
+        "lane_target",  # a gateway's fair share of a lane's slots (renew_leases(), issue 42)
+        "lease_usable_nodes",
+        "move_lease_slots",
+        "renew_lane",
         "kept_level",
         "required_vram_gb",
         "reserve_component",

@@ -1,0 +1,310 @@
+"""Slot leases (issue 42, docs/scaling.md "Far from the database: leases"): renew_leases() claims
+slots as placements claim them, so that nothing overbooks a node; shares a lane's slots fairly among
+the gateways that want them; gives back only idle slots; and the sweep frees what a lease that ended,
+or a gateway that died, held."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import SyncStore
+from tests.conftest import LLAMA8, make_node
+
+A, B, C = (uuid.UUID(f"00000000-0000-4000-8000-00000000000{i}") for i in (1, 2, 3))
+
+
+def lane(want: int, in_use: dict[uuid.UUID, int] | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": LLAMA8,
+        "policy": "balanced",
+        "region": None,
+        "want": want,
+        "in_use": {str(node): count for node, count in (in_use or {}).items()},
+        **extra,
+    }
+
+
+def renew(conn: psycopg.Connection, gateway: uuid.UUID, *lanes: dict[str, Any]) -> list[q.LeaseRow]:
+    return SyncStore(conn).all(q.RENEW_LEASES, (gateway, json.dumps(list(lanes))))
+
+
+def held(leases: list[q.LeaseRow]) -> dict[uuid.UUID, int]:
+    return {lease.node_id: lease.slots for lease in leases}
+
+
+def leases(conn: psycopg.Connection) -> dict[tuple[uuid.UUID, uuid.UUID], tuple[int, int]]:
+    """Every lease row: (gateway, node) -> (slots, in use)."""
+    rows = conn.execute("select gateway_id, node_id, slots, in_use from private.slot_leases").fetchall()
+    return {(g, n): (s, u) for g, n, s, u in rows}
+
+
+def inflight(conn: psycopg.Connection) -> dict[uuid.UUID, int]:
+    return dict(conn.execute("select id, inflight from nodes").fetchall())
+
+
+def assert_slots_add_up(conn: psycopg.Connection) -> None:
+    """inflight == the slots leased on the node + its running attempts that are not leased, and never
+    more than max_concurrency."""
+    rows = conn.execute(
+        """select n.id, n.inflight, n.max_concurrency,
+                  coalesce((select sum(l.slots) from private.slot_leases l where l.node_id = n.id), 0),
+                  (select count(*) from job_attempts a where a.node_id = n.id and a.status = 'running'
+                   and not a.leased)
+           from nodes n"""
+    ).fetchall()
+    for node, taken, most, leased, placed in rows:
+        assert taken == leased + placed, node
+        assert taken <= most, node
+
+
+def test_a_renewal_claims_slots_on_the_best_nodes_and_returns_them_ranked(conn: psycopg.Connection) -> None:
+    fast = make_node(conn, "fast", tflops=300, max_concurrency=4)
+    slow = make_node(conn, "slow", tflops=50, max_concurrency=4)
+    got = renew(conn, A, lane(5))
+    assert held(got) == {fast: 4, slow: 1}
+    assert [(lease.node_id, lease.rank) for lease in got] == [(fast, 1), (slow, 2)]
+    first = got[0]
+    assert (first.model_id, first.policy, first.region, first.in_use) == (LLAMA8, "balanced", "", 0)
+    assert first.endpoint_url == "http://127.0.0.1:9/" and first.routes
+    assert inflight(conn) == {fast: 4, slow: 1}
+    assert conn.execute("select status from nodes where id = %s", (fast,)).fetchone() == ("busy",)
+    # The lease ends lease_s from now; the renewal checked the gateway in.
+    (ends,) = conn.execute(
+        "select extract(epoch from %s - now()) from private.slot_leases limit 1", (first.expires_at,)
+    ).fetchone() or (0,)
+    assert float(ends) == pytest.approx(5, abs=0.5)
+    assert conn.execute("select count(*) from private.gateways where id = %s", (A,)).fetchone() == (1,)
+    # Renewed again with the same want, nothing moves.
+    assert held(renew(conn, A, lane(5))) == {fast: 4, slow: 1}
+    assert_slots_add_up(conn)
+
+
+def test_three_gateways_share_a_lane_in_proportion_to_what_they_want(conn: psycopg.Connection) -> None:
+    """2:1:1 of 8 slots: 4, 2 and 2 after two rounds, whoever came first."""
+    nodes = [make_node(conn, max_concurrency=2) for _ in range(4)]
+    wants = {A: 8, B: 4, C: 4}
+    for _ in range(2):
+        got = {
+            gateway: sum(held(renew(conn, gateway, lane(want))).values()) for gateway, want in wants.items()
+        }
+    assert got == {A: 4, B: 2, C: 2}
+    assert sum(inflight(conn)[node] for node in nodes) == 8
+    assert_slots_add_up(conn)
+    # One of them wants less: the others' shares grow (within two rounds again) and add up to 8.
+    wants[A] = 1
+    for _ in range(2):
+        got = {
+            gateway: sum(held(renew(conn, gateway, lane(want))).values()) for gateway, want in wants.items()
+        }
+    assert got[A] == 1 and got[B] + got[C] == 7 and abs(got[B] - got[C]) <= 1
+    assert_slots_add_up(conn)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "wants", "shares"),
+    [(2, (1, 1, 1), (1, 1, 0)), (7, (6, 3, 3), (3, 2, 2)), (8, (8, 4, 4), (4, 2, 2))],
+)
+def test_shares_are_rounded_by_largest_remainders(
+    conn: psycopg.Connection, capacity: int, wants: tuple[int, ...], shares: tuple[int, ...]
+) -> None:
+    """Never more than the lane holds: the floors, then one slot each to the largest remainders
+    (ties to the larger want, then the smaller gateway id)."""
+    make_node(conn, max_concurrency=capacity)
+    for _ in range(2):
+        got = tuple(
+            sum(held(renew(conn, g, lane(w))).values()) for g, w in zip((A, B, C), wants, strict=True)
+        )
+    assert got == shares
+
+
+def test_a_renewal_gives_back_only_idle_slots_lowest_ranked_first(conn: psycopg.Connection) -> None:
+    fast = make_node(conn, "fast", tflops=300, max_concurrency=4)
+    slow = make_node(conn, "slow", tflops=50, max_concurrency=4)
+    assert held(renew(conn, A, lane(8))) == {fast: 4, slow: 4}
+    # Wants 1, but 3 are in use on the fast node and 2 on the slow one: only idle slots go back,
+    # the slow node's first.
+    assert held(renew(conn, A, lane(1, {fast: 3, slow: 2}))) == {fast: 3, slow: 2}
+    assert leases(conn) == {(A, fast): (3, 3), (A, slow): (2, 2)}
+    assert inflight(conn) == {fast: 3, slow: 2}
+    # One ends on the slow node: its slot goes back, the lease's last one.
+    assert held(renew(conn, A, lane(1, {fast: 3, slow: 1}))) == {fast: 3, slow: 1}
+    assert held(renew(conn, A, lane(1, {fast: 1}))) == {fast: 1}
+    assert inflight(conn) == {fast: 1, slow: 0}
+    assert conn.execute("select status from nodes where id = %s", (fast,)).fetchone() == ("online",)
+    assert_slots_add_up(conn)
+
+
+def test_a_lane_no_longer_reported_is_given_back(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=4, models={LLAMA8: "loaded", "acme/other-7b": "loaded"})
+    renew(conn, A, lane(2), lane(1, model="acme/other-7b"))
+    assert inflight(conn) == {node: 3}
+    assert {lease.model_id for lease in renew(conn, A, lane(2))} == {LLAMA8}
+    assert inflight(conn) == {node: 2}
+    assert conn.execute(
+        "select count(*) from private.lane_demand where model_id <> %s", (LLAMA8,)
+    ).fetchone() == (0,)
+    assert renew(conn, A) == [] and inflight(conn) == {node: 0} and leases(conn) == {}
+
+
+def test_a_node_cooling_down_is_not_returned_and_its_idle_slots_go_back(conn: psycopg.Connection) -> None:
+    bad = make_node(conn, "bad", tflops=300, max_concurrency=4)
+    good = make_node(conn, "good", tflops=50, max_concurrency=4)
+    assert held(renew(conn, A, lane(6))) == {bad: 4, good: 2}
+    conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (bad,))
+    # One request still runs on the cooling node: its slot stays held, the node is not returned.
+    got = renew(conn, A, lane(6, {bad: 1}))
+    assert held(got) == {good: 4}
+    assert leases(conn)[(A, bad)] == (1, 1) and inflight(conn) == {bad: 1, good: 4}
+    # Nor a node gone stale, nor one that dropped the model; offline too.
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 hour' where id = %s", (good,))
+    assert renew(conn, A, lane(6, {bad: 1})) == []
+    assert inflight(conn) == {bad: 1, good: 0}
+    assert_slots_add_up(conn)
+
+
+def test_a_node_full_of_leased_slots_keeps_its_rank(conn: psycopg.Connection) -> None:
+    """score_nodes() leaves a full node out; the lease on it ranks by its score when last ranked."""
+    best = make_node(conn, "best", tflops=300, max_concurrency=2)
+    worse = make_node(conn, "worse", tflops=50, max_concurrency=4)
+    got = renew(conn, A, lane(3))
+    assert [(lease.node_id, lease.rank, lease.slots) for lease in got] == [(best, 1, 2), (worse, 2, 1)]
+    got = renew(conn, A, lane(3))  # the best node is full now: not ranked by score_nodes()
+    assert [(lease.node_id, lease.rank) for lease in got] == [(best, 1), (worse, 2)]
+
+
+def test_more_in_use_than_a_lease_holds_is_taken_back_where_free(conn: psycopg.Connection) -> None:
+    """The sweep took idle slots of a lease that ended unrenewed while the gateway still used them:
+    the next renewal says so, and is not refused for it."""
+    node = make_node(conn, max_concurrency=4)
+    renew(conn, A, lane(1))
+    assert leases(conn) == {(A, node): (1, 0)}
+    assert held(renew(conn, A, lane(1, {node: 3}))) == {node: 3}
+    assert leases(conn) == {(A, node): (3, 3)} and inflight(conn) == {node: 3}
+    # Where the node has no room left, the count is cut to what the lease holds.
+    conn.execute("update nodes set inflight = 4 where id = %s", (node,))  # a placement took the last
+    assert held(renew(conn, A, lane(1, {node: 5}))) == {node: 3}
+    assert leases(conn) == {(A, node): (3, 3)} and inflight(conn) == {node: 4}
+
+
+BAD_LANES: list[tuple[Any, str]] = [
+    ({"model": LLAMA8}, "JSON array of lanes"),
+    ([1], "lane 1: a lane is a JSON object"),
+    ([{"policy": "balanced", "want": 1}], 'lane 1: "model" must be a string'),
+    ([{"model": "acme/nobody-holds-this", "want": 1}], 'unknown model "acme/nobody-holds-this"'),
+    ([{"model": LLAMA8, "policy": "fastest-ever", "want": 1}], 'unknown matching policy "fastest-ever"'),
+    ([{"model": LLAMA8, "region": 3, "want": 1}], '"region" must be a string or null'),
+    ([{"model": LLAMA8}], '"want" must be a number'),
+    ([{"model": LLAMA8, "want": -1}], '"want" must be a whole number'),
+    ([{"model": LLAMA8, "want": 1.5}], '"want" must be a whole number'),
+    ([{"model": LLAMA8, "want": 1, "in_use": [1]}], '"in_use" must be an object'),
+    ([{"model": LLAMA8, "want": 1, "in_use": {"node-1": 1}}], 'names "node-1", which is not a node id'),
+    ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): -1}}], "must be a whole number from 0"),
+    ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): "2"}}], "must be a whole number from 0"),
+    ([{"model": LLAMA8, "want": 1}, {"model": LLAMA8, "region": None, "want": 2}], "lane 2: the lane"),
+]
+
+
+@pytest.mark.parametrize(("lanes", "message"), BAD_LANES)
+def test_bad_lanes_are_refused_and_change_nothing(conn: psycopg.Connection, lanes: Any, message: str) -> None:
+    node = make_node(conn, max_concurrency=4)
+    renew(conn, A, lane(2))
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute'")
+    before = (leases(conn), inflight(conn), conn.execute("select seen_at from private.gateways").fetchall())
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+        conn.execute("select * from renew_leases(%s, %s::jsonb)", (A, json.dumps(lanes)))
+    assert (
+        leases(conn),
+        inflight(conn),
+        conn.execute("select seen_at from private.gateways").fetchall(),
+    ) == before
+    assert inflight(conn) == {node: 2}
+
+
+def test_renewals_and_placements_together_never_overbook(db_url: str) -> None:
+    """Three gateways renewing (wants and counts in use changing every round) while requests are
+    placed and ended on the same small fleet: no node's inflight ever passes its slots, nothing
+    deadlocks, and at the end inflight is the leased slots plus the placed requests still running."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        nodes = [make_node(conn, max_concurrency=3) for _ in range(4)]
+    errors: list[BaseException] = []
+    over: list[int] = []
+    done = threading.Event()
+
+    def gateway(me: uuid.UUID, seed: int) -> None:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            mine: dict[uuid.UUID, int] = {}
+            for i in range(25):
+                want = (seed * 7 + i * 5) % 9
+                in_use = {node: (slots + i) % (slots + 1) for node, slots in mine.items()}
+                mine = held(renew(conn, me, lane(want, in_use)))
+
+    def placer() -> None:
+        request = {"model": LLAMA8, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 10}
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            running: list[uuid.UUID] = []
+            for i in range(60):
+                rows = conn.execute(
+                    "select job_id, node_id from place_jobs(%s, %s::jsonb)",
+                    (str(C), json.dumps([request] * 2)),
+                ).fetchall()
+                running += [job for job, node in rows if node is not None]
+                if running and i % 2:
+                    conn.execute("select complete_job(%s)", (running.pop(0),))
+
+    def watch() -> None:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            while not done.is_set():
+                (count,) = conn.execute(
+                    "select count(*) from nodes where inflight > max_concurrency"
+                ).fetchone() or (0,)
+                over.append(count)
+
+    def run(target: Any, *args: Any) -> None:
+        try:
+            target(*args)
+        except BaseException as err:  # reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(gateway, g, n)) for n, g in enumerate((A, B, uuid.uuid4()))]
+    threads += [threading.Thread(target=run, args=(placer,)), threading.Thread(target=run, args=(watch,))]
+    for thread in threads:
+        thread.start()
+    for thread in threads[:-1]:
+        thread.join(timeout=120)
+    done.set()
+    threads[-1].join()
+    assert errors == []
+    assert over and set(over) == {0}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert_slots_add_up(conn)
+        assert sum(inflight(conn)[node] for node in nodes) > 0
+
+
+def test_a_claim_takes_only_free_slots_and_never_waits_for_a_node(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """What a renewal planned from one snapshot is moved on the locked rows as they are: a claim
+    takes only the slots still free, and a node another transaction holds is skipped."""
+    node, other = make_node(conn, max_concurrency=4), make_node(conn, max_concurrency=4)
+    conn.execute("update nodes set inflight = 3 where id = %s", (node,))  # placed meanwhile
+    move = "select private.move_lease_slots(%s, %s, 'balanced', '', %s::uuid[], %s::int[], now())"
+    assert conn.execute(move, (A, LLAMA8, [node], [4])).fetchone() == (1,)
+    assert leases(conn) == {(A, node): (1, 0)}
+    assert conn.execute("select inflight, status from nodes where id = %s", (node,)).fetchone() == (4, "busy")
+    with psycopg.connect(db_url) as holder:
+        holder.execute("select 1 from nodes where id = %s for no key update", (other,))
+        conn.execute("set lock_timeout = '2s'")
+        started = time.monotonic()
+        assert conn.execute(move, (A, LLAMA8, [other], [2])).fetchone() == (0,)
+        assert time.monotonic() - started < 1
+    assert conn.execute(move, (A, LLAMA8, [other, node], [2, -5])).fetchone() == (1,)
+    assert leases(conn) == {(A, other): (2, 0), (A, node): (0, 0)}
+    assert inflight(conn) == {node: 3, other: 2}
