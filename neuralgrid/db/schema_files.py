@@ -175,6 +175,8 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.lane_target",
         "private.renew_lane",
         "public.renew_leases",
+        "public.record_jobs",
+        "public.move_to_lease",
     ),
     "100_realtime": (
         "Realtime: what the map and owners hear when nodes and jobs change.",

@@ -100,11 +100,19 @@ GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE private.tunnel_routes TO service_role
 
 CREATE TABLE public.node_liveness (
     node_id uuid NOT NULL,
-    last_heartbeat_at timestamp with time zone NOT NULL
+    last_heartbeat_at timestamp with time zone NOT NULL,
+    gpu_utilization real,
+    free_vram_gb real,
+    CONSTRAINT node_liveness_free_vram_gb_check CHECK (((free_vram_gb >= (0)::double precision) AND (free_vram_gb <> 'NaN'::real))),
+    CONSTRAINT node_liveness_gpu_utilization_check CHECK (((gpu_utilization >= (0)::double precision) AND (gpu_utilization <= (1)::double precision)))
 )
 WITH (fillfactor='50');
 
-COMMENT ON TABLE public.node_liveness IS 'When each node last beat through a gateway''s batch (node_heartbeats()): one narrow row a node, updated in place (heap-only: no index on the time, pages half free), so that a beat that changes nothing writes nothing else. A node''s last heartbeat is the later of this and nodes.last_heartbeat_at (written by registration, tunnels and the one-beat paths). Anyone may read it, as nodes.last_heartbeat_at.';
+COMMENT ON TABLE public.node_liveness IS 'When each node last beat through a gateway''s batch (node_heartbeats()), and the load that beat said (its GPU''s utilization and free VRAM, which change nearly every beat): one narrow row a node, updated in place (heap-only: no index on what a beat writes, pages half free), so that a beat that changes nothing else writes nothing else. A node''s last heartbeat is the later of this and nodes.last_heartbeat_at (written by registration, tunnels and the one-beat paths), and its load is the one of the later of the two rows. Anyone may read it, as those columns of nodes.';
+
+COMMENT ON COLUMN public.node_liveness.gpu_utilization IS 'The GPU utilization (0 to 1) the node''s batched beat said; null: not said. The node''s load where this row''s beat is the later (else nodes.gpu_utilization).';
+
+COMMENT ON COLUMN public.node_liveness.free_vram_gb IS 'The free VRAM in GB the node''s batched beat said; null: not said. The node''s where this row''s beat is the later (else nodes.free_vram_gb).';
 
 ALTER TABLE ONLY public.node_liveness
     ADD CONSTRAINT node_liveness_pkey PRIMARY KEY (node_id);
@@ -219,13 +227,16 @@ begin
   -- GPU; healthy; holding some model it could load) and its open request: one statement, on primary
   -- keys and the one-open-request-per-node index.
   select s.prewarm_enabled, s.prewarm_expiry_s, s.prewarm_refresh_s, s.prewarm_interval_s,
-         s.prewarm_refusal_backoff_s, c.refreshed_at, n.region, n.vram_gb, n.free_vram_gb,
+         s.prewarm_refusal_backoff_s, c.refreshed_at, n.region, n.vram_gb,
+         -- Its free VRAM as its last beat said it: the batches' (node_liveness) when later.
+         case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.free_vram_gb else n.free_vram_gb end as free_vram_gb,
          n.status = 'online' and n.backend_up and n.inflight = 0 and n.queue_depth = 0
            and (n.cooldown_until is null or n.cooldown_until <= now())
            and exists (select 1 from public.node_models nm where nm.node_id = n.id and nm.state = 'available') as idle,
          r.id as open_id, r.model_id as open_model, r.requested_at as open_at
   into v
   from public.nodes n
+  left join public.node_liveness l on l.node_id = n.id
   cross join public.platform_settings s
   cross join private.prewarm_clock c
   left join public.prewarm_requests r on r.node_id = n.id and r.outcome = 'requested'
@@ -621,6 +632,8 @@ declare
   v_quiet_at timestamptz[];
   v_quiet_status text[];
   v_quiet_said text[];    -- the status each agent said (the reply's load needs it)
+  v_quiet_utilization real[];  -- the load each said (node_liveness keeps it)
+  v_quiet_free real[];
   v_warm uuid[];          -- quiet beats that pre-warm must see
   v_warm_models text[];   -- a JSON array of each one's warm models (as text: arrays of arrays are not)
   v_change integer[];     -- the ordinals of beats that change something, by node
@@ -663,7 +676,8 @@ begin
       free_vram_gb real, models text[], specs jsonb, backend_up boolean, backend jsonb, available text[],
       loaded text[], refused jsonb)
   ), judged as materialized (  -- once a beat: the aggregates below each read its verdict
-    select b.node_id, b.ord, b.status as said, b.warm, n.status as node_status,
+    select b.node_id, b.ord, b.status as said, b.warm, n.status as node_status, b.gpu_utilization,
+           b.free_vram_gb,
            case
              when n.id is null then 'gone'
              when n.secret_hash is null or b.key is null or n.secret_hash <> decode(b.key, 'hex') then 'denied'
@@ -675,8 +689,10 @@ begin
                   and b.status in ('online', 'draining', 'offline')
                   and n.missed_heartbeats = 0
                   and n.queue_depth = b.queue_depth
-                  and n.gpu_utilization is not distinct from b.gpu_utilization
-                  and n.free_vram_gb is not distinct from b.free_vram_gb
+                  -- Its GPU's utilization and free VRAM change nearly every beat on a real GPU:
+                  -- node_liveness keeps them (a load out of bounds is refused as a change, below).
+                  and (b.gpu_utilization is null or b.gpu_utilization between 0 and 1)
+                  and (b.free_vram_gb is null or (b.free_vram_gb >= 0 and b.free_vram_gb <> 'NaN'))
                   and n.backend_up = coalesce(b.backend_up, true)
                   and n.status = case
                     when b.status <> 'online' then b.status
@@ -725,6 +741,8 @@ begin
          array_agg(j.heard_at order by j.node_id) filter (where j.kind = 'quiet'),
          array_agg(j.node_status order by j.node_id) filter (where j.kind = 'quiet'),
          array_agg(j.said order by j.node_id) filter (where j.kind = 'quiet'),
+         array_agg(j.gpu_utilization order by j.node_id) filter (where j.kind = 'quiet'),
+         array_agg(j.free_vram_gb order by j.node_id) filter (where j.kind = 'quiet'),
          array_agg(j.node_id order by j.node_id) filter (where j.kind = 'quiet' and j.warms),
          array_agg(to_jsonb(j.warm)::text order by j.node_id) filter (where j.kind = 'quiet' and j.warms),
          array_agg(j.ord order by j.node_id) filter (where j.kind = 'change'),
@@ -735,7 +753,7 @@ begin
                    order by j.node_id)
            filter (where j.kind in ('gone', 'denied')),
          array_agg(case j.kind when 'gone' then 'P0002' else '42501' end order by j.node_id) filter (where j.kind in ('gone', 'denied'))
-    into v_quiet, v_quiet_at, v_quiet_status, v_quiet_said, v_warm, v_warm_models, v_change, v_change_at,
+    into v_quiet, v_quiet_at, v_quiet_status, v_quiet_said, v_quiet_utilization, v_quiet_free, v_warm, v_warm_models, v_change, v_change_at,
          v_refused, v_refusal, v_refusal_code
   from judged j;
 
@@ -743,12 +761,15 @@ begin
   return query select u.id, null::text, null::text[], u.why, u.code
                from unnest(v_refused, v_refusal, v_refusal_code) as u (id, why, code);
 
-  -- The quiet beats: one narrow row each, in node order (two gateways' batches lock rows in the
-  -- same order), never moved back in time. Each row is there already (a conflict, so no check of
-  -- its key against nodes, which would wait for a claim's lock on the node).
-  insert into public.node_liveness as l (node_id, last_heartbeat_at)
-  select u.id, u.at from unnest(v_quiet, v_quiet_at) as u (id, at)
-  on conflict on constraint node_liveness_pkey do update set last_heartbeat_at = excluded.last_heartbeat_at
+  -- The quiet beats: one narrow row each (the time and the load), in node order (two gateways'
+  -- batches lock rows in the same order), never moved back in time. Each row is there already (a
+  -- conflict, so no check of its key against nodes, which would wait for a claim's lock on the node).
+  insert into public.node_liveness as l (node_id, last_heartbeat_at, gpu_utilization, free_vram_gb)
+  select u.id, u.at, u.utilization, u.free
+  from unnest(v_quiet, v_quiet_at, v_quiet_utilization, v_quiet_free) as u (id, at, utilization, free)
+  on conflict on constraint node_liveness_pkey do update
+    set last_heartbeat_at = excluded.last_heartbeat_at, gpu_utilization = excluded.gpu_utilization,
+        free_vram_gb = excluded.free_vram_gb
   where l.last_heartbeat_at < excluded.last_heartbeat_at;
   return query select u.id, u.status, '{}'::text[], null::text, null::text
                from unnest(v_quiet, v_quiet_status) as u (id, status)
@@ -790,8 +811,11 @@ begin
              else array(select jsonb_array_elements_text(v_beat -> 'available')) end,
         array(select jsonb_array_elements_text(coalesce(nullif(v_beat -> 'loaded', 'null'), '[]'))),
         coalesce(nullif(v_beat -> 'refused', 'null'), '[]')) h;
-      insert into public.node_liveness as l (node_id, last_heartbeat_at) values (v_node, v_change_at[k])
-      on conflict on constraint node_liveness_pkey do update set last_heartbeat_at = excluded.last_heartbeat_at
+      insert into public.node_liveness as l (node_id, last_heartbeat_at, gpu_utilization, free_vram_gb)
+      values (v_node, v_change_at[k], (v_beat ->> 'gpu_utilization')::real, (v_beat ->> 'free_vram_gb')::real)
+      on conflict on constraint node_liveness_pkey do update
+        set last_heartbeat_at = excluded.last_heartbeat_at, gpu_utilization = excluded.gpu_utilization,
+            free_vram_gb = excluded.free_vram_gb
       where l.last_heartbeat_at < excluded.last_heartbeat_at;
     exception when others then
       return query select v_node, null::text, null::text[], sqlerrm, sqlstate;
@@ -800,7 +824,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.node_heartbeats(p_beats jsonb) IS 'A gateway''s heartbeats of the last second in one call: a JSON array of beats, each as agent_heartbeat() takes one (node_id; key: the hex SHA-256 of the node''s secret; status, queue_depth, gpu_utilization, free_vram_gb, models, specs, backend_up, backend, available, loaded, refused) and age_ms, how long ago the gateway heard it. A beat that changes nothing writes only its node''s node_liveness row; one that changes something is written as agent_heartbeat() writes it, on its own (put off with error_code 55P03 when a claim holds the node). Returns a row per beat: the node''s status and the models it should pre-load now, or the error that refused it (error_code: its SQLSTATE, as agent_heartbeat() would raise it).';
+COMMENT ON FUNCTION public.node_heartbeats(p_beats jsonb) IS 'A gateway''s heartbeats of the last second in one call: a JSON array of beats, each as agent_heartbeat() takes one (node_id; key: the hex SHA-256 of the node''s secret; status, queue_depth, gpu_utilization, free_vram_gb, models, specs, backend_up, backend, available, loaded, refused) and age_ms, how long ago the gateway heard it. A beat that changes nothing but its GPU''s utilization and free VRAM writes only its node''s node_liveness row (the time and that load); one that changes something else is written as agent_heartbeat() writes it, on its own (put off with error_code 55P03 when a claim holds the node). Returns a row per beat: the node''s status and the models it should pre-load now, or the error that refused it (error_code: its SQLSTATE, as agent_heartbeat() would raise it).';
 
 REVOKE ALL ON FUNCTION public.node_heartbeats(p_beats jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.node_heartbeats(p_beats jsonb) FROM PUBLIC;

@@ -77,7 +77,11 @@ begin
   perform realtime.send(v_payload, 'node_' || lower(tg_op), 'node-map', false);
   if v_node.owner_id is not null then
     perform realtime.send(
-      v_payload || jsonb_build_object('node', to_jsonb(v_node) - 'secret_hash'),
+      -- The whole row but the secret, its last beat and load as the map's (the later of the two).
+      v_payload || jsonb_build_object('node', to_jsonb(v_node) - 'secret_hash' || jsonb_build_object(
+        'last_heartbeat_at', v_payload #> '{node,last_heartbeat_at}',
+        'gpu_utilization', v_payload #> '{node,gpu_utilization}',
+        'free_vram_gb', v_payload #> '{node,free_vram_gb}')),
       'node_' || lower(tg_op), 'owner:' || v_node.owner_id, true);
   end if;
   return null;
@@ -98,13 +102,21 @@ CREATE FUNCTION private.node_map_payload(n public.nodes) RETURNS jsonb
     SET search_path TO ''
     AS $$
   -- What anyone may see of a node: the columns granted to anon, never endpoint_url, owner or secret.
+  -- Its last beat and load: the later of its row's and the batches' (node_liveness).
   select jsonb_build_object(
     'id', n.id, 'name', n.name, 'gpu_model', n.gpu_model, 'gpu_count', n.gpu_count, 'vram_gb', n.vram_gb,
     'tflops', n.tflops, 'hourly_rate', n.hourly_rate, 'region', n.region, 'latitude', n.latitude,
     'longitude', n.longitude, 'status', n.status, 'max_concurrency', n.max_concurrency,
-    'inflight', n.inflight, 'last_heartbeat_at', n.last_heartbeat_at, 'missed_heartbeats', n.missed_heartbeats,
+    'inflight', n.inflight, 'last_heartbeat_at', greatest(n.last_heartbeat_at, l.last_heartbeat_at),
+    'missed_heartbeats', n.missed_heartbeats,
     'successes', n.successes, 'failures', n.failures, 'cooldown_until', n.cooldown_until,
-    'gpu_utilization', n.gpu_utilization, 'queue_depth', n.queue_depth)
+    'gpu_utilization', case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity')
+                            then l.gpu_utilization else n.gpu_utilization end,
+    'free_vram_gb', case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity')
+                         then l.free_vram_gb else n.free_vram_gb end,
+    'queue_depth', n.queue_depth)
+  from (select) one
+  left join public.node_liveness l on l.node_id = n.id
 $$;
 
 COMMENT ON FUNCTION private.node_map_payload(n public.nodes) IS 'A node as the public map may show it (the columns granted to anon).';

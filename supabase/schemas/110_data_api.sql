@@ -166,8 +166,14 @@ CREATE OR REPLACE VIEW public.node_map WITH (security_invoker='true') AS
     COALESCE(array_agg(m.model_id ORDER BY m.model_id) FILTER (WHERE (m.state = 'loaded'::text)), '{}'::text[]) AS warm_models,
     COALESCE(array_agg(m.model_id ORDER BY m.model_id) FILTER (WHERE (m.state = 'available'::text)), '{}'::text[]) AS available_models,
     n.missed_heartbeats,
-    n.gpu_utilization,
-    n.free_vram_gb,
+        CASE
+            WHEN (max(l.last_heartbeat_at) >= COALESCE(n.last_heartbeat_at, '-infinity'::timestamp with time zone)) THEN max(l.gpu_utilization)
+            ELSE n.gpu_utilization
+        END AS gpu_utilization,
+        CASE
+            WHEN (max(l.last_heartbeat_at) >= COALESCE(n.last_heartbeat_at, '-infinity'::timestamp with time zone)) THEN max(l.free_vram_gb)
+            ELSE n.free_vram_gb
+        END AS free_vram_gb,
     n.queue_depth
    FROM ((public.nodes n
      LEFT JOIN public.node_liveness l ON ((l.node_id = n.id)))

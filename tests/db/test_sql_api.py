@@ -49,9 +49,11 @@ PUBLIC_API = sorted(
         "node_heartbeat",
         "node_heartbeats",  # a gateway's beats of the last second in one call (issue 41)
         "node_list",  # the map's table, a page at a time
+        "move_to_lease",  # a leased job whose node failed, moved to another leased slot (issue 42)
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
         "place_jobs",  # the gateway's placements grouped (issue 16)
+        "record_jobs",  # leased jobs written behind (issue 42)
         "register_node",
         "register_node",
         "reject_job",
@@ -255,7 +257,7 @@ def assert_each_ending_rule_is_written_once(conn: psycopg.Connection) -> None:
     assert holders(r"power\(2") == ["private.cooldown_until"]
     assert holders(r"0\.8 \*") == ["private.ewma_fold"]
     assert holders(r"tokens_per_s_per_tflop") == ["complete_jobs"]
-    assert holders(r"public\.complete_jobs\(") == ["complete_job"]
+    assert holders(r"public\.complete_jobs\(") == ["complete_job", "record_jobs"]
 
 
 @pytest.mark.parametrize(("status", "error"), [("succeeded", None), ("failed", "the node broke")])

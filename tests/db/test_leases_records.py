@@ -1,0 +1,311 @@
+"""Leased jobs written behind (issue 42): record_jobs() records a job a gateway dispatched on a
+leased slot and ends it as complete_jobs() ends any job (the same price, charge, earnings and node
+figures), idempotently, freeing no slot (the lease holds it); its hold moves from the gateway's escrow
+to the job; failover, hand-over, rejection and the sweep work on it as on a placed job."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import SyncStore
+from tests.conftest import LLAMA8, make_key, make_node
+
+GATEWAY = uuid.UUID("00000000-0000-4000-8000-0000000000a1")
+
+
+def lease(conn: psycopg.Connection, want: int) -> list[q.LeaseRow]:
+    lanes: list[dict[str, Any]] = [
+        {"model": LLAMA8, "policy": "balanced", "region": None, "want": want, "in_use": {}}
+    ]
+    return SyncStore(conn).all(q.RENEW_LEASES, (GATEWAY, json.dumps(lanes)))
+
+
+def record(
+    job: uuid.UUID,
+    node: uuid.UUID,
+    key: uuid.UUID | None = None,
+    end: dict[str, Any] | None = None,
+    hold: str = "0",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A record as the gateway's journal writes it (JobRecord.as_json())."""
+    return {
+        "id": str(job),
+        "key": None if key is None else str(key),
+        "model": LLAMA8,
+        "policy": "balanced",
+        "region": None,
+        "stream": True,
+        "node": str(node),
+        "started_at": (datetime.now(UTC) - timedelta(seconds=2)).isoformat(),
+        "hold_usd": hold,
+        "end_user": "end-user-7",
+        "end": end,
+        **extra,
+    }
+
+
+ENDED = {
+    "status": "succeeded",
+    "prompt_tokens": 1000,
+    "completion_tokens": 90,
+    "ttft_ms": 100,
+    "latency_ms": 1000,
+    "error": None,
+}
+
+
+def write(
+    conn: psycopg.Connection, *records: dict[str, Any], gateway: uuid.UUID = GATEWAY
+) -> list[q.RecordedJob]:
+    return SyncStore(conn).all(q.RECORD_JOBS, (gateway, json.dumps(list(records))))
+
+
+def one(conn: psycopg.Connection, sql: str, *params: Any) -> Any:
+    row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return row[0] if len(row) == 1 else tuple(row)
+
+
+def key_money(conn: psycopg.Connection, key: uuid.UUID) -> tuple[Any, Any]:
+    """The key's (reserved_usd, spent_usd)."""
+    return tuple(one(conn, "select reserved_usd, spent_usd from api_keys where id = %s", key))
+
+
+def assert_reserved_adds_up(conn: psycopg.Connection, key: uuid.UUID) -> None:
+    """reserved_usd is the escrows held for the key plus the holds of its running jobs."""
+    assert key_money(conn, key)[0] == one(
+        conn,
+        "select coalesce((select sum(usd) from private.key_escrows where api_key_id = %s), 0)"
+        " + coalesce((select sum(reserved_usd) from jobs where api_key_id = %s and status = 'running'), 0)",
+        key,
+        key,
+    )
+
+
+def escrow(conn: psycopg.Connection, key: uuid.UUID, usd: str) -> None:
+    """An escrow as renew_escrows() leaves one: held on the key too."""
+    conn.execute(
+        "insert into private.key_escrows (gateway_id, api_key_id, usd) values (%s, %s, %s)",
+        (GATEWAY, key, usd),
+    )
+    conn.execute("update api_keys set reserved_usd = reserved_usd + %s::numeric where id = %s", (usd, key))
+
+
+def test_a_leased_job_is_recorded_then_ended_without_freeing_its_slot(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=4)
+    key = make_key(conn, budget_usd=5.0)
+    escrow(conn, key, "1.0")
+    lease(conn, 2)
+    assert one(conn, "select inflight from nodes") == 2
+    job = uuid.uuid4()
+    assert write(conn, record(job, node, key, hold="0.3")) == [q.RecordedJob(job, None, "started")]
+    row = conn.execute(
+        "select status, node_id, attempts, gateway_id, api_key_id, owner_id is not distinct from"
+        " (select owner_id from api_keys where id = %s), reserved_usd, end_user, cold_start, stream,"
+        " min_vram_gb > 0 from jobs where id = %s",
+        (key, job),
+    ).fetchone()
+    assert row == ("running", node, 1, GATEWAY, key, True, Decimal("0.3"), "end-user-7", False, True, True)
+    assert conn.execute("select attempt, node_id, leased, status from job_attempts").fetchall() == [
+        (1, node, True, "running")
+    ]
+    # The hold left the escrow for the job; the key holds what it held.
+    assert one(conn, "select usd from private.key_escrows") == Decimal("0.7")
+    assert key_money(conn, key) == (Decimal("1.0"), 0)
+    assert_reserved_adds_up(conn, key)
+    assert one(conn, "select inflight from nodes") == 2  # the lease's slots, nothing more
+
+    ended = write(conn, record(job, node, key, end=ENDED, hold="0.3"))
+    assert ended == [q.RecordedJob(job, Decimal("0.00005900"), "ended")]
+    assert conn.execute("select status, cost_usd, prompt_tokens from jobs").fetchone() == (
+        "succeeded",
+        Decimal("0.00005900"),
+        1000,
+    )
+    assert one(conn, "select inflight, successes, status from nodes") == (2, 1, "online")
+    assert key_money(conn, key) == (Decimal("0.7"), Decimal("0.00005900"))
+    assert_reserved_adds_up(conn, key)
+    # Written again (a retry, a replayed spool): nothing twice.
+    assert write(conn, record(job, node, key, end=ENDED, hold="0.3")) == [
+        q.RecordedJob(job, Decimal("0.00005900"), "already")
+    ]
+    assert key_money(conn, key) == (Decimal("0.7"), Decimal("0.00005900"))
+    assert one(conn, "select successes from nodes") == 1
+    assert one(conn, "select count(*) from job_attempts") == 1
+
+
+def test_a_leased_job_costs_and_earns_what_a_placed_one_does(conn: psycopg.Connection) -> None:
+    """Started and ended in one call, priced by the same SQL: the same cost, charge, earning and
+    node figures as a job placed by match_job() and ended by complete_job() with the same usage."""
+    owner = one(conn, "insert into auth.users (email) values ('owner@example.test') returning id")
+    make_node(conn, "placed", owner_id=owner, max_concurrency=4)
+    leased_node = make_node(conn, "leased", owner_id=owner, max_concurrency=4)
+    placed_key, leased_key = make_key(conn, budget_usd=5.0), make_key(conn, budget_usd=5.0)
+    conn.execute("update nodes set status = 'offline' where id = %s", (leased_node,))
+    placed = one(conn, "select job_id from match_job(%s, %s, p_stream => true)", LLAMA8, placed_key)
+    conn.execute("select * from complete_job(%s, 'succeeded', 1000, 90, 100, 1000)", (placed,))
+    conn.execute(
+        "update nodes set status = case when id = %s then 'online' else 'offline' end", (leased_node,)
+    )
+    lease(conn, 1)
+    job = uuid.uuid4()
+    assert write(conn, record(job, leased_node, leased_key, end=ENDED)) == [
+        q.RecordedJob(job, Decimal("0.00005900"), "started+ended")
+    ]
+    figures = (
+        "select j.cost_usd, j.status, k.spent_usd, k.reserved_usd, e.gross_usd, e.fee_usd, e.net_usd, n.successes,"
+        " n.ewma_latency_ms, n.ewma_tokens_per_s from jobs j join api_keys k on k.id = j.api_key_id"
+        " join earnings e on e.job_id = j.id join nodes n on n.id = j.node_id where j.id = %s"
+    )
+    assert one(conn, figures, job) == one(conn, figures, placed)
+    assert one(conn, "select inflight from nodes where id = %s", leased_node) == 1  # the lease's
+
+
+def test_a_recorded_leased_job_fails_over_as_a_placed_one_and_frees_no_leased_slot(
+    conn: psycopg.Connection,
+) -> None:
+    leased = make_node(conn, "leased", tflops=300, max_concurrency=2)
+    lease(conn, 2)
+    other = make_node(conn, "other", tflops=50, max_concurrency=2)
+    job = uuid.uuid4()
+    write(conn, record(job, leased))
+    moved = conn.execute(
+        "select node_id, attempt from failover_job(%s, 'boom', 502, %s)", (job, [other])
+    ).fetchall()
+    assert moved == [(other, 2)]
+    assert conn.execute("select attempt, status, leased from job_attempts order by attempt").fetchall() == [
+        (1, "failed", True),
+        (2, "running", False),
+    ]
+    # The leased node is blamed (failure, cooldown) and keeps its slots held by the lease; the new
+    # node's slot is a claim's, freed when the job ends.
+    assert one(
+        conn, "select inflight, failures, cooldown_until > now() from nodes where id = %s", leased
+    ) == (
+        2,
+        1,
+        True,
+    )
+    assert one(conn, "select inflight from nodes where id = %s", other) == 1
+    # Its end, written behind or by complete_jobs(), frees the claimed slot, not a leased one.
+    assert write(conn, record(job, leased, end=ENDED))[0].recorded == "ended"
+    assert conn.execute("select id, inflight from nodes order by name").fetchall() == [
+        (leased, 2),
+        (other, 0),
+    ]
+
+
+def test_a_leased_job_moves_to_another_leased_slot(conn: psycopg.Connection) -> None:
+    first = make_node(conn, "first", tflops=300, max_concurrency=1)
+    second = make_node(conn, "second", tflops=50, max_concurrency=1)
+    lease(conn, 2)
+    job = uuid.uuid4()
+    write(conn, record(job, first))
+    moved = SyncStore(conn).one(q.MOVE_TO_LEASE, (job, "tunnel gone", 421, second))
+    assert moved is not None and (moved.node_id, moved.attempt) == (second, 2)
+    assert conn.execute("select attempt, status, leased from job_attempts order by attempt").fetchall() == [
+        (1, "cancelled", True),
+        (2, "running", True),
+    ]
+    # 421 is nobody's failure; no slot changes hands: both are the lease's.
+    assert conn.execute("select name, inflight, failures from nodes order by name").fetchall() == [
+        ("first", 1, 0),
+        ("second", 1, 0),
+    ]
+    assert one(conn, "select node_id from jobs") == second
+    conn.execute("select complete_job(%s)", (job,))
+    assert SyncStore(conn).one(q.MOVE_TO_LEASE, (job, "boom", 502, first)) is None  # ended: nothing to move
+    assert conn.execute("select inflight from nodes").fetchall() == [(1,), (1,)]
+
+
+@pytest.mark.parametrize("how", ["reject_job", "abandoned by the sweep"])
+def test_a_leased_job_ended_in_sql_frees_no_leased_slot(conn: psycopg.Connection, how: str) -> None:
+    node = make_node(conn, max_concurrency=4)
+    key = make_key(conn, budget_usd=5.0)
+    lease(conn, 1)
+    job = uuid.uuid4()
+    write(conn, record(job, node, key, hold="0.2"))
+    assert key_money(conn, key) == (Decimal("0.2"), 0)  # no escrow: held on the key anew
+    if how == "reject_job":
+        conn.execute("select reject_job(%s, 'bad request', 400)", (job,))
+    else:
+        conn.execute("update private.gateways set seen_at = now() - interval '1 minute'")
+        conn.execute("update platform_settings set gateway_timeout_s = 0.5")
+        conn.execute("select private.sweep_orphaned_jobs()")
+    assert one(conn, "select status from jobs") in {"cancelled", "failed"}
+    assert one(conn, "select inflight from nodes") == 1  # the lease's slot: the lease sweep frees it
+    assert key_money(conn, key) == (0, 0)
+
+
+def test_bad_records_are_refused_naming_them_and_nothing_is_written(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=4)
+    key = make_key(conn, budget_usd=1.0)
+    good = record(uuid.uuid4(), node, key, hold="0.1")
+    cases: list[tuple[Any, type[psycopg.Error], str]] = [
+        ({"id": "x"}, psycopg.errors.InvalidParameterValue, "JSON array"),
+        (
+            [good, {**good, "id": "job-1"}],
+            psycopg.errors.InvalidParameterValue,
+            r"record 2 \(job-1\): \"id\"",
+        ),
+        ([{**good, "key": 5}], psycopg.errors.InvalidParameterValue, '"key" must be'),
+        ([{**good, "node": None}], psycopg.errors.InvalidParameterValue, '"node" must be'),
+        ([{**good, "started_at": "yesterday"}], psycopg.errors.InvalidParameterValue, '"started_at"'),
+        (
+            [{**good, "started_at": "2026-13-45T00:00:00Z"}],
+            psycopg.errors.InvalidParameterValue,
+            "could not be read",
+        ),
+        ([{**good, "hold_usd": "-1"}], psycopg.errors.InvalidParameterValue, '"hold_usd"'),
+        ([{**good, "end_user": "u" * 257}], psycopg.errors.InvalidParameterValue, '"end_user"'),
+        ([{**good, "end": {**ENDED, "status": "done"}}], psycopg.errors.InvalidParameterValue, '"status"'),
+        (
+            [{**good, "end": {**ENDED, "prompt_tokens": -1}}],
+            psycopg.errors.InvalidParameterValue,
+            "token counts",
+        ),
+        (
+            [{**good, "end": {**ENDED, "latency_ms": "1s"}}],
+            psycopg.errors.InvalidParameterValue,
+            '"latency_ms"',
+        ),
+        ([good, good], psycopg.errors.InvalidParameterValue, "appears twice"),
+        (
+            [{**good, "model": "acme/nobody-holds-this"}],
+            psycopg.errors.InvalidParameterValue,
+            "unknown model",
+        ),
+        (
+            [{**good, "policy": "fastest-ever"}],
+            psycopg.errors.InvalidParameterValue,
+            "unknown matching policy",
+        ),
+        (
+            [good, {**good, "id": str(uuid.uuid4()), "node": str(uuid.uuid4())}],
+            psycopg.errors.ForeignKeyViolation,
+            "record 2 .*no node with id",
+        ),
+        ([{**good, "key": str(uuid.uuid4())}], psycopg.errors.ForeignKeyViolation, "no API key with id"),
+    ]
+    for records, error, message in cases:
+        with pytest.raises(error, match=message):
+            conn.execute("select * from record_jobs(%s, %s::jsonb)", (GATEWAY, json.dumps(records)))
+    assert one(conn, "select count(*) from jobs") == 0
+    assert key_money(conn, key) == (0, 0)
+    # Amounts as Python's str(Decimal) writes them are read.
+    assert [
+        r.recorded for r in write(conn, {**good, "hold_usd": "1E-8"}, record(uuid.uuid4(), node, hold="0E-8"))
+    ] == [
+        "started",
+        "started",
+    ]
+    assert key_money(conn, key) == (Decimal("0.00000001"), 0)
