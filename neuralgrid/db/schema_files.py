@@ -177,6 +177,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.renew_leases",
         "public.record_jobs",
         "public.move_to_lease",
+        "public.renew_escrows",
     ),
     "100_realtime": (
         "Realtime: what the map and owners hear when nodes and jobs change.",

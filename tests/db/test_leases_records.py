@@ -309,3 +309,66 @@ def test_bad_records_are_refused_naming_them_and_nothing_is_written(conn: psycop
         "started",
     ]
     assert key_money(conn, key) == (Decimal("0.00000001"), 0)
+
+
+# Escrows ------------------------------------------------------------------------------------------
+
+
+def renew_escrows(conn: psycopg.Connection, *wants: tuple[uuid.UUID, str]) -> list[q.EscrowRow]:
+    keys = [{"key": str(key), "want_usd": usd} for key, usd in wants]
+    return SyncStore(conn).all(q.RENEW_ESCROWS, (GATEWAY, json.dumps(keys)))
+
+
+def test_escrows_are_capped_returned_and_held_on_their_keys(conn: psycopg.Connection) -> None:
+    rich, poor, free = make_key(conn, budget_usd=100.0), make_key(conn, budget_usd=0.5), make_key(conn)
+    conn.execute("update api_keys set spent_usd = 0.1, reserved_usd = 0.15 where id = %s", (poor,))
+    got = renew_escrows(conn, (rich, "5"), (poor, "0.4"), (free, "0.4"))
+    # Capped by platform_settings.escrow_usd ($1), by what the key has free (0.5 - 0.1 - 0.15); a key
+    # without a budget needs none.
+    assert got == [
+        q.EscrowRow(rich, Decimal("1.00000000"), Decimal("99.00000000")),
+        q.EscrowRow(poor, Decimal("0.25000000"), Decimal("0E-8")),
+        q.EscrowRow(free, None, None),
+    ]
+    assert key_money(conn, rich) == (Decimal("1"), 0) and key_money(conn, poor)[0] == Decimal("0.4")
+    assert one(conn, "select count(*) from private.key_escrows") == 2
+    # Asked again for less: the difference is returned; a key no longer named gets all of it back.
+    assert renew_escrows(conn, (rich, "0.3")) == [
+        q.EscrowRow(rich, Decimal("0.30000000"), Decimal("99.70000000"))
+    ]
+    assert key_money(conn, rich)[0] == Decimal("0.3") and key_money(conn, poor)[0] == Decimal("0.15")
+    assert_reserved_adds_up(conn, rich)  # (poor's 0.15 held is made up: no job holds it)
+    # A leased job's hold leaves the escrow; the next renewal tops it up from the key's free money.
+    node = make_node(conn, max_concurrency=2)
+    lease(conn, 1)
+    write(conn, record(uuid.uuid4(), node, rich, hold="0.2"))
+    assert one(conn, "select usd from private.key_escrows") == Decimal("0.1")
+    assert renew_escrows(conn, (rich, "0.3")) == [
+        q.EscrowRow(rich, Decimal("0.30000000"), Decimal("99.50000000"))
+    ]
+    assert key_money(conn, rich)[0] == Decimal("0.5")
+    assert_reserved_adds_up(conn, rich)
+    # A revoked key's escrow is returned.
+    conn.execute("update api_keys set revoked_at = now() where id = %s", (rich,))
+    assert renew_escrows(conn, (rich, "0.3")) == [q.EscrowRow(rich, Decimal("0"), Decimal("99.80000000"))]
+    assert one(conn, "select count(*) from private.key_escrows") == 0
+    assert_reserved_adds_up(conn, rich)
+
+
+def test_bad_escrow_requests_are_refused_and_change_nothing(conn: psycopg.Connection) -> None:
+    key = make_key(conn, budget_usd=1.0)
+    renew_escrows(conn, (key, "0.5"))
+    cases: list[tuple[Any, type[psycopg.Error], str]] = [
+        ({"key": str(key)}, psycopg.errors.InvalidParameterValue, "JSON array"),
+        (["x"], psycopg.errors.InvalidParameterValue, "key 1: each key is a JSON object"),
+        ([{"key": "k", "want_usd": "1"}], psycopg.errors.InvalidParameterValue, '"key" must be'),
+        ([{"key": str(key), "want_usd": -1}], psycopg.errors.InvalidParameterValue, '"want_usd"'),
+        ([{"key": str(key)}], psycopg.errors.InvalidParameterValue, '"want_usd"'),
+        ([{"key": str(key), "want_usd": 1}] * 2, psycopg.errors.InvalidParameterValue, "named twice"),
+        ([{"key": str(uuid.uuid4()), "want_usd": 1}], psycopg.errors.ForeignKeyViolation, "no API key"),
+    ]
+    for keys, error, message in cases:
+        with pytest.raises(error, match=message):
+            conn.execute("select * from renew_escrows(%s, %s::jsonb)", (GATEWAY, json.dumps(keys)))
+    assert key_money(conn, key) == (Decimal("0.5"), 0)
+    assert one(conn, "select usd from private.key_escrows") == Decimal("0.5")

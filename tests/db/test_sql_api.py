@@ -57,6 +57,7 @@ PUBLIC_API = sorted(
         "register_node",
         "register_node",
         "reject_job",
+        "renew_escrows",  # the money a gateway holds for keys with a budget (issue 42)
         "renew_leases",  # a gateway's slot leases, renewed once a second (issue 42)
         "revoke_api_key",  # a user revokes their own key through the Data API (issue 18)
         "restore_tunnels",  # a gateway that checked in late: the tunnels it holds, recorded again
