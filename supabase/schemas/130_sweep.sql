@@ -52,6 +52,85 @@ REVOKE ALL ON FUNCTION private.sweep_dead_tunnels() FROM PUBLIC;
 GRANT ALL ON FUNCTION private.sweep_dead_tunnels() TO service_role;
 
 
+CREATE FUNCTION private.sweep_leases() RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+declare
+  v_dead uuid[];
+  v_gateways uuid[];
+  v_nodes uuid[];
+  v_models text[];
+  v_policies text[];
+  v_regions text[];
+  v_freed integer[];
+begin
+  -- The gateways judged dead that still hold something (a row the sweep forgot counts as dead).
+  v_dead := array(
+    select h.gateway_id
+    from (select l.gateway_id from private.slot_leases l
+          union select e.gateway_id from private.key_escrows e
+          union select d.gateway_id from private.lane_demand d) h
+    left join private.gateways g on g.id = h.gateway_id
+    where g.id is null or not private.gateway_is_live(g.seen_at));
+
+  -- What each lease gives back: all of a dead gateway's, the idle slots of one past its end.
+  select array_agg(l.gateway_id), array_agg(l.node_id), array_agg(l.model_id), array_agg(l.policy),
+         array_agg(l.region), array_agg(case when l.gateway_id = any (v_dead) then l.slots else l.slots - l.in_use end)
+    into v_gateways, v_nodes, v_models, v_policies, v_regions, v_freed
+  from (
+    select l.* from private.slot_leases l
+    where l.gateway_id = any (v_dead) or (l.expires_at < now() and l.slots > l.in_use)
+    for update skip locked
+  ) l;
+  if v_nodes is not null then
+    perform from public.nodes n where n.id = any (v_nodes) order by n.id for no key update;
+    with freed as (
+      select u.node, sum(u.freed)::integer as freed
+      from unnest(v_nodes, v_freed) as u (node, freed)
+      group by u.node
+    )
+    update public.nodes n
+    set inflight = greatest(n.inflight - f.freed, 0),
+        status = case when n.status = 'busy' and n.inflight - f.freed < n.max_concurrency then 'online'
+                      else n.status end
+    from freed f
+    where n.id = f.node and f.freed > 0;
+    update private.slot_leases l
+    set slots = l.slots - g.freed, in_use = least(l.in_use, l.slots - g.freed)
+    from unnest(v_gateways, v_nodes, v_models, v_policies, v_regions, v_freed)
+      as g (gateway_id, node_id, model_id, policy, region, freed)
+    where l.gateway_id = g.gateway_id and l.node_id = g.node_id and l.model_id = g.model_id
+      and l.policy = g.policy and l.region = g.region;
+    delete from private.slot_leases l
+    where l.slots = 0
+      and (l.gateway_id, l.node_id, l.model_id, l.policy, l.region)
+          in (select * from unnest(v_gateways, v_nodes, v_models, v_policies, v_regions));
+  end if;
+
+  if cardinality(v_dead) > 0 then
+    -- A dead gateway's escrows go back to their keys (keys by id, then the escrows).
+    perform from public.api_keys k
+    where k.id in (select e.api_key_id from private.key_escrows e where e.gateway_id = any (v_dead))
+    order by k.id for no key update;
+    with returned as (
+      delete from private.key_escrows e where e.gateway_id = any (v_dead)
+      returning e.api_key_id, e.usd
+    )
+    update public.api_keys k set reserved_usd = greatest(k.reserved_usd - r.usd, 0)
+    from (select x.api_key_id, sum(x.usd) as usd from returned x group by x.api_key_id) r
+    where k.id = r.api_key_id;
+    delete from private.lane_demand d where d.gateway_id = any (v_dead);
+  end if;
+end;
+$$;
+
+COMMENT ON FUNCTION private.sweep_leases() IS 'The sweep''s part in leases: a lease past its end gives back its idle slots (those in use at its last renewal stay held); a gateway silent for platform_settings.gateway_timeout_s loses all its leases (every slot freed), its escrows (returned to their keys'' reserved_usd) and its lane demand. Lease rows a renewal holds are left for it.';
+
+REVOKE ALL ON FUNCTION private.sweep_leases() FROM PUBLIC;
+GRANT ALL ON FUNCTION private.sweep_leases() TO service_role;
+
+
 CREATE FUNCTION private.sweep_orphaned_jobs() RETURNS TABLE(job_id uuid)
     LANGUAGE plpgsql
     SET search_path TO ''
@@ -129,12 +208,13 @@ begin
   return query select 'node_offline'::text, s.node_id, s.name from private.sweep_dead_tunnels() s;
   return query select 'job_orphaned'::text, s.job_id, null::text from private.sweep_orphaned_jobs() s;
   return query select 'job_abandoned'::text, s.job_id, null::text from public.sweep_stale_jobs(v_max_job_age) s;
+  perform private.sweep_leases();
   perform private.refresh_vram_pressure();
   perform private.refresh_fleet_activity();
 end;
 $$;
 
-COMMENT ON FUNCTION public.sweep(p_max_job_age interval) IS 'One sweep: silent nodes offline (sweep_stale_nodes()), tunnel nodes whose gateway fell silent offline (sweep_dead_tunnels(); kind node_offline too), the running jobs of silent gateways ended (kind job_orphaned), and jobs running longer than p_max_job_age (default: platform_settings.job_deadline_s) ended (kind job_abandoned); then the VRAM pressure and the fleet''s activity measured. Returns a row per node set offline (with its name) and per job ended. Run every second by pg_cron where it is installed, else by the service''s sweeper.';
+COMMENT ON FUNCTION public.sweep(p_max_job_age interval) IS 'One sweep: silent nodes offline (sweep_stale_nodes()), tunnel nodes whose gateway fell silent offline (sweep_dead_tunnels(); kind node_offline too), the running jobs of silent gateways ended (kind job_orphaned), and jobs running longer than p_max_job_age (default: platform_settings.job_deadline_s) ended (kind job_abandoned); the idle slots of leases past their end, and all that silent gateways leased and escrowed, given back (private.sweep_leases(); no row); then the VRAM pressure and the fleet''s activity measured. Returns a row per node set offline (with its name) and per job ended. Run every second by pg_cron where it is installed, else by the service''s sweeper.';
 
 REVOKE ALL ON FUNCTION public.sweep(p_max_job_age interval) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.sweep(p_max_job_age interval) FROM PUBLIC;

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -16,7 +17,7 @@ import pytest
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
-from tests.conftest import LLAMA8, make_node
+from tests.conftest import LLAMA8, make_key, make_node
 
 A, B, C = (uuid.UUID(f"00000000-0000-4000-8000-00000000000{i}") for i in (1, 2, 3))
 
@@ -308,3 +309,62 @@ def test_a_claim_takes_only_free_slots_and_never_waits_for_a_node(
     assert conn.execute(move, (A, LLAMA8, [other, node], [2, -5])).fetchone() == (1,)
     assert leases(conn) == {(A, other): (2, 0), (A, node): (0, 0)}
     assert inflight(conn) == {node: 3, other: 2}
+
+
+def test_a_lease_past_its_end_gives_back_its_idle_slots(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=4)
+    renew(conn, A, lane(4))
+    renew(conn, A, lane(4, {node: 1}))
+    store = SyncStore(conn)
+    assert store.all(q.SWEEP) == [] and inflight(conn) == {node: 4}  # not yet ended: nothing moves
+    conn.execute("update private.slot_leases set expires_at = now() - interval '1 second'")
+    assert store.all(q.SWEEP) == []
+    # The slot in use at the last renewal stays held while the gateway lives.
+    assert leases(conn) == {(A, node): (1, 1)} and inflight(conn) == {node: 1}
+    assert conn.execute("select status from nodes").fetchone() == ("online",)
+    renew(conn, A, lane(4))  # renewed: it may take them again
+    assert inflight(conn) == {node: 4}
+    assert_slots_add_up(conn)
+
+
+def test_a_dead_gateways_leases_escrows_and_demand_are_freed(conn: psycopg.Connection) -> None:
+    node = make_node(conn, max_concurrency=4)
+    other = make_node(conn, max_concurrency=4, models={"acme/other-7b": "loaded"})
+    key = make_key(conn, budget_usd=10.0)
+    renew(conn, A, lane(3), lane(2, model="acme/other-7b"))
+    renew(conn, B, lane(1))
+    SyncStore(conn).all(q.RENEW_ESCROWS, (A, json.dumps([{"key": str(key), "want_usd": "0.5"}])))
+    SyncStore(conn).all(q.RENEW_ESCROWS, (B, json.dumps([{"key": str(key), "want_usd": "0.25"}])))
+    # A job A dispatched on its lease, running when A died.
+    job = uuid.uuid4()
+    started: dict[str, Any] = {
+        "id": str(job),
+        "key": str(key),
+        "model": LLAMA8,
+        "policy": "balanced",
+        "region": None,
+    }
+    started |= {
+        "stream": False,
+        "node": str(node),
+        "started_at": "2026-12-05T10:00:00+00:00",
+        "hold_usd": "0.1",
+    }
+    SyncStore(conn).all(q.RECORD_JOBS, (A, json.dumps([{**started, "end_user": None, "end": None}])))
+    renew(conn, A, lane(3, {node: 1}), lane(2, model="acme/other-7b"))
+    assert inflight(conn) == {node: 4, other: 2}
+    assert conn.execute("select reserved_usd from api_keys").fetchone() == (Decimal("0.75"),)
+
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (A,))
+    conn.execute("update platform_settings set gateway_timeout_s = 0.5")  # the database started long ago
+    conn.execute("update private.gateways set seen_at = now() where id = %s", (B,))
+    swept = SyncStore(conn).all(q.SWEEP)
+    assert [(s.kind, s.id) for s in swept] == [("job_orphaned", job)]
+    # All A held is free, the slot of its running job once; B's lease, escrow and demand stay.
+    assert leases(conn) == {(B, node): (1, 0)}
+    assert inflight(conn) == {node: 1, other: 0}
+    assert conn.execute("select reserved_usd from api_keys").fetchone() == (Decimal("0.25"),)
+    assert conn.execute("select gateway_id from private.key_escrows").fetchall() == [(B,)]
+    assert conn.execute("select gateway_id from private.lane_demand").fetchall() == [(B,)]
+    assert_slots_add_up(conn)
+    assert SyncStore(conn).all(q.SWEEP) == [] and inflight(conn) == {node: 1, other: 0}  # nothing twice

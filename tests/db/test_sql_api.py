@@ -137,6 +137,7 @@ PRIVATE_HELPERS = sorted(
         "set_updated_at",
         "stamp_job_gateway",
         "sweep_dead_tunnels",
+        "sweep_leases",  # what leases and escrows hold once nobody renews them (issue 42)
         "sweep_orphaned_jobs",
         "top_by_base",
         "top_by_total",
