@@ -4,7 +4,7 @@
 -- proves itself with its secret: the service's heartbeat refuses a wrong one.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(55);
+select plan(63);
 
 select tests.create_user('alice');
 
@@ -33,7 +33,11 @@ insert into gateway_calls values
   ('sweep', $$select * from public.sweep()$$, 'sweep'),
   ('sweep stale nodes', $$select * from public.sweep_stale_nodes()$$, 'sweep_stale_nodes'),
   ('sweep stale jobs', $$select * from public.sweep_stale_jobs()$$, 'sweep_stale_jobs'),
-  ('schedule the sweep', $$select public.schedule_sweep()$$, 'schedule_sweep');
+  ('schedule the sweep', $$select public.schedule_sweep()$$, 'schedule_sweep'),
+  ('renew a gateway''s slot leases', $$select * from public.renew_leases(gen_random_uuid(), '[]')$$, 'renew_leases'),
+  ('renew a gateway''s escrows', $$select * from public.renew_escrows(gen_random_uuid(), '[]')$$, 'renew_escrows'),
+  ('write a gateway''s leased jobs', $$select * from public.record_jobs(gen_random_uuid(), '[]')$$, 'record_jobs'),
+  ('move a leased job to another leased slot', $$select * from public.move_to_lease(gen_random_uuid(), 'e', null, gen_random_uuid())$$, 'move_to_lease');
 
 select tests.as_anon();
 select throws_ok(call, '42501', 'permission denied for function ' || fn, 'anon cannot ' || description)
