@@ -10,15 +10,17 @@ a second, `node_heartbeats()`, instead of one `agent_heartbeat()` a beat.
   a pre-load and changed specs it carries on), in one statement per 5,000 beats. In SQL a beat that
   changes nothing writes its node's `node_liveness` row only; one that changes something is written
   as `agent_heartbeat()` writes it.
-- **The reply**: a beat that says exactly what its node's last flushed beat said is answered at once,
-  with the status and pre-load request (`load`) that flush returned for the node: the reply a beat
-  gets is its node's as of the last flush, up to a heartbeat interval old. Any other beat (a node's
-  first here, new warm models or load, specs, a server found again, answers to a pre-load, draining)
-  is answered once its flush has written it, with what it returned, or the error that refused it.
+- **The reply**: a beat that says what its node's last flushed beat said, but for its GPU's
+  utilization and free VRAM (which change nearly every beat on a real GPU, and which SQL keeps in the
+  node's liveness row too), is answered at once, with the status and pre-load request (`load`) that
+  flush returned for the node: the reply a beat gets is its node's as of the last flush, up to a
+  heartbeat interval old. Any other beat (a node's first here, new warm models or queue, specs, a
+  server found again, answers to a pre-load, draining) is answered once its flush has written it,
+  with what it returned, or the error that refused it.
 - **What a gateway that dies loses**: the beats it answered at once and had not flushed, at most
-  `flush_s` of them, each of which said nothing new; the node's next beat (to any gateway) says it
-  again. A beat that said something new was not answered before it was written, so its agent sends
-  it again. On a graceful stop the gateway flushes what it holds.
+  `flush_s` of them, each of which said nothing new but its load; the node's next beat (to any
+  gateway) says it again. A beat that said something else new was not answered before it was
+  written, so its agent sends it again. On a graceful stop the gateway flushes what it holds.
 
 With `flush_s` = 0 each beat is written at once through `agent_heartbeat()`, as before batching.
 """
@@ -50,6 +52,9 @@ STALE_S = 30.0  # a beat older than this (a database away that long) is dropped,
 RETRY = {"55P03", "40P01", "40001"}  # the node was locked (a claim), a deadlock, a serialization failure
 INTERVAL_EVERY_S = 2.0  # how often the platform's heartbeat interval is read again
 FORGET_AFTER_S = 600.0  # a node not heard from for this long is forgotten here (secret, last reply)
+# What a beat says that changes nearly every beat on a real GPU, and that a beat may change without
+# waiting for its flush (node_heartbeats() writes it to the node's liveness row).
+LOAD = ("gpu_utilization", "free_vram_gb")
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class _Node:
     """What this gateway knows of a node: its secret's hash, and its last flushed beat and reply."""
 
     secret_hash: bytes
-    said: str | None = None  # the last flushed beat, as canonical JSON
+    said: str | None = None  # the last flushed beat but its load (LOAD), as canonical JSON
     reply: Reply | None = None
     heard: float = 0.0
 
@@ -75,7 +80,7 @@ class _Pending:
     """A node's beat waiting for the next flush, and the replies waiting for it."""
 
     beat: dict[str, Any]  # as node_heartbeats() takes it, but age_ms
-    said: str
+    said: str  # the beat but its load, as canonical JSON
     heard: float
     waiters: list[asyncio.Future[Reply]] = field(default_factory=list)
 
@@ -104,7 +109,7 @@ class Heartbeats:
             return Reply(row.status, list(row.load))
         node = await self._checked(node_id, secret_hash)
         record = _record(node_id, secret_hash, beat)
-        said = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        said = _said(record)
         now = time.monotonic()
         node.heard = now
         repeat = node.reply is not None and node.said == said
@@ -273,6 +278,13 @@ def _record(node_id: UUID, secret_hash: bytes, beat: Heartbeat) -> dict[str, Any
     }
 
 
+def _said(record: dict[str, Any]) -> str:
+    """What a beat says but its load, as canonical JSON: two beats that differ only in their load
+    say the same."""
+    rest = {k: v for k, v in record.items() if k not in LOAD}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"))
+
+
 def _merged(old: _Pending, new: _Pending) -> _Pending:
     """A node's later beat, carrying on what the earlier one said once: its answers to a pre-load,
     and specs or a server the later one does not repeat."""
@@ -283,7 +295,7 @@ def _merged(old: _Pending, new: _Pending) -> _Pending:
     for once in ("specs", "backend"):
         if beat[once] is None:
             beat[once] = old.beat[once]
-    said = new.said if beat == new.beat else json.dumps(beat, sort_keys=True, separators=(",", ":"))
+    said = new.said if beat == new.beat else _said(beat)
     return _Pending(beat, said, new.heard, [*old.waiters, *new.waiters])
 
 

@@ -229,7 +229,8 @@ begin
   select s.prewarm_enabled, s.prewarm_expiry_s, s.prewarm_refresh_s, s.prewarm_interval_s,
          s.prewarm_refusal_backoff_s, c.refreshed_at, n.region, n.vram_gb,
          -- Its free VRAM as its last beat said it: the batches' (node_liveness) when later.
-         case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.free_vram_gb else n.free_vram_gb end as free_vram_gb,
+         case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.free_vram_gb
+              else n.free_vram_gb end as free_vram_gb,
          n.status = 'online' and n.backend_up and n.inflight = 0 and n.queue_depth = 0
            and (n.cooldown_until is null or n.cooldown_until <= now())
            and exists (select 1 from public.node_models nm where nm.node_id = n.id and nm.state = 'available') as idle,

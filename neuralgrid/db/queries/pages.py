@@ -71,11 +71,16 @@ MY_NODES = Query(
     "my_nodes",
     """
 select n.id, n.name, n.gpu_model, n.gpu_count, n.vram_gb, n.tflops, n.hourly_rate::float8 as hourly_rate,
-  n.region, n.status, n.max_concurrency, n.inflight, n.queue_depth, n.gpu_utilization,
+  n.region, n.status, n.max_concurrency, n.inflight, n.queue_depth,
+  case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.gpu_utilization
+       else n.gpu_utilization end as gpu_utilization,
+  case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.free_vram_gb
+       else n.free_vram_gb end as free_vram_gb,
   greatest(n.last_heartbeat_at, l.last_heartbeat_at) as last_heartbeat_at, n.successes, n.failures,
   n.agent_version, n.created_at
 from public.nodes n
-left join public.node_liveness l on l.node_id = n.id  -- its last beat: the later of the two (issue 41)
+-- Its last beat, and the load it said: the later of the two rows (issue 41).
+left join public.node_liveness l on l.node_id = n.id
 where n.owner_id = auth.uid()
 order by n.name, n.id
 """,
