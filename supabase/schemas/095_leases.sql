@@ -432,6 +432,14 @@ declare
   v_new uuid[];  -- the jobs this call records
   v_ending uuid[];  -- the jobs whose end this call writes
   v_costs jsonb;  -- {job id: cost} of the jobs it ended
+  v_end_ids uuid[];  -- the ends to write, by job id, as complete_jobs() takes them
+  v_statuses text[];
+  v_prompts integer[];
+  v_completions integer[];
+  v_ttfts real[];
+  v_latencies real[];
+  v_errors text[];
+  v_at integer;
 begin
   if p_gateway is null then
     raise exception 'record_jobs needs the gateway''s id' using errcode = 'invalid_parameter_value';
@@ -605,24 +613,23 @@ begin
   from escrowed x
   where k.id = x.api_key_id and x.usd > x.taken;
 
-  -- The ends, written as every ending is.
-  if cardinality(v_ending) > 0 then
-    select jsonb_object_agg(c.job_id, c.cost_usd) into v_costs
-    from public.complete_jobs(
-      array(select u.id from unnest(v_ids, v_ends) as u (id, e) where u.id = any (v_ending) order by u.id),
-      array(select u.e ->> 'status' from unnest(v_ids, v_ends) as u (id, e) where u.id = any (v_ending) order by u.id),
-      array(select coalesce((u.e ->> 'prompt_tokens')::integer, 0) from unnest(v_ids, v_ends) as u (id, e)
-            where u.id = any (v_ending) order by u.id),
-      array(select coalesce((u.e ->> 'completion_tokens')::integer, 0) from unnest(v_ids, v_ends) as u (id, e)
-            where u.id = any (v_ending) order by u.id),
-      array(select (u.e ->> 'ttft_ms')::real from unnest(v_ids, v_ends) as u (id, e)
-            where u.id = any (v_ending) order by u.id),
-      array(select (u.e ->> 'latency_ms')::real from unnest(v_ids, v_ends) as u (id, e)
-            where u.id = any (v_ending) order by u.id),
-      array(select u.e ->> 'error' from unnest(v_ids, v_ends) as u (id, e) where u.id = any (v_ending) order by u.id)
-    ) c;
-  end if;
-  v_costs := coalesce(v_costs, '{}');
+  -- The ends, written as every ending is, a slice at a time (complete_jobs() grows faster than its
+  -- batch past about a hundred jobs; the locks are all held already).
+  select array_agg(u.id order by u.id), array_agg(u.e ->> 'status' order by u.id),
+         array_agg(coalesce((u.e ->> 'prompt_tokens')::integer, 0) order by u.id),
+         array_agg(coalesce((u.e ->> 'completion_tokens')::integer, 0) order by u.id),
+         array_agg((u.e ->> 'ttft_ms')::real order by u.id), array_agg((u.e ->> 'latency_ms')::real order by u.id),
+         array_agg(u.e ->> 'error' order by u.id)
+    into v_end_ids, v_statuses, v_prompts, v_completions, v_ttfts, v_latencies, v_errors
+  from unnest(v_ids, v_ends) as u (id, e)
+  where u.id = any (v_ending);
+  v_costs := '{}';
+  for v_at in 1 .. coalesce(cardinality(v_end_ids), 0) by 64 loop
+    select v_costs || coalesce(jsonb_object_agg(c.job_id, c.cost_usd), '{}') into v_costs
+    from public.complete_jobs(v_end_ids[v_at:v_at + 63], v_statuses[v_at:v_at + 63], v_prompts[v_at:v_at + 63],
+                              v_completions[v_at:v_at + 63], v_ttfts[v_at:v_at + 63], v_latencies[v_at:v_at + 63],
+                              v_errors[v_at:v_at + 63]) c;
+  end loop;
 
   return query
   select u.id,

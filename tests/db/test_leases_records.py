@@ -372,3 +372,20 @@ def test_bad_escrow_requests_are_refused_and_change_nothing(conn: psycopg.Connec
             conn.execute("select * from renew_escrows(%s, %s::jsonb)", (GATEWAY, json.dumps(keys)))
     assert key_money(conn, key) == (Decimal("0.5"), 0)
     assert one(conn, "select usd from private.key_escrows") == Decimal("0.5")
+
+
+def test_a_large_batch_is_ended_whole(conn: psycopg.Connection) -> None:
+    """Past the 64 ends record_jobs() hands complete_jobs() at a time: every job ended once, charged
+    once, on a node whose leased slots stay held."""
+    nodes = [make_node(conn, max_concurrency=2) for _ in range(3)]
+    key = make_key(conn, budget_usd=10.0)
+    lease(conn, 6)
+    records = [record(uuid.uuid4(), nodes[i % 3], key, end=ENDED, hold="0.0001") for i in range(150)]
+    written = write(conn, *records)
+    assert [r.job_id for r in written] == [uuid.UUID(r["id"]) for r in records]
+    assert {r.recorded for r in written} == {"started+ended"} and {r.cost_usd for r in written} == {
+        Decimal("0.000059")
+    }
+    assert key_money(conn, key) == (0, Decimal("0.00885000"))
+    assert conn.execute("select sum(successes), sum(inflight) from nodes").fetchone() == (150, 6)
+    assert [r.recorded for r in write(conn, *records)] == ["already"] * 150
