@@ -35,6 +35,8 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
     for r in report["results"]:
         assert r["beats_per_s"] > 0 and r["postgres_cpu_us_per_beat"] > 0 and r["wal_bytes_per_beat"] > 0, r
         assert r["match_p99_ms"] > 0 and r["quiet_match_p99_ms"] > 0, r
+        # match_job()'s own time in Postgres, from the caller's process: within what the caller saw.
+        assert 0 < r["match_pg_p99_ms"] <= r["match_p99_ms"], r
         if r["path"] == "gateway":
             assert r["failed"] == 0 and r["gateway_cpu_us_per_beat"] > 0, r
     assert set(report["summary"]) == {
@@ -45,5 +47,7 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
         "match_p99_under_beats_over_quiet_gateway",
         "match_p99_under_beats_over_quiet_sql",
         "match_p99_under_beats_over_quiet_at_scale",
+        "match_pg_p99_under_beats_over_quiet_gateway",
+        "match_pg_p99_under_beats_over_quiet_at_scale",
     }
     assert all(value is not None and value > 0 for value in report["summary"].values()), report["summary"]
