@@ -31,7 +31,7 @@ from neuralgrid.db.store import Store
 
 log = logging.getLogger(__name__)
 
-RENEW_EVERY_S = 1.0
+RENEW_EVERY_S = 0.5  # a node's failure, seen by one gateway, reaches the others within this and a round trip
 MARGIN_S = 0.5  # a lease is not used in its last half second, by this gateway's clock
 IDLE_S = 10.0  # a lane nobody asked for in this long is no longer wanted: its slots go back
 DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwise
@@ -87,6 +87,9 @@ class LeaseBook:
         self._in_use: dict[tuple[Lane, UUID], int] = defaultdict(int)
         self._peak: dict[Lane, int] = {}  # most in use (or wanted) at once since the last renewal
         self._asked_at: dict[Lane, float] = {}
+        # Nodes that failed a request here, and when: passed over until a renewal sent after that
+        # comes back (SQL has the failure by then, and cools the node down for every gateway).
+        self._failed: dict[UUID, float] = {}
 
     def take(self, lane: Lane, route: str | None, exclude: Iterable[UUID] = ()) -> Taken | None:
         """A free slot of the lane on the best ranked node serving `route` (None: any), or None."""
@@ -98,12 +101,18 @@ class LeaseBook:
             return None
         skip = set(exclude)
         for lease in self._ranked.get(lane, ()):
-            if lease.node_id in skip or (route is not None and route not in lease.routes):
+            if lease.node_id in skip or lease.node_id in self._failed:
+                continue
+            if route is not None and route not in lease.routes:
                 continue
             if self._in_use[(lane, lease.node_id)] < lease.slots:
                 self._in_use[(lane, lease.node_id)] += 1
                 return Taken(lease)
         return None
+
+    def failed(self, node_id: UUID) -> None:
+        """A node failed a request: none is sent it from here until the next renewal."""
+        self._failed[node_id] = self.clock()
 
     def give_back(self, taken: Taken) -> None:
         key = (taken.lease.lane, taken.node_id)
@@ -142,6 +151,8 @@ class LeaseBook:
         the lease's length, less the margin."""
         ranked: dict[Lane, list[Lease]] = defaultdict(list)
         for row in rows:
+            if row.endpoint_url is None:
+                continue
             lane = Lane(row.model_id, row.policy, row.region or "")
             ranked[lane].append(
                 Lease(
@@ -158,6 +169,7 @@ class LeaseBook:
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
         self.lease_s = lease_s
+        self._failed = {node: at for node, at in self._failed.items() if at >= sent_at}
         self._ranked = dict(ranked)
         self._usable_until = sent_at + lease_s - MARGIN_S
 

@@ -64,6 +64,10 @@ declare
   v_policies text[];
   v_regions text[];
   v_freed integer[];
+  -- A lease past its end keeps its slots this much longer: requests its gateway dispatched after
+  -- its last renewal may still run on them (that renewal's in_use does not count them), and a
+  -- gateway that cannot renew has stopped dispatching at the end by its own clock.
+  v_grace interval := (select make_interval(secs => s.gateway_timeout_s) from public.platform_settings s);
 begin
   -- The gateways judged dead that still hold something (a row the sweep forgot counts as dead).
   v_dead := array(
@@ -74,13 +78,13 @@ begin
     left join private.gateways g on g.id = h.gateway_id
     where g.id is null or not private.gateway_is_live(g.seen_at));
 
-  -- What each lease gives back: all of a dead gateway's, the idle slots of one past its end.
+  -- What each lease gives back: all of a dead gateway's, the idle slots of one past its end and grace.
   select array_agg(l.gateway_id), array_agg(l.node_id), array_agg(l.model_id), array_agg(l.policy),
          array_agg(l.region), array_agg(case when l.gateway_id = any (v_dead) then l.slots else l.slots - l.in_use end)
     into v_gateways, v_nodes, v_models, v_policies, v_regions, v_freed
   from (
     select l.* from private.slot_leases l
-    where l.gateway_id = any (v_dead) or (l.expires_at < now() and l.slots > l.in_use)
+    where l.gateway_id = any (v_dead) or (l.expires_at + v_grace < now() and l.slots > l.in_use)
     for update skip locked
   ) l;
   if v_nodes is not null then
@@ -125,7 +129,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.sweep_leases() IS 'The sweep''s part in leases: a lease past its end gives back its idle slots (those in use at its last renewal stay held); a gateway silent for platform_settings.gateway_timeout_s loses all its leases (every slot freed), its escrows (returned to their keys'' reserved_usd) and its lane demand. Lease rows a renewal holds are left for it.';
+COMMENT ON FUNCTION private.sweep_leases() IS 'The sweep''s part in leases: a lease past its end by more than platform_settings.gateway_timeout_s gives back its idle slots (those in use at its last renewal stay held; requests dispatched since may still run on the others until then); a gateway silent for gateway_timeout_s loses all its leases (every slot freed), its escrows (returned to their keys'' reserved_usd) and its lane demand. Lease rows a renewal holds are left for it.';
 
 REVOKE ALL ON FUNCTION private.sweep_leases() FROM PUBLIC;
 GRANT ALL ON FUNCTION private.sweep_leases() TO service_role;

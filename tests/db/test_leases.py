@@ -38,7 +38,8 @@ def renew(conn: psycopg.Connection, gateway: uuid.UUID, *lanes: dict[str, Any]) 
 
 
 def held(leases: list[q.LeaseRow]) -> dict[uuid.UUID, int]:
-    return {lease.node_id: lease.slots for lease in leases}
+    """The slots leased per node (not the fallbacks: rows of no slot)."""
+    return {lease.node_id: lease.slots for lease in leases if lease.slots}
 
 
 def leases(conn: psycopg.Connection) -> dict[tuple[uuid.UUID, uuid.UUID], tuple[int, int]]:
@@ -86,6 +87,18 @@ def test_a_renewal_claims_slots_on_the_best_nodes_and_returns_them_ranked(conn: 
     # Renewed again with the same want, nothing moves.
     assert held(renew(conn, A, lane(5))) == {fast: 4, slow: 1}
     assert_slots_add_up(conn)
+
+
+def test_after_the_leases_come_the_lanes_best_nodes_it_holds_nothing_on(conn: psycopg.Connection) -> None:
+    fast = make_node(conn, "fast", tflops=300, max_concurrency=4)
+    slow = make_node(conn, "slow", tflops=50, max_concurrency=4)
+    got = renew(conn, A, lane(2))
+    # Two slots on the best node; the other ranked after it with none: where a failed job may move.
+    assert [(row.node_id, row.slots, row.rank) for row in got] == [(fast, 2, 1), (slow, 0, 2)]
+    assert inflight(conn) == {fast: 2, slow: 0}
+    # A node with no free slot left is no fallback (a move there could not claim one).
+    conn.execute("update nodes set inflight = max_concurrency, status = 'busy' where id = %s", (slow,))
+    assert [(row.node_id, row.slots) for row in renew(conn, A, lane(2))] == [(fast, 2)]
 
 
 def test_three_gateways_share_a_lane_in_proportion_to_what_they_want(conn: psycopg.Connection) -> None:
@@ -317,7 +330,11 @@ def test_a_lease_past_its_end_gives_back_its_idle_slots(conn: psycopg.Connection
     renew(conn, A, lane(4, {node: 1}))
     store = SyncStore(conn)
     assert store.all(q.SWEEP) == [] and inflight(conn) == {node: 4}  # not yet ended: nothing moves
+    # Just past its end: requests dispatched since the last renewal may still run on the idle slots.
     conn.execute("update private.slot_leases set expires_at = now() - interval '1 second'")
+    assert store.all(q.SWEEP) == [] and inflight(conn) == {node: 4}
+    # Past its end by gateway_timeout_s: the idle ones go back.
+    conn.execute("update private.slot_leases set expires_at = now() - interval '16 seconds'")
     assert store.all(q.SWEEP) == []
     # The slot in use at the last renewal stays held while the gateway lives.
     assert leases(conn) == {(A, node): (1, 1)} and inflight(conn) == {node: 1}

@@ -150,3 +150,20 @@ def test_a_killed_gateways_spool_is_found_and_read(tmp_path: Path) -> None:
     found = orphaned_spools(tmp_path)
     assert list(found) == [gateway]
     assert [r["id"] for r in read_spool(found[gateway])] == [str(job)]
+
+
+def test_a_node_that_failed_is_passed_over_until_a_later_renewal_comes_back() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(a, 2, 1), row(b, 2, 2)], clock(), 5.0)
+    book.failed(a)
+    taken = book.take(LANE, None)
+    assert taken is not None and taken.node_id == b
+    book.renewed([row(a, 2, 1), row(b, 2, 2)], clock() - 0.1, 5.0)  # sent before the failure
+    taken = book.take(LANE, None)
+    assert taken is not None and taken.node_id == b
+    clock.now += 0.5
+    book.renewed([row(a, 2, 1), row(b, 2, 2)], clock(), 5.0)  # sent after it: SQL knows
+    taken = book.take(LANE, None)
+    assert taken is not None and taken.node_id == a

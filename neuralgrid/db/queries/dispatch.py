@@ -33,9 +33,9 @@ class LeaseRow:
     policy: str
     region: str
     node_id: UUID
-    endpoint_url: str
+    endpoint_url: str | None  # None: a tunneled node no gateway holds now
     node_key: bytes | None
-    slots: int
+    slots: int  # 0: a fallback, ranked after the leases, where a failed leased job may move
     in_use: int
     rank: int
     tokens_per_s: float | None

@@ -29,6 +29,7 @@ from neuralgrid.gateway.escrow import Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal
 from neuralgrid.gateway.leases import Lane, LeaseBook, Taken
 from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
+from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
 
@@ -154,6 +155,8 @@ class LeasedJobs:
         attempt ended in SQL, as failover_job() ends one), or return None with the slot given back
         (the caller moves the job by failover_job())."""
         slot = self._slots[job_id]
+        if status != MISDIRECTED:  # the node's own failure (not a tunnel no gateway reached)
+            self.book.failed(slot.taken.node_id)
         await self.to_database(job_id)
         nxt = self.book.take(slot.taken.lease.lane, slot.route, exclude=slot.tried)
         self.book.give_back(slot.taken)

@@ -1,0 +1,179 @@
+"""Requests served from leases, end to end: a gateway renews its lanes, places requests on leased
+slots with no round trip to Postgres, writes the jobs behind, and hands a failed one to SQL. The
+regression suite runs with leases on too (the default); these tests watch the lease path itself."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.settings import Settings
+from tests.conftest import LLAMA8, wait_for
+
+PLAIN = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def metric(gateway: str, name: str) -> float:
+    text = httpx.get(f"{gateway}/metrics").text
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
+
+
+@pytest.fixture
+def leased_gateway(db_url: str, spool: Path) -> Iterator[str]:
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    with ThreadedServer(create_app(settings, db_url, sweep=False)) as server:
+        yield server.url
+
+
+def ask(gateway: str, key: str, body: dict[str, Any] = PLAIN) -> httpx.Response:
+    return httpx.post(
+        f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=20
+    )
+
+
+def leases_held(conn: psycopg.Connection) -> int:
+    row = conn.execute("select coalesce(sum(slots), 0) from private.slot_leases").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_lane_once_leased_is_served_without_asking_postgres(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+) -> None:
+    node = fake_nodes("leased-a")
+    first = ask(leased_gateway, api_key)  # cold: placed in SQL, and the lane is wanted from now on
+    assert first.status_code == 200, first.text
+    wait_for(lambda: leases_held(conn) > 0, timeout=5)
+    matched = metric(leased_gateway, "neuralgrid_matcher_seconds_count")
+    jobs = [ask(leased_gateway, api_key).headers["x-neuralgrid-job"] for _ in range(10)]
+    assert metric(leased_gateway, "neuralgrid_matcher_seconds_count") == matched  # not one ask
+    assert metric(leased_gateway, "neuralgrid_leased_placements_total") >= 10
+
+    # Written behind: each job, its usage and its leased attempt, soon after its answer.
+    def written() -> bool:
+        row = conn.execute(
+            "select count(*) from jobs j join job_attempts a on a.job_id = j.id"
+            " where j.id = any(%s::uuid[]) and j.status = 'succeeded' and a.leased and j.completion_tokens > 0",
+            (jobs,),
+        ).fetchone()
+        return row is not None and row[0] == 10
+
+    wait_for(written, timeout=5)
+    # The node's slots: what the leases hold, nothing more (every leased job's end released none).
+    row = conn.execute("select inflight from nodes where id = %s", (node.node_id,)).fetchone()
+    assert row is not None and row[0] == leases_held(conn)
+
+
+def test_a_budget_is_spent_from_escrow_and_charged_as_placements_charge(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str
+) -> None:
+    fake_nodes("leased-b")
+    conn.execute("update models set input_usd_per_mtok = 1, output_usd_per_mtok = 2 where id = %s", (LLAMA8,))
+    row = conn.execute("select api_key from create_api_key('budgeted', null, null, 0.5)").fetchone()
+    assert row is not None
+    key = str(row[0])
+    assert ask(leased_gateway, key).status_code == 200
+    wait_for(lambda: leases_held(conn) > 0, timeout=5)
+    wait_for(lambda: conn.execute("select count(*) from private.key_escrows").fetchone() == (1,), timeout=5)
+    before = metric(leased_gateway, "neuralgrid_leased_placements_total")
+    jobs = [ask(leased_gateway, key).headers["x-neuralgrid-job"] for _ in range(5)]
+    assert metric(leased_gateway, "neuralgrid_leased_placements_total") == before + 5
+
+    def settled() -> bool:
+        row = conn.execute(
+            "select count(*) filter (where status = 'succeeded') from jobs where id = any(%s::uuid[])",
+            (jobs,),
+        ).fetchone()
+        return row == (5,)
+
+    wait_for(settled, timeout=5)
+    row = conn.execute(
+        "select k.spent_usd, (select sum(cost_usd) from jobs j where j.api_key_id = k.id),"
+        " k.reserved_usd, (select coalesce(sum(usd), 0) from private.key_escrows e where e.api_key_id = k.id)"
+        " + (select coalesce(sum(reserved_usd), 0) from jobs j where j.api_key_id = k.id and j.status = 'running')"
+        " from api_keys k where k.id = (select api_key_id from jobs where id = %s)",
+        (jobs[0],),
+    ).fetchone()
+    assert row is not None
+    spent, costs, reserved, held = row
+    assert spent == costs > 0  # each job charged its price, once
+    assert reserved == held  # what the key holds: its escrows and its running jobs' holds
+
+
+def test_a_failed_leased_node_hands_its_job_to_another(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+) -> None:
+    # The failing node ranks best (faster on paper), so the lease's first slots are on it.
+    bad = fake_nodes("leased-bad", failure_rate=1.0, fail_status=503, tflops=300)
+    good = fake_nodes("leased-good", tflops=50)
+    ask(leased_gateway, api_key)
+    conn.execute("update nodes set failures = 0, consecutive_failures = 0, cooldown_until = null")
+    wait_for(lambda: leases_held(conn) >= 1, timeout=5)
+    attempts = []
+    for _ in range(6):
+        answer = ask(leased_gateway, api_key)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-neuralgrid-node"] == str(good.node_id)
+        attempts.append(int(answer.headers["x-neuralgrid-attempts"]))
+    assert attempts[0] == 2  # tried on the leased failing node, then moved
+    row = conn.execute(
+        "select failures, cooldown_until > now() from nodes where id = %s", (bad.node_id,)
+    ).fetchone()
+    assert row is not None and row[0] >= 1 and row[1]  # its failure recorded at once: cooling down
+
+
+def test_a_dead_gateways_spool_is_written_by_the_next(
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str
+) -> None:
+    node = fake_nodes("leased-spooled")
+    key_id = conn.execute("select id from api_keys order by created_at desc limit 1").fetchone()
+    assert key_id is not None
+    dead, job = uuid.uuid4(), uuid.uuid4()
+    record = {
+        "id": str(job),
+        "key": str(key_id[0]),
+        "model": LLAMA8,
+        "policy": "balanced",
+        "region": None,
+        "stream": False,
+        "node": str(node.node_id),
+        "started_at": datetime.now(UTC).isoformat(),
+        "hold_usd": "0",
+        "end_user": None,
+        "end": {
+            "status": "succeeded",
+            "prompt_tokens": 5,
+            "completion_tokens": 7,
+            "ttft_ms": 3.0,
+            "latency_ms": 4.0,
+            "error": None,
+        },
+    }
+    folder = spool / hashlib.sha256(db_url.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True)
+    (folder / f"{dead}.0.jsonl").write_text(json.dumps(record) + "\n")
+    settings = Settings(NEURALGRID_SPOOL_DIR=spool)
+    with ThreadedServer(create_app(settings, db_url, sweep=False)):
+        row = conn.execute(
+            "select status, completion_tokens, gateway_id from jobs where id = %s", (job,)
+        ).fetchone()
+    assert row == ("succeeded", 7, dead)
+    assert not list(folder.glob(f"{dead}.*"))
