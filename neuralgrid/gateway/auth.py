@@ -93,9 +93,12 @@ class KeyStore:
                 del self._cache[cached_digest]
 
     def forget_all(self) -> None:
-        """Announcements may have been missed (the listener reconnected): drop every key."""
+        """Announcements may have been missed (the listener reconnected): every key is read again
+        before its next use but one, which it still serves (served from leases while the database
+        is away; a revocation whose announcement was lost then reaches this gateway within ttl_s)."""
         self._forgotten += 1
-        self._cache.clear()
+        stale = time.monotonic() - self.ttl_s
+        self._cache = {digest_: (key, min(until, stale)) for digest_, (key, until) in self._cache.items()}
 
 
 async def verify_user(authorization: str | None, tokens: TokenKeys) -> dict[str, Any]:

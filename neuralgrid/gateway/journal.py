@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 BATCH = 500  # records per record_jobs() call
 SEGMENT_BYTES = 4 << 20  # a spool file is closed and a new one begun past this size
 RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is unavailable
+GATHER_S = 0.002  # a flush waits this long after a record is queued
+ORPHANS_EVERY_S = 1.0  # how often a live gateway looks for dead ones' spools (one folder listing)
 
 
 @dataclass
@@ -247,15 +249,28 @@ class Journal:
         return record is None or record.start_written
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Write what is queued until stop is set, then what is left (drain())."""
+        """Write what is queued until stop is set. Every ORPHANS_EVERY_S, also what gateways that died
+        on this machine left in the spool folder (they share it), before the sweep, judging them
+        silent, ends their jobs as abandoned."""
+        loop = asyncio.get_running_loop()
+        scanned = loop.time()
         while not stop.is_set():
             stopping = asyncio.ensure_future(stop.wait())
             waking = asyncio.ensure_future(self._wake.wait())
-            await asyncio.wait({stopping, waking}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {stopping, waking}, return_when=asyncio.FIRST_COMPLETED, timeout=ORPHANS_EVERY_S
+            )
             stopping.cancel()
             waking.cancel()
             self._wake.clear()
+            # The answer that queued the record goes out first (a flush's work is on this loop too),
+            # and what else comes meanwhile joins the batch.
+            await asyncio.sleep(GATHER_S)
             await self.flush()
+            if self.spool is not None and loop.time() - scanned >= ORPHANS_EVERY_S:
+                scanned = loop.time()
+                with contextlib.suppress(psycopg.Error, DatabaseError, OSError):  # tried again next time
+                    await replay_orphans(self.store, self.spool.folder)
 
     async def flush(self) -> None:
         """Write every queued record, a batch at a time, retrying while the database is away."""

@@ -15,12 +15,13 @@ import psycopg
 import pytest
 
 from tests.conftest import LLAMA8, stream_chat
+from tests.slots import JOB_SLOTS
 
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 def _inflight(conn: psycopg.Connection) -> int:
-    row = conn.execute("select coalesce(sum(inflight), 0)::int from nodes").fetchone()
+    row = conn.execute(f"select coalesce(sum({JOB_SLOTS}), 0)::int from nodes n").fetchone()
     assert row is not None
     return int(row[0])
 

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
+from tests.slots import JOB_SLOTS
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]
 
@@ -59,7 +60,7 @@ def test_chat_completion_is_routed_metered_and_explained(
         None,
     )
     assert cost == pytest.approx((prompt * 0.05 + 7 * 0.10) / 1e6)
-    assert conn.execute("select inflight, successes from nodes").fetchone() == (0, 1)
+    assert conn.execute(f"select {JOB_SLOTS}, successes from nodes n").fetchone() == (0, 1)
 
 
 def test_completions_and_embeddings(conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI) -> None:
@@ -506,7 +507,7 @@ def test_a_node_refusing_a_stream_passes_the_refusal_through_without_blame(
     row = wait_for(lambda: conn.execute("select status from jobs where status <> 'running'").fetchone())
     assert row == ("cancelled",)
     state = conn.execute(
-        "select inflight, failures, cooldown_until from nodes where id = %s", (node.node_id,)
+        f"select {JOB_SLOTS}, failures, cooldown_until from nodes n where id = %s", (node.node_id,)
     )
     assert state.fetchone() == (0, 0, None)  # no cooldown for the client's mistake
 
@@ -533,7 +534,7 @@ def test_an_answer_nested_too_deeply_to_read_still_ends_its_job(
         node_id = make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
         resp = chat(gateway, api_key)
         assert resp.status_code == 200 and resp.content == deep
-        row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
+        row = conn.execute(f"select {JOB_SLOTS} from nodes n where id = %s", (node_id,)).fetchone()
         assert row == (0,)  # freed before the answer went
     assert conn.execute("select status, completion_tokens from jobs").fetchall() == [("succeeded", 0)]
 
@@ -552,7 +553,7 @@ def test_a_stream_refused_by_the_node_has_its_slot_free_when_the_refusal_arrives
         for _ in range(5):
             resp = chat(gateway, api_key, stream=True)
             assert resp.status_code == 400
-            row = conn.execute("select inflight from nodes where id = %s", (node_id,)).fetchone()
+            row = conn.execute(f"select {JOB_SLOTS} from nodes n where id = %s", (node_id,)).fetchone()
             assert row == (0,)
 
 

@@ -19,6 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import LLAMA8, free_port, make_user, stream_chat, wait_for
+from tests.slots import JOB_SLOTS
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
@@ -147,7 +148,9 @@ def test_a_client_disconnecting_mid_stream_leaves_a_finished_job(
     # at the stream's end, which never came). It used to be 0: 95% off for leaving before the end.
     assert row[3] > 0
     # Nothing leaks: the node's slot is free and its reputation untouched by the client's choice.
-    assert conn.execute("select inflight, failures from nodes where id = %s", (node.node_id,)).fetchone() == (
+    assert conn.execute(
+        f"select {JOB_SLOTS}, failures from nodes n where id = %s", (node.node_id,)
+    ).fetchone() == (
         0,
         0,
     )
@@ -176,7 +179,9 @@ def test_a_stream_whose_client_left_before_its_first_byte_ends_at_once(
     )
     assert row == ("cancelled", "the client disconnected")
     wait_for(
-        lambda: conn.execute("select inflight from nodes where id = %s", (node.node_id,)).fetchone() == (0,)
+        lambda: (
+            conn.execute(f"select {JOB_SLOTS} from nodes n where id = %s", (node.node_id,)).fetchone() == (0,)
+        )
     )
     assert conn.execute("select failures from nodes where id = %s", (node.node_id,)).fetchone() == (0,)
 
@@ -265,7 +270,9 @@ def test_a_client_leaving_before_the_first_byte_frees_the_node(
         ).fetchone()
     )
     assert row == ("succeeded", 3)
-    assert conn.execute("select inflight, failures from nodes where id = %s", (node.node_id,)).fetchone() == (
+    assert conn.execute(
+        f"select {JOB_SLOTS}, failures from nodes n where id = %s", (node.node_id,)
+    ).fetchone() == (
         0,
         0,
     )

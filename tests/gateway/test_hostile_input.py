@@ -450,19 +450,22 @@ def test_a_database_that_stops_answering_is_a_503_in_openais_shape(
     conn: psycopg.Connection, gateway: str, api_key: str, fake_nodes: Any
 ) -> None:
     """Every connection the gateway holds is cut under it (as a database restart does): the next
-    request gets a 503 the SDK retries, and the gateway serves again once its pools reconnect."""
+    request that must ask Postgres (a price cap: no lease serves it) gets a 503 the SDK retries, and
+    the gateway serves it again once its pools reconnect. One its leases serve is served meanwhile."""
     fake_nodes()
     auth = {"authorization": f"Bearer {api_key}"}
+    capped = {**auth, "x-neuralgrid-max-price": "100"}
     assert httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
     conn.execute(
         "select pg_terminate_backend(pid) from pg_stat_activity"
         " where datname = current_database() and pid <> pg_backend_pid() and backend_type = 'client backend'"
     )
-    resp = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth)
+    assert httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+    resp = httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=capped)
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "database_unavailable" and resp.headers["retry-after"] == "1"
     wait_for(
-        lambda: httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200,
+        lambda: httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=capped).status_code == 200,
         timeout=15,
     )
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.server.serving import ThreadedServer
-from tests.conftest import LLAMA8, make_node, stream_chat
+from tests.conftest import LLAMA8, make_node, stream_chat, wait_for
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]
 EMBEDDER = "BAAI/bge-large-en-v1.5"
@@ -112,7 +112,8 @@ def test_refusals_after_admission_tell_the_keys_limits_too(
     assert refused.headers["x-ratelimit-limit-requests"] == "5"
     assert refused.headers["x-ratelimit-remaining-requests"] == "4"
     conn.execute("update nodes set status = 'offline'")
-    limited = {"authorization": f"Bearer {new_key(conn, rpm=5)}"}
+    # Placed in SQL (a price cap: no lease serves it), which knows at once that no node is online.
+    limited = {"authorization": f"Bearer {new_key(conn, rpm=5)}", "x-neuralgrid-max-price": "100"}
     none_online = httpx.post(url, json=body, headers=limited, timeout=20)
     assert none_online.status_code == 503, none_online.text
     assert none_online.headers["x-ratelimit-remaining-requests"] == "4"
@@ -242,8 +243,9 @@ def test_the_user_field_is_recorded_and_usage_tells_end_users_apart(
             stream_options={"include_usage": True},
         )
         assert [chunk for chunk in streamed]
-    recorded = conn.execute("select end_user, count(*) from jobs group by 1 order by 1 nulls last").fetchall()
-    assert recorded == [("alice", 2), ("bob", 2), (None, 1)]
+    # Jobs served from leases are written behind: in the ledger moments after their answers.
+    ended = "select end_user, count(*) from jobs where status <> 'running' group by 1 order by 1 nulls last"
+    wait_for(lambda: conn.execute(ended).fetchall() == [("alice", 2), ("bob", 2), (None, 1)])
     auth = {"authorization": f"Bearer {api_key}"}
     per_user = {
         user: httpx.get(f"{gateway}/v1/usage", params={"user": user}, headers=auth).json()

@@ -38,6 +38,10 @@ def test_the_overhead_header_matches_what_an_outside_observer_measures(
             resp = platform.post("/v1/chat/completions", json=body)
             end = time.perf_counter()
             assert resp.status_code == 200, resp.text
+            # A job served from a lease is written behind, by the same event loop: the pause lets
+            # that write end before the next round, which it would slow down (its cost is not the
+            # next request's, and shows in the benchmarks' CPU per request).
+            time.sleep(0.03)
             if i >= 5:  # the first few warm connections and caches up
                 direct_s.append(mid - start)
                 through_s.append(end - mid)
