@@ -238,6 +238,7 @@ declare
   v_usable uuid[];  -- of the ranked nodes and those leased in the lane, the usable ones
   v_capacity integer;
   v_target integer;
+  v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
 begin
   -- What the gateway wants, for the shares (a lane it no longer reports wants nothing).
   if p_reported then
@@ -286,6 +287,24 @@ begin
     where l.node_id = n.id and l.model_id = p_model and l.policy = p_policy and l.region = p_region
   ) h on true
   where n.id = any (v_usable);
+  -- The lane's nodes that hold the model of another live lane that wants slots and holds none:
+  -- once full, they keep no idle slot for this lane, and it claims no more on them, so that the
+  -- starved lane (a model asked for the first time, on nodes leased for others) gets slots at its
+  -- next renewal. Slots in use stay.
+  v_wanted_elsewhere := array(
+    select distinct nm.node_id
+    from private.lane_demand d
+    join private.gateways g on g.id = d.gateway_id
+    join public.node_models nm on nm.model_id = d.model_id
+    cross join public.platform_settings s
+    where (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
+      and d.wanted > 0 and d.renewed_at >= now() - make_interval(secs => s.lease_s)
+      and private.gateway_is_live(g.seen_at)
+      and nm.node_id in (select l.node_id from private.slot_leases l
+                         where l.model_id = p_model and l.policy = p_policy and l.region = p_region)
+      and not exists (select from private.slot_leases x
+                      where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
+                        and x.region = d.region and x.slots > 0));
   v_target := case when p_reported then private.lane_target(p_gateway, p_model, p_policy, p_region, v_capacity) else 0 end;
 
   -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
@@ -294,6 +313,7 @@ begin
   with own as (
     select l.node_id, l.slots, l.in_use, n.inflight, n.max_concurrency,
            l.node_id = any (v_usable) as usable,
+           n.inflight >= n.max_concurrency and l.node_id = any (v_wanted_elsewhere) as yields,
            coalesce(r.score, l.score, (select s.base_score from public.node_scores s
                                        where s.node_id = l.node_id and s.policy = p_policy and s.model_id = p_model),
                     '-Infinity'::float8) as score
@@ -304,7 +324,7 @@ begin
   ),
   forced as (
     select o.node_id, o.usable, o.score, o.in_use,
-           case when not o.usable then o.slots - o.in_use
+           case when not o.usable or o.yields then o.slots - o.in_use
                 else least(o.slots - o.in_use, greatest(o.inflight - o.max_concurrency, 0)) end as k,
            o.slots
     from own o
@@ -328,7 +348,7 @@ begin
     select r.id, r.ord, greatest(n.max_concurrency - n.inflight, 0) as free
     from unnest(v_ranked) with ordinality as r (id, ord)
     join public.nodes n on n.id = r.id
-    where r.id = any (v_usable)
+    where r.id = any (v_usable) and r.id <> all (v_wanted_elsewhere)
   ),
   grown as (
     select f.id as node_id,

@@ -385,3 +385,23 @@ def test_a_dead_gateways_leases_escrows_and_demand_are_freed(conn: psycopg.Conne
     assert conn.execute("select gateway_id from private.lane_demand").fetchall() == [(B,)]
     assert_slots_add_up(conn)
     assert SyncStore(conn).all(q.SWEEP) == [] and inflight(conn) == {node: 1, other: 0}  # nothing twice
+
+
+def test_a_lane_holding_nothing_gets_the_idle_slots_other_lanes_lease_on_its_nodes(
+    conn: psycopg.Connection,
+) -> None:
+    other = "acme/other-7b"
+    node = make_node(conn, max_concurrency=4, models={LLAMA8: "loaded", other: "loaded"})
+    renew(conn, A, lane(4, {}))
+    renew(conn, A, lane(4, {node: 1}))
+    assert inflight(conn) == {node: 4}  # all four leased for one model, three of them idle
+    starved = {**lane(2), "model": other}
+    assert held(renew(conn, B, starved)) == {}  # nothing free: the new lane holds nothing yet
+    # A's next renewal gives back its idle slots there, and claims none; the one in use stays.
+    assert held(renew(conn, A, lane(4, {node: 1}))) == {node: 1}
+    assert held(renew(conn, B, starved)) == {node: 2}
+    assert_slots_add_up(conn)
+    # Fed, the other lane no longer presses: A takes the slot left free again.
+    assert held(renew(conn, A, lane(4, {node: 1}))) == {node: 2}
+    assert inflight(conn) == {node: 4}
+    assert_slots_add_up(conn)
