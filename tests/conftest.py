@@ -267,6 +267,13 @@ def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
         server.stop()
 
 
+# The gateway writes heartbeats in batches, once a second (NEURALGRID_HEARTBEAT_FLUSH_S), and a node's
+# first beat is answered once it is written: a test that registers a node would wait up to a second
+# for it. The suite's gateways flush every 50 ms unless a test's gateway_settings says otherwise (the
+# batching tests set their own); batching, and what a beat waits for, are the same, only sooner.
+FAST_FLUSH: dict[str, Any] = {"NEURALGRID_HEARTBEAT_FLUSH_S": 0.05}
+
+
 @pytest.fixture
 def gateway_settings() -> dict[str, Any]:
     """Overrides for the gateway's Settings; tests change it before asking for `gateway`."""
@@ -280,7 +287,7 @@ def gateway(db_url: str, gateway_settings: dict[str, Any]) -> Iterator[str]:
     from neuralgrid.server.serving import ThreadedServer
     from neuralgrid.server.settings import Settings
 
-    app = create_app(Settings(**gateway_settings), db_url, sweep=False)
+    app = create_app(Settings(**{**FAST_FLUSH, **gateway_settings}), db_url, sweep=False)
     with ThreadedServer(app) as server:
         yield server.url
 
