@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psycopg
@@ -26,6 +26,9 @@ from psycopg.types.json import Jsonb
 
 from neuralgrid.db import migrate
 from neuralgrid.db.embedded import EmbeddedPostgres
+
+if TYPE_CHECKING:
+    from neuralgrid.server.serving import ThreadedServer
 
 TEMPLATE = "ng_template"
 _counter = itertools.count()
@@ -237,6 +240,14 @@ class FakeNode:
         return int(self.server.app.state.requests)
 
 
+def stop_promptly(server: ThreadedServer, grace_s: int = 1) -> None:
+    """Stop a fake node at a test's end without waiting out the answers it is still making: uvicorn
+    waits for them (a node a test made slow can take 10 s more), here for `grace_s`, then cancels
+    them. Only for teardown: a test that stops a node itself stops it as it is configured."""
+    server.server.config.timeout_graceful_shutdown = grace_s
+    server.stop()
+
+
 @pytest.fixture
 def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
     """Factory: start a fake node with the given knobs and register it as an online node."""
@@ -264,7 +275,7 @@ def fake_nodes(conn: psycopg.Connection) -> Iterator[Any]:
 
     yield start
     for server in started:
-        server.stop()
+        stop_promptly(server)
 
 
 # The gateway writes heartbeats in batches, once a second (NEURALGRID_HEARTBEAT_FLUSH_S), and a node's

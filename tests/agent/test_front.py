@@ -25,6 +25,7 @@ from neuralgrid.agent.relay import Relay, RelayError
 from neuralgrid.dev.fakenode import FakeNodeConfig, create_fake_node
 from neuralgrid.protocol import signing
 from neuralgrid.server.serving import ThreadedServer, free_port
+from tests.conftest import stop_promptly
 
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"
 SERVED = "/models/llama-8b.Q4_K_M.gguf"  # the name an owner's server reports
@@ -227,8 +228,9 @@ async def test_a_slow_reader_holds_the_server_back_and_gets_every_byte() -> None
 @pytest.fixture
 def node() -> Iterator[ThreadedServer]:
     config = FakeNodeConfig(models=(LLAMA8, SERVED), tokens_per_s=0)
-    with ThreadedServer(create_fake_node(config)) as server:
-        yield server
+    server = ThreadedServer(create_fake_node(config)).start()
+    yield server
+    stop_promptly(server)  # a test may leave it making a 10 s answer nobody reads
 
 
 def front_for(url: str, **state: Any) -> tuple[FrontState, ThreadedServer]:
