@@ -186,9 +186,8 @@ def _place(url: str, stop: Any, sink: Any) -> None:
 
 @contextmanager
 def matcher(url: str) -> Iterator[list[Sample]]:
-    """A caller placing a job every MATCH_EVERY_S (match_job(), ended at once, untimed) while the
-    block runs, in a process of its own: as a thread beside the simulated agents or the batches'
-    sender, its latency counted its waits for this process's GIL (a 5 ms switch interval). The list
+    """A caller placing a job every MATCH_EVERY_S (match_job(), ended at once) while the block runs,
+    in a process of its own (as a thread here it counted its waits for this process's GIL); the list
     yielded holds each placement's start (perf_counter: one clock) and ms, once the block ends."""
     spawn = multiprocessing.get_context("spawn")
     stop = spawn.Event()
