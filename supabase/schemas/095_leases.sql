@@ -193,9 +193,10 @@ begin
   ),
   nodes_moved as (
     update public.nodes n
+    -- A node full of leased slots stays online: it serves the gateways holding them (busy says its
+    -- slots are all in use by placed jobs; full or not, inflight keeps every claim off it).
     set inflight = n.inflight + b.delta,
-        status = case when b.delta > 0 and n.status = 'online' and n.inflight + b.delta >= n.max_concurrency then 'busy'
-                      when b.delta < 0 and n.status = 'busy' and n.inflight + b.delta < n.max_concurrency then 'online'
+        status = case when b.delta < 0 and n.status = 'busy' and n.inflight + b.delta < n.max_concurrency then 'online'
                       else n.status end
     from bounded b
     where n.id = b.id and b.delta <> 0
@@ -219,7 +220,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) IS 'Moves slots of gateway p_gateway''s leases in a lane: for each node of p_node_ids, claims p_deltas slots (positive; only as many as are free: inflight never passes max_concurrency) or gives back as many (negative; only idle ones), in nodes.inflight and the lease together, and sets a node busy when full or online when no longer. Nodes another transaction holds locked are skipped, not waited for. Returns the slots claimed less those given back.';
+COMMENT ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) IS 'Moves slots of gateway p_gateway''s leases in a lane: for each node of p_node_ids, claims p_deltas slots (positive; only as many as are free: inflight never passes max_concurrency) or gives back as many (negative; only idle ones), in nodes.inflight and the lease together; a node a claim had set busy is online again once not full. Leasing a node''s last slot leaves it online (it serves the gateways holding its slots). Nodes another transaction holds locked are skipped, not waited for. Returns the slots claimed less those given back.';
 
 REVOKE ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) TO service_role;

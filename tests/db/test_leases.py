@@ -77,7 +77,8 @@ def test_a_renewal_claims_slots_on_the_best_nodes_and_returns_them_ranked(conn: 
     assert (first.model_id, first.policy, first.region, first.in_use) == (LLAMA8, "balanced", "", 0)
     assert first.endpoint_url == "http://127.0.0.1:9/" and first.routes
     assert inflight(conn) == {fast: 4, slow: 1}
-    assert conn.execute("select status from nodes where id = %s", (fast,)).fetchone() == ("busy",)
+    # Full of leased slots, it stays online: the gateway holding them sends it requests.
+    assert conn.execute("select status from nodes where id = %s", (fast,)).fetchone() == ("online",)
     # The lease ends lease_s from now; the renewal checked the gateway in.
     (ends,) = conn.execute(
         "select extract(epoch from %s - now()) from private.slot_leases limit 1", (first.expires_at,)
@@ -312,7 +313,7 @@ def test_a_claim_takes_only_free_slots_and_never_waits_for_a_node(
     move = "select private.move_lease_slots(%s, %s, 'balanced', '', %s::uuid[], %s::int[], now())"
     assert conn.execute(move, (A, LLAMA8, [node], [4])).fetchone() == (1,)
     assert leases(conn) == {(A, node): (1, 0)}
-    assert conn.execute("select inflight, status from nodes where id = %s", (node,)).fetchone() == (4, "busy")
+    assert conn.execute("select inflight, status from nodes where id = %s", (node,)).fetchone() == (4, "online")
     with psycopg.connect(db_url) as holder:
         holder.execute("select 1 from nodes where id = %s for no key update", (other,))
         conn.execute("set lock_timeout = '2s'")
