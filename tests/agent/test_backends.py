@@ -37,6 +37,7 @@ from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
 from tests.agent.servers import KINDS, SMOLLM2, RealServer, real_server
 from tests.conftest import agent_command, clone_database, free_port, wait_for
+from tests.slots import JOB_SLOTS
 
 BACKENDS = ("fake", *KINDS)
 MODES = ("direct", "tunnel")
@@ -88,7 +89,7 @@ class Stack:
         return openai.OpenAI(base_url=f"{self.gateway}/v1", api_key=self.key, max_retries=3, timeout=60)
 
     def node(self, *columns: str) -> tuple[Any, ...]:
-        row = self.conn.execute(f"select {', '.join(columns)} from nodes where id = %s", (self.node_id,))
+        row = self.conn.execute(f"select {', '.join(columns)} from nodes n where id = %s", (self.node_id,))
         return tuple(row.fetchone() or ())
 
     def direct(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +105,18 @@ class Stack:
     def settle(self) -> None:
         """Wait until the node is online with nothing in flight (a busy 2-core machine can make a
         health check late enough to take it out for a beat or two)."""
-        wait_for(lambda: self.node("status", "inflight") == ("online", 0), timeout=30)
+        wait_for(lambda: self.node("status", JOB_SLOTS) == ("online", 0), timeout=30)
+
+    def job_slots(self) -> int:
+        """The node's slots held by placed jobs (a leased job's slot is its lease's)."""
+        return int(self.node(JOB_SLOTS)[0])
+
+    def ended_jobs(self) -> list[tuple[Any, ...]]:
+        """The jobs once none is running (a leased job's end is written moments after its answer)."""
+        jobs: list[tuple[Any, ...]] = wait_for(
+            lambda: (j := self.jobs()) and all(x[0] != "running" for x in j) and j
+        )
+        return jobs
 
     def jobs(self) -> list[tuple[Any, ...]]:
         return self.conn.execute(
@@ -321,7 +333,7 @@ def test_chat_is_the_servers_own_answer_with_its_own_counts_and_the_catalog_pric
         direct["usage"]["prompt_tokens"],
         direct["usage"]["completion_tokens"],
     )
-    status, prompt, completion, cost, _ = wait_for(lambda: [j for j in stack.jobs() if j[0] != "running"])[-1]
+    status, prompt, completion, cost, _ = stack.ended_jobs()[-1]
     assert (status, prompt, completion) == (
         "succeeded",
         answer.usage.prompt_tokens,
@@ -489,7 +501,7 @@ def test_tools_and_json_mode_are_answered_or_refused_never_held_against_the_node
             timeout=60,
         )
         assert resp.status_code == 200 or 400 <= resp.status_code < 500, resp.text
-    wait_for(lambda: stack.node("inflight") == (0,))
+    wait_for(lambda: stack.job_slots() == 0)
     assert stack.node("status", "consecutive_failures") == ("online", 0)
 
 
@@ -547,14 +559,14 @@ def test_several_choices_are_billed_for_every_choice(stack: Stack) -> None:
     assert len(answer["choices"]) == (1 if stack.server.kind == "llama-cpp-python" else 2), answer
     per_choice = 6 * len(answer["choices"])
     assert answer["usage"]["completion_tokens"] == per_choice, answer
-    assert wait_for(lambda: [j for j in stack.jobs() if j[0] != "running"])[-1][2] == per_choice
+    assert stack.ended_jobs()[-1][2] == per_choice
 
     events = stream(stack, {**body, "stream_options": {"include_usage": True}})
     choices = {c["index"] for e in events for c in e.get("choices") or []}
     assert choices == ({0} if stack.server.kind == "llama-cpp-python" else {0, 1}), choices
     (usage,) = [e["usage"] for e in events if e.get("usage")]  # llama-server sends one a choice
     assert usage["completion_tokens"] == 6 * len(choices), (choices, usage)
-    assert wait_for(lambda: [j for j in stack.jobs() if j[0] != "running"])[-1][2] == 6 * len(choices)
+    assert stack.ended_jobs()[-1][2] == 6 * len(choices)
 
 
 # Streams ----------------------------------------------------------------------------------------
@@ -566,7 +578,7 @@ def test_streams_carry_exact_usage_and_end_succeeded(stack: Stack) -> None:
     body: dict[str, Any] = {"model": SMOLLM2, "messages": STORY, "max_tokens": 20, "temperature": 0}
     truth = stack.direct("/v1/chat/completions", body)
     counts = (truth["usage"]["prompt_tokens"], truth["usage"]["completion_tokens"])
-    before = len(stack.jobs())
+    before = len(stack.ended_jobs())
 
     events = stream(stack, {**body, "stream_options": {"include_usage": True}})
     assert text_of(events) == truth["choices"][0]["message"]["content"]
@@ -620,7 +632,7 @@ def test_requests_right_after_streams_all_reach_the_server(stack: Stack) -> None
         for _ in range(15):
             assert finish_of(stream(stack, body)) is not None
             assert sdk.with_options(max_retries=3).chat.completions.create(**body).choices
-    wait_for(lambda: stack.node("inflight") == (0,))
+    wait_for(lambda: stack.job_slots() == 0)
     assert stack.node("failures") == (0,)
 
 
@@ -629,7 +641,7 @@ def test_more_requests_than_the_server_runs_at_once_wait_for_a_slot(stack: Stack
     as slots free, none refused, cut or recorded failed."""
     stack.settle()
     parallel = stack.node("max_concurrency")[0]
-    before = len(stack.jobs())  # the module's earlier scenarios' (an echo no node could serve among them)
+    before = len(stack.ended_jobs())  # the module's earlier scenarios' (an echo no node could serve among them)
     body: dict[str, Any] = {
         "model": SMOLLM2,
         "messages": STORY,
@@ -668,7 +680,7 @@ def test_more_requests_than_the_server_runs_at_once_wait_for_a_slot(stack: Stack
     assert [status for status, _ in results] == [200] * (parallel + 2)
     assert all(reason in ("length", "stop") for _, reason in results), (results, stack.jobs())  # each whole
     assert peak <= parallel
-    wait_for(lambda: stack.node("inflight") == (0,))
+    wait_for(lambda: stack.job_slots() == 0)
     assert not [j for j in stack.jobs()[before:] if j[0] == "failed"]
 
 
@@ -777,7 +789,7 @@ def test_a_server_killed_mid_stream_without_a_fallback_ends_it_with_an_error(
             if mode == "direct"
             else "the server closed the connection mid-answer"  # the agent says why
         )
-        status, _, completion, _, _ = wait_for(lambda: [j for j in s.jobs() if j[0] != "running"])[-1]
+        status, _, completion, _, _ = s.ended_jobs()[-1]
         assert status == "failed" and completion >= 3  # what the client got is metered
         log = s.agent.output()
         said = "the server broke its answer to /v1/chat/completions off"
