@@ -1,7 +1,25 @@
-"""What a node's slots are held by, as tests read it. A lease's slots count in nodes.inflight (so no
-claim can overbook them), and a job served from a lease holds no slot of its own: the slots held by
-jobs placed in SQL are a node's inflight less what leases hold."""
+"""What a node's slots are held by, and when the ledger has every job, as tests read them. A lease's
+slots count in nodes.inflight (so no claim can overbook them), and a job served from a lease holds
+no slot of its own: the slots held by jobs placed in SQL are a node's inflight less what leases
+hold. A leased job is written behind: the gateway's journal_pending gauge says what is still to go."""
+
+import re
+
+import httpx
+
+from tests.conftest import wait_for
 
 JOB_SLOTS = (
     "(n.inflight - coalesce((select sum(l.slots) from private.slot_leases l where l.node_id = n.id), 0))::int"
 )
+
+
+def written_behind(gateway: str, timeout: float = 10.0) -> None:
+    """Wait until the gateway has written every job it served to Postgres."""
+
+    def empty() -> bool:
+        text = httpx.get(f"{gateway}/metrics", timeout=5).text
+        found = re.search(r"^neuralgrid_journal_pending (\S+)$", text, re.M)
+        return found is None or float(found.group(1)) == 0
+
+    wait_for(empty, timeout=timeout)

@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,7 +38,11 @@ log = logging.getLogger(__name__)
 BATCH = 500  # records per record_jobs() call
 SEGMENT_BYTES = 4 << 20  # a spool file is closed and a new one begun past this size
 RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is unavailable
-GATHER_S = 0.002  # a flush waits this long after a record is queued
+# Records are written in batches: ends gathered for GATHER_S, and a start only once its job has run
+# START_AFTER_S without ending (most end sooner, and are then written once, start and end together).
+# The spool holds both meanwhile. A job SQL must act on (a failure) is written at once.
+GATHER_S = 0.05
+START_AFTER_S = 0.5
 ORPHANS_EVERY_S = 1.0  # how often a live gateway looks for dead ones' spools (one folder listing)
 
 
@@ -57,6 +62,8 @@ class JobRecord:
     end_user: str | None
     end: JobEnd | None = None
     segment: int = -1  # the spool file its last line went to (-1: none, or committed)
+    queued_at: float = 0.0  # when its start was queued (time.monotonic())
+    now: bool = False  # to be written at once: SQL is about to act on the job
     start_written: bool = False
     dirty: bool = True  # something of it is not yet committed
     written: asyncio.Future[Decimal | None] | None = field(default=None, repr=False)
@@ -205,6 +212,7 @@ class Journal:
         self.on_commit: list[Callable[[JobRecord, bool], None]] = []
 
     def start(self, record: JobRecord) -> None:
+        record.queued_at = time.monotonic()
         self._records[record.id] = record
         self._queue(record)
 
@@ -238,6 +246,9 @@ class Journal:
     async def hand_over(self, job_id: UUID) -> None:
         """The job leaves the journal for the database's own path (failover_job() moves it on, and
         complete_jobs() ends it): its start written, it is forgotten here."""
+        record = self._records.get(job_id)
+        if record is not None:
+            record.now = True
         self._wake.set()
         await self.written(job_id)
         record = self._records.pop(job_id, None)
@@ -257,24 +268,35 @@ class Journal:
         while not stop.is_set():
             stopping = asyncio.ensure_future(stop.wait())
             waking = asyncio.ensure_future(self._wake.wait())
-            await asyncio.wait(
-                {stopping, waking}, return_when=asyncio.FIRST_COMPLETED, timeout=ORPHANS_EVERY_S
-            )
+            await asyncio.wait({stopping, waking}, return_when=asyncio.FIRST_COMPLETED, timeout=self._due())
             stopping.cancel()
             waking.cancel()
             self._wake.clear()
-            # The answer that queued the record goes out first (a flush's work is on this loop too),
-            # and what else comes meanwhile joins the batch.
-            await asyncio.sleep(GATHER_S)
-            await self.flush()
+            if not any(r.now for r in self._records.values()):
+                await asyncio.sleep(GATHER_S)  # what comes meanwhile joins the batch
+            await self.flush(whole=False)
             if self.spool is not None and loop.time() - scanned >= ORPHANS_EVERY_S:
                 scanned = loop.time()
                 with contextlib.suppress(psycopg.Error, DatabaseError, OSError):  # tried again next time
                     await replay_orphans(self.store, self.spool.folder)
 
-    async def flush(self) -> None:
-        """Write every queued record, a batch at a time, retrying while the database is away."""
-        while batch := [r for r in self._records.values() if r.dirty][:BATCH]:
+    def _due(self) -> float:
+        """Seconds until the next young start is due to be written (at most ORPHANS_EVERY_S)."""
+        young = [r.queued_at for r in self._records.values() if r.dirty and r.end is None and not r.now]
+        if not young:
+            return ORPHANS_EVERY_S
+        return min(max(min(young) + START_AFTER_S - time.monotonic(), 0.0), ORPHANS_EVERY_S)
+
+    def _ready(self, record: JobRecord, whole: bool, now: float) -> bool:
+        return record.dirty and (
+            whole or record.now or record.end is not None or now - record.queued_at >= START_AFTER_S
+        )
+
+    async def flush(self, whole: bool = True) -> None:
+        """Write the queued records, a batch at a time, retrying while the database is away; all of
+        them (`whole`), or those due: ends, starts of jobs that ran START_AFTER_S, and any SQL is to
+        act on."""
+        while batch := [r for r in self._records.values() if self._ready(r, whole, time.monotonic())][:BATCH]:
             tries = 0
             while True:
                 try:

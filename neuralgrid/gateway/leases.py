@@ -61,6 +61,7 @@ class Lease:
     rank: int
     tokens_per_s: float | None
     routes: frozenset[str]
+    hourly_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,11 @@ class LeaseBook:
         # comes back (SQL has the failure by then, and cools the node down for every gateway).
         self._failed: dict[UUID, float] = {}
 
-    def take(self, lane: Lane, route: str | None, exclude: Iterable[UUID] = ()) -> Taken | None:
-        """A free slot of the lane on the best ranked node serving `route` (None: any), or None."""
+    def take(
+        self, lane: Lane, route: str | None, exclude: Iterable[UUID] = (), max_rate: float | None = None
+    ) -> Taken | None:
+        """A free slot of the lane on the best ranked node serving `route` (None: any) within the
+        price cap `max_rate` (hard filters, which leave SQL's order as it is), or None."""
         now = self.clock()
         self._asked_at[lane] = now
         in_use = self._lane_in_use(lane)
@@ -104,6 +108,8 @@ class LeaseBook:
             if lease.node_id in skip or lease.node_id in self._failed:
                 continue
             if route is not None and route not in lease.routes:
+                continue
+            if max_rate is not None and (lease.hourly_rate is None or lease.hourly_rate > max_rate):
                 continue
             if self._in_use[(lane, lease.node_id)] < lease.slots:
                 self._in_use[(lane, lease.node_id)] += 1
@@ -120,9 +126,15 @@ class LeaseBook:
         if self._in_use[key] <= 0:
             del self._in_use[key]
 
-    def others(self, lane: Lane, node_id: UUID) -> list[UUID]:
-        """The lane's other leased nodes, in rank order: a job's fallbacks."""
-        return [lease.node_id for lease in self._ranked.get(lane, ()) if lease.node_id != node_id]
+    def others(self, lane: Lane, node_id: UUID, max_rate: float | None = None) -> list[UUID]:
+        """The lane's other nodes (leased, then the fallbacks), in rank order, within the price cap:
+        a job's fallbacks."""
+        return [
+            lease.node_id
+            for lease in self._ranked.get(lane, ())
+            if lease.node_id != node_id
+            and (max_rate is None or (lease.hourly_rate is not None and lease.hourly_rate <= max_rate))
+        ]
 
     def _lane_in_use(self, lane: Lane) -> int:
         return sum(n for (held, _), n in self._in_use.items() if held == lane)
@@ -164,6 +176,7 @@ class LeaseBook:
                     row.rank,
                     row.tokens_per_s,
                     frozenset(row.routes or ()),
+                    None if row.hourly_rate is None else float(row.hourly_rate),
                 )
             )
         for leases in ranked.values():

@@ -71,6 +71,11 @@ class Metrics:
         self.failovers = Counter(
             "neuralgrid_failovers_total", "Moves to a fallback node.", registry=self.registry
         )
+        self.journal_pending = Gauge(
+            "neuralgrid_journal_pending",
+            "Records of jobs served from leases not yet written to Postgres (written behind).",
+            registry=self.registry,
+        )
         self.leased = Counter(
             "neuralgrid_leased_placements_total",
             "Requests placed on a slot this gateway leases, with no round trip to Postgres.",

@@ -202,6 +202,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             asyncio.create_task(heartbeats.run(stop)),
         ]
         if leased is not None:
+            metrics.journal_pending.set_function(leased.journal.pending)
             tasks.append(asyncio.create_task(leased.journal.run(stop)))
             tasks.append(asyncio.create_task(keep_renewing(leased.book, stop, leased.renew)))
         if await store.get(q.REALTIME_FEED_INSTALLED):

@@ -784,7 +784,7 @@ REVOKE ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) FROM P
 GRANT ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) TO service_role;
 
 
-CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone)
+CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric)
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -912,7 +912,7 @@ begin
   return query
   with held as (
     select l.model_id, l.policy, l.region, l.node_id, n.endpoint_url, n.secret_hash, l.slots, l.in_use,
-           l.score, n.ewma_tokens_per_s, n.routes, l.expires_at
+           l.score, n.ewma_tokens_per_s, n.routes, l.expires_at, n.hourly_rate
     from private.slot_leases l
     join public.nodes n on n.id = l.node_id
     where l.gateway_id = p_gateway and l.slots > 0
@@ -925,7 +925,7 @@ begin
   fallbacks as (
     select x ->> 'model' as model_id, x ->> 'policy' as policy, x ->> 'region' as region, s.node_id,
            n.endpoint_url, n.secret_hash, 0 as slots, 0 as in_use, null::float8 as score,
-           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, s.rank
+           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, s.rank
     from jsonb_array_elements(v_lanes) x
     cross join lateral public.score_nodes(x ->> 'model', null, x ->> 'policy', nullif(x ->> 'region', ''), null, null,
                                           null, false, private.ranking_limit(0), null) s
@@ -937,16 +937,16 @@ begin
   select u.model_id, u.policy, u.region, u.node_id, u.endpoint_url, u.secret_hash, u.slots, u.in_use,
          (row_number() over (partition by u.model_id, u.policy, u.region
                              order by u.fallback, u.score desc nulls last, u.rank, u.node_id))::integer,
-         u.ewma_tokens_per_s, u.routes, u.expires_at
+         u.ewma_tokens_per_s, u.routes, u.expires_at, u.hourly_rate
   from (select h.*, false as fallback, null::bigint as rank from held h
         union all
         select f.model_id, f.policy, f.region, f.node_id, f.endpoint_url, f.secret_hash, f.slots, f.in_use,
-               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, true, f.rank from fallbacks f) u
+               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, f.hourly_rate, true, f.rank from fallbacks f) u
   order by u.model_id, u.policy, u.region, 9;
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model), with where and how to reach the node, its rank in the lane (1: best) and the lease''s end (now + platform_settings.lease_s); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best) and the lease''s end (now + platform_settings.lease_s); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

@@ -37,7 +37,7 @@ from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
 from tests.agent.servers import KINDS, SMOLLM2, RealServer, real_server
 from tests.conftest import agent_command, clone_database, free_port, wait_for
-from tests.slots import JOB_SLOTS
+from tests.slots import JOB_SLOTS, written_behind
 
 BACKENDS = ("fake", *KINDS)
 MODES = ("direct", "tunnel")
@@ -113,6 +113,7 @@ class Stack:
 
     def ended_jobs(self) -> list[tuple[Any, ...]]:
         """The jobs once none is running (a leased job's end is written moments after its answer)."""
+        written_behind(self.gateway)
         jobs: list[tuple[Any, ...]] = wait_for(
             lambda: (j := self.jobs()) and all(x[0] != "running" for x in j) and j
         )
@@ -641,7 +642,9 @@ def test_more_requests_than_the_server_runs_at_once_wait_for_a_slot(stack: Stack
     as slots free, none refused, cut or recorded failed."""
     stack.settle()
     parallel = stack.node("max_concurrency")[0]
-    before = len(stack.ended_jobs())  # the module's earlier scenarios' (an echo no node could serve among them)
+    before = len(
+        stack.ended_jobs()
+    )  # the module's earlier scenarios' (an echo no node could serve among them)
     body: dict[str, Any] = {
         "model": SMOLLM2,
         "messages": STORY,

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, free_port, make_node, stream_chat, wait_for
-from tests.slots import JOB_SLOTS
+from tests.slots import JOB_SLOTS, written_behind
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello to the grid."}]
 
@@ -453,6 +453,7 @@ def test_usage_endpoint_reports_the_keys_totals(
         client.chat.completions.create(model=LLAMA8, messages=MESSAGES, max_tokens=4)
     with pytest.raises(openai.BadRequestError):  # the node refuses it: a request, ended cancelled
         client.chat.completions.create(model=LLAMA8, messages=[{"role": "user", "content": "hi " * 200}])
+    written_behind(gateway)
     wait_for(
         lambda: conn.execute("select count(*) = 0 from jobs where status = 'running'").fetchone() == (True,)
     )

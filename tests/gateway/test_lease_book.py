@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -167,3 +168,19 @@ def test_a_node_that_failed_is_passed_over_until_a_later_renewal_comes_back() ->
     book.renewed([row(a, 2, 1), row(b, 2, 2)], clock(), 5.0)  # sent after it: SQL knows
     taken = book.take(LANE, None)
     assert taken is not None and taken.node_id == a
+
+
+def test_a_price_cap_takes_the_best_ranked_lease_within_it() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    dear, cheap = uuid4(), uuid4()
+    rows = [
+        replace(row(dear, 2, 1), hourly_rate=Decimal(2)),
+        replace(row(cheap, 2, 2), hourly_rate=Decimal("0.5")),
+    ]
+    book.renewed(rows, clock(), 5.0)
+    taken = book.take(LANE, None, max_rate=1.0)
+    assert taken is not None and taken.node_id == cheap
+    assert book.take(LANE, None, max_rate=0.1) is None
+    assert book.others(LANE, cheap, max_rate=1.0) == []
+    assert book.others(LANE, cheap) == [dear]

@@ -112,8 +112,8 @@ def test_refusals_after_admission_tell_the_keys_limits_too(
     assert refused.headers["x-ratelimit-limit-requests"] == "5"
     assert refused.headers["x-ratelimit-remaining-requests"] == "4"
     conn.execute("update nodes set status = 'offline'")
-    # Placed in SQL (a price cap: no lease serves it), which knows at once that no node is online.
-    limited = {"authorization": f"Bearer {new_key(conn, rpm=5)}", "x-neuralgrid-max-price": "100"}
+    # Placed in SQL (a price cap under every lease's node), which knows at once that none is online.
+    limited = {"authorization": f"Bearer {new_key(conn, rpm=5)}", "x-neuralgrid-max-price": "0.01"}
     none_online = httpx.post(url, json=body, headers=limited, timeout=20)
     assert none_online.status_code == 503, none_online.text
     assert none_online.headers["x-ratelimit-remaining-requests"] == "4"

@@ -41,6 +41,7 @@ class LeaseRow:
     tokens_per_s: float | None
     routes: list[str] | None
     expires_at: datetime
+    hourly_rate: Decimal | None = None  # what the node costs an hour: a price cap filters on it
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RecordedJob:
 RENEW_LEASES = Query(
     "renew_leases",
     "select model_id, policy, region, node_id, endpoint_url, node_key, slots, in_use, rank, tokens_per_s,"
-    " routes, expires_at from public.renew_leases(%s, %s::jsonb)",
+    " routes, expires_at, hourly_rate from public.renew_leases(%s, %s::jsonb)",
     class_row(LeaseRow),
 )
 LEASE_SECONDS = Query("lease_seconds", "select lease_s::float8 from public.platform_settings", scalar_row)

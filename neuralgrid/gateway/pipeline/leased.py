@@ -43,6 +43,7 @@ class Slot:
     key_id: UUID
     hold: Decimal
     tried: list[UUID]
+    max_rate: float | None = None  # the request's price cap
 
 
 @dataclass(frozen=True)
@@ -92,23 +93,21 @@ class LeasedJobs:
 
     @staticmethod
     def lane(admitted: Admitted) -> Lane | None:
-        """The lane a call is served from, or None when it asks what a lane does not carry (a price
-        cap: the nodes within it are the matcher's to find)."""
+        """The lane a call is served from (a price cap filters its leases, in their order)."""
         call = admitted.call
-        if call.max_hourly_rate is not None:
-            return None
         return Lane(call.model, call.policy, call.region or "")
 
     async def dispatch(self, admitted: Admitted, lane: Lane, route: str | None) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
         free slot for it, or the key's escrow cannot cover its hold."""
-        taken = self.book.take(lane, route)
+        cap = admitted.call.max_hourly_rate
+        taken = self.book.take(lane, route, max_rate=cap)
         if taken is None and not self.book.holds(lane):  # cold: one renewal, which asks for the lane
             try:
                 await self.renewals.for_lane(lane)
             except (psycopg.Error, DatabaseError, OSError):  # placed in SQL, which says what is wrong
                 return None
-            taken = self.book.take(lane, route)
+            taken = self.book.take(lane, route, max_rate=cap)
         if taken is None:
             return None
         call = admitted.call
@@ -135,8 +134,8 @@ class LeasedJobs:
                 end_user if isinstance(end_user, str) else None,
             )
         )
-        self._slots[job_id] = Slot(taken, route, call.key.id, hold, [taken.node_id])
-        return Dispatched(job_id, taken, self.book.others(lane, taken.node_id))
+        self._slots[job_id] = Slot(taken, route, call.key.id, hold, [taken.node_id], cap)
+        return Dispatched(job_id, taken, self.book.others(lane, taken.node_id, cap))
 
     def holds(self, job_id: UUID) -> bool:
         return job_id in self._slots
@@ -158,7 +157,7 @@ class LeasedJobs:
         if status != MISDIRECTED:  # the node's own failure (not a tunnel no gateway reached)
             self.book.failed(slot.taken.node_id)
         await self.to_database(job_id)
-        nxt = self.book.take(slot.taken.lease.lane, slot.route, exclude=slot.tried)
+        nxt = self.book.take(slot.taken.lease.lane, slot.route, exclude=slot.tried, max_rate=slot.max_rate)
         self.book.give_back(slot.taken)
         if nxt is None:
             del self._slots[job_id]
