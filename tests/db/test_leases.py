@@ -313,7 +313,10 @@ def test_a_claim_takes_only_free_slots_and_never_waits_for_a_node(
     move = "select private.move_lease_slots(%s, %s, 'balanced', '', %s::uuid[], %s::int[], now())"
     assert conn.execute(move, (A, LLAMA8, [node], [4])).fetchone() == (1,)
     assert leases(conn) == {(A, node): (1, 0)}
-    assert conn.execute("select inflight, status from nodes where id = %s", (node,)).fetchone() == (4, "online")
+    assert conn.execute("select inflight, status from nodes where id = %s", (node,)).fetchone() == (
+        4,
+        "online",
+    )
     with psycopg.connect(db_url) as holder:
         holder.execute("select 1 from nodes where id = %s for no key update", (other,))
         conn.execute("set lock_timeout = '2s'")
