@@ -114,10 +114,13 @@ class Stack:
     def ended_jobs(self) -> list[tuple[Any, ...]]:
         """The jobs once none is running (a leased job's end is written moments after its answer)."""
         written_behind(self.gateway)
-        jobs: list[tuple[Any, ...]] = wait_for(
-            lambda: (j := self.jobs()) and all(x[0] != "running" for x in j) and j
-        )
-        return jobs
+
+        def settled() -> tuple[list[tuple[Any, ...]]] | None:
+            jobs = self.jobs()
+            return None if any(x[0] == "running" for x in jobs) else (jobs,)
+
+        found: tuple[list[tuple[Any, ...]]] = wait_for(settled)
+        return found[0]
 
     def jobs(self) -> list[tuple[Any, ...]]:
         return self.conn.execute(
@@ -591,7 +594,7 @@ def test_streams_carry_exact_usage_and_end_succeeded(stack: Stack) -> None:
     for _ in range(5):  # the client did not ask for usage: none reaches it, but the job has it
         events = stream(stack, body)
         assert not any(e.get("usage") for e in events) and finish_of(events) == "length"
-    jobs = wait_for(lambda: (j := stack.jobs()[before:]) and all(x[0] != "running" for x in j) and j)
+    jobs = stack.ended_jobs()[before:]
     assert [(j[0], j[1], j[2]) for j in jobs] == [("succeeded", *counts)] * 6
 
 
