@@ -171,6 +171,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.lane_demand",
         "private.key_escrows",
         "private.lease_usable_nodes",
+        "private.leased_slots",
         "private.move_lease_slots",
         "private.lane_target",
         "private.renew_lane",

@@ -474,7 +474,7 @@ begin
         when not coalesce(p_backend_up, true) then 'offline'  -- a live agent in front of a dead server
         -- A tunnel node is reachable only while its tunnel is connected to a gateway.
         when v_node.endpoint_url like 'tunnel:%' and not v_node.tunnel_connected then 'offline'
-        when n.inflight >= v_slots then 'busy'  -- the platform's word for full (slots lowered, too)
+        when n.inflight - private.leased_slots(n.id) >= v_slots then 'busy'  -- the platform's word for full (slots lowered, too)
         else 'online'
       end
   where n.id = p_node_id

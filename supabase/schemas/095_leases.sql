@@ -160,6 +160,19 @@ REVOKE ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[
 GRANT ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) TO service_role;
 
 
+CREATE FUNCTION private.leased_slots(p_node_id uuid) RETURNS integer
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  select coalesce(sum(l.slots), 0)::integer from private.slot_leases l where l.node_id = p_node_id
+$$;
+
+COMMENT ON FUNCTION private.leased_slots(p_node_id uuid) IS 'The slots gateways lease on a node (counted in its inflight): what a heartbeat leaves out when it says whether the node is busy.';
+
+REVOKE ALL ON FUNCTION private.leased_slots(p_node_id uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.leased_slots(p_node_id uuid) TO service_role;
+
+
 CREATE FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) RETURNS integer
     LANGUAGE plpgsql
     SET search_path TO ''

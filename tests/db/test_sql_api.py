@@ -128,6 +128,7 @@ PRIVATE_HELPERS = sorted(
         "kept_last",  # the scarcity rule (issue 43)
         "lane_target",  # a gateway's fair share of a lane's slots (renew_leases(), issue 42)
         "lease_usable_nodes",
+        "leased_slots",
         "move_lease_slots",
         "renew_lane",
         "kept_level",
