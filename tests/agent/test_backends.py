@@ -873,6 +873,7 @@ def test_a_short_request_goes_to_the_idle_node_not_behind_a_stream(
         assert finish_of(rest) is not None  # the long stream was not cut by the short request
         # Served beside the stream, not after it: the short job ended first. (Wall-clock bounds
         # fail on a loaded CI machine, where both servers share two cores.)
+        s.ended_jobs()  # both written (a leased job's end goes behind its answer)
         ends = "created_at + latency_ms * interval '1 ms'"  # when the gateway saw each answer end
         order = s.conn.execute(f"select completion_tokens > 3 from jobs order by {ends}").fetchall()
         assert order == [(False,), (True,)], order
