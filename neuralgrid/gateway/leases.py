@@ -194,14 +194,6 @@ class LeaseBook:
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
 
-    def held(self) -> dict[str, int]:
-        """Slots held per model now (for /metrics and the tests)."""
-        counts: dict[str, int] = defaultdict(int)
-        if self.clock() < self._usable_until:
-            for lane, leases in self._ranked.items():
-                counts[lane.model] += sum(lease.slots for lease in leases)
-        return dict(counts)
-
 
 class Renewals:
     """Renewals of this gateway's leases: one round trip each. A request for a lane this gateway
@@ -254,7 +246,6 @@ class Renewals:
 
 
 async def keep_renewing(
-    book: LeaseBook,
     stop: asyncio.Event,
     renewal: Callable[[], Awaitable[None]],
 ) -> None:
@@ -269,7 +260,7 @@ async def keep_renewing(
             down = False
         except (psycopg.Error, DatabaseError, OSError) as err:
             if not down:
-                log.warning("could not renew this gateway's leases (%s): dispatching from none", err)
+                log.warning("could not renew this gateway's leases (%s): each serves until its end", err)
                 down = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), RENEW_EVERY_S)

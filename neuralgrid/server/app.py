@@ -204,7 +204,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         if leased is not None:
             metrics.journal_pending.set_function(leased.journal.pending)
             tasks.append(asyncio.create_task(leased.journal.run(stop)))
-            tasks.append(asyncio.create_task(keep_renewing(leased.book, stop, leased.renew)))
+            tasks.append(asyncio.create_task(keep_renewing(stop, leased.renew)))
         if await store.get(q.REALTIME_FEED_INSTALLED):
             tasks.append(asyncio.create_task(hub.run(stop)))
             # Serve only once the Realtime feed listens, so no change committed after startup is missed.
