@@ -93,12 +93,13 @@ async def test_bytes_keep_their_order_and_a_burst_its_throughput() -> None:
 
 async def test_round_trips_on_many_connections_overlap() -> None:
     async with echo_behind_proxy() as proxy:
-        started = time.perf_counter()
         took = await asyncio.gather(*(_round_trip(proxy.port, b"c%d" % i) for i in range(20)))
-        wall = time.perf_counter() - started
         assert proxy.connections == 20
     assert min(took) >= RTT_S
-    assert wall < RTT_S + 3 * SLACK_S, (wall, took)  # not 20 RTTs
+    # Queued round trips would come back an RTT apart (the last 19 RTTs after the first); together,
+    # they come back within an RTT of each other. A stall of the whole machine (CI once saw all 20
+    # take 449 ms) moves them all alike, so this holds where a bound on the wall time did not.
+    assert max(took) - min(took) < RTT_S, took
 
 
 async def test_pipelined_requests_on_one_connection_overlap() -> None:
