@@ -1,13 +1,19 @@
 """`neuralgrid bench sql`: the request path's SQL alone, in Postgres time and CPU per job.
 
 What each request costs the database, without the gateway's processes around it on a shared
-machine: jobs are placed with place_jobs() and ended with complete_jobs(), the two calls a request
-makes, in groups of `group` (the gateway groups concurrent requests the same way: 1 when they come
+machine, by both of the ways a gateway writes a job, in alternating rounds:
+
+- placed: place_jobs() claims a slot and complete_jobs() ends the job, the two calls a request
+  makes when SQL places it (leases off, or no leased slot free);
+- leased: record_jobs() writes the job's start, then, in a later call, its end, as a gateway
+  serving from its leases writes them behind (gateway/journal.py; each JobRecord as it sends it).
+
+Jobs go in groups of `group` (the gateway groups concurrent requests the same way: 1 when they come
 one at a time, up to 16 under load), on one connection, on a scratch database shaped like `bench
 gateway`'s (16 default-size nodes, a ledger of 50,000 finished jobs, analyzed). Each case reports
 the client's wall time per job in each call and the CPU per job of the Postgres backend that ran
-them, the median over alternating rounds. `--stream` places them as streams, whose endings measure
-the node's speed (a whole answer's do not).
+them, the median over the rounds, and leased over placed. `--stream` makes them streams, whose
+endings measure the node's speed (a whole answer's do not).
 
 `--compare FILE.sql` runs a second scratch database with FILE applied after the migrations (an
 index, a new version of a function): the two alternate round by round, so that a change to the SQL
@@ -16,10 +22,13 @@ is measured side by side, with the ratio, before it becomes a migration.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
@@ -29,11 +38,13 @@ from psycopg.types.json import Jsonb
 
 from neuralgrid.bench import MODEL, bench_fleet, scratch_database, tree_cpu_s
 from neuralgrid.db import queries as q
+from neuralgrid.gateway.journal import JobRecord
 
 SCRATCH_DB = "neuralgrid_bench_sql"
 SLOTS = 64  # 16 default-size nodes: room for the largest group
 MAX_GROUP = 16  # place_jobs()'s limit
 WARMUP_JOBS = 200
+PATHS = ("placed", "leased")
 
 
 class CompareFailed(Exception):
@@ -51,8 +62,14 @@ class Database:
         params = q.match_params(request, key_id, stream, 2, **hold, wait=True)
         self.request = {**params, "key": str(key_id), "end_user": None}  # as the gateway sends it
         self.gateway = str(uuid4())
+        self.key_id = key_id
+        self.stream = stream
+        self.nodes = [row[0] for row in conn.execute("select id from public.nodes order by id").fetchall()]
 
-    def round(self, group: int, jobs: int) -> dict[str, float]:
+    def round(self, path: str, group: int, jobs: int) -> dict[str, float]:
+        return self.placed(group, jobs) if path == "placed" else self.leased(group, jobs)
+
+    def placed(self, group: int, jobs: int) -> dict[str, float]:
         """Place and end at least `jobs` jobs in groups of `group`: ms per job (wall, each call) and
         the backend's CPU ms per job."""
         place_s = complete_s = 0.0
@@ -78,12 +95,58 @@ class Database:
             complete_s += time.perf_counter() - placed
             done += group
         cpu = tree_cpu_s(self.backend) - cpu
-        return {
-            "place_ms": 1000 * place_s / done,
-            "complete_ms": 1000 * complete_s / done,
-            "total_ms": 1000 * (place_s + complete_s) / done,
-            "postgres_cpu_ms": 1000 * cpu / done,
-        }
+        return _per_job(place_s, complete_s, cpu, done)
+
+    def leased(self, group: int, jobs: int) -> dict[str, float]:
+        """Record at least `jobs` jobs' starts in groups of `group`, each group's ends in the call
+        after (a job dispatched from a lease, its node spread over the fleet as renew_leases()
+        spreads a lane): ms per job (wall, each call) and the backend's CPU ms per job."""
+        start_s = end_s = 0.0
+        done = 0
+        cpu = tree_cpu_s(self.backend)
+        while done < jobs:
+            records = [
+                JobRecord(
+                    uuid4(),
+                    self.key_id,
+                    MODEL,
+                    "balanced",
+                    None,
+                    self.stream,
+                    self.nodes[(done + i) % len(self.nodes)],
+                    datetime.now(UTC),
+                    Decimal(0),
+                    None,
+                )
+                for i in range(group)
+            ]
+            started = time.perf_counter()
+            self._record(records)
+            recorded = time.perf_counter()
+            for i, record in enumerate(records):
+                record.end = q.JobEnd(record.id, "succeeded", 10, 20, 5.0, 9.0 + (done + i) % 10 / 10, None)
+            self._record(records)
+            start_s += recorded - started
+            end_s += time.perf_counter() - recorded
+            done += group
+        cpu = tree_cpu_s(self.backend) - cpu
+        return _per_job(start_s, end_s, cpu, done)
+
+    def _record(self, records: list[JobRecord]) -> None:
+        batch = json.dumps([record.as_json() for record in records])
+        rows = self.conn.execute(q.RECORD_JOBS.sql, (self.gateway, batch)).fetchall()
+        if len(rows) != len(records):
+            raise RuntimeError(f"recorded {len(rows)} of {len(records)} jobs: {rows}")
+
+
+def _per_job(first_s: float, second_s: float, cpu_s: float, jobs: int) -> dict[str, float]:
+    """Each call's wall time, theirs together and the backend's CPU, in ms per job."""
+    return {
+        "first_ms": 1000 * first_s / jobs,
+        "second_ms": 1000 * second_s / jobs,
+        "total_ms": 1000 * (first_s + second_s) / jobs,
+        "postgres_cpu_ms": 1000 * cpu_s / jobs,
+    }
 
 
 def run(
@@ -93,9 +156,11 @@ def run(
     rounds: int,
     compare: Path | None = None,
     stream: bool = False,
+    paths: tuple[str, ...] = PATHS,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
-    """Each group size's figures (and, with `compare`, the compared database's and the ratios)."""
+    """Each (group size, path)'s figures: the base database's, with `compare` the compared
+    database's and their ratio, and on the leased path (both measured) leased over placed."""
     patch = compare.read_text() if compare is not None else None
     with ExitStack() as stack:
         databases = {"base": stack.enter_context(_database(admin_url, SCRATCH_DB, None, stream))}
@@ -103,27 +168,40 @@ def run(
             compared = _database(admin_url, f"{SCRATCH_DB}_compare", patch, stream)
             databases["compare"] = stack.enter_context(compared)
         for database in databases.values():
-            database.round(1, WARMUP_JOBS)
+            for path in paths:
+                database.round(path, 1, WARMUP_JOBS)
+        cases = [(name, path) for path in paths for name in databases]
         results = []
         for group in groups:
-            progress(f"groups of {group}: {', '.join(databases)}, {rounds} rounds")
-            measured: dict[str, list[dict[str, float]]] = {name: [] for name in databases}
+            progress(f"groups of {group}: {', '.join(paths)} on {', '.join(databases)}, {rounds} rounds")
+            measured: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
             for turn in range(rounds):
-                order = list(databases) if turn % 2 == 0 else list(reversed(databases))
-                for name in order:
-                    measured[name].append(databases[name].round(group, jobs))
-            result: dict[str, Any] = {"group": group, "stream": stream, "jobs": jobs, "rounds": rounds}
-            for name, runs in measured.items():
-                result[name] = {
-                    field: round(statistics.median(r[field] for r in runs), 4) for field in runs[0]
+                for name, path in cases if turn % 2 == 0 else list(reversed(cases)):
+                    measured[(name, path)].append(databases[name].round(path, group, jobs))
+            medians = {
+                case: {field: round(statistics.median(r[field] for r in runs), 4) for field in runs[0]}
+                for case, runs in measured.items()
+            }
+            for path in paths:
+                result: dict[str, Any] = {
+                    "group": group,
+                    "path": path,
+                    "stream": stream,
+                    "jobs": jobs,
+                    "rounds": rounds,
                 }
-            if "compare" in result:
-                result["ratio"] = {
-                    field: round(result["compare"][field] / result["base"][field], 3)
-                    for field in result["base"]
-                }
-            results.append(result)
+                for name in databases:
+                    result[name] = medians[(name, path)]
+                if "compare" in result:
+                    result["ratio"] = _ratio(result["compare"], result["base"])
+                if path == "leased" and "placed" in paths:
+                    result["leased_over_placed"] = _ratio(result["base"], medians[("base", "placed")])
+                results.append(result)
     return results
+
+
+def _ratio(over: dict[str, float], under: dict[str, float]) -> dict[str, float]:
+    return {field: round(over[field] / under[field], 3) for field in under}
 
 
 @contextmanager

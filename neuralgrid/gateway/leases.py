@@ -2,8 +2,8 @@
 
 SQL decides (renew_leases(): which nodes, how many slots, ranked as score_nodes() ranks them, this
 gateway's fair share of each lane); this module only counts. A request takes a free slot of its lane
-on the best ranked node that has one and gives it back when it ends. Once a second the gateway
-renews every lane in one call, saying how many slots it wants and how many of each lease are in use
+on the best ranked node that has one and gives it back when it ends. Every RENEW_EVERY_S the
+gateway renews every lane in one call, saying how many slots it wants and how many of each lease are in use
 (docs/scaling.md#far-from-the-database-leases).
 
 A lease is used only until this gateway's own reckoning of its end: the renewal's send time plus
@@ -86,7 +86,11 @@ class LeaseBook:
         # In use per (lane, node): kept apart from the leases, since a request goes on on a node
         # that a renewal no longer returns (cooling down, say) and its slot is still reported in use.
         self._in_use: dict[tuple[Lane, UUID], int] = defaultdict(int)
-        self._peak: dict[Lane, int] = {}  # most in use (or wanted) at once since the last renewal
+        # This gateway's requests of each lane that SQL placed (no leased slot was free), in flight:
+        # demand as much as the leased ones, or a lane's lease would grow by a slot a renewal.
+        self._elsewhere: dict[Lane, int] = defaultdict(int)
+        self._peak: dict[Lane, int] = {}  # most in flight (or wanted) at once since the last renewal
+        self._wants: dict[Lane, int] = {}  # what the last renewal asked for
         self._asked_at: dict[Lane, float] = {}
         # Nodes that failed a request here, and when: passed over until a renewal sent after that
         # comes back (SQL has the failure by then, and cools the node down for every gateway).
@@ -99,8 +103,7 @@ class LeaseBook:
         price cap `max_rate` (hard filters, which leave SQL's order as it is), or None."""
         now = self.clock()
         self._asked_at[lane] = now
-        in_use = self._lane_in_use(lane)
-        self._peak[lane] = max(self._peak.get(lane, 0), in_use + 1)
+        self._peak[lane] = max(self._peak.get(lane, 0), self._in_flight(lane) + 1)
         if now >= self._usable_until:
             return None
         skip = set(exclude)
@@ -136,12 +139,22 @@ class LeaseBook:
             and (max_rate is None or (lease.hourly_rate is not None and lease.hourly_rate <= max_rate))
         ]
 
-    def _lane_in_use(self, lane: Lane) -> int:
-        return sum(n for (held, _), n in self._in_use.items() if held == lane)
+    def placed_elsewhere(self, lane: Lane, change: int) -> None:
+        """A request of the lane that SQL placed started (+1) or ended (-1)."""
+        self._elsewhere[lane] += change
+        if self._elsewhere[lane] <= 0:
+            del self._elsewhere[lane]
+
+    def _in_flight(self, lane: Lane) -> int:
+        """The lane's requests in flight here: on leased slots, and those SQL placed."""
+        leased = sum(n for (held, _), n in self._in_use.items() if held == lane)
+        return leased + self._elsewhere.get(lane, 0)
 
     def lanes(self) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
-        slots it wants (its busiest moment since the last renewal, and one spare) and its slots in
+        slots it wants (its busiest moment since the last renewal, counting the requests SQL placed,
+        and one spare; after a busier moment, no less than half what it last asked for, so that a
+        lull of a second or two between bursts does not send the next burst to SQL) and its slots in
         use per node. Starts the next period's count."""
         now = self.clock()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
@@ -149,13 +162,15 @@ class LeaseBook:
         report: list[dict[str, object]] = []
         for lane in sorted(wanted, key=lambda held: (held.model, held.policy, held.region)):
             in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
-            busiest = max(self._peak.get(lane, 0), sum(in_use.values()))
+            busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
             idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
-            want = sum(in_use.values()) if idle else busiest + 1
+            want = sum(in_use.values()) if idle else max(busiest + 1, (self._wants.get(lane, 0) + 1) // 2)
+            self._wants[lane] = want
             report.append({**lane.as_json(), "want": want, "in_use": in_use})
-        self._peak = {lane: self._lane_in_use(lane) for lane in wanted}
+        self._peak = {lane: self._in_flight(lane) for lane in wanted}
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
             del self._asked_at[lane]
+        self._wants = {lane: n for lane, n in self._wants.items() if lane in wanted}
         return report
 
     def renewed(self, rows: Iterable[q.LeaseRow], sent_at: float, lease_s: float) -> None:

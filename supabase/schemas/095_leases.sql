@@ -445,6 +445,7 @@ GRANT ALL ON FUNCTION public.move_to_lease(p_job_id uuid, p_error text, p_http_s
 CREATE FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) RETURNS TABLE(job_id uuid, cost_usd numeric, recorded text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $_$
 declare
   v_uuid constant text := '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$';

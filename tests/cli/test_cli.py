@@ -403,8 +403,9 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
 
 
 def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, tmp_path: Path) -> None:
-    """A small run of `neuralgrid bench sql`: jobs placed and ended in groups on a scratch database,
-    and on a second one with a change applied (here: every ending 5 ms slower), side by side."""
+    """A small run of `neuralgrid bench sql`: jobs placed and ended, and jobs recorded as a leased
+    gateway writes them (start, then end), in groups on a scratch database, and on a second one with
+    a change applied (here: every ending 5 ms slower), side by side."""
     change = tmp_path / "slower_endings.sql"
     change.write_text(
         "create function public.slow() returns trigger language plpgsql as"
@@ -426,16 +427,27 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
     ]
     code, out, err = run(db_url, "bench", "sql", *args)
     assert code == 0, out + err
-    assert "postgres cpu" in out and "ratio" in out
+    assert "postgres cpu" in out and "ratio" in out and "leased/placed" in out
     report = json.loads(out_file.read_text())
-    assert [r["group"] for r in report["results"]] == [1, 4]
+    assert [(r["group"], r["path"]) for r in report["results"]] == [
+        (1, "placed"),
+        (1, "leased"),
+        (4, "placed"),
+        (4, "leased"),
+    ]
     for r in report["results"]:
         assert all(value > 0 for value in r["base"].values()) and r["base"]["postgres_cpu_ms"] < 50
-        assert r["compare"]["complete_ms"] > r["base"]["complete_ms"] + 4  # 5 ms of sleep per job
-        assert r["ratio"]["complete_ms"] == pytest.approx(
-            r["compare"]["complete_ms"] / r["base"]["complete_ms"], 0.01
+        # The ending is the second call on both paths: complete_jobs(), or record_jobs() of the ends.
+        assert r["compare"]["second_ms"] > r["base"]["second_ms"] + 4  # 5 ms of sleep per job
+        assert r["compare"]["first_ms"] < r["base"]["first_ms"] + 4
+        assert r["ratio"]["second_ms"] == pytest.approx(
+            r["compare"]["second_ms"] / r["base"]["second_ms"], 0.01
         )
-    # --stream: the jobs are streams (here the change slows only those).
+    placed, leased = report["results"][:2]
+    assert leased["leased_over_placed"]["postgres_cpu_ms"] == pytest.approx(
+        leased["base"]["postgres_cpu_ms"] / placed["base"]["postgres_cpu_ms"], 0.01
+    )
+    # --stream: the jobs are streams (here the change slows only those); --paths: one path.
     change.write_text(
         "create function public.slow() returns trigger language plpgsql as"
         " $$ begin perform pg_sleep(0.005); return null; end $$;"
@@ -443,17 +455,21 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
         " execute function public.slow();"
     )
     args = ["--groups", "1", "--jobs", "4", "--rounds", "1", "--compare", str(change), "--out", str(out_file)]
-    for stream in (False, True):
-        code, out, err = run(db_url, "bench", "sql", *args, *(["--stream"] if stream else []))
+    for stream, path in ((False, "placed"), (True, "placed"), (True, "leased")):
+        code, out, err = run(
+            db_url, "bench", "sql", *args, "--paths", path, *(["--stream"] if stream else [])
+        )
         assert code == 0, out + err
         (result,) = json.loads(out_file.read_text())["results"]
-        assert result["stream"] is stream
-        assert (result["compare"]["complete_ms"] > result["base"]["complete_ms"] + 4) is stream, result
+        assert result["stream"] is stream and result["path"] == path
+        assert (result["compare"]["second_ms"] > result["base"]["second_ms"] + 4) is stream, result
     change.write_text("create index on public.no_such_table (x);")
     code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
     assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(db_url, "bench", "sql", "--groups", "17")
     assert code == 1 and "from 1 to 16" in err
+    code, _, err = run(db_url, "bench", "sql", "--paths", "placed,teleported")
+    assert code == 1 and "--paths" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_path: Path) -> None:

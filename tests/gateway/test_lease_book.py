@@ -88,6 +88,31 @@ def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_s
     assert book.lanes() == []  # nobody asked for a while: the lane is given back
 
 
+def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
+    """A lane's load grows from 1 request in flight to 16: the first renewal after wants them all
+    (and a spare), not one slot more than the few it held (which grew the lease a slot a renewal,
+    while the rest were placed in SQL)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    held = [book.take(LANE, None), book.take(LANE, None)]
+    for _ in range(14):  # no leased slot free: each is placed in SQL, and goes on there
+        assert book.take(LANE, None) is None
+        book.placed_elsewhere(LANE, 1)
+    [report] = book.lanes()
+    assert report["want"] == 17 and report["in_use"] == {str(a): 2}
+    for _ in range(14):
+        book.placed_elsewhere(LANE, -1)
+    for taken in held:
+        assert taken is not None
+        book.give_back(taken)
+    [report] = book.lanes()  # the busiest moment since: 16 were in flight when the period began
+    assert report["want"] == 17
+    wants = [book.lanes()[0]["want"] for _ in range(6)]  # then nothing: half as many each time
+    assert wants == [9, 5, 3, 2, 1, 1]
+
+
 def test_a_lane_asked_for_without_a_lease_is_reported_wanted() -> None:
     book = LeaseBook(Clock())
     assert book.take(Lane("x", "fast", "eu"), None) is None

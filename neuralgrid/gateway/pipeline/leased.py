@@ -73,6 +73,7 @@ class LeasedJobs:
         self.journal = journal
         self.catalog = catalog
         self._slots: dict[UUID, Slot] = {}
+        self._elsewhere: dict[UUID, Lane] = {}  # this gateway's jobs SQL placed, in flight: demand too
         journal.on_commit.append(self._written)
 
     async def renew(self) -> None:
@@ -140,6 +141,19 @@ class LeasedJobs:
     def holds(self, job_id: UUID) -> bool:
         return job_id in self._slots
 
+    def placed_elsewhere(self, job_id: UUID, admitted: Admitted) -> None:
+        """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends."""
+        lane = self.lane(admitted)
+        if lane is not None and job_id not in self._elsewhere:
+            self._elsewhere[job_id] = lane
+            self.book.placed_elsewhere(lane, 1)
+
+    def ended_elsewhere(self, job_id: UUID) -> None:
+        """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected)."""
+        lane = self._elsewhere.pop(job_id, None)
+        if lane is not None:
+            self.book.placed_elsewhere(lane, -1)
+
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
             self.escrows.written(record.key, record.hold_usd)
@@ -184,6 +198,7 @@ class LeasedJobs:
         written). None when the job is not the journal's (moved by SQL, or never leased): then
         complete_jobs() ends it, and any leased slot it held is free now too."""
         self.release(end.job_id)
+        self.ended_elsewhere(end.job_id)
         if not self.journal.leased(end.job_id):
             return None
         return self.journal.end(end.job_id, end)

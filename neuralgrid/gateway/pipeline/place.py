@@ -111,6 +111,8 @@ class Placement:
         except errors.GatewayError as refused:  # a refusal says how long it waited, as an answer does
             refused.headers = {**(refused.headers or {}), QUEUE_MS: queue_ms(waited)}
             raise
+        if self.leased is not None:
+            self.leased.placed_elsewhere(match.job_id, admitted)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
         if match.max_output_tokens is not None:
             admitted = admitted.capped(match.max_output_tokens)
@@ -186,7 +188,10 @@ class Placement:
             moved = await self.leased.move(job_id, error, status)
             if moved is not None:
                 return _node(moved)
-        return _node(await self.store.one(q.FAILOVER_JOB, (job_id, error, status, candidates)))
+        node = _node(await self.store.one(q.FAILOVER_JOB, (job_id, error, status, candidates)))
+        if node is None and self.leased is not None:  # failover_job() ended the job
+            self.leased.ended_elsewhere(job_id)
+        return node
 
     async def handoff(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]
@@ -203,6 +208,8 @@ class Placement:
     async def reject(self, job_id: UUID, error: str, status: int | None) -> None:
         await self._to_database(job_id)
         await self.store.one(q.REJECT_JOB, (job_id, error, status))
+        if self.leased is not None:
+            self.leased.ended_elsewhere(job_id)
 
     async def _to_database(self, job_id: UUID) -> None:
         """A leased job that SQL moves or ends from here on: written first, its leased slot freed
