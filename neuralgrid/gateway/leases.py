@@ -63,6 +63,23 @@ class Lease:
     routes: frozenset[str]
     hourly_rate: float | None = None
 
+    @classmethod
+    def of(cls, row: q.LeaseRow) -> Lease | None:
+        """The lease a renewal's row gives (None: a tunneled node no gateway holds now)."""
+        if row.endpoint_url is None:
+            return None
+        return cls(
+            Lane(row.model_id, row.policy, row.region or ""),
+            row.node_id,
+            row.endpoint_url,
+            None if row.node_key is None else bytes(row.node_key),
+            row.slots,
+            row.rank,
+            row.tokens_per_s,
+            frozenset(row.routes or ()),
+            None if row.hourly_rate is None else float(row.hourly_rate),
+        )
+
 
 @dataclass(frozen=True)
 class Taken:
@@ -118,6 +135,12 @@ class LeaseBook:
                 self._in_use[(lane, lease.node_id)] += 1
                 return Taken(lease)
         return None
+
+    def adopt(self, lease: Lease) -> Taken:
+        """A slot of `lease` that a job SQL placed was already using (renew_leases() moved it into
+        the lease): in use here from now on, given back when the job ends."""
+        self._in_use[(lease.lane, lease.node_id)] += 1
+        return Taken(lease)
 
     def failed(self, node_id: UUID) -> None:
         """A node failed a request: none is sent it from here until the next renewal."""
@@ -178,22 +201,8 @@ class LeaseBook:
         the lease's length, less the margin."""
         ranked: dict[Lane, list[Lease]] = defaultdict(list)
         for row in rows:
-            if row.endpoint_url is None:
-                continue
-            lane = Lane(row.model_id, row.policy, row.region or "")
-            ranked[lane].append(
-                Lease(
-                    lane,
-                    row.node_id,
-                    row.endpoint_url,
-                    None if row.node_key is None else bytes(row.node_key),
-                    row.slots,
-                    row.rank,
-                    row.tokens_per_s,
-                    frozenset(row.routes or ()),
-                    None if row.hourly_rate is None else float(row.hourly_rate),
-                )
-            )
+            if (lease := Lease.of(row)) is not None:
+                ranked[lease.lane].append(lease)
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
         self.lease_s = lease_s
@@ -222,6 +231,8 @@ class Renewals:
         self._sent = 0
         self._applied = 0
         self._under_way: asyncio.Task[None] | None = None
+        # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
+        self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self._lanes: set[Lane] = set()  # those the renewal under way asks for
         self._answered: dict[Lane, float] = {}  # when a renewal that asked for each came back
 
@@ -252,6 +263,10 @@ class Renewals:
 
     async def _send(self, lanes: list[dict[str, object]], sent: int, sent_at: float) -> None:
         rows = await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))
+        for row in rows:  # done in SQL whatever the order the answers come in
+            if row.absorbed and (lease := Lease.of(row)) is not None:
+                for job_id in row.absorbed:
+                    self.absorbed(job_id, lease)
         now = self.book.clock()
         for lane in lanes:
             self._answered[Lane(str(lane["model"]), str(lane["policy"]), str(lane["region"] or ""))] = now

@@ -239,7 +239,7 @@ REVOKE ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_
 GRANT ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) TO service_role;
 
 
-CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS void
+CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -253,6 +253,8 @@ declare
   v_capacity integer;
   v_target integer;
   v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
+  v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
+  v_absorbed uuid[];  -- of them, those whose slots join its lease
 begin
   -- What the gateway wants, for the shares (a lane it no longer reports wants nothing).
   if p_reported then
@@ -279,6 +281,47 @@ begin
   set in_use = least(coalesce((p_in_use ->> l.node_id::text)::integer, 0), l.slots)
   where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
     and l.in_use is distinct from least(coalesce((p_in_use ->> l.node_id::text)::integer, 0), l.slots);
+
+  -- The gateway's jobs of the lane that SQL placed (no slot it leased was free), still running on a
+  -- node the lane may lease: their slots join its lease, in use, and their attempts become leased
+  -- (the node's inflight is unchanged: the claim becomes the lease's; their ends free nothing).
+  -- Else a gateway at full load places some of its requests in SQL for good: the end of each frees
+  -- a slot that its caller's next request claims in SQL again before a renewal could lease it.
+  -- Rows another transaction holds are skipped, never waited for; the next renewal takes them.
+  if p_reported then
+    v_mine := array(
+      select j.id from public.jobs j
+      where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
+        and j.gateway_id = p_gateway and j.status = 'running' and j.model_id = p_model and j.policy = p_policy
+        and coalesce(j.region, '') = p_region
+      order by j.id
+      for no key update skip locked);
+  end if;
+  if cardinality(v_mine) > 0 then
+    with running as (
+      select a.job_id, a.attempt, a.node_id from public.job_attempts a
+      where a.job_id = any (v_mine) and a.status = 'running' and not a.leased
+        and a.node_id in (select private.lease_usable_nodes(p_model, array(
+                            select r.node_id from public.job_attempts r where r.job_id = any (v_mine) and r.status = 'running')))
+      order by a.job_id, a.attempt
+      for no key update skip locked
+    ),
+    taken as (
+      update public.job_attempts a set leased = true
+      from running r
+      where a.job_id = r.job_id and a.attempt = r.attempt
+      returning a.job_id, a.node_id
+    ),
+    leased as (
+      insert into private.slot_leases as l (gateway_id, node_id, model_id, policy, region, slots, in_use, expires_at)
+      select p_gateway, t.node_id, p_model, p_policy, p_region, count(*), count(*), p_expires_at
+      from taken t
+      group by t.node_id
+      on conflict on constraint slot_leases_pkey
+      do update set slots = l.slots + excluded.slots, in_use = l.in_use + excluded.in_use
+    )
+    select array_agg(t.job_id order by t.job_id) into v_absorbed from taken t;
+  end if;
 
   -- The lane's nodes as score_nodes() ranks them now (only nodes with a free slot), enough of them
   -- to hold what every gateway wants.
@@ -395,10 +438,11 @@ begin
   delete from private.slot_leases l
   where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
     and l.slots = 0 and l.in_use = 0;
+  return coalesce(v_absorbed, '{}');
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), and renews the leases until p_expires_at.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
 REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
@@ -798,7 +842,7 @@ REVOKE ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) FROM P
 GRANT ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) TO service_role;
 
 
-CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric)
+CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric, absorbed uuid[])
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -812,6 +856,7 @@ declare
   v_in_use jsonb;
   v_used record;
   v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, in_use}]
+  v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots joined its leases
   v_lock bigint;
   v_expires_at timestamptz;
   r record;
@@ -916,7 +961,8 @@ begin
     from jsonb_array_elements(v_lanes) x
     order by 1, 2, 3
   loop
-    perform private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.in_use, r.reported, v_expires_at);
+    v_absorbed := v_absorbed
+                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.in_use, r.reported, v_expires_at);
   end loop;
 
   -- Every lease it may dispatch on, ranked per lane: by the node's score now, or for a node the
@@ -926,7 +972,11 @@ begin
   return query
   with held as (
     select l.model_id, l.policy, l.region, l.node_id, n.endpoint_url, n.secret_hash, l.slots, l.in_use,
-           l.score, n.ewma_tokens_per_s, n.routes, l.expires_at, n.hourly_rate
+           l.score, n.ewma_tokens_per_s, n.routes, l.expires_at, n.hourly_rate,
+           array(select j.id from public.jobs j
+                 join public.job_attempts a on a.job_id = j.id and a.status = 'running'
+                 where j.id = any (v_absorbed) and a.node_id = l.node_id and j.model_id = l.model_id
+                   and j.policy = l.policy and coalesce(j.region, '') = l.region) as absorbed
     from private.slot_leases l
     join public.nodes n on n.id = l.node_id
     where l.gateway_id = p_gateway and l.slots > 0
@@ -939,7 +989,7 @@ begin
   fallbacks as (
     select x ->> 'model' as model_id, x ->> 'policy' as policy, x ->> 'region' as region, s.node_id,
            n.endpoint_url, n.secret_hash, 0 as slots, 0 as in_use, null::float8 as score,
-           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, s.rank
+           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, null::uuid[] as absorbed, s.rank
     from jsonb_array_elements(v_lanes) x
     cross join lateral public.score_nodes(x ->> 'model', null, x ->> 'policy', nullif(x ->> 'region', ''), null, null,
                                           null, false, private.ranking_limit(0), null) s
@@ -951,16 +1001,17 @@ begin
   select u.model_id, u.policy, u.region, u.node_id, u.endpoint_url, u.secret_hash, u.slots, u.in_use,
          (row_number() over (partition by u.model_id, u.policy, u.region
                              order by u.fallback, u.score desc nulls last, u.rank, u.node_id))::integer,
-         u.ewma_tokens_per_s, u.routes, u.expires_at, u.hourly_rate
+         u.ewma_tokens_per_s, u.routes, u.expires_at, u.hourly_rate, u.absorbed
   from (select h.*, false as fallback, null::bigint as rank from held h
         union all
         select f.model_id, f.policy, f.region, f.node_id, f.endpoint_url, f.secret_hash, f.slots, f.in_use,
-               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, f.hourly_rate, true, f.rank from fallbacks f) u
+               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, f.hourly_rate, f.absorbed, true, f.rank
+        from fallbacks f) u
   order by u.model_id, u.policy, u.region, 9;
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best) and the lease''s end (now + platform_settings.lease_s); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) and the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

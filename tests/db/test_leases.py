@@ -409,3 +409,47 @@ def test_a_lane_holding_nothing_gets_the_idle_slots_other_lanes_lease_on_its_nod
     assert held(renew(conn, A, lane(4, {node: 1}))) == {node: 2}
     assert inflight(conn) == {node: 4}
     assert_slots_add_up(conn)
+
+
+def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psycopg.Connection) -> None:
+    """A gateway whose leased slots were all in use had the next request placed in SQL. The next
+    renewal moves that job's slot into its lease, in use, and names the job: the node's inflight is
+    unchanged, the job's end frees nothing in SQL, and the lease holds the slot, idle once the
+    gateway reports it so. Another gateway's job, and a job on a node cooling down, stay as placed."""
+    node = make_node(conn, max_concurrency=4)
+    cooling = make_node(conn, "cooling", tflops=10, max_concurrency=4)
+    assert held(renew(conn, A, lane(2, {}))) == {node: 2}
+    request = {"model": LLAMA8, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 10}
+    place = "select job_id, node_id from place_jobs(%s, %s::jsonb)"
+    (mine, on), (theirs, _) = [
+        conn.execute(place, (str(gateway), json.dumps([request]))).fetchone() or (None, None)
+        for gateway in (A, B)
+    ]
+    assert on == node
+    conn.execute("update nodes set inflight = inflight + 1 where id = %s", (cooling,))  # a job of A's there
+    stuck = uuid.uuid4()
+    conn.execute(
+        "insert into jobs (id, model_id, policy, status, node_id, gateway_id, min_vram_gb)"
+        " values (%s, %s, 'balanced', 'running', %s, %s, 16)",
+        (stuck, LLAMA8, cooling, A),
+    )
+    conn.execute("insert into job_attempts (job_id, attempt, node_id) values (%s, 1, %s)", (stuck, cooling))
+    conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (cooling,))
+    assert inflight(conn) == {node: 4, cooling: 1}  # A's 2 leased, A's and B's placed; the stuck one
+
+    got = renew(conn, A, lane(3, {node: 2}))
+    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
+        (node, 3, 3, [mine])
+    ]
+    assert inflight(conn) == {node: 4, cooling: 1}
+    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
+    assert leased == {mine: True, theirs: False, stuck: False}
+    assert_slots_add_up(conn)
+    assert not [row for row in renew(conn, A, lane(3, {node: 3})) if row.absorbed]  # named once
+
+    # Its end frees no slot in SQL: the lease holds it, idle once the gateway reports it so.
+    conn.execute("select complete_job(%s)", (mine,))
+    assert inflight(conn) == {node: 4, cooling: 1}
+    renew(conn, A, lane(3, {node: 2}))
+    assert leases(conn)[(A, node)] == (3, 2)
+    assert_slots_add_up(conn)

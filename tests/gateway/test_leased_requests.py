@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -177,3 +179,42 @@ def test_a_dead_gateways_spool_is_written_by_the_next(
         ).fetchone()
     assert row == ("succeeded", 7, dead)
     assert not list(folder.glob(f"{dead}.*"))
+
+
+def test_at_full_load_requests_sql_placed_move_into_the_lease(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+) -> None:
+    """As many callers as the node has slots, each asking again as soon as answered: those SQL
+    placed while the lease was still small hold slots the lease cannot claim, and each one's caller
+    used to claim its slot in SQL again the moment it was freed, for good. A renewal moves those
+    jobs' slots into the lease (renew_leases()'s absorbed), and the requests go on leased alone."""
+    fake_nodes("leased-full", latency_s=0.02)  # 4 slots, the default
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def caller() -> None:
+        with httpx.Client(timeout=20) as client:
+            while not stop.is_set():
+                resp = client.post(
+                    f"{leased_gateway}/v1/chat/completions",
+                    json=PLAIN,
+                    headers={"authorization": f"Bearer {api_key}"},
+                )
+                if resp.status_code != 200:
+                    failures.append(resp.text)
+
+    callers = [threading.Thread(target=caller) for _ in range(4)]
+    for thread in callers:
+        thread.start()
+    try:
+        time.sleep(2.5)  # the lease grows to the load, the jobs SQL placed move in (renewals: 0.5 s)
+        matched = metric(leased_gateway, "neuralgrid_matcher_seconds_count")
+        leased = metric(leased_gateway, "neuralgrid_leased_placements_total")
+        time.sleep(1.5)
+        assert metric(leased_gateway, "neuralgrid_matcher_seconds_count") == matched  # none placed in SQL
+        assert metric(leased_gateway, "neuralgrid_leased_placements_total") > leased + 40
+    finally:
+        stop.set()
+        for thread in callers:
+            thread.join(timeout=30)
+    assert failures == []

@@ -42,6 +42,8 @@ class LeaseRow:
     routes: list[str] | None
     expires_at: datetime
     hourly_rate: Decimal | None = None  # what the node costs an hour: a price cap filters on it
+    # The gateway's jobs SQL had placed on the node whose slots this renewal moved into the lease.
+    absorbed: list[UUID] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class RecordedJob:
 RENEW_LEASES = Query(
     "renew_leases",
     "select model_id, policy, region, node_id, endpoint_url, node_key, slots, in_use, rank, tokens_per_s,"
-    " routes, expires_at, hourly_rate from public.renew_leases(%s, %s::jsonb)",
+    " routes, expires_at, hourly_rate, absorbed from public.renew_leases(%s, %s::jsonb)",
     class_row(LeaseRow),
 )
 LEASE_SECONDS = Query("lease_seconds", "select lease_s::float8 from public.platform_settings", scalar_row)

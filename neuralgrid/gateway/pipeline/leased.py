@@ -27,7 +27,7 @@ from neuralgrid.db.store import Store
 from neuralgrid.gateway import leases
 from neuralgrid.gateway.escrow import Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal
-from neuralgrid.gateway.leases import Lane, LeaseBook, Taken
+from neuralgrid.gateway.leases import Lane, Lease, LeaseBook, Taken
 from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
 from neuralgrid.gateway.tunnel import MISDIRECTED
 
@@ -36,14 +36,21 @@ DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it hol
 
 @dataclass
 class Slot:
-    """A leased job's slot now, and what its key's escrow holds for it."""
+    """A leased job's slot now, and what a move to another slot must keep to."""
 
     taken: Taken
     route: str | None
-    key_id: UUID
-    hold: Decimal
     tried: list[UUID]
     max_rate: float | None = None  # the request's price cap
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A job of this gateway that SQL placed (no leased slot was free), while it runs."""
+
+    lane: Lane
+    route: str | None
+    max_rate: float | None
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,9 @@ class LeasedJobs:
         self.journal = journal
         self.catalog = catalog
         self._slots: dict[UUID, Slot] = {}
-        self._elsewhere: dict[UUID, Lane] = {}  # this gateway's jobs SQL placed, in flight: demand too
+        self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         journal.on_commit.append(self._written)
+        self.renewals.absorbed = self._absorbed
 
     async def renew(self) -> None:
         """The periodic renewal: the lease's length, the leases, then the escrows between two writes
@@ -135,24 +143,36 @@ class LeasedJobs:
                 end_user if isinstance(end_user, str) else None,
             )
         )
-        self._slots[job_id] = Slot(taken, route, call.key.id, hold, [taken.node_id], cap)
+        self._slots[job_id] = Slot(taken, route, [taken.node_id], cap)
         return Dispatched(job_id, taken, self.book.others(lane, taken.node_id, cap))
 
     def holds(self, job_id: UUID) -> bool:
         return job_id in self._slots
 
-    def placed_elsewhere(self, job_id: UUID, admitted: Admitted) -> None:
-        """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends."""
+    def placed_elsewhere(self, job_id: UUID, admitted: Admitted, route: str | None) -> None:
+        """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends,
+        or until a renewal moves its slot into the lease (_absorbed)."""
         lane = self.lane(admitted)
         if lane is not None and job_id not in self._elsewhere:
-            self._elsewhere[job_id] = lane
+            self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.placed_elsewhere(lane, 1)
 
     def ended_elsewhere(self, job_id: UUID) -> None:
         """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected)."""
-        lane = self._elsewhere.pop(job_id, None)
-        if lane is not None:
-            self.book.placed_elsewhere(lane, -1)
+        placed = self._elsewhere.pop(job_id, None)
+        if placed is not None:
+            self.book.placed_elsewhere(placed.lane, -1)
+
+    def _absorbed(self, job_id: UUID, lease: Lease) -> None:
+        """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
+        lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
+        before the renewal came back left the lease an idle slot, which the next renewal reports."""
+        placed = self._elsewhere.pop(job_id, None)
+        if placed is None:
+            return
+        self.book.placed_elsewhere(placed.lane, -1)
+        taken = self.book.adopt(lease)
+        self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:

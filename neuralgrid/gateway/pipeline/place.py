@@ -112,7 +112,7 @@ class Placement:
             refused.headers = {**(refused.headers or {}), QUEUE_MS: queue_ms(waited)}
             raise
         if self.leased is not None:
-            self.leased.placed_elsewhere(match.job_id, admitted)
+            self.leased.placed_elsewhere(match.job_id, admitted, request.route)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
         if match.max_output_tokens is not None:
             admitted = admitted.capped(match.max_output_tokens)
