@@ -206,30 +206,41 @@ class Fleet:
     history: int  # finished jobs in the ledger before the first request (LEDGER_HISTORY)
 
 
-def bench_fleet(url: str, node_urls: Sequence[str], model: str, slots: int = 0) -> Fleet:
+def bench_fleet(
+    url: str, node_urls: Sequence[str], model: str, slots: int = 0, more_models: Sequence[str] = ()
+) -> Fleet:
     """Online nodes (RTX 4090s) serving `model` at the default settings, one per URL, or more in
     turn over the URLs until they hold at least `slots` slots (enough default-size nodes for that
-    many callers; never a node's concurrency raised); heartbeats that never go stale, and a key."""
-    nodes = total = 0
+    many callers; never a node's concurrency raised); as many again for each of `more_models` (a
+    path of its own); heartbeats that never go stale, and a key."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("update public.platform_settings set heartbeat_interval_s = 86400")
-        while nodes < len(node_urls) or total < slots:
-            row = conn.execute(
-                "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
-                " endpoint_url, status, last_heartbeat_at) values (%s, 'NVIDIA GeForce RTX 4090', 24,"
-                " 165, 0.35, 'eu-west', %s, 'online', now()) returning id, max_concurrency",
-                (f"bench-{nodes}", node_urls[nodes % len(node_urls)]),
-            ).fetchone()
-            assert row is not None
-            conn.execute(
-                "insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], model)
-            )
-            nodes, total = nodes + 1, total + int(row[1])
+        nodes, total = _nodes(conn, node_urls, model, slots, "bench")
+        for i, other in enumerate(more_models):
+            _nodes(conn, node_urls, other, slots, f"bench-{i + 1}")
         key = conn.execute("select id, api_key from public.create_api_key('bench')").fetchone()
         assert key is not None
         history = ledger_history(conn, key[0], model, LEDGER_HISTORY)
         conn.execute("analyze")  # the statistics autovacuum would have gathered by then
     return Fleet(str(key[1]), nodes, total, history)
+
+
+def _nodes(
+    conn: psycopg.Connection, node_urls: Sequence[str], model: str, slots: int, name: str
+) -> tuple[int, int]:
+    """bench_fleet()'s nodes for one model: how many, and their slots."""
+    nodes = total = 0
+    while nodes < len(node_urls) or total < slots:
+        row = conn.execute(
+            "insert into public.nodes (name, gpu_model, vram_gb, tflops, hourly_rate, region,"
+            " endpoint_url, status, last_heartbeat_at) values (%s, 'NVIDIA GeForce RTX 4090', 24,"
+            " 165, 0.35, 'eu-west', %s, 'online', now()) returning id, max_concurrency",
+            (f"{name}-{nodes}", node_urls[nodes % len(node_urls)]),
+        ).fetchone()
+        assert row is not None
+        conn.execute("insert into public.node_models (node_id, model_id) values (%s, %s)", (row[0], model))
+        nodes, total = nodes + 1, total + int(row[1])
+    return nodes, total
 
 
 def ledger_history(conn: psycopg.Connection, key_id: Any, model: str, jobs: int) -> int:

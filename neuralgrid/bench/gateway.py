@@ -16,6 +16,9 @@ their server the fake node). Each case sends the same load, in alternating round
   key as the gateway signs;
 - gateway: the gateway (auth, match, proxy, metering), to nodes with no agent in front;
 - gateway_agent: the gateway, to the agents' nodes: the whole way a request takes in production;
+- gateway_placed: a second gateway with leases off (NEURALGRID_LEASES=false), to nodes of its own:
+  every request placed in SQL and ended there before its answer, as the gateway worked before
+  leases (docs/scaling.md#far-from-the-database-leases), for the gateway's figures beside it;
 - smg: SGLang's model gateway, a router in Rust (bench/peer.py), round robin over the fake node: a
   peer measured as ours is, reported with ours over it (added p50, requests/s, CPU per request).
 
@@ -69,11 +72,14 @@ from neuralgrid.server.settings import Settings
 
 # The gateway_agent path asks for a model only the agents' nodes have, and the gateway path caps the
 # price below the agents': each path's requests reach its own nodes, whatever the matcher prefers.
+# The gateway_placed path asks for a model of its own too: the other gateway's leases hold none of
+# its slots.
 AGENT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+PLACED_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
 AGENT_PRICE, FLEET_MAX_PRICE = "5", "1"
 AGENT_NAME = "bench-agent-{}"
 SCRATCH_DB = "neuralgrid_bench_gateway"
-PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent", "smg")
+PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_placed", "gateway_agent", "smg")
 WARMUP = 20  # requests before each round counts: connections, caches and plans
 ROUNDS = 4  # each case alternates its targets round by round, so that drift spreads over all of them
 # What each path's numbers are reported as, against the direct path: "<prefix>added_p50_ms", ….
@@ -82,6 +88,7 @@ ADDED = {
     "relay_sql": "relay_sql_",
     "agent": "agent_",
     "gateway": "",
+    "gateway_placed": "gateway_placed_",
     "gateway_agent": "gateway_agent_",
     "smg": "smg_",
 }
@@ -122,13 +129,15 @@ def run(
     if "smg" in paths and smg is None:
         raise ValueError("the smg path needs the smg command (peer.find_smg())")
     names = [name for name in PATHS if name == "direct" or name in paths]
-    node_port, relay_port, relay_sql_port, gateway_port = (free_port() for _ in range(4))
+    node_port, relay_port, relay_sql_port, gateway_port, placed_port = (free_port() for _ in range(5))
     smg_port, smg_metrics_port = free_port(), free_port()
     node_url = f"http://127.0.0.1:{node_port}"
     relay_url, gateway_url = f"http://127.0.0.1:{relay_port}", f"http://127.0.0.1:{gateway_port}"
     relay_sql_url, smg_url = f"http://127.0.0.1:{relay_sql_port}", f"http://127.0.0.1:{smg_port}"
+    placed_url = f"http://127.0.0.1:{placed_port}"
     with scratch_database(admin_url, SCRATCH_DB) as db_url:
-        fleet = bench_fleet(db_url, [node_url], MODEL, slots=max(callers))  # default-size nodes
+        more = [PLACED_MODEL] if "gateway_placed" in names else []
+        fleet = bench_fleet(db_url, [node_url], MODEL, slots=max(callers), more_models=more)  # default size
         env = {**os.environ, "DATABASE_URL": db_url, "NEURALGRID_PORT": str(gateway_port)}
         cli = [sys.executable, "-m", "neuralgrid.cli"]
         relay = [sys.executable, "-m", "neuralgrid.bench.relay", "--node", node_url, "--port"]
@@ -152,6 +161,11 @@ def run(
             gateway: list[int] = []
             if {"gateway", "agent", "gateway_agent"} & set(names):
                 gateway.append(stack.enter_context(served([*cli, "up"], env, f"{gateway_url}/readyz")).pid)
+            placed: list[int] = []
+            if "gateway_placed" in names:
+                no_leases = {**env, "NEURALGRID_PORT": str(placed_port), "NEURALGRID_LEASES": "false"}
+                up = served([*cli, "up"], no_leases, f"{placed_url}/readyz")
+                placed.append(stack.enter_context(up).pid)
             agents = Agents([], [], {}, 0)
             if {"agent", "gateway_agent"} & set(names):
                 count = math.ceil(max(callers) / DEFAULT_CONCURRENCY)
@@ -170,6 +184,14 @@ def run(
                     (f"{gateway_url}{CHAT}",),
                     {**auth, "x-neuralgrid-max-price": FLEET_MAX_PRICE},
                     cpu=on_gateway,
+                    slots=fleet.slots,
+                    ledger=fleet.history,
+                ),
+                "gateway_placed": Target(
+                    (f"{placed_url}{CHAT}",),
+                    {**auth, "x-neuralgrid-max-price": FLEET_MAX_PRICE},
+                    PLACED_MODEL,
+                    cpu={"gateway": placed, "postgres": [postmaster_pid(db_url)]},
                     slots=fleet.slots,
                     ledger=fleet.history,
                 ),
@@ -196,6 +218,7 @@ def run(
                         if name in runs and "p50_ms" in runs[name] and "p50_ms" in d:
                             result[f"{prefix}added_p50_ms"] = round(runs[name]["p50_ms"] - d["p50_ms"], 3)
                             result[f"{prefix}added_p99_ms"] = round(runs[name]["p99_ms"] - d["p99_ms"], 3)
+                    result.update(_leased_over_placed(runs))
                     if "added_p50_ms" in result and "gateway_agent_added_p50_ms" in result:
                         # the agents' hop behind the gateway
                         added = runs["gateway_agent"]["p50_ms"] - runs["gateway"]["p50_ms"]
@@ -203,6 +226,23 @@ def run(
                     result.update(peer.ratios(result))
                     results.append(result)
     return results
+
+
+def _leased_over_placed(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The gateway (leases on) over the gateway with leases off: Postgres's CPU per request, and
+    the gateway process's, and requests/s."""
+    if "gateway" not in runs or "gateway_placed" not in runs:
+        return {}
+    ours, before = runs["gateway"], runs["gateway_placed"]
+    found = {}
+    for key, measure in (
+        ("leased_over_placed_postgres_cpu", "postgres_cpu_ms_per_request"),
+        ("leased_over_placed_gateway_cpu", "gateway_cpu_ms_per_request"),
+        ("leased_over_placed_rps", "rps"),
+    ):
+        if ours.get(measure) is not None and before.get(measure):
+            found[key] = round(ours[measure] / before[measure], 3)
+    return found
 
 
 @contextlib.contextmanager

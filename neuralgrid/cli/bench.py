@@ -79,9 +79,9 @@ def gateway(
         typer.Option(
             envvar="NEURALGRID_BENCH_PATHS",
             help="Paths to measure besides direct, comma-separated: relay, relay_sql, agent, gateway,"
-            " gateway_agent, smg.",
+            " gateway_placed (leases off), gateway_agent, smg.",
         ),
-    ] = "relay,relay_sql,agent,gateway,gateway_agent,smg",
+    ] = "relay,relay_sql,agent,gateway,gateway_placed,gateway_agent,smg",
     out_file: OutFile = Path("bench-results/gateway.json"),
 ) -> None:
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
@@ -159,6 +159,8 @@ def gateway(
                 ms(p.get("postgres_cpu_ms_per_request")),
                 ms(p.get("agent_cpu_ms_per_request")),
             )
+    if any("leased_over_placed_postgres_cpu" in r for r in results):
+        print_table(_leased_over_placed(results))
     if any("smg" in r for r in results):
         print_table(_over_smg(results))
     target = (
@@ -201,6 +203,34 @@ def _over_smg(results: list[dict[str, Any]]) -> Table:
                 "stream" if r["stream"] else "plain",
                 str(r["callers"]),
                 *(x(r.get(key)) for key, _, _ in peer.RATIOS),
+            )
+    return table
+
+
+def _leased_over_placed(results: list[dict[str, Any]]) -> Table:
+    """bench gateway's ratios: the gateway over the same gateway with leases off, case by case."""
+    table = Table(
+        "mode",
+        "callers",
+        "postgres cpu",
+        "gateway cpu",
+        "req/s",
+        caption="the gateway (leases on) over gateway_placed (leases off: every request placed and ended"
+        " in SQL before its answer): cpu per request, requests/s",
+    )
+    for r in results:
+        if "leased_over_placed_postgres_cpu" in r:
+            table.add_row(
+                "stream" if r["stream"] else "plain",
+                str(r["callers"]),
+                *(
+                    f"{r[key]:.2f}x" if key in r else "-"
+                    for key in (
+                        "leased_over_placed_postgres_cpu",
+                        "leased_over_placed_gateway_cpu",
+                        "leased_over_placed_rps",
+                    )
+                ),
             )
     return table
 

@@ -326,14 +326,14 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
     db_url: str, tmp_path: Path
 ) -> None:
     """A small run of `neuralgrid bench gateway`: a fake node, the relay (alone and holding a slot in
-    Postgres), a gateway and a node agent, each a process, at the default node settings; every
-    path's refusals, queue wait and CPU."""
+    Postgres), a gateway, a second one with leases off, and a node agent, each a process, at the
+    default node settings; every path's refusals, queue wait and CPU, and leased over placed."""
     out_file = tmp_path / "gateway.json"
     code, out, err = run(
         db_url, "bench", "gateway", "--callers", "1,5", "--requests", "8", "--out", str(out_file)
     )
     assert code == 0, out + err
-    assert "+p50" in out and "postgres cpu" in out and "gateway_agent" in out
+    assert "+p50" in out and "postgres cpu" in out and "gateway_agent" in out and "gateway_placed" in out
     report = json.loads(out_file.read_text())
     assert [(r["stream"], r["callers"]) for r in report["results"]] == [
         (False, 1),
@@ -342,16 +342,16 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         (True, 5),
     ]
     for r in report["results"]:
-        for target in ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_agent"):
+        for target in ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_placed", "gateway_agent"):
             t = r[target]
             assert t["refused_503"] == t["failed"] == 0 and t["served"] == t["requests"] and t["rps"] > 0
             assert 0 < t["p50_ms"] <= t["p99_ms"]
             assert 0 <= t["queue_wait_p50_ms"] <= t["queue_wait_p99_ms"] <= t["queue_wait_max_ms"]
         # 5 callers: two nodes of the default 4 slots, never one raised to take them all
-        assert r["gateway"]["slots"] == r["gateway_agent"]["slots"] == 8
+        assert r["gateway"]["slots"] == r["gateway_placed"]["slots"] == r["gateway_agent"]["slots"] == 8
         # a deployment in service: a ledger of finished jobs, analyzed, before the first request
         assert r["gateway"]["ledger_jobs"] == r["gateway_agent"]["ledger_jobs"] == LEDGER_HISTORY
-        for target in ("relay_sql", "gateway", "gateway_agent"):
+        for target in ("relay_sql", "gateway", "gateway_placed", "gateway_agent"):
             assert r[target]["gateway_cpu_ms_per_request"] > 0
             assert r[target]["postgres_cpu_ms_per_request"] > 0
         for target in ("agent", "gateway_agent"):
@@ -362,6 +362,10 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         assert r["relay_sql_added_p50_ms"] == round(r["relay_sql"]["p50_ms"] - r["direct"]["p50_ms"], 3)
         assert r["gateway_agent_added_p50_ms"] == round(
             r["gateway_agent"]["p50_ms"] - r["direct"]["p50_ms"], 3
+        )
+        assert r["leased_over_placed_postgres_cpu"] == pytest.approx(
+            r["gateway"]["postgres_cpu_ms_per_request"] / r["gateway_placed"]["postgres_cpu_ms_per_request"],
+            0.01,
         )
     code, _, err = run(db_url, "bench", "gateway", "--callers", "0")
     assert code == 1 and "must be positive" in err
