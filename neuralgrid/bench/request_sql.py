@@ -64,7 +64,9 @@ class Database:
         self.gateway = str(uuid4())
         self.key_id = key_id
         self.stream = stream
-        self.nodes = [row[0] for row in conn.execute("select id from public.nodes order by id").fetchall()]
+        nodes = conn.execute("select id, max_concurrency from public.nodes order by id").fetchall()
+        self.nodes = [row[0] for row in nodes]
+        self.slots = int(nodes[0][1])  # each node's: the default
 
     def round(self, path: str, group: int, jobs: int) -> dict[str, float]:
         return self.placed(group, jobs) if path == "placed" else self.leased(group, jobs)
@@ -99,8 +101,9 @@ class Database:
 
     def leased(self, group: int, jobs: int) -> dict[str, float]:
         """Record at least `jobs` jobs' starts in groups of `group`, each group's ends in the call
-        after (a job dispatched from a lease, its node spread over the fleet as renew_leases()
-        spreads a lane): ms per job (wall, each call) and the backend's CPU ms per job."""
+        after (a group's jobs on as few nodes as their slots allow, as renew_leases() leases a lane
+        from its best ranked node down): ms per job (wall, each call) and the backend's CPU ms
+        per job."""
         start_s = end_s = 0.0
         done = 0
         cpu = tree_cpu_s(self.backend)
@@ -113,7 +116,7 @@ class Database:
                     "balanced",
                     None,
                     self.stream,
-                    self.nodes[(done + i) % len(self.nodes)],
+                    self.nodes[i // self.slots % len(self.nodes)],
                     datetime.now(UTC),
                     Decimal(0),
                     None,
