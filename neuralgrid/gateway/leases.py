@@ -103,11 +103,13 @@ class LeaseBook:
         # In use per (lane, node): kept apart from the leases, since a request goes on on a node
         # that a renewal no longer returns (cooling down, say) and its slot is still reported in use.
         self._in_use: dict[tuple[Lane, UUID], int] = defaultdict(int)
-        # This gateway's requests of each lane that SQL placed (no leased slot was free), in flight:
-        # demand as much as the leased ones, or a lane's lease would grow by a slot a renewal.
-        self._elsewhere: dict[Lane, int] = defaultdict(int)
+        # This gateway's requests of each lane in flight with no leased slot (SQL placed them, or they
+        # wait in line for a slot): demand as much as the leased ones, or a lane's lease would grow
+        # by a slot a renewal, and a gateway whose callers wait would want no more than one slot.
+        self._unleased: dict[Lane, int] = defaultdict(int)
         self._peak: dict[Lane, int] = {}  # most in flight (or wanted) at once since the last renewal
         self._wants: dict[Lane, int] = {}  # what the last renewal asked for
+        self._at_share: set[Lane] = set()  # lanes where this gateway holds its share, or more
         self._asked_at: dict[Lane, float] = {}
         # Nodes that failed a request here, and when: passed over until a renewal sent after that
         # comes back (SQL has the failure by then, and cools the node down for every gateway).
@@ -162,23 +164,24 @@ class LeaseBook:
             and (max_rate is None or (lease.hourly_rate is not None and lease.hourly_rate <= max_rate))
         ]
 
-    def placed_elsewhere(self, lane: Lane, change: int) -> None:
-        """A request of the lane that SQL placed started (+1) or ended (-1)."""
-        self._elsewhere[lane] += change
-        if self._elsewhere[lane] <= 0:
-            del self._elsewhere[lane]
+    def unleased(self, lane: Lane, change: int) -> None:
+        """A request of the lane with no leased slot (placed in SQL, or waiting in line) started
+        (+1) or ended (-1)."""
+        self._unleased[lane] += change
+        if self._unleased[lane] <= 0:
+            del self._unleased[lane]
 
     def _in_flight(self, lane: Lane) -> int:
-        """The lane's requests in flight here: on leased slots, and those SQL placed."""
+        """The lane's requests in flight here: on leased slots, and the unleased ones."""
         leased = sum(n for (held, _), n in self._in_use.items() if held == lane)
-        return leased + self._elsewhere.get(lane, 0)
+        return leased + self._unleased.get(lane, 0)
 
     def lanes(self) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
-        slots it wants (its busiest moment since the last renewal, counting the requests SQL placed,
-        and one spare; after a busier moment, no less than half what it last asked for, so that a
-        lull of a second or two between bursts does not send the next burst to SQL) and its slots in
-        use per node. Starts the next period's count."""
+        slots it wants (its busiest moment since the last renewal, counting the requests SQL placed
+        and those waiting in line, and one spare; after a busier moment, no less than half what it
+        last asked for, so that a lull of a second or two between bursts does not send the next
+        burst to SQL) and its slots in use per node. Starts the next period's count."""
         now = self.clock()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
         wanted |= {lane for lane, _ in self._in_use}
@@ -200,9 +203,15 @@ class LeaseBook:
         """What a renewal returned: the leases held now, usable until `sent_at` (this clock) plus
         the lease's length, less the margin."""
         ranked: dict[Lane, list[Lease]] = defaultdict(list)
+        held: dict[Lane, int] = defaultdict(int)
+        shares: dict[Lane, int] = {}
         for row in rows:
             if (lease := Lease.of(row)) is not None:
                 ranked[lease.lane].append(lease)
+                held[lease.lane] += row.slots + row.draining
+                if row.share is not None:
+                    shares[lease.lane] = row.share
+        self._at_share = {lane for lane, share in shares.items() if held[lane] >= share}
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
         self.lease_s = lease_s
@@ -217,6 +226,13 @@ class LeaseBook:
 
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
+
+    def at_share(self, lane: Lane) -> bool:
+        """This gateway holds its share of the lane, or more (the rest drains): its requests wait
+        for its own slots rather than claim free ones in SQL, where the gateway nearest the
+        database would win every slot the others' shares free. Below its share, a request that
+        finds no free leased slot is placed in SQL (the next renewal would claim it anyway)."""
+        return lane in self._at_share and self.holds(lane)
 
 
 class Renewals:

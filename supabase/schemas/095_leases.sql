@@ -38,6 +38,7 @@ CREATE TABLE private.lane_demand (
     region text DEFAULT ''::text NOT NULL,
     wanted integer NOT NULL,
     renewed_at timestamp with time zone DEFAULT now() NOT NULL,
+    share integer,
     CONSTRAINT "wanted must not be negative" CHECK ((wanted >= 0))
 );
 
@@ -46,6 +47,8 @@ COMMENT ON TABLE private.lane_demand IS 'How many slots each gateway wanted of e
 COMMENT ON COLUMN private.lane_demand.wanted IS 'Slots wanted at the last renewal: the gateway''s requests in flight and waiting for the lane, and a spare.';
 
 COMMENT ON COLUMN private.lane_demand.renewed_at IS 'When the gateway last renewed the lane.';
+
+COMMENT ON COLUMN private.lane_demand.share IS 'The gateway''s share of the lane''s slots at its last renewal (private.lane_target()): a gateway holding it places none of the lane''s requests in SQL, where the gateway nearest the database would win the slots the others'' shares free.';
 
 ALTER TABLE ONLY private.lane_demand
     ADD CONSTRAINT lane_demand_pkey PRIMARY KEY (gateway_id, model_id, policy, region);
@@ -65,6 +68,8 @@ CREATE TABLE private.slot_leases (
     in_use integer DEFAULT 0 NOT NULL,
     score double precision,
     expires_at timestamp with time zone NOT NULL,
+    draining integer DEFAULT 0 NOT NULL,
+    CONSTRAINT "a lease's draining slots must be between 0 and its slots" CHECK (((draining >= 0) AND (draining <= slots))),
     CONSTRAINT "a lease's slots in use must be between 0 and its slots" CHECK (((in_use >= 0) AND (in_use <= slots))),
     CONSTRAINT "a lease's slots must not be negative" CHECK ((slots >= 0))
 );
@@ -82,6 +87,8 @@ COMMENT ON COLUMN private.slot_leases.in_use IS 'Slots the gateway said were in 
 COMMENT ON COLUMN private.slot_leases.score IS 'The node''s score_nodes() score for the lane when last ranked: how a node the ranking leaves out now (full, because leased) ranks among the gateway''s leases.';
 
 COMMENT ON COLUMN private.slot_leases.expires_at IS 'The lease''s end unless renewed (its renewal plus platform_settings.lease_s).';
+
+COMMENT ON COLUMN private.slot_leases.draining IS 'Slots held above the gateway''s share of the lane, all in use at its last renewal (idle ones go back at once): still counted in inflight, but the gateway takes none of them again (renew_leases() returns slots less these), so they are idle, and given back, at a renewal after their requests end.';
 
 ALTER TABLE ONLY private.slot_leases
     ADD CONSTRAINT slot_leases_pkey PRIMARY KEY (gateway_id, node_id, model_id, policy, region);
@@ -216,7 +223,7 @@ begin
   ),
   given_back as (
     update private.slot_leases l
-    set slots = l.slots + b.delta
+    set slots = l.slots + b.delta, draining = least(l.draining, l.slots + b.delta)
     from bounded b
     where b.delta < 0 and l.gateway_id = p_gateway and l.node_id = b.id and l.model_id = p_model
       and l.policy = p_policy and l.region = p_region
@@ -363,6 +370,9 @@ begin
                       where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
                         and x.region = d.region and x.slots > 0));
   v_target := case when p_reported then private.lane_target(p_gateway, p_model, p_policy, p_region, v_capacity) else 0 end;
+  update private.lane_demand d set share = v_target
+  where d.gateway_id = p_gateway and d.model_id = p_model and d.policy = p_policy and d.region = p_region
+    and d.share is distinct from v_target;
 
   -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
   -- server's slots went down); then idle slots above the target from the lowest ranked lease up.
@@ -427,6 +437,29 @@ begin
     perform private.move_lease_slots(p_gateway, p_model, p_policy, p_region, v_ids, v_deltas, p_expires_at);
   end if;
 
+  -- What stays above the target on usable nodes is in use (the idle slots above it went back): the
+  -- lowest ranked leases' slots drain, not taken again, so that a gateway that keeps its slots busy
+  -- cannot keep more than its share from the gateways that want them (whose requests wait
+  -- meanwhile). A lease on a node no longer usable is not returned at all.
+  with held as (
+    select l.node_id, l.slots, l.node_id = any (v_usable) as usable,
+           sum(l.slots) filter (where l.node_id = any (v_usable)) over () - v_target as excess,
+           coalesce(sum(l.slots) filter (where l.node_id = any (v_usable))
+                      over (order by l.score nulls first, l.node_id desc
+                            rows between unbounded preceding and 1 preceding), 0) as below
+    from private.slot_leases l
+    where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+  ),
+  draining as (
+    select h.node_id, case when h.usable then least(h.slots, greatest(h.excess - h.below, 0)) else 0 end as n
+    from held h
+  )
+  update private.slot_leases l
+  set draining = d.n
+  from draining d
+  where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+    and l.node_id = d.node_id and l.draining <> d.n;
+
   -- Renewed: until the new end, with the score each node ranks by; leases holding nothing are gone.
   update private.slot_leases l
   set expires_at = p_expires_at,
@@ -442,7 +475,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
 REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
@@ -842,7 +875,7 @@ REVOKE ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) FROM P
 GRANT ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) TO service_role;
 
 
-CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric, absorbed uuid[])
+CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric, absorbed uuid[], draining integer, share integer)
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -971,12 +1004,13 @@ begin
   -- leased node fails and the gateway holds no other slot for it.
   return query
   with held as (
-    select l.model_id, l.policy, l.region, l.node_id, n.endpoint_url, n.secret_hash, l.slots, l.in_use,
-           l.score, n.ewma_tokens_per_s, n.routes, l.expires_at, n.hourly_rate,
+    select l.model_id, l.policy, l.region, l.node_id, n.endpoint_url, n.secret_hash, l.slots - l.draining as slots,
+           l.in_use, l.score, n.ewma_tokens_per_s, n.routes, l.expires_at, n.hourly_rate,
            array(select j.id from public.jobs j
                  join public.job_attempts a on a.job_id = j.id and a.status = 'running'
                  where j.id = any (v_absorbed) and a.node_id = l.node_id and j.model_id = l.model_id
-                   and j.policy = l.policy and coalesce(j.region, '') = l.region) as absorbed
+                   and j.policy = l.policy and coalesce(j.region, '') = l.region) as absorbed,
+           l.draining
     from private.slot_leases l
     join public.nodes n on n.id = l.node_id
     where l.gateway_id = p_gateway and l.slots > 0
@@ -989,7 +1023,7 @@ begin
   fallbacks as (
     select x ->> 'model' as model_id, x ->> 'policy' as policy, x ->> 'region' as region, s.node_id,
            n.endpoint_url, n.secret_hash, 0 as slots, 0 as in_use, null::float8 as score,
-           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, null::uuid[] as absorbed, s.rank
+           n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, null::uuid[] as absorbed, 0 as draining, s.rank
     from jsonb_array_elements(v_lanes) x
     cross join lateral public.score_nodes(x ->> 'model', null, x ->> 'policy', nullif(x ->> 'region', ''), null, null,
                                           null, false, private.ranking_limit(0), null) s
@@ -1001,17 +1035,20 @@ begin
   select u.model_id, u.policy, u.region, u.node_id, u.endpoint_url, u.secret_hash, u.slots, u.in_use,
          (row_number() over (partition by u.model_id, u.policy, u.region
                              order by u.fallback, u.score desc nulls last, u.rank, u.node_id))::integer,
-         u.ewma_tokens_per_s, u.routes, u.expires_at, u.hourly_rate, u.absorbed
+         u.ewma_tokens_per_s, u.routes, u.expires_at, u.hourly_rate, u.absorbed, u.draining,
+         (select d.share from private.lane_demand d
+          where d.gateway_id = p_gateway and d.model_id = u.model_id and d.policy = u.policy and d.region = u.region)
   from (select h.*, false as fallback, null::bigint as rank from held h
         union all
         select f.model_id, f.policy, f.region, f.node_id, f.endpoint_url, f.secret_hash, f.slots, f.in_use,
-               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, f.hourly_rate, f.absorbed, true, f.rank
+               f.score, f.ewma_tokens_per_s, f.routes, f.expires_at, f.hourly_rate, f.absorbed, f.draining, true,
+               f.rank
         from fallbacks f) u
   order by u.model_id, u.policy, u.region, 9;
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) and the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

@@ -101,7 +101,8 @@ begin
     from freed f
     where n.id = f.node and f.freed > 0;
     update private.slot_leases l
-    set slots = l.slots - g.freed, in_use = least(l.in_use, l.slots - g.freed)
+    set slots = l.slots - g.freed, in_use = least(l.in_use, l.slots - g.freed),
+        draining = least(l.draining, l.slots - g.freed)
     from unnest(v_gateways, v_nodes, v_models, v_policies, v_regions, v_freed)
       as g (gateway_id, node_id, model_id, policy, region, freed)
     where l.gateway_id = g.gateway_id and l.node_id = g.node_id and l.model_id = g.model_id

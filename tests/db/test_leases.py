@@ -145,12 +145,13 @@ def test_a_renewal_gives_back_only_idle_slots_lowest_ranked_first(conn: psycopg.
     slow = make_node(conn, "slow", tflops=50, max_concurrency=4)
     assert held(renew(conn, A, lane(8))) == {fast: 4, slow: 4}
     # Wants 1, but 3 are in use on the fast node and 2 on the slow one: only idle slots go back,
-    # the slow node's first.
-    assert held(renew(conn, A, lane(1, {fast: 3, slow: 2}))) == {fast: 3, slow: 2}
+    # the slow node's first. The rest drain: held, but the gateway may use only the 1 it wants.
+    assert held(renew(conn, A, lane(1, {fast: 3, slow: 2}))) == {fast: 1}
     assert leases(conn) == {(A, fast): (3, 3), (A, slow): (2, 2)}
     assert inflight(conn) == {fast: 3, slow: 2}
     # One ends on the slow node: its slot goes back, the lease's last one.
-    assert held(renew(conn, A, lane(1, {fast: 3, slow: 1}))) == {fast: 3, slow: 1}
+    assert held(renew(conn, A, lane(1, {fast: 3, slow: 1}))) == {fast: 1}
+    assert leases(conn) == {(A, fast): (3, 3), (A, slow): (1, 1)}
     assert held(renew(conn, A, lane(1, {fast: 1}))) == {fast: 1}
     assert inflight(conn) == {fast: 1, slow: 0}
     assert conn.execute("select status from nodes where id = %s", (fast,)).fetchone() == ("online",)
@@ -201,11 +202,11 @@ def test_more_in_use_than_a_lease_holds_is_taken_back_where_free(conn: psycopg.C
     node = make_node(conn, max_concurrency=4)
     renew(conn, A, lane(1))
     assert leases(conn) == {(A, node): (1, 0)}
-    assert held(renew(conn, A, lane(1, {node: 3}))) == {node: 3}
+    assert held(renew(conn, A, lane(3, {node: 3}))) == {node: 3}
     assert leases(conn) == {(A, node): (3, 3)} and inflight(conn) == {node: 3}
     # Where the node has no room left, the count is cut to what the lease holds.
     conn.execute("update nodes set inflight = 4 where id = %s", (node,))  # a placement took the last
-    assert held(renew(conn, A, lane(1, {node: 5}))) == {node: 3}
+    assert held(renew(conn, A, lane(3, {node: 5}))) == {node: 3}
     assert leases(conn) == {(A, node): (3, 3)} and inflight(conn) == {node: 4}
 
 
@@ -452,4 +453,28 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     assert inflight(conn) == {node: 4, cooling: 1}
     renew(conn, A, lane(3, {node: 2}))
     assert leases(conn)[(A, node)] == (3, 2)
+    assert_slots_add_up(conn)
+
+
+def test_slots_in_use_above_a_gateways_share_drain_to_the_gateway_that_wants_them(
+    conn: psycopg.Connection,
+) -> None:
+    """A gateway whose callers keep every slot it leases busy has none idle at a renewal: it gave
+    back nothing, and a gateway that came later got nothing. Now its slots above its share drain:
+    counted still, but not returned for use; once their requests end they are idle, go back, and
+    the other gateway claims them."""
+    top = make_node(conn, "top", tflops=300, max_concurrency=2)
+    low = make_node(conn, "low", tflops=50, max_concurrency=2)
+    assert held(renew(conn, A, lane(5))) == {top: 2, low: 2}
+    busy = {top: 2, low: 2}
+    assert held(renew(conn, B, lane(4))) == {}  # nothing free
+    got = held(renew(conn, A, lane(5, busy)))  # its share now: 4 x 5/9, rounded by remainders
+    assert got == {top: 2}  # the lowest ranked lease's slots drain first
+    assert leases(conn)[(A, low)] == (2, 2)  # still held, in use: counted in inflight
+    assert inflight(conn) == {top: 2, low: 2}
+    assert_slots_add_up(conn)
+    # Their requests end: idle at A's next renewal, given back; B claims them at its own.
+    renew(conn, A, lane(5, {top: 2}))
+    assert (A, low) not in leases(conn) or leases(conn)[(A, low)][0] == 0
+    assert held(renew(conn, B, lane(4))) == {low: 2}
     assert_slots_add_up(conn)

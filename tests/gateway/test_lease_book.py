@@ -99,11 +99,11 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
     held = [book.take(LANE, None), book.take(LANE, None)]
     for _ in range(14):  # no leased slot free: each is placed in SQL, and goes on there
         assert book.take(LANE, None) is None
-        book.placed_elsewhere(LANE, 1)
+        book.unleased(LANE, 1)
     [report] = book.lanes()
     assert report["want"] == 17 and report["in_use"] == {str(a): 2}
     for _ in range(14):
-        book.placed_elsewhere(LANE, -1)
+        book.unleased(LANE, -1)
     for taken in held:
         assert taken is not None
         book.give_back(taken)
@@ -111,6 +111,21 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
     assert report["want"] == 17
     wants = [book.lanes()[0]["want"] for _ in range(6)]  # then nothing: half as many each time
     assert wants == [9, 5, 3, 2, 1, 1]
+
+
+def test_a_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([replace(row(a, 2, 1), draining=2, share=3)], clock(), 5.0)  # 4 held, 2 draining
+    assert book.at_share(LANE) and not book.at_share(Lane("other", "balanced"))
+    book.renewed([replace(row(a, 2, 1), share=2), replace(row(b, 0, 2), share=2)], clock(), 5.0)
+    assert book.at_share(LANE)  # exactly its share
+    book.renewed([replace(row(a, 2, 1), share=3)], clock(), 5.0)
+    assert not book.at_share(LANE)  # owed a slot: a request may claim one in SQL
+    book.renewed([replace(row(a, 3, 1), share=3)], clock(), 5.0)
+    clock.now += 5.0  # past the sender's reckoning of the lease's end: nothing held
+    assert not book.at_share(LANE)
 
 
 def test_a_lane_asked_for_without_a_lease_is_reported_wanted() -> None:

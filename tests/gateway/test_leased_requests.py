@@ -181,6 +181,55 @@ def test_a_dead_gateways_spool_is_written_by_the_next(
     assert not list(folder.glob(f"{dead}.*"))
 
 
+def _callers(
+    gateway: str, key: str, count: int, stop: threading.Event, served: list[str]
+) -> list[threading.Thread]:
+    """`count` callers, each asking again as soon as answered, until stop; each answer's job id."""
+
+    def caller() -> None:
+        with httpx.Client(timeout=20) as client:
+            while not stop.is_set():
+                resp = client.post(
+                    f"{gateway}/v1/chat/completions", json=PLAIN, headers={"authorization": f"Bearer {key}"}
+                )
+                served.append(resp.headers.get("x-neuralgrid-job", "") if resp.status_code == 200 else "")
+
+    threads = [threading.Thread(target=caller) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_gateway_that_keeps_its_slots_busy_yields_its_share_to_another(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str, spool: Path, db_url: str
+) -> None:
+    """Leases gave back only idle slots, and callers that ask again as soon as answered leave none
+    idle: a gateway that came second got nothing for good. Its waiting callers make its demand, the
+    first gateway's slots above its share drain, and the second is served its share."""
+    fake_nodes("leased-shared", latency_s=0.05)  # 4 slots
+    stop = threading.Event()
+    first: list[str] = []
+    second: list[str] = []
+    threads = _callers(leased_gateway, api_key, 4, stop, first)
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    try:
+        time.sleep(1.5)  # the first gateway leases all 4 slots, all busy
+        with ThreadedServer(create_app(settings, db_url, sweep=False)) as other:
+            threads += _callers(other.url, api_key, 4, stop, second)
+            time.sleep(3)  # a few renewals: the first's share drains to the second
+            before = (len(first), len(second))
+            time.sleep(2)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+    finally:
+        stop.set()
+    served_first, served_second = len(first) - before[0], len(second) - before[1]
+    # Equal demand, equal shares: the second gateway serves at least a third of the window's answers.
+    assert served_second >= (served_first + served_second) / 3, (served_first, served_second)
+    assert "" not in first[before[0] :] + second[before[1] :]  # none refused meanwhile
+
+
 def test_at_full_load_requests_sql_placed_move_into_the_lease(
     conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
 ) -> None:

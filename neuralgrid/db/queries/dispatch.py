@@ -44,6 +44,8 @@ class LeaseRow:
     hourly_rate: Decimal | None = None  # what the node costs an hour: a price cap filters on it
     # The gateway's jobs SQL had placed on the node whose slots this renewal moved into the lease.
     absorbed: list[UUID] | None = None
+    draining: int = 0  # slots held above the gateway's share, in use: not to be taken again
+    share: int | None = None  # the gateway's share of the lane's slots
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class RecordedJob:
 RENEW_LEASES = Query(
     "renew_leases",
     "select model_id, policy, region, node_id, endpoint_url, node_key, slots, in_use, rank, tokens_per_s,"
-    " routes, expires_at, hourly_rate, absorbed from public.renew_leases(%s, %s::jsonb)",
+    " routes, expires_at, hourly_rate, absorbed, draining, share"
+    " from public.renew_leases(%s, %s::jsonb)",
     class_row(LeaseRow),
 )
 LEASE_SECONDS = Query("lease_seconds", "select lease_s::float8 from public.platform_settings", scalar_row)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -90,6 +90,7 @@ class LeasedJobs:
         knows to be written)."""
         self.book.lease_s = await self.store.get(q.LEASE_SECONDS)
         await self.renewals.renew()
+        self.freed()  # requests waiting in line look at the renewed leases
         async with self.journal.lock:
             wants = json.dumps(self.escrows.wants())
             self.escrows.renewed(await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, wants)))
@@ -149,19 +150,37 @@ class LeasedJobs:
     def holds(self, job_id: UUID) -> bool:
         return job_id in self._slots
 
+    def at_share(self, admitted: Admitted) -> bool:
+        """No request of this call's lane is to be placed in SQL: this gateway holds its share of
+        the lane (leases.py), so it waits for a slot of its own."""
+        lane = self.lane(admitted)
+        return lane is not None and self.book.at_share(lane)
+
     def placed_elsewhere(self, job_id: UUID, admitted: Admitted, route: str | None) -> None:
         """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends,
         or until a renewal moves its slot into the lease (_absorbed)."""
         lane = self.lane(admitted)
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
-            self.book.placed_elsewhere(lane, 1)
+            self.book.unleased(lane, 1)
+
+    @contextlib.contextmanager
+    def waiting(self, admitted: Admitted) -> Iterator[None]:
+        """While a request waits in line for a slot: its lane wants one more."""
+        lane = self.lane(admitted)
+        if lane is not None:
+            self.book.unleased(lane, 1)
+        try:
+            yield
+        finally:
+            if lane is not None:
+                self.book.unleased(lane, -1)
 
     def ended_elsewhere(self, job_id: UUID) -> None:
         """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected)."""
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
-            self.book.placed_elsewhere(placed.lane, -1)
+            self.book.unleased(placed.lane, -1)
 
     def _absorbed(self, job_id: UUID, lease: Lease) -> None:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
@@ -170,7 +189,7 @@ class LeasedJobs:
         placed = self._elsewhere.pop(job_id, None)
         if placed is None:
             return
-        self.book.placed_elsewhere(placed.lane, -1)
+        self.book.unleased(placed.lane, -1)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 

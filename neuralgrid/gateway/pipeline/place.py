@@ -5,6 +5,7 @@ request two nodes failed alike (reject_job)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -89,7 +90,9 @@ class Placement:
         seen = self.room.announcements
         match: q.Match | Dispatched | None = None
         if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
-            match = await self._lease(admitted, request.route) or await self._match(params)
+            match = await self._lease(admitted, request.route)
+            if match is None and not self._at_share(admitted):
+                match = await self._match(params)
         waited = 0.0
         try:
             if match is None or (isinstance(match, q.Match) and match.busy):
@@ -125,6 +128,10 @@ class Placement:
             return None
         return await self.leased.dispatch(admitted, lane, route)
 
+    def _at_share(self, admitted: Admitted) -> bool:
+        """Holding its share of the lane: the request waits for one of this gateway's leased slots."""
+        return self.leased is not None and self.leased.at_share(admitted)
+
     def _from_lease(self, dispatched: Dispatched, admitted: Admitted, waited: float) -> Placed:
         lease = dispatched.taken.lease
         node = Node(lease.node_id, lease.url, lease.key, 1)
@@ -147,15 +154,17 @@ class Placement:
 
         async def ask() -> q.Match | Dispatched | None:
             dispatched = await self._lease(admitted, route)
-            if dispatched is not None:
+            if dispatched is not None or self._at_share(admitted):
                 return dispatched
             match = await self._match(params)
             return None if match.busy else match
 
+        waiting = self.leased.waiting(admitted) if self.leased is not None else contextlib.nullcontext()
         try:
-            match: q.Match | Dispatched | None = await self.room.wait(
-                line, key_id, deadline, ask, seen, gone, reach
-            )
+            with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
+                match: q.Match | Dispatched | None = await self.room.wait(
+                    line, key_id, deadline, ask, seen, gone, reach
+                )
         except ClientLeft:
             raise errors.ClientGone("the client hung up while its request waited for a slot") from None
         except LineFull as full:
