@@ -8,7 +8,19 @@ from typing import Annotated, Any
 
 import typer
 
-from neuralgrid.cli import account, bench, bench_map, dev, fleet, keys, node, platform, sim, users
+from neuralgrid.cli import (
+    account,
+    bench,
+    bench_gateway,
+    bench_map,
+    dev,
+    fleet,
+    keys,
+    node,
+    platform,
+    sim,
+    users,
+)
 from neuralgrid.cli.bench_world import register as register_bench_world
 from neuralgrid.cli.common import Options
 
@@ -62,6 +74,7 @@ app.add_typer(fleet.nodes_app, name="nodes")
 app.add_typer(node.app, name="node")
 app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
+bench_gateway.register(bench.app)
 bench_map.register(bench.app)
 register_bench_world(bench.app)
 app.add_typer(bench.app, name="bench")
