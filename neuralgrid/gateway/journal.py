@@ -366,19 +366,47 @@ class Journal:
 
 
 async def replay_orphans(store: Store, folder: Path) -> int:
-    """Write what dead gateways left in their spools, as theirs; returns how many records."""
+    """Write what dead gateways left in their spools, as theirs; returns how many records. A spool
+    is kept while the database is away, and removed once written: a record the database refuses
+    (its node deleted since, say) is dropped alone, as the live journal drops one, never tried
+    again every second with the rest of its spool."""
     replayed = 0
     for gateway_id, paths in orphaned_spools(folder).items():
         records = read_spool(paths)
         try:
-            for i in range(0, len(records), BATCH):
-                await store.all(q.RECORD_JOBS, (gateway_id, json.dumps(records[i : i + BATCH])))
-        except (psycopg.Error, DatabaseError):  # kept for the next start; this one serves
-            log.error("could not write the spool of stopped gateway %s; kept", gateway_id, exc_info=True)
+            written = await _replay(store, gateway_id, records)
+        except (psycopg.OperationalError, OSError):  # kept for the next try; this one serves
+            log.warning("could not write the spool of stopped gateway %s (database away); kept", gateway_id)
             continue
-        replayed += len(records)
+        replayed += written
         for path in paths:
             path.unlink(missing_ok=True)
         if records:
-            log.info("wrote %d job records a stopped gateway (%s) had not", len(records), gateway_id)
+            log.info("wrote %d job records a stopped gateway (%s) had not", written, gateway_id)
     return replayed
+
+
+async def _replay(store: Store, gateway_id: UUID, records: list[dict[str, Any]]) -> int:
+    """A dead gateway's records in batches; a batch refused, record by record, dropping the refused."""
+    written = 0
+    for i in range(0, len(records), BATCH):
+        batch = records[i : i + BATCH]
+        try:
+            await store.all(q.RECORD_JOBS, (gateway_id, json.dumps(batch)))
+            written += len(batch)
+            continue
+        except psycopg.OperationalError:
+            raise
+        except (psycopg.Error, DatabaseError):
+            pass  # one at fault: each alone
+        for record in batch:
+            try:
+                await store.all(q.RECORD_JOBS, (gateway_id, json.dumps([record])))
+                written += 1
+            except psycopg.OperationalError:
+                raise
+            except (psycopg.Error, DatabaseError):
+                log.error(
+                    "job record %s of stopped gateway %s refused; dropped", record.get("id"), gateway_id
+                )
+    return written
