@@ -57,6 +57,11 @@ class Escrows:
         self._taken[key_id] = taken + hold
         return True
 
+    def covers(self, key_id: UUID, hold: Decimal) -> bool:
+        """Whether the key's escrow could cover the hold now (take() would), taking nothing."""
+        escrow = self._usd.get(key_id)
+        return escrow is not None and escrow > 0 and escrow - self._taken.get(key_id, Decimal(0)) >= hold
+
     def give_back(self, key_id: UUID, hold: Decimal) -> None:
         """A hold taken for a job that was never dispatched."""
         self._taken[key_id] = self._taken.get(key_id, Decimal(0)) - hold

@@ -234,6 +234,34 @@ def test_a_gateway_that_keeps_its_slots_busy_yields_its_share_to_another(
     assert "" not in first[before[0] :] + second[before[1] :]  # none refused meanwhile
 
 
+def test_a_key_no_lease_can_serve_waits_apart_from_the_keys_leases_serve(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+) -> None:
+    """A key whose balance is under one escrow's worth is placed in SQL, and with every slot leased
+    it waits in line. At the head of the model's line it kept every other key's request behind it
+    from the slots leases free, which it cannot take: in `bench chaos` a gateway served a fraction
+    of what its slots could. It waits in a line of its own."""
+    fake_nodes("leased-lines", latency_s=0.05)  # 4 slots
+    row = conn.execute("select api_key from create_api_key('short', null, null, 0.5)").fetchone()
+    assert row is not None
+    stop = threading.Event()
+    served: list[str] = []
+    short: list[str] = []
+    threads = _callers(leased_gateway, api_key, 6, stop, served)  # more than the slots: some wait
+    try:
+        time.sleep(1.5)  # every slot leased, all busy
+        threads += _callers(leased_gateway, str(row[0]), 2, stop, short)  # placed in SQL: they wait
+        time.sleep(0.5)
+        before = len(served)
+        time.sleep(1.5)
+        assert len(served) - before > 40  # 4 slots at 50 ms an answer: about 120
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=40)  # the short key's: placed once the lease gives its slots back
+    assert "" not in served
+
+
 def test_at_full_load_requests_sql_placed_move_into_the_lease(
     conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
 ) -> None:

@@ -121,13 +121,10 @@ class LeasedJobs:
         if taken is None:
             return None
         call = admitted.call
-        hold = Decimal(0)
-        if call.key.budget_usd is not None:
-            prices = await self.catalog.get(call.model)  # cached: no round trip once loaded
-            hold = budget_hold(prices, len(admitted.payload), admitted.max_output_tokens)
-            if not self.escrows.take(call.key.id, hold):
-                self.book.give_back(taken)
-                return None
+        hold = await self._hold(admitted)
+        if call.key.budget_usd is not None and not self.escrows.take(call.key.id, hold):
+            self.book.give_back(taken)
+            return None
         job_id = uuid4()
         end_user = call.body.get("user")
         self.journal.start(
@@ -150,11 +147,25 @@ class LeasedJobs:
     def holds(self, job_id: UUID) -> bool:
         return job_id in self._slots
 
-    def at_share(self, admitted: Admitted) -> bool:
+    async def _hold(self, admitted: Admitted) -> Decimal:
+        """The budget hold of a call whose key has a budget (0 for one without)."""
+        if admitted.call.key.budget_usd is None:
+            return Decimal(0)
+        prices = await self.catalog.get(admitted.call.model)  # cached: no round trip once loaded
+        return budget_hold(prices, len(admitted.payload), admitted.max_output_tokens)
+
+    async def covered(self, admitted: Admitted) -> bool:
+        """Whether a leased slot could serve the call: its key has no budget, or an escrow here
+        that covers its hold. One that is not is placed in SQL, which holds its budget."""
+        key = admitted.call.key
+        return key.budget_usd is None or self.escrows.covers(key.id, await self._hold(admitted))
+
+    async def at_share(self, admitted: Admitted) -> bool:
         """No request of this call's lane is to be placed in SQL: this gateway holds its share of
-        the lane (leases.py), so it waits for a slot of its own."""
+        the lane (leases.py), so it waits for a slot of its own. Not for a call no leased slot
+        could serve (covered())."""
         lane = self.lane(admitted)
-        return lane is not None and self.book.at_share(lane)
+        return lane is not None and self.book.at_share(lane) and await self.covered(admitted)
 
     def placed_elsewhere(self, job_id: UUID, admitted: Admitted, route: str | None) -> None:
         """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends,

@@ -20,7 +20,7 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
 from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
-from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
+from neuralgrid.gateway.waiting import PLACED_IN_SQL, ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
 QUEUE_MS = "x-neuralgrid-queue-ms"  # how long a request waited for a slot, on its answer or refusal
@@ -85,13 +85,18 @@ class Placement:
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
         line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
+        # A request no leased slot could serve (its key's escrow here is short) waits in a line of its
+        # own: at the head of the model's line it would keep the requests behind it from the slots
+        # leases free, which it cannot take.
+        if self.leased is not None and not await self.leased.covered(admitted):
+            line += PLACED_IN_SQL
         # The most it pays for a node: a request waits behind those that could take any it could.
         reach = math.inf if call.max_hourly_rate is None else call.max_hourly_rate
         seen = self.room.announcements
         match: q.Match | Dispatched | None = None
         if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
             match = await self._lease(admitted, request.route)
-            if match is None and not self._at_share(admitted):
+            if match is None and not await self._at_share(admitted):
                 match = await self._match(params)
         waited = 0.0
         try:
@@ -128,9 +133,9 @@ class Placement:
             return None
         return await self.leased.dispatch(admitted, lane, route)
 
-    def _at_share(self, admitted: Admitted) -> bool:
+    async def _at_share(self, admitted: Admitted) -> bool:
         """Holding its share of the lane: the request waits for one of this gateway's leased slots."""
-        return self.leased is not None and self.leased.at_share(admitted)
+        return self.leased is not None and await self.leased.at_share(admitted)
 
     def _from_lease(self, dispatched: Dispatched, admitted: Admitted, waited: float) -> Placed:
         lease = dispatched.taken.lease
@@ -154,7 +159,7 @@ class Placement:
 
         async def ask() -> q.Match | Dispatched | None:
             dispatched = await self._lease(admitted, route)
-            if dispatched is not None or self._at_share(admitted):
+            if dispatched is not None or await self._at_share(admitted):
                 return dispatched
             match = await self._match(params)
             return None if match.busy else match
