@@ -211,7 +211,10 @@ class LeaseBook:
                 held[lease.lane] += row.slots + row.draining
                 if row.share is not None:
                     shares[lease.lane] = row.share
-        self._at_share = {lane for lane, share in shares.items() if held[lane] >= share}
+        # Scarce: SQL gave less than this gateway wanted, since others want the lane's slots too.
+        self._at_share = {
+            lane for lane, share in shares.items() if held[lane] >= share and share < self._wants.get(lane, 0)
+        }
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
         self.lease_s = lease_s
@@ -228,10 +231,11 @@ class LeaseBook:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
 
     def at_share(self, lane: Lane) -> bool:
-        """This gateway holds its share of the lane, or more (the rest drains): its requests wait
-        for its own slots rather than claim free ones in SQL, where the gateway nearest the
-        database would win every slot the others' shares free. Below its share, a request that
-        finds no free leased slot is placed in SQL (the next renewal would claim it anyway)."""
+        """The lane is scarce (SQL gave this gateway less than it wanted) and this gateway holds its
+        share, or more (the rest drains): its requests wait for its own slots rather than claim
+        free ones in SQL, where the gateway nearest the database would win every slot the others'
+        shares free. Otherwise a request that finds no free leased slot is placed in SQL (below its
+        share the next renewal would claim it anyway; with no scarcity nobody else wants it)."""
         return lane in self._at_share and self.holds(lane)
 
 

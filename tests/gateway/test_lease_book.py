@@ -113,16 +113,22 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
     assert wants == [9, 5, 3, 2, 1, 1]
 
 
-def test_a_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None:
+def test_a_scarce_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None:
     clock = Clock()
     book = LeaseBook(clock)
     a, b = uuid4(), uuid4()
+    for _ in range(5):
+        assert book.take(LANE, None) is None
+        book.unleased(LANE, 1)
+    assert book.lanes()[0]["want"] == 6  # 5 waiting, a spare
     book.renewed([replace(row(a, 2, 1), draining=2, share=3)], clock(), 5.0)  # 4 held, 2 draining
     assert book.at_share(LANE) and not book.at_share(Lane("other", "balanced"))
     book.renewed([replace(row(a, 2, 1), share=2), replace(row(b, 0, 2), share=2)], clock(), 5.0)
     assert book.at_share(LANE)  # exactly its share
     book.renewed([replace(row(a, 2, 1), share=3)], clock(), 5.0)
     assert not book.at_share(LANE)  # owed a slot: a request may claim one in SQL
+    book.renewed([replace(row(a, 6, 1), share=6)], clock(), 5.0)
+    assert not book.at_share(LANE)  # all it wanted: nobody else wants more, nothing scarce
     book.renewed([replace(row(a, 3, 1), share=3)], clock(), 5.0)
     clock.now += 5.0  # past the sender's reckoning of the lease's end: nothing held
     assert not book.at_share(LANE)
