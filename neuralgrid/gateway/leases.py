@@ -222,11 +222,6 @@ class LeaseBook:
         self._ranked = dict(ranked)
         self._usable_until = sent_at + lease_s - MARGIN_S
 
-    def lapse(self) -> None:
-        """No renewal can be trusted (the database is unreachable): nothing more is dispatched from
-        leases; what is in use goes on."""
-        self._usable_until = float("-inf")
-
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
 

@@ -65,9 +65,6 @@ def test_a_lease_is_not_used_past_the_senders_reckoning_of_its_end() -> None:
     assert book.take(LANE, None) is not None
     clock.now = sent + 5.0 - MARGIN_S
     assert book.take(LANE, None) is None
-    book.renewed([row(uuid4(), 4, 1)], clock(), 5.0)
-    book.lapse()
-    assert book.take(LANE, None) is None
 
 
 def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_spare() -> None:
