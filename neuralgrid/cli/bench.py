@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from neuralgrid.cli.common import (
+    OutFile,
     database_url,
     fail,
     friendly_errors,
@@ -22,11 +23,6 @@ from neuralgrid.cli.common import (
 )
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print numbers and write JSON.")
-
-
-OutFile = Annotated[
-    Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
-]
 
 
 @app.command("matching")

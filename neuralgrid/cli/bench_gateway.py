@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from neuralgrid.cli.common import (
+    OutFile,
     database_url,
     fail,
     friendly_errors,
@@ -20,10 +21,6 @@ from neuralgrid.cli.common import (
     progress,
     report,
 )
-
-OutFile = Annotated[
-    Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
-]
 
 
 @friendly_errors

@@ -10,11 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from neuralgrid.cli.common import database_url, friendly_errors, out, progress, report
-
-OutFile = Annotated[
-    Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
-]
+from neuralgrid.cli.common import OutFile, database_url, friendly_errors, out, progress, report
 
 
 def _rtts(text: str) -> list[float]:

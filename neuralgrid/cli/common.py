@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     import psycopg
 
     from neuralgrid.server.settings import Settings
+
+# The JSON a benchmark writes (every `neuralgrid bench` command takes it).
+OutFile = Annotated[
+    Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
+]
 
 out = Console()
 P = ParamSpec("P")
