@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from neuralgrid.cli.common import database_url, fail, friendly_errors, integers, progress, report
+from neuralgrid.cli.common import OutFile, database_url, fail, friendly_errors, integers, progress, report
 
 TARGET = (
     "map ready at 100,000 nodes within 2x of 1,000; at most 10 Realtime messages a second per viewer"
@@ -28,9 +28,7 @@ def bench_map(
         int, typer.Option(help="Node status changes a second while the page is live.", min=1)
     ] = 100,
     seconds: Annotated[float, typer.Option(help="Seconds of changes per size.", min=1)] = 10.0,
-    out_file: Annotated[
-        Path, typer.Option("--out", envvar="NEURALGRID_BENCH_OUT", help="Where to write the JSON.")
-    ] = Path("bench-results/map.json"),
+    out_file: OutFile = Path("bench-results/map.json"),
 ) -> None:
     """The map's first paint (paint timing, and its own map-ready mark: the fleet drawn), JS heap, DOM
     and JSON read at each fleet size, written in bulk in SQL on a scratch database and served by a
