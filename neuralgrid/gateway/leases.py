@@ -211,9 +211,12 @@ class LeaseBook:
                 held[lease.lane] += row.slots + row.draining
                 if row.share is not None:
                     shares[lease.lane] = row.share
-        # Scarce: SQL gave less than this gateway wanted, since others want the lane's slots too.
+        # Scarce: SQL gave less than this gateway wanted, its spare aside (a lane exactly full of one
+        # gateway's requests is not short of anything another gateway wants).
         self._at_share = {
-            lane for lane, share in shares.items() if held[lane] >= share and share < self._wants.get(lane, 0)
+            lane
+            for lane, share in shares.items()
+            if held[lane] >= share and share < self._wants.get(lane, 0) - 1
         }
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
@@ -226,11 +229,12 @@ class LeaseBook:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
 
     def at_share(self, lane: Lane) -> bool:
-        """The lane is scarce (SQL gave this gateway less than it wanted) and this gateway holds its
-        share, or more (the rest drains): its requests wait for its own slots rather than claim
-        free ones in SQL, where the gateway nearest the database would win every slot the others'
-        shares free. Otherwise a request that finds no free leased slot is placed in SQL (below its
-        share the next renewal would claim it anyway; with no scarcity nobody else wants it)."""
+        """The lane is scarce (SQL gave this gateway less than it wanted, its spare aside) and this
+        gateway holds its share, or more (the rest drains): its requests wait for its own slots
+        rather than claim free ones in SQL, where the gateway nearest the database would win every
+        slot the others' shares free. Otherwise a request that finds no free leased slot is placed
+        in SQL (below its share the next renewal would claim it anyway; with no scarcity nobody
+        else wants it)."""
         return lane in self._at_share and self.holds(lane)
 
 

@@ -124,8 +124,8 @@ def test_a_scarce_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None
     assert book.at_share(LANE)  # exactly its share
     book.renewed([replace(row(a, 2, 1), share=3)], clock(), 5.0)
     assert not book.at_share(LANE)  # owed a slot: a request may claim one in SQL
-    book.renewed([replace(row(a, 6, 1), share=6)], clock(), 5.0)
-    assert not book.at_share(LANE)  # all it wanted: nobody else wants more, nothing scarce
+    book.renewed([replace(row(a, 5, 1), share=5)], clock(), 5.0)
+    assert not book.at_share(LANE)  # all it wanted but its spare: nothing scarce
     book.renewed([replace(row(a, 3, 1), share=3)], clock(), 5.0)
     clock.now += 5.0  # past the sender's reckoning of the lease's end: nothing held
     assert not book.at_share(LANE)
