@@ -201,9 +201,9 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The gateway's peers, measured in the same run: the floor (a relay that only claims and frees a
-# slot in Postgres) and smg, SGLang's Rust gateway, once `bench gateway` runs it beside ours.
-PEERS = (("the floor", "relay_sql"), ("smg", "smg"))
+# The gateway's peers, measured in the same run: the floor (the bare Python relay: with leases the
+# gateway asks Postgres nothing on a request's path) and smg, SGLang's Rust gateway.
+PEERS = (("the floor", "relay"), ("smg", "smg"))
 
 
 def beside_added(result: dict[str, Any]) -> str:
@@ -239,7 +239,9 @@ def beside_cpu(result: dict[str, Any]) -> str:
         ratio = times(result["gateway"]["postgres_cpu_ms_per_request"], placed[1])
         said.append(f"leases off: {ms(placed[0])} / {ms(placed[1])} ms (Postgres ours {ratio})")
     floor = [dig(result, f"relay_sql.{w}_cpu_ms_per_request") for w in ("gateway", "postgres")]
-    said += [] if None in floor else [f"the floor: {ms(floor[0])} / {ms(floor[1])} ms"]
+    said += (
+        [] if None in floor else [f"the relay holding a slot in Postgres: {ms(floor[0])} / {ms(floor[1])} ms"]
+    )
     theirs, ours = (
         dig(result, "smg.gateway_cpu_ms_per_request"),
         result["gateway"]["gateway_cpu_ms_per_request"],
@@ -313,7 +315,7 @@ def readme_block() -> str:
             run,
         ]
     )
-    floor_and_hop = alone["relay_sql_added_p50_ms"] + alone["agent_added_p50_ms"]
+    floor_and_hop = alone["relay_added_p50_ms"] + alone["agent_added_p50_ms"]
     rows.append(
         [
             "gateway + node agent, sequential",
@@ -496,13 +498,14 @@ def gateway_block() -> str:
     columns: list[tuple[str, str]] = [
         ("direct p50", "direct.p50_ms"),
         ("relay adds p50", "relay_added_p50_ms"),
-        ("the floor adds p50", "relay_sql_added_p50_ms"),
+        ("relay_sql adds p50", "relay_sql_added_p50_ms"),
         ("agent adds p50", "agent_added_p50_ms"),
         ("gateway adds p50", "added_p50_ms"),
         ("gateway adds p99", "added_p99_ms"),
         ("gateway + agent adds p50", "gateway_agent_added_p50_ms"),
         ("smg adds p50", "smg_added_p50_ms"),
-        ("req/s: the floor", "relay_sql.rps"),
+        ("req/s: the floor", "relay.rps"),
+        ("req/s: relay_sql", "relay_sql.rps"),
         ("req/s: gateway", "gateway.rps"),
         ("req/s: leases off", "gateway_placed.rps"),
         ("req/s: gateway + agent", "gateway_agent.rps"),
@@ -511,7 +514,7 @@ def gateway_block() -> str:
         ("CPU per request: gateway", "gateway.gateway_cpu_ms_per_request"),
         ("CPU per request: Postgres", "gateway.postgres_cpu_ms_per_request"),
         ("CPU per request: Postgres, leases off", "gateway_placed.postgres_cpu_ms_per_request"),
-        ("CPU per request: the floor", "relay_sql.gateway_cpu_ms_per_request"),
+        ("CPU per request: relay_sql", "relay_sql.gateway_cpu_ms_per_request"),
         ("CPU per request: smg", "smg.gateway_cpu_ms_per_request"),
         ("CPU per request: agent alone", "agent.agent_cpu_ms_per_request"),
     ]
