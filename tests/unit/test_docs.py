@@ -391,6 +391,26 @@ def readme_block() -> str:
         ]
     )
 
+    far = [r for r in load("world")["results"] if r.get("whole_added_rtt") is not None]
+    steady = max(abs(r[k]) for r in far for k in ("whole_added_rtt", "first_byte_added_rtt"))
+    cold = {r["gateway"]: (r["cold_whole_added_rtt"], r["cold_first_byte_added_rtt"]) for r in far}
+    worst = max(far, key=lambda r: r["rtt_ms"])
+    fastest = max(max(r["revoked_refused_ms"], r["dead_node_avoided_ms"]) for r in far)
+    rows.append(
+        [
+            "gateways " + " / ".join(f"{r['rtt_ms']:g}" for r in far) + " ms from Postgres",
+            "added over one next to it: whole answer and first byte; cold (a new model), the farthest",
+            f"≤ {steady:.2f} RTT; cold {cold[worst['gateway']][0]:.1f} / {cold[worst['gateway']][1]:.1f} RTT",
+            f"a revoked key refused, a dead node avoided, everywhere: within {ms(fastest, 0)} ms",
+            verdict("≤ 0.1 RTT", steady <= 0.1)
+            + "; "
+            + verdict("cold ≤ 1 RTT", all(max(c) <= 1 for c in cold.values()))
+            + "; "
+            + verdict("≤ 1 s", fastest <= 1000),
+            run_cell("world", base),
+        ]
+    )
+
     health = load("health")["results"][0]
     killed, dropped = health["deaths"]["process killed"], health["deaths"]["tunnel dropped"]
     rows.append(
