@@ -48,13 +48,9 @@ class Escrows:
         """Take a hold from the key's escrow; False when it cannot cover it (nor hold it at all)."""
         _, largest = self._wanted.get(key_id, (0.0, Decimal(0)))
         self._wanted[key_id] = (self.clock(), max(largest, hold))
-        escrow = self._usd.get(key_id)
-        if escrow is None or escrow <= 0:
+        if not self.covers(key_id, hold):
             return False
-        taken = self._taken.get(key_id, Decimal(0))
-        if escrow - taken < hold:
-            return False
-        self._taken[key_id] = taken + hold
+        self._taken[key_id] = self._taken.get(key_id, Decimal(0)) + hold
         return True
 
     def covers(self, key_id: UUID, hold: Decimal) -> bool:
