@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -148,13 +149,11 @@ def postmaster_pid(url: str) -> int:
     return int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
 
 
-def tree_cpu_s(*pids: int) -> float:
-    """CPU seconds so far of processes, of their live descendants and of the children they have
-    reaped (a server's whole work: Postgres's backends, say).
-
-    A live process counts its threads' nanoseconds on a CPU (/proc/PID/task/*/schedstat): the clock
-    ticks of /proc/PID/stat are 10 ms, too coarse for a round of a few hundred requests. Threads
-    that ended are not counted; reaped children are, from the roots' clock ticks."""
+def _tree(*pids: int) -> tuple[dict[int, float], float]:
+    """CPU seconds so far of processes and their live descendants, each (from /proc/PID/task/*/
+    schedstat: nanoseconds; the clock ticks of /proc/PID/stat are 10 ms, too coarse for a round of a
+    few hundred requests), and of the children the roots have reaped, together (clock ticks: all
+    /proc keeps of them). Threads that ended are not counted."""
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
@@ -166,17 +165,18 @@ def tree_cpu_s(*pids: int) -> float:
     children: dict[int, list[int]] = {}
     for child, fields in stats.items():
         children.setdefault(int(fields[1]), []).append(child)
-    total, todo = 0.0, list(pids)
+    live: dict[int, float] = {}
+    reaped, todo = 0.0, list(pids)
     while todo:
         current = todo.pop()
         if current not in stats:
             continue
         fields = stats[current]
-        total += _on_cpu_s(current, fields, tick)
-        if current in pids:  # cutime and cstime: the reaped children's, once
-            total += (int(fields[13]) + int(fields[14])) / tick
+        live[current] = _on_cpu_s(current, fields, tick)
+        if current in pids:  # cutime and cstime
+            reaped += (int(fields[13]) + int(fields[14])) / tick
         todo += children.get(current, [])
-    return total
+    return live, reaped
 
 
 def _on_cpu_s(pid: int, fields: list[str], tick: int) -> float:
@@ -187,15 +187,44 @@ def _on_cpu_s(pid: int, fields: list[str], tick: int) -> float:
         return (int(fields[11]) + int(fields[12])) / tick
 
 
-@dataclass(frozen=True)
-class CpuMeter:
-    """CPU time of named groups of process trees ("gateway": its processes, "postgres": the
-    postmaster), read before and after the part of a load that counts."""
+@dataclass
+class _Tree:
+    """What a CpuMeter last saw of one group: its live processes' CPU, the reaped children's, and
+    the CPU of the processes that have ended since it started reading."""
 
-    groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    live: dict[int, float] = field(default_factory=dict)
+    reaped: float | None = None
+    ended: float = 0.0
+
+
+class CpuMeter:
+    """CPU seconds so far of named groups of process trees ("gateway": its processes, "postgres":
+    the postmaster), read before and after the part of a load that counts.
+
+    A group's total never goes backwards: a process that ends counts for the more of what it was
+    last seen to have used and what its parent's reaped-children total grew by since (in 10 ms
+    ticks, rounded down: a process seen live at 15 ms and reaped since would otherwise drop the
+    total by 5 ms, more than a short window of cheap work uses)."""
+
+    def __init__(self, groups: Mapping[str, Sequence[int]]) -> None:
+        self.groups = groups
+        self._seen = {name: _Tree() for name in groups}
+        self._lock = threading.Lock()
 
     def read(self) -> dict[str, float]:
-        return {name: tree_cpu_s(*pids) for name, pids in self.groups.items()}
+        with self._lock:
+            return {name: self._read(name, pids) for name, pids in self.groups.items()}
+
+    def _read(self, name: str, pids: Sequence[int]) -> float:
+        seen = self._seen[name]
+        live, reaped = _tree(*pids)
+        if seen.reaped is None:
+            seen.ended = reaped  # children reaped before the first reading
+        else:
+            gone = sum(cpu for pid, cpu in seen.live.items() if pid not in live)
+            seen.ended += max(gone, reaped - seen.reaped)
+        seen.live, seen.reaped = live, reaped
+        return seen.ended + sum(live.values())
 
 
 @dataclass

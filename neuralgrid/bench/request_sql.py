@@ -36,7 +36,7 @@ from uuid import UUID, uuid4
 import psycopg
 from psycopg.types.json import Jsonb
 
-from neuralgrid.bench import MODEL, bench_fleet, scratch_database, tree_cpu_s
+from neuralgrid.bench import MODEL, CpuMeter, bench_fleet, scratch_database
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.journal import JobRecord
 
@@ -57,6 +57,7 @@ class Database:
     def __init__(self, conn: psycopg.Connection[Any], key_id: UUID, stream: bool) -> None:
         self.conn = conn
         self.backend = int(conn.execute("select pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+        self.meter = CpuMeter({"backend": [self.backend]})
         request = q.MatchRequest(model=MODEL, max_hourly_rate=1.0, route="chat/completions")
         hold = {"prompt_bytes": 120, "max_out": 64}
         params = q.match_params(request, key_id, stream, 2, **hold, wait=True)
@@ -76,7 +77,7 @@ class Database:
         the backend's CPU ms per job."""
         place_s = complete_s = 0.0
         done = 0
-        cpu = tree_cpu_s(self.backend)
+        cpu = self.meter.read()["backend"]
         while done < jobs:
             started = time.perf_counter()
             rows = self.conn.execute(
@@ -96,7 +97,7 @@ class Database:
             place_s += placed - started
             complete_s += time.perf_counter() - placed
             done += group
-        cpu = tree_cpu_s(self.backend) - cpu
+        cpu = self.meter.read()["backend"] - cpu
         return _per_job(place_s, complete_s, cpu, done)
 
     def leased(self, group: int, jobs: int) -> dict[str, float]:
@@ -106,7 +107,7 @@ class Database:
         per job."""
         start_s = end_s = 0.0
         done = 0
-        cpu = tree_cpu_s(self.backend)
+        cpu = self.meter.read()["backend"]
         while done < jobs:
             records = [
                 JobRecord(
@@ -132,7 +133,7 @@ class Database:
             start_s += recorded - started
             end_s += time.perf_counter() - recorded
             done += group
-        cpu = tree_cpu_s(self.backend) - cpu
+        cpu = self.meter.read()["backend"] - cpu
         return _per_job(start_s, end_s, cpu, done)
 
     def _record(self, records: list[JobRecord]) -> None:
