@@ -118,7 +118,9 @@ def test_a_server_of_one_model_is_never_held_to_serve_another(
             node, registered = node_row(conn, "one")[0], node_row(conn, "one")[4]
             # After a beat the gateway has answered: an agent tells what its server can load only to a
             # gateway it has heard take pre-warm (at registration, its node's other rows went).
-            wait_for(lambda: node_row(conn, "one")[4] > registered, timeout=15)
+            # Beats come every 5 s; a CI run on a loaded machine once saw none within 15 s of a real
+            # llama-server's registration (its probes answer slowly under load).
+            wait_for(lambda: node_row(conn, "one")[4] > registered, timeout=30)
             conn.execute(
                 "insert into node_models (node_id, model_id, state) values (%s, %s, 'available')",
                 (node, SECOND),
