@@ -23,3 +23,10 @@ def written_behind(gateway: str, timeout: float = 10.0) -> None:
         return found is None or float(found.group(1)) == 0
 
     wait_for(empty, timeout=timeout)
+
+
+def metric(gateway: str, name: str) -> float:
+    """A gateway's metric, summed over its labels (0 when it has none yet)."""
+    text = httpx.get(f"{gateway}/metrics", timeout=5).text
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)

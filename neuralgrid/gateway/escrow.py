@@ -44,10 +44,14 @@ class Escrows:
         self._taken: dict[UUID, Decimal] = {}  # holds of jobs whose start is not yet written
         self._wanted: dict[UUID, tuple[float, Decimal]] = {}  # when last asked, the largest hold
 
-    def take(self, key_id: UUID, hold: Decimal) -> bool:
-        """Take a hold from the key's escrow; False when it cannot cover it (nor hold it at all)."""
+    def want(self, key_id: UUID, hold: Decimal) -> None:
+        """The key is asked for now, with a hold this large: the next renewals keep it an escrow."""
         _, largest = self._wanted.get(key_id, (0.0, Decimal(0)))
         self._wanted[key_id] = (self.clock(), max(largest, hold))
+
+    def take(self, key_id: UUID, hold: Decimal) -> bool:
+        """Take a hold from the key's escrow; False when it cannot cover it (nor hold it at all)."""
+        self.want(key_id, hold)
         if not self.covers(key_id, hold):
             return False
         self._taken[key_id] = self._taken.get(key_id, Decimal(0)) + hold

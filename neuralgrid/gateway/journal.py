@@ -1,5 +1,6 @@
 """Jobs dispatched from leases, written behind: record_jobs() in batches, one call in flight at a
-time (the group commit of completions.py), starts and ends alike.
+time (the group commit of completions.py), starts and ends alike; and the ends of jobs SQL placed
+(their starts in Postgres already), so that no answer waits for a write.
 
 A job's id is made here when it is dispatched. Its start and its end are appended to a spool file
 before they are queued, and kept in memory until Postgres has committed them: record_jobs() is
@@ -228,6 +229,17 @@ class Journal:
             return written
         record.end = end
         record.written = written
+        self._queue(record)
+        return written
+
+    def ended(self, record: JobRecord) -> asyncio.Future[Decimal | None]:
+        """Queue the end of a job SQL placed (its start is in Postgres); the future gets its cost
+        once Postgres has written it."""
+        written: asyncio.Future[Decimal | None] = asyncio.get_running_loop().create_future()
+        record.start_written = True
+        record.written = written
+        record.queued_at = time.monotonic()
+        self._records[record.id] = record
         self._queue(record)
         return written
 

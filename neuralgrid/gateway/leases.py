@@ -240,8 +240,8 @@ class LeaseBook:
 
 class Renewals:
     """Renewals of this gateway's leases: one round trip each. A request for a lane this gateway
-    holds nothing for waits for one that asks for its lane (the cold path: one round trip), shared
-    with every request that came for it meanwhile."""
+    holds nothing for is placed in SQL (the cold path: one round trip) and starts one that asks for
+    the lane, shared with every request that comes for it meanwhile; the next ones are leased."""
 
     def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook) -> None:
         self.store = store
@@ -252,8 +252,10 @@ class Renewals:
         self._under_way: asyncio.Task[None] | None = None
         # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
+        self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._lanes: set[Lane] = set()  # those the renewal under way asks for
         self._answered: dict[Lane, float] = {}  # when a renewal that asked for each came back
+        self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
 
     async def renew(self) -> None:
         """One renewal of every lane this gateway wants or uses."""
@@ -269,16 +271,23 @@ class Renewals:
             if self._under_way is task:
                 self._under_way = None
 
-    async def for_lane(self, lane: Lane) -> None:
-        """Until a renewal that asked for `lane` has come back (the lane was asked for already). Not
-        again within RENEW_EVERY_S of one that did: a lane SQL gave nothing is placed in SQL."""
+    def soon(self, lane: Lane) -> None:
+        """A renewal that asks for `lane`, behind the request that wanted it (SQL places that one):
+        none when one under way asks for it already, or one that did came back within
+        RENEW_EVERY_S (a lane SQL gave nothing is placed in SQL until the periodic renewal)."""
         if self.book.clock() - self._answered.get(lane, float("-inf")) < RENEW_EVERY_S:
             return
-        task = self._under_way
-        if task is not None and lane in self._lanes:
-            await asyncio.shield(task)
-        else:
+        if self._under_way is not None and lane in self._lanes:
+            return
+        task = asyncio.get_running_loop().create_task(self._renew_behind())
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
+
+    async def _renew_behind(self) -> None:
+        try:
             await self.renew()
+        except (psycopg.Error, DatabaseError, OSError) as err:  # the periodic renewal tries again
+            log.warning("gateway %s could not renew its leases for a new lane: %s", self.gateway_id, err)
 
     async def _send(self, lanes: list[dict[str, object]], sent: int, sent_at: float) -> None:
         rows = await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))
@@ -292,6 +301,7 @@ class Renewals:
         if sent > self._applied:  # a later renewal's answer is never undone by an earlier one's
             self._applied = sent
             self.book.renewed(rows, sent_at, self.book.lease_s)
+            self.renewed()
 
 
 async def keep_renewing(

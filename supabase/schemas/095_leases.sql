@@ -295,6 +295,8 @@ begin
   -- Else a gateway at full load places some of its requests in SQL for good: the end of each frees
   -- a slot that its caller's next request claims in SQL again before a renewal could lease it.
   -- Rows another transaction holds are skipped, never waited for; the next renewal takes them.
+  -- Only jobs on their first attempt: one SQL moved on stays SQL's to its end (the gateway, which
+  -- does not know the nodes it tried, could move it back to one that failed it).
   if p_reported then
     v_mine := array(
       select j.id from public.jobs j
@@ -307,7 +309,7 @@ begin
   if cardinality(v_mine) > 0 then
     with running as (
       select a.job_id, a.attempt, a.node_id from public.job_attempts a
-      where a.job_id = any (v_mine) and a.status = 'running' and not a.leased
+      where a.job_id = any (v_mine) and a.status = 'running' and not a.leased and a.attempt = 1
         and a.node_id in (select private.lease_usable_nodes(p_model, array(
                             select r.node_id from public.job_attempts r where r.job_id = any (v_mine) and r.status = 'running')))
       order by a.job_id, a.attempt
@@ -475,7 +477,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
 REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;

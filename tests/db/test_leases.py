@@ -456,6 +456,29 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     assert_slots_add_up(conn)
 
 
+def test_a_job_sql_moved_to_another_node_stays_sqls_to_its_end(conn: psycopg.Connection) -> None:
+    """Found when cold requests were first placed in SQL: a renewal moved a job that SQL had failed
+    over into the lease, and the gateway, which does not know the nodes the job had tried, moved it
+    back to the one that had failed it (its failures counted twice). A job past its first attempt
+    is not moved into a lease: SQL moves it on and ends it, as any job SQL placed."""
+    first = make_node(conn, "first", max_concurrency=4)
+    second = make_node(conn, "second", tflops=10, max_concurrency=4)
+    request = {"model": LLAMA8, "policy": "balanced", "fallbacks": 1, "prompt_bytes": 10, "max_out": 10}
+    row = conn.execute(
+        "select job_id, node_id from place_jobs(%s, %s::jsonb)", (str(A), json.dumps([request]))
+    )
+    job, on = row.fetchone() or (None, None)
+    assert on == first
+    moved = conn.execute("select node_id from failover_job(%s, 'boom', 503, %s)", (job, [second])).fetchone()
+    assert moved == (second,)
+    assert not [row for row in renew(conn, A, lane(2, {})) if row.absorbed]
+    leased = conn.execute(
+        "select attempt, leased from job_attempts where job_id = %s order by attempt", (job,)
+    )
+    assert leased.fetchall() == [(1, False), (2, False)]
+    assert_slots_add_up(conn)
+
+
 def test_slots_in_use_above_a_gateways_share_drain_to_the_gateway_that_wants_them(
     conn: psycopg.Connection,
 ) -> None:

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from tests.conftest import LLAMA8, stream_chat
-from tests.slots import JOB_SLOTS
+from tests.slots import JOB_SLOTS, written_behind
 
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -42,15 +42,42 @@ async def _load(url: str, key: str, callers: int, each: int, stream: bool = Fals
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_the_slot_is_free_when_the_answer_arrives(
-    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str, stream: bool
+    conn: psycopg.Connection,
+    fake_nodes: Any,
+    gateway_settings: dict[str, Any],
+    request: pytest.FixtureRequest,
+    api_key: str,
+    stream: bool,
 ) -> None:
-    """A caller's next request must find the slot its last answer held: free once the answer is in."""
+    """A caller's next request must find the slot its last answer held. Leases off: free in SQL once
+    the answer is in (it waits for the write)."""
+    gateway_settings["NEURALGRID_LEASES"] = False
+    gateway: str = request.getfixturevalue("gateway")
     fake_nodes(max_concurrency=1)
     with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
         for _ in range(10):
             resp = http.post("/v1/chat/completions", json={**BODY, "stream": stream})
             assert resp.status_code == 200, resp.text
             assert _inflight(conn) == 0  # at once, not after a later batch write
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_with_leases_the_next_request_takes_the_slot_in_the_lease(
+    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str, stream: bool
+) -> None:
+    """Leases on (the default), an answer does not wait for its job's end to be written, whether a
+    lease or SQL placed it. The first request of a lane is placed in SQL (one round trip), and the
+    renewal it starts moves its slot into the gateway's lease: the caller's next request takes that
+    slot, with no wait but for that renewal, and SQL holds it for no job once the ends are written."""
+    fake_nodes(max_concurrency=1)
+    with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
+        answers = [http.post("/v1/chat/completions", json={**BODY, "stream": stream}) for _ in range(10)]
+    assert [r.status_code for r in answers] == [200] * 10
+    waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
+    assert waited[2:] == [0.0] * 8, waited
+    assert waited[1] < 250, waited  # at most the renewal under way (the periodic one: 500 ms)
+    written_behind(gateway)
+    assert _inflight(conn) == 0
 
 
 @pytest.mark.parametrize("callers", [4, 8])

@@ -525,7 +525,8 @@ def test_an_answer_nested_too_deeply_to_read_still_ends_its_job(
     conn: psycopg.Connection, gateway: str, api_key: str
 ) -> None:
     """Nodes are not trusted: an answer Python's JSON reader cannot take (nested past its recursion
-    limit) is passed on unread, with no usage, and its job ends: its slot is free when it arrives."""
+    limit) is passed on unread, with no usage, and its job ends: its slot free once its end is
+    written (behind the answer: leases are on)."""
     deep = b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
     async def answer(request: Request) -> Response:
@@ -535,16 +536,17 @@ def test_an_answer_nested_too_deeply_to_read_still_ends_its_job(
         node_id = make_node(conn, "nested", vram_gb=24, endpoint_url=node.url)
         resp = chat(gateway, api_key)
         assert resp.status_code == 200 and resp.content == deep
+        written_behind(gateway)
         row = conn.execute(f"select {JOB_SLOTS} from nodes n where id = %s", (node_id,)).fetchone()
-        assert row == (0,)  # freed before the answer went
+        assert row == (0,)
     assert conn.execute("select status, completion_tokens from jobs").fetchall() == [("succeeded", 0)]
 
 
 def test_a_stream_refused_by_the_node_has_its_slot_free_when_the_refusal_arrives(
     conn: psycopg.Connection, gateway: str, api_key: str
 ) -> None:
-    """A 4xx the node answers a stream with is the client's (passed on), and its slot is free by the
-    time the client has it, as for any answer."""
+    """A 4xx the node answers a stream with is the client's (passed on), and its job ends as any
+    answer's does: its slot free once its end is written (behind the answer: leases are on)."""
 
     async def refuse(request: Request) -> Response:
         return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, 400)
@@ -554,6 +556,7 @@ def test_a_stream_refused_by_the_node_has_its_slot_free_when_the_refusal_arrives
         for _ in range(5):
             resp = chat(gateway, api_key, stream=True)
             assert resp.status_code == 400
+            written_behind(gateway)
             row = conn.execute(f"select {JOB_SLOTS} from nodes n where id = %s", (node_id,)).fetchone()
             assert row == (0,)
 

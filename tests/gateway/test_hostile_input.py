@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from neuralgrid.server.serving import ThreadedServer
 from tests.conftest import LLAMA8, make_node, make_user, wait_for
+from tests.slots import metric
 
 CHAT = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -456,7 +457,12 @@ def test_a_database_that_stops_answering_is_a_503_in_openais_shape(
     fake_nodes()
     auth = {"authorization": f"Bearer {api_key}"}
     capped = {**auth, "x-neuralgrid-max-price": "0.01"}
-    assert httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+
+    def served_from_a_lease() -> bool:  # the first request of a lane is placed in SQL, the lease behind
+        assert httpx.post(f"{gateway}/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+        return metric(gateway, "neuralgrid_leased_placements_total") > 0
+
+    wait_for(served_from_a_lease)
     conn.execute(
         "select pg_terminate_backend(pid) from pg_stat_activity"
         " where datname = current_database() and pid <> pg_backend_pid() and backend_type = 'client backend'"

@@ -4,7 +4,7 @@ admit   catalog check, rate limit, the body nodes get, the budget hold      (adm
 place   place_job() in SQL claims a node and names fallbacks, or waits a turn (place.py)
 send    ask the node; failover_job() moves the job on if it fails first     (send.py)
 relay   pass a stream on; handoff_job() resumes it if the node drops it     (relay.py)
-meter   complete_jobs() in SQL ends the job, its slot free before the answer ends (meter.py)
+meter   the job's end written in SQL (behind the answer, with leases on)    (meter.py)
 """
 
 from __future__ import annotations

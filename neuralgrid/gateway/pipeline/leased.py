@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,10 +20,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from uuid import UUID, uuid4
 
-import psycopg
-
 from neuralgrid.db import queries as q
-from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import leases
 from neuralgrid.gateway.escrow import Escrows, budget_hold
@@ -51,6 +49,7 @@ class Elsewhere:
     lane: Lane
     route: str | None
     max_rate: float | None
+    moved: bool = False  # SQL moved it on (failover, a stream's hand-over): SQL's to its end
 
 
 @dataclass(frozen=True)
@@ -81,8 +80,10 @@ class LeasedJobs:
         self.catalog = catalog
         self._slots: dict[UUID, Slot] = {}
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
+        self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
         journal.on_commit.append(self._written)
         self.renewals.absorbed = self._absorbed
+        self.renewals.renewed = freed  # requests waiting in line look at the renewed leases
 
     async def renew(self) -> None:
         """The periodic renewal: the lease's length, the leases, then the escrows between two writes
@@ -90,7 +91,6 @@ class LeasedJobs:
         knows to be written)."""
         self.book.lease_s = await self.store.get(q.LEASE_SECONDS)
         await self.renewals.renew()
-        self.freed()  # requests waiting in line look at the renewed leases
         async with self.journal.lock:
             wants = json.dumps(self.escrows.wants())
             self.escrows.renewed(await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, wants)))
@@ -112,13 +112,11 @@ class LeasedJobs:
         free slot for it, or the key's escrow cannot cover its hold."""
         cap = admitted.call.max_hourly_rate
         taken = self.book.take(lane, route, max_rate=cap)
-        if taken is None and not self.book.holds(lane):  # cold: one renewal, which asks for the lane
-            try:
-                await self.renewals.for_lane(lane)
-            except (psycopg.Error, DatabaseError, OSError):  # placed in SQL, which says what is wrong
-                return None
-            taken = self.book.take(lane, route, max_rate=cap)
         if taken is None:
+            if not self.book.holds(lane) and admitted.call.key.budget_usd is not None:
+                # Cold: placed in SQL, the lane leased behind (placed_elsewhere()), and the key's
+                # escrow asked for, for the next ones.
+                self.escrows.want(admitted.call.key.id, await self._hold(admitted))
             return None
         call = admitted.call
         hold = await self._hold(admitted)
@@ -126,21 +124,7 @@ class LeasedJobs:
             self.book.give_back(taken)
             return None
         job_id = uuid4()
-        end_user = call.body.get("user")
-        self.journal.start(
-            JobRecord(
-                job_id,
-                call.key.id,
-                call.model,
-                call.policy,
-                call.region,
-                admitted.stream,
-                taken.node_id,
-                datetime.now(UTC),
-                hold,
-                end_user if isinstance(end_user, str) else None,
-            )
-        )
+        self.journal.start(_record(job_id, admitted, taken.node_id, hold))
         self._slots[job_id] = Slot(taken, route, [taken.node_id], cap)
         return Dispatched(job_id, taken, self.book.others(lane, taken.node_id, cap))
 
@@ -167,13 +151,20 @@ class LeasedJobs:
         lane = self.lane(admitted)
         return lane is not None and self.book.at_share(lane) and await self.covered(admitted)
 
-    def placed_elsewhere(self, job_id: UUID, admitted: Admitted, route: str | None) -> None:
+    def placed_elsewhere(self, job_id: UUID, node_id: UUID, admitted: Admitted, route: str | None) -> None:
         """SQL placed the job (no leased slot was free): its lane wants a slot more until it ends,
-        or until a renewal moves its slot into the lease (_absorbed)."""
+        or until a renewal moves its slot into the lease (_absorbed). Its end is written behind,
+        as a leased job's is (end())."""
         lane = self.lane(admitted)
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
+        self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
+        if lane is not None and not self.book.holds(lane):
+            # Cold: a renewal asks for the lane now, its demand counting this job, which it moves
+            # into the lease it gets (_absorbed). Asked before the job was placed, it could lease
+            # the very slot SQL was about to give the job, leaving the job to wait in line.
+            self.renewals.soon(lane)
 
     @contextlib.contextmanager
     def waiting(self, admitted: Admitted) -> Iterator[None]:
@@ -187,8 +178,21 @@ class LeasedJobs:
             if lane is not None:
                 self.book.unleased(lane, -1)
 
+    def moved_elsewhere(self, job_id: UUID) -> None:
+        """SQL moved a job it placed to another node: the job stays SQL's to its end (renew_lane()
+        moves no such job into a lease). A renewal that moved its slot into the lease while SQL moved
+        it on is undone here: the slot is free again (the attempt on it has ended)."""
+        placed = self._elsewhere.get(job_id)
+        slot = self.release(job_id)
+        if slot is not None:  # absorbed meanwhile: a request SQL placed again
+            placed = Elsewhere(slot.taken.lease.lane, slot.route, slot.max_rate)
+            self.book.unleased(placed.lane, 1)
+        if placed is not None:
+            self._elsewhere[job_id] = dataclasses.replace(placed, moved=True)
+
     def ended_elsewhere(self, job_id: UUID) -> None:
         """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected)."""
+        self._placed.pop(job_id, None)
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
             self.book.unleased(placed.lane, -1)
@@ -197,9 +201,10 @@ class LeasedJobs:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
         before the renewal came back left the lease an idle slot, which the next renewal reports."""
-        placed = self._elsewhere.pop(job_id, None)
-        if placed is None:
+        placed = self._elsewhere.get(job_id)
+        if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
+        del self._elsewhere[job_id]
         self.book.unleased(placed.lane, -1)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
@@ -244,11 +249,34 @@ class LeasedJobs:
         return slot
 
     def end(self, end: q.JobEnd) -> asyncio.Future[Decimal | None] | None:
-        """End a leased job: its slot free now, its end written behind (the future: its cost once
-        written). None when the job is not the journal's (moved by SQL, or never leased): then
-        complete_jobs() ends it, and any leased slot it held is free now too."""
+        """End a job: its leased slot free now, its end written behind (the future: its cost once
+        written), whether a lease or SQL placed it (record_jobs() ends one SQL placed as
+        complete_jobs() does: SQL's slot is free once written). None for a leased job SQL took over
+        (a failure moved it on): complete_jobs() ends it, its leased slot free now too."""
         self.release(end.job_id)
+        placed = self._placed.pop(end.job_id, None)
         self.ended_elsewhere(end.job_id)
-        if not self.journal.leased(end.job_id):
-            return None
-        return self.journal.end(end.job_id, end)
+        if self.journal.leased(end.job_id):
+            return self.journal.end(end.job_id, end)
+        if placed is not None:
+            placed.end = end
+            return self.journal.ended(placed)
+        return None
+
+
+def _record(job_id: UUID, admitted: Admitted, node_id: UUID, hold: Decimal) -> JobRecord:
+    """The job as record_jobs() takes it: its start, here and now."""
+    call = admitted.call
+    end_user = call.body.get("user")
+    return JobRecord(
+        job_id,
+        call.key.id,
+        call.model,
+        call.policy,
+        call.region,
+        admitted.stream,
+        node_id,
+        datetime.now(UTC),
+        hold,
+        end_user if isinstance(end_user, str) else None,
+    )

@@ -1,6 +1,8 @@
 """Stage 5, meter: a job's end (usage, timings, outcome) written by complete_jobs() in SQL, then
-charged to the key's token limit. A delivered answer waits for the write (its slot is then free);
-a job that ends otherwise (failed, cancelled) is written in the background."""
+charged to the key's token limit. With leases off a delivered answer waits for the write (its slot
+is then free); with leases on every end the journal can write (leased or SQL placed) is written
+behind (pipeline/leased.py). A job that ends otherwise (failed, cancelled) is written in the
+background."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ class Placement:
             refused.headers = {**(refused.headers or {}), QUEUE_MS: queue_ms(waited)}
             raise
         if self.leased is not None:
-            self.leased.placed_elsewhere(match.job_id, admitted, request.route)
+            self.leased.placed_elsewhere(match.job_id, match.node_id, admitted, request.route)
         node = Node(match.node_id, match.endpoint_url, match.node_key, match.attempt)
         if match.max_output_tokens is not None:
             admitted = admitted.capped(match.max_output_tokens)
@@ -203,8 +203,11 @@ class Placement:
             if moved is not None:
                 return _node(moved)
         node = _node(await self.store.one(q.FAILOVER_JOB, (job_id, error, status, candidates)))
-        if node is None and self.leased is not None:  # failover_job() ended the job
-            self.leased.ended_elsewhere(job_id)
+        if self.leased is not None:
+            if node is None:  # failover_job() ended the job
+                self.leased.ended_elsewhere(job_id)
+            else:
+                self.leased.moved_elsewhere(job_id)
         return node
 
     async def handoff(
@@ -213,7 +216,10 @@ class Placement:
         """The next node, or None: then handoff_job() has left the job as it was. Status 421 (the
         gateway holding the node's tunnel broke off) ends the dropped attempt neutral for the node."""
         await self._to_database(job_id)
-        return _node(await self.store.one(q.HANDOFF_JOB, (job_id, error, status, candidates)))
+        node = _node(await self.store.one(q.HANDOFF_JOB, (job_id, error, status, candidates)))
+        if node is not None and self.leased is not None:
+            self.leased.moved_elsewhere(job_id)
+        return node
 
     async def continuing(self, candidates: list[UUID]) -> list[UUID]:
         """The candidates whose servers were verified to go on with an open assistant message."""
