@@ -188,7 +188,7 @@ def _on_cpu_s(pid: int, fields: list[str], tick: int) -> float:
 
 
 @dataclass
-class _Tree:
+class _Seen:
     """What a CpuMeter last saw of one group: its live processes' CPU, the reaped children's, and
     the CPU of the processes that have ended since it started reading."""
 
@@ -208,7 +208,7 @@ class CpuMeter:
 
     def __init__(self, groups: Mapping[str, Sequence[int]]) -> None:
         self.groups = groups
-        self._seen = {name: _Tree() for name in groups}
+        self._seen = {name: _Seen() for name in groups}
         self._lock = threading.Lock()
 
     def read(self) -> dict[str, float]:

@@ -238,9 +238,7 @@ class Journal:
         written: asyncio.Future[Decimal | None] = asyncio.get_running_loop().create_future()
         record.start_written = True
         record.written = written
-        record.queued_at = time.monotonic()
-        self._records[record.id] = record
-        self._queue(record)
+        self.start(record)
         return written
 
     def leased(self, job_id: UUID) -> bool:
