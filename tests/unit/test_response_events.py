@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import openai
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -61,6 +62,11 @@ LLAMA_SERVER: list[dict[str, Any]] = [
         },
     },
 ]
+# llama-server starts its response again (response.created, .in_progress) before each chunk when no
+# chunk came for the answer's first token (server-task.cpp marks the response started on that chunk
+# only, and a token that is half a character comes in none): seen in 1 of 40 answers of SmolLM2 at its
+# default temperature, whose first token was half an emoji.
+STARTED_AGAIN = LLAMA_SERVER[:7] + LLAMA_SERVER[:2] + LLAMA_SERVER[7:]
 
 
 def relayed(events: list[dict[str, Any]]) -> bytes:
@@ -101,8 +107,11 @@ def test_llama_servers_events_are_placed_as_openais_are() -> None:
     assert all({k: p[k] for k in sent} == sent for p, sent in zip(placed, LLAMA_SERVER, strict=True))
 
 
-def test_the_sdks_stream_helper_reads_llama_servers_answer_through_the_gateway() -> None:
-    body = relayed(LLAMA_SERVER)
+@pytest.mark.parametrize("events", [LLAMA_SERVER, STARTED_AGAIN], ids=["as-usual", "started-again"])
+def test_the_sdks_stream_helper_reads_llama_servers_answer_through_the_gateway(
+    events: list[dict[str, Any]],
+) -> None:
+    body = relayed(events)
 
     async def answer(_: Request) -> Response:
         return Response(body, media_type="text/event-stream")
