@@ -32,10 +32,12 @@ async def rewritten_events(
     count: bool,
     renamed: tuple[str, str] | None,
     several: bool = False,
+    private: bool = False,
 ) -> AsyncIterator[bytes]:
     """The stream as the server sent it, event by event, with the catalog's model name in place
     of the server's (the client never sees an owner's file path), and a usage event before
     [DONE] when the server sent none. Fails open: what cannot be read or counted passes as it came.
+    `private`: a server whose prompt cache keys share, its cache counts stripped (private_event).
 
     Events are not parsed while the server may still send usage (most do, at the end): they
     are held, and read only if [DONE] comes without it. Nor are they taken one by one, unless
@@ -49,11 +51,15 @@ async def rewritten_events(
     unread = _Unread()
     pending = b""
 
+    def passed(event: bytes) -> bytes:
+        """An event as it goes on: its cache counts stripped, in the catalog's name."""
+        event = private_event(event) if private else event
+        return rename.event(event) if rename else event
+
     async def held_usage() -> bytes:
         """The usage held, counted over every choice, in the catalog's name."""
         assert held is not None and choices is not None
-        event = _sse(await _recounted(backend, request, held, choices.answers()))
-        return rename.event(event) if rename else event
+        return passed(_sse(await _recounted(backend, request, held, choices.answers())))
 
     try:
         async for raw in chunks:
@@ -73,6 +79,7 @@ async def rewritten_events(
                 rename is None
                 and choices is None
                 and not (looking and (b"[DONE]" in whole or _USAGE.search(whole)))
+                and not (private and _CACHE_COUNTS.search(whole))
             ):
                 out.append(whole)
                 if looking:
@@ -103,7 +110,7 @@ async def rewritten_events(
                             looking = False
                         else:
                             unread.add(event)
-                    out.append(rename.event(event) if rename else event)
+                    out.append(passed(event))
             if last and held is not None:  # a stream that ends without [DONE]
                 out.append(await held_usage())
                 held = None
@@ -169,7 +176,11 @@ async def _with_choices_counted(
 
 
 async def counted_body(
-    backend: Backend, request: dict[str, Any], chunks: AsyncIterator[bytes], renamed: tuple[str, str] | None
+    backend: Backend,
+    request: dict[str, Any],
+    chunks: AsyncIterator[bytes],
+    renamed: tuple[str, str] | None,
+    private: bool = False,
 ) -> AsyncIterator[bytes]:
     """A whole answer of several choices (read whole: it is small), its usage theirs counted."""
     body = b"".join([chunk async for chunk in chunks])
@@ -181,7 +192,60 @@ async def counted_body(
     recounted = await _with_choices_counted(backend, request, payload, answers) if answers else None
     if recounted is not None:
         body = json.dumps(recounted).encode()
+    body = private_body(body) if private else body
     yield _Renamer(*renamed).body(body) if renamed else body
+
+
+# What an answer says of the server's prompt cache: how much of the prompt it found there
+# (`cached_tokens`; llama-server's `timings` and `prompt_progress` tell the same, and its times).
+_CACHE_COUNTS = re.compile(rb'"(?:cached_tokens|timings|prompt_progress)"')
+_CACHE_REPORTS = ("timings", "prompt_progress")
+
+
+def without_cache_counts(payload: dict[str, Any]) -> dict[str, Any]:
+    """An answer or event of a server whose prompt cache all keys share, telling nothing of it: no
+    llama.cpp timings or progress, and 0 tokens cached (the field kept: OpenAI's SDK reads it)."""
+    stripped = {k: v for k, v in payload.items() if k not in _CACHE_REPORTS}
+    response = stripped.get("response")  # a Responses API event's
+    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        stripped["response"] = {**response, "usage": _uncached(response["usage"])}
+    if isinstance(stripped.get("usage"), dict):
+        stripped["usage"] = _uncached(stripped["usage"])
+    return stripped
+
+
+def _uncached(usage: dict[str, Any]) -> dict[str, Any]:
+    usage = dict(usage)
+    for field in ("prompt_tokens_details", "input_tokens_details"):  # chat and completions; Responses
+        details = usage.get(field)
+        if isinstance(details, dict) and "cached_tokens" in details:
+            usage[field] = {**details, "cached_tokens": 0}
+    return usage
+
+
+def private_event(event: bytes) -> bytes:
+    """One SSE event with its cache counts stripped (without_cache_counts), other lines kept."""
+    if _CACHE_COUNTS.search(event) is None:
+        return event
+    try:
+        payload = wire_json.loads_answer(_data(event))
+    except ValueError:
+        return event
+    if not isinstance(payload, dict):
+        return event
+    head = b"".join(line + b"\n" for line in event.split(b"\n") if line and not line.startswith(b"data:"))
+    return head + _sse(without_cache_counts(payload))
+
+
+def private_body(body: bytes) -> bytes:
+    """A whole JSON answer with its cache counts stripped (without_cache_counts)."""
+    if _CACHE_COUNTS.search(body) is None:
+        return body
+    try:
+        payload = wire_json.loads_answer(body)
+    except ValueError:
+        return body
+    return json.dumps(without_cache_counts(payload)).encode() if isinstance(payload, dict) else body
 
 
 class _Choices:
@@ -319,10 +383,13 @@ class _Renamer:
         return new if n else _renamed(body, self.renamed) or body
 
 
-async def renamed_body(chunks: AsyncIterator[bytes], renamed: tuple[str, str]) -> AsyncIterator[bytes]:
-    """A JSON answer, renamed (read whole: it is small)."""
+async def rewritten_body(
+    chunks: AsyncIterator[bytes], renamed: tuple[str, str] | None, private: bool
+) -> AsyncIterator[bytes]:
+    """A JSON answer (read whole: it is small), its cache counts stripped if `private`, renamed."""
     body = b"".join([chunk async for chunk in chunks])
-    yield _Renamer(*renamed).body(body)
+    body = private_body(body) if private else body
+    yield _Renamer(*renamed).body(body) if renamed else body
 
 
 def _renamed(data: bytes, renamed: tuple[str, str]) -> bytes | None:

@@ -27,10 +27,10 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from neuralgrid.agent.answers import counted_body, json_object, renamed_body, rewritten_events, text_answers
+from neuralgrid.agent.answers import counted_body, json_object, rewritten_body, rewritten_events, text_answers
 from neuralgrid.agent.backend import Backend
 from neuralgrid.agent.relay import JSON, RelayError, RelayResponse
-from neuralgrid.agent.servers.base import dig
+from neuralgrid.agent.servers.base import CACHE_FIELDS, dig
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.routes import route_of
 from neuralgrid.server.serving import Abort
@@ -144,14 +144,21 @@ class FrontState:
         self.check(path, content_type)
         request: dict[str, Any] | None = None
         renamed: tuple[str, str] | None = None
-        if self.served_names and content_type == JSON:  # without aliases, no request is read
+        kind = self.backend.kind
+        # Only a request with an alias to resolve or a cache field its server does not take is read.
+        foreign = [f for f, named in _CACHE_FIELDS if f not in kind.cache_fields and named in body]
+        if (self.served_names or foreign) and content_type == JSON:
             request = json_object(body)
-            catalog_id = request.get("model") if request is not None else None
-            if request is not None and isinstance(catalog_id, str) and catalog_id in self.served_names:
-                served = self.served_names[catalog_id]
-                request = {**request, "model": served}
+        if request is not None:
+            dropped = [field for field in foreign if field in request]
+            catalog_id = request.get("model")
+            served = self.served_names.get(catalog_id) if isinstance(catalog_id, str) else None
+            if dropped or served is not None:
+                request = {k: v for k, v in request.items() if k not in dropped}
+                if served is not None:
+                    request["model"] = served
+                    renamed = (served, str(catalog_id)) if served != catalog_id else None
                 body = json.dumps(request).encode()
-                renamed = (served, catalog_id) if served != catalog_id else None
         if path == "/v1/completions" and not self.backend.info.echoes and b'"echo"' in body:
             request = request if request is not None else json_object(body)
             if request is not None and request.get("echo") is True:
@@ -189,22 +196,37 @@ class FrontState:
                 and text_answers(request)
                 and (several or request.get("n") in (None, 1))
             )
-        if sse and (count or renamed):
-            kind = KINDS.get(path, "")
+        private = not kind.isolates_cache and answer.status == 200  # keys share its cache
+        if sse and (count or renamed or private):
             answer.chunks = rewritten_events(
-                self.backend, kind, request or {}, upstream, count, renamed, several
+                self.backend, KINDS.get(path, ""), request or {}, upstream, count, renamed, several, private
             )
             answer.length = None
         elif answer.media_type.startswith("application/json") and answer.status == 200 and several:
-            answer.chunks = counted_body(self.backend, request or {}, upstream, renamed)
+            answer.chunks = counted_body(self.backend, request or {}, upstream, renamed, private)
             answer.length = None
+        elif private and answer.media_type.startswith("application/json"):
+            # Read whole now (a whole answer is small), so that its length is known once rewritten.
+            try:
+                whole = b"".join([chunk async for chunk in rewritten_body(upstream, renamed, private)])
+            except BaseException as err:
+                await answer.aclose()  # the caller has no answer to close
+                if isinstance(err, RelayError):  # broken off before a byte went on: the gateway's 502
+                    raise BackendUnreachable(f"the backend broke its answer off: {err}") from err
+                raise
+            answer.chunks, answer.length = _once(whole), len(whole)
         elif renamed and answer.media_type.startswith("application/json"):
-            answer.chunks = renamed_body(upstream, renamed)
+            answer.chunks = rewritten_body(upstream, renamed, private)
             answer.length = None
         return answer
 
 
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
 _SIGNATURE = signing.HEADER.encode()
+_CACHE_FIELDS = [(field, f'"{field}"'.encode()) for field in CACHE_FIELDS]  # as JSON names them
 
 
 class Front:

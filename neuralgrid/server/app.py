@@ -55,6 +55,7 @@ from neuralgrid.gateway.pipeline.meter import Metering
 from neuralgrid.gateway.pipeline.place import Placement
 from neuralgrid.gateway.pipeline.relay import JobDeadline, Relay
 from neuralgrid.gateway.pipeline.send import Sender
+from neuralgrid.gateway.prompt_cache import SALTS, PromptCaches
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
@@ -355,5 +356,6 @@ def _pipeline(
         settings.max_answer_bytes,
     )
     relay = Relay(sender, placement, metering, metrics, settings.resume_streams, deadline)
-    admission = Admission(catalog, limiter, settings.default_max_tokens)
+    caches = PromptCaches(settings.platform_key(SALTS), settings.shared_cache)
+    admission = Admission(catalog, limiter, settings.default_max_tokens, caches)
     return Pipeline(admission, placement, sender, relay, metering, metrics)

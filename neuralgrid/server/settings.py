@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, alias="NEURALGRID_BODY_TIMEOUT_S", gt=0)
     key_cache_ttl_s: float = Field(30.0, alias="NEURALGRID_KEY_CACHE_TTL_S", ge=0)
     default_max_tokens: int = Field(512, alias="NEURALGRID_DEFAULT_MAX_TOKENS", ge=1)
+    # Servers that cannot keep keys' prompt caches apart (llama.cpp's, unlike vLLM's and SGLang's):
+    # "strip" keeps their cache and strips its counts from answers (a cached prompt's timing still
+    # shows); "off" asks llama-server to skip its cache for every request. See gateway/prompt_cache.py.
+    shared_cache: Literal["strip", "off"] = Field("strip", alias="NEURALGRID_SHARED_CACHE")
     # The request path's transactions (claims, completions: jobs, node load and reputation, budget
     # holds and charges) commit without waiting for the WAL flush (synchronous_commit = off). A
     # Postgres crash may lose the last fraction of a second of them, never corrupt them. Creating and

@@ -21,6 +21,12 @@ PROBE_TIMEOUT_S = 3.0  # GETs: a server too slow to answer these is not healthy
 WARMUP_TIMEOUT_S = 120.0  # the first generation may load weights
 
 
+# What the gateway says of the prompt cache in a generation request (gateway/prompt_cache.py): the
+# key's salt (vLLM's and SGLang's field) and, when the operator turned the shared cache off,
+# `cache_prompt: false` (llama-server's).
+CACHE_FIELDS = ("cache_salt", "cache_prompt")
+
+
 class BackendError(Exception):
     """The server cannot be used; the message says what is wrong, for the owner."""
 
@@ -51,6 +57,14 @@ class ServerKind(ABC):
     # Any new request cuts a running stream: the agent probes only while it is idle.
     interrupts: bool = False
     queue: tuple[str, ...] = ()  # the gauges in its /metrics that add up to requests running or waiting
+    # Which of the gateway's prompt-cache fields (CACHE_FIELDS) its server takes; the agent drops the
+    # others. A server that takes no `cache_salt` cannot keep keys' caches apart: the agent strips
+    # the cache counts from its answers.
+    cache_fields: frozenset[str] = frozenset()
+
+    @property
+    def isolates_cache(self) -> bool:
+        return "cache_salt" in self.cache_fields
 
     @abstractmethod
     def recognise(self, identity: Any) -> bool:

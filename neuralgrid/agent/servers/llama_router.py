@@ -27,6 +27,7 @@ ROUTES: tuple[Route, ...] = ("chat/completions", "completions", "embeddings", "r
 
 class LlamaRouter(ServerKind):
     name = "llama.cpp-router"
+    cache_fields = frozenset({"cache_prompt"})
     identify = "/props"
 
     def recognise(self, identity: Any) -> bool:

@@ -19,6 +19,7 @@ ALWAYS: tuple[Route, ...] = ("chat/completions", "completions", "responses")
 
 class LlamaServer(ServerKind):
     name = "llama.cpp"
+    cache_fields = frozenset({"cache_prompt"})
     identify = "/props"
 
     def recognise(self, identity: Any) -> bool:

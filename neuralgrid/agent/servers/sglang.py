@@ -10,6 +10,7 @@ from neuralgrid.agent.servers.vllm import count_with_tokenize
 
 class SGLang(ServerKind):
     name = "sglang"
+    cache_fields = frozenset({"cache_salt"})
     identify = "/get_server_info"
     queue = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 

@@ -9,6 +9,7 @@ from neuralgrid.agent.servers.base import Server, ServerKind, dig, short_str
 
 class Vllm(ServerKind):
     name = "vllm"
+    cache_fields = frozenset({"cache_salt"})
     identify = "/version"
     queue = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 

@@ -16,6 +16,7 @@ from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.pipeline.kinds import ANSWER_LIMIT, PATHS, SERVED_BY, STREAMING
+from neuralgrid.gateway.prompt_cache import PromptCaches
 from neuralgrid.gateway.ratelimit import RateLimiter, TokenHold, estimate_tokens
 
 log = logging.getLogger(__name__)
@@ -141,10 +142,13 @@ class Catalog:
 
 
 class Admission:
-    def __init__(self, catalog: Catalog, limiter: RateLimiter, default_max_tokens: int) -> None:
+    def __init__(
+        self, catalog: Catalog, limiter: RateLimiter, default_max_tokens: int, caches: PromptCaches
+    ) -> None:
         self.catalog = catalog
         self.limiter = limiter
         self.default_max_tokens = default_max_tokens
+        self.caches = caches
 
     async def admit(self, call: Call) -> Admitted:
         entry = await self.catalog.get(call.model)
@@ -157,6 +161,7 @@ class Admission:
         body = dict(call.body)
         if stream and call.kind != "responses":  # ask for usage to meter; stripped if the client did not
             body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
+        self.caches.apply(call.kind, body, call.key.id)
         max_out = 0
         if call.kind in ANSWER_LIMIT:
             max_out = self._max_tokens(call, body, entry)
