@@ -517,3 +517,29 @@ def test_a_node_cannot_fill_the_gateways_memory_with_one_answer(
         assert peak < (150 << 20 if status == 200 else 16 << 20), peak >> 20
         (error,) = conn.execute("select error from job_attempts").fetchone() or ("",)
         assert ("larger than 64 MiB" in error) if status == 200 else error == "HTTP 500: " + "x" * 200
+
+
+@pytest.mark.parametrize("shared", ["strip", "off"])
+def test_a_client_cannot_name_another_keys_cache_salt(
+    conn: psycopg.Connection, gateway_settings: dict[str, Any], fake_nodes: Any, request: Any, shared: str
+) -> None:
+    """Every generation request reaches its node with its own key's prompt-cache salt, whatever salt
+    the client sent (one copied from another key's requests would read that key's cache), and with
+    the shared cache off, told to skip the cache."""
+    gateway_settings["NEURALGRID_SHARED_CACHE"] = shared
+    gateway = request.getfixturevalue("gateway")
+    node = fake_nodes()
+    keys = [conn.execute("select api_key from create_api_key(%s)", (name,)).fetchone() for name in "ab"]
+    salts = []
+    for key in (keys[0], keys[1], keys[0]):
+        assert key is not None
+        resp = httpx.post(
+            f"{gateway}/v1/chat/completions",
+            json={**CHAT, "cache_salt": "the-other-keys", "cache_prompt": True},
+            headers={"authorization": f"Bearer {key[0]}"},
+        )
+        assert resp.status_code == 200, resp.text
+        sent = node.server.app.state.last_body
+        salts.append(sent["cache_salt"])
+        assert sent["cache_prompt"] is (shared != "off")
+    assert salts[0] == salts[2] != salts[1] and "the-other-keys" not in salts
