@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 from typing import Any, Literal
 from uuid import UUID
 
@@ -44,11 +45,19 @@ class PromptCaches:
         digest = hmac.new(self.platform_key, key_id.bytes, hashlib.sha256).digest()[:16]
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
-    def apply(self, kind: str, body: dict[str, Any], key_id: UUID) -> None:
+    def apply(self, kind: str, body: dict[str, Any], key_id: UUID) -> int:
         """Sets the request's cache fields (in place): its key's salt, and with the shared cache off,
-        `cache_prompt: false` for servers that cannot isolate but can skip their cache."""
+        `cache_prompt: false` for servers that cannot isolate but can skip their cache. Returns the
+        bytes this adds to the body as json.dumps writes it: the platform's, not charged to the key's
+        tokens per minute."""
         if kind not in CACHED_KINDS:
-            return
-        body["cache_salt"] = self.salt(key_id)
+            return 0
+        fields: dict[str, Any] = {"cache_salt": self.salt(key_id)}
         if self.shared == "off":  # a client may turn its own off, never the operator's choice on
-            body["cache_prompt"] = False
+            fields["cache_prompt"] = False
+        added = 0
+        for name, value in fields.items():
+            before = len(json.dumps(body[name])) if name in body else -len(f', "{name}": ')
+            added += len(json.dumps(value)) - before
+            body[name] = value
+        return added

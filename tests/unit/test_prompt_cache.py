@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from neuralgrid.gateway.prompt_cache import PromptCaches
@@ -33,3 +34,16 @@ def test_with_the_shared_cache_off_every_request_skips_it() -> None:
         body = {"cache_prompt": True}
         caches.apply(kind, body, KEY_A)
         assert body == {"cache_prompt": False, "cache_salt": caches.salt(KEY_A)}
+
+
+def test_what_the_fields_add_to_a_body_is_told_as_json_writes_it() -> None:
+    """The platform's bytes, not the client's: the key's tokens-per-minute estimate leaves them out."""
+    for shared in ("strip", "off"):
+        caches = PromptCaches(b"platform key", shared=shared)
+        for sent in (
+            {"model": "m"},
+            {"model": "m", "cache_salt": "a much longer salt than ours", "cache_prompt": 1},
+        ):
+            body = dict(sent)
+            added = caches.apply("chat", body, KEY_A)
+            assert len(json.dumps(body)) - len(json.dumps(sent)) == added

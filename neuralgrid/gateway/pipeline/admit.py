@@ -161,7 +161,7 @@ class Admission:
         body = dict(call.body)
         if stream and call.kind != "responses":  # ask for usage to meter; stripped if the client did not
             body["stream_options"] = {**(call.body.get("stream_options") or {}), "include_usage": True}
-        self.caches.apply(call.kind, body, call.key.id)
+        added = self.caches.apply(call.kind, body, call.key.id)
         max_out = 0
         if call.kind in ANSWER_LIMIT:
             max_out = self._max_tokens(call, body, entry)
@@ -171,7 +171,7 @@ class Admission:
         if media_by_reference(payload, body):
             prompt_limit = entry.context_length if entry else UNCATALOGUED_MAX_TOKENS
         # Limited last, once the request is known to be valid: its tpm charge is this estimate.
-        allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload), max_out))
+        allowed = await self.limiter.admit(call.key, estimate_tokens(len(payload) - added, max_out))
         hold, headers = allowed.hold, allowed.headers
         return Admitted(
             call, body, payload, stream, max_out, hold, headers, call.content_type, prompt_limit=prompt_limit

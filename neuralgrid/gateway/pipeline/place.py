@@ -193,6 +193,13 @@ class Placement:
         self.metrics.matcher.observe(time.perf_counter() - started)
         return match
 
+    def node_failed(self, node_id: UUID) -> None:
+        """A node failed a request here (its own failure): this gateway's leases pass it over until a
+        renewal sent after it comes back. A job SQL placed tells the book too: a renewal that was
+        on its way as the node failed may lease it again, before SQL cooled it down."""
+        if self.leased is not None:
+            self.leased.book.failed(node_id)
+
     async def failover(
         self, job_id: UUID, error: str, status: int | None, candidates: list[UUID]
     ) -> Node | None:

@@ -144,6 +144,8 @@ class Sender:
                     raise Rejected(failure) from None
                 earlier = failure
                 nxt = await move(meter.job_id, str(failure), failure.status, candidates)
+                if failure.outcome == "failed":  # the node's own failure, not a tunnel none reached
+                    self.placement.node_failed(node.id)  # after the move, which cooled it down in SQL
                 if nxt is None:  # counted by whoever ends the job
                     raise NoNodeLeft(failure) from None
                 self.metrics.count(node.id, failure.outcome)
