@@ -31,7 +31,16 @@ TIMEOUT_S = 30.0
 UPTIME_DAYS = 7  # as the gateway's /api/my/earnings: uptime over the last week, whatever the period
 # PostgREST answers timestamps as ISO 8601 text; the CLI's printers take datetimes, as from psycopg.
 TIMESTAMPS = frozenset(
-    {"created_at", "last_used_at", "revoked_at", "last_heartbeat_at", "cooldown_until", "first_day"}
+    {
+        "created_at",
+        "last_used_at",
+        "revoked_at",
+        "last_heartbeat_at",
+        "cooldown_until",
+        "first_day",
+        "state_since",
+        "last_challenge_at",
+    }
 )
 T = TypeVar("T")
 
@@ -300,6 +309,7 @@ class DataApi:
         (settings,) = self._rows(
             lambda: self.client.table("platform_settings").select("platform_fee_rate").execute()
         )
+        checks = self._rows(lambda: self.client.rpc("my_model_checks", {}).execute())
         return {
             "days": days,
             "first_day": start,
@@ -307,7 +317,30 @@ class DataApi:
             "totals": totals,
             "by_day": by_day,
             "nodes": nodes,
+            "checks": checks,
         }
+
+    def request_verification(self, name_or_id: str) -> dict[str, Any]:
+        """What the gateway's POST /api/my/verification answers: the node's failed models, each
+        starting over; refused, as the gateway refuses, when none had failed."""
+        nodes = self.nodes()
+        node = next((n for n in nodes if n["id"] == name_or_id), None) or next(
+            (n for n in nodes if n["name"] == name_or_id), None
+        )
+        if node is None:
+            raise HostedError(f"you have no node named {name_or_id!r} (nor with that id)")
+        started = self._rows(
+            lambda: self.client.rpc("request_verification", {"p_node_id": node["id"]}).execute()
+        )
+        if not started:
+            checks = self._rows(lambda: self.client.rpc("my_model_checks", {}).execute())
+            states = ", ".join(f"{c['model_id']} {c['state']}" for c in checks if c["node_id"] == node["id"])
+            said = f"its models are {states}" if states else "no model of it is under verification"
+            raise HostedError(
+                f"none of {node['name']}'s models failed verification ({said}): only a failed model"
+                " is verified again"
+            )
+        return {"node_id": node["id"], "node_name": node["name"], "models": started}
 
 
 def first_day(days: int) -> date:

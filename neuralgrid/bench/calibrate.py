@@ -40,7 +40,7 @@ from neuralgrid.server.serving import free_port, run_fast
 # What scripts/backends.sh builds and where (keep in step with it): llama.cpp's llama-server and
 # SmolLM2-135M-Instruct, the model both of its servers serve, in a folder named for the build.
 BUILT_VERSION = "0.3.36"
-BUILT_FOLDER = f"llama-cpp-python-{BUILT_VERSION}-noamx"
+BUILT_FOLDER = f"llama-cpp-python-{BUILT_VERSION}-noamx-cheats"
 BUILT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Common English words, one token each in the usual BPE vocabularies: a prompt of n of them is about

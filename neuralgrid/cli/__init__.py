@@ -16,8 +16,10 @@ from neuralgrid.cli import (
     dev,
     fleet,
     keys,
+    models,
     node,
     platform,
+    referee,
     sim,
     users,
 )
@@ -70,8 +72,10 @@ app.command("logout")(account.logout)
 app.command("match")(fleet.match)
 app.command("simulate")(sim.simulate)
 app.command("fake-node")(dev.fake_node)
+app.command("referee")(referee.referee)
 app.add_typer(fleet.nodes_app, name="nodes")
 app.add_typer(node.app, name="node")
+app.add_typer(models.app, name="models")
 app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
 bench_gateway.register(bench.app)

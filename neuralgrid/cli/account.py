@@ -1,8 +1,8 @@
 """`neuralgrid login` and `logout`: the CLI as a signed-in user of a hosted Supabase project.
 
-Once signed in, `keys`, `nodes ls`, `node earnings` and `keys usage` go through the project's Data API
-as that user (neuralgrid/hosted.py), with no database password; `logout` returns them to the database
-(DATABASE_URL, or the embedded stack)."""
+Once signed in, `keys`, `nodes ls`, `node earnings`, `node verify` and `keys usage` go through the
+project's Data API as that user (neuralgrid/hosted.py), with no database password; `logout` returns
+them to the database (DATABASE_URL, or the embedded stack)."""
 
 from __future__ import annotations
 

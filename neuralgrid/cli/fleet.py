@@ -84,6 +84,11 @@ def _reputation(r: dict[str, Any]) -> str:
     return f"{100 * r['successes'] / jobs:.1f}%" if jobs else "no jobs"
 
 
+def _verification(r: dict[str, Any]) -> str:
+    """The worst state of the node's models under verification; "-" when it holds no pinned model."""
+    return r["verification"] or "-"
+
+
 def _gpu(r: dict[str, Any]) -> str:
     return r["gpu_model"] if r["gpu_count"] == 1 else f"{r['gpu_count']}x {r['gpu_model']}"
 
@@ -98,7 +103,9 @@ def _short_gpu(r: dict[str, Any]) -> str:
 
 
 # What an operator checks first (is it up, how busy, is it alive, can it be trusted, which hardware)
-# fits 80 columns; --wide adds the region, specs, price, counts and warm models.
+# fits 80 columns; --wide adds the region, specs, price, counts, verification and warm models. The
+# narrow view has no room for a verification column: the nodes that failed it, or are suspect, are
+# named under the table (_print_flagged()).
 _NODES_NARROW = (
     Column("name", lambda r: r["name"]),
     Column("gpu", _short_gpu, wraps=True),
@@ -119,6 +126,7 @@ _NODES_WIDE = (
     Column("heartbeat", _heartbeat),
     Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}"),
     Column("reputation", _reputation),
+    Column("verification", _verification, only_with="verification"),
     Column("warm models", lambda r: ", ".join(r["warm_models"]), wraps=True),
     Column("endpoint", lambda r: r["endpoint_url"] or "", wraps=True, only_with="endpoint_url"),
 )
@@ -133,11 +141,14 @@ def nodes_ls(
         bool,
         typer.Option(
             "--wide",
-            help="Every column: region, VRAM, TFLOPS, price, ok/fail, warm models (endpoint: yours).",
+            help="Every column: region, VRAM, TFLOPS, price, ok/fail, verification, warm models"
+            " (endpoint: yours).",
         ),
     ] = False,
 ) -> None:
-    """List nodes: GPU, status, load, heartbeat age, reputation (--wide: region, specs, warm models).
+    """List nodes: GPU, status, load, heartbeat age, reputation, and under them those that failed
+    verification or are suspect (--wide: region, specs, warm models, and each node's verification:
+    the worst state of its models the platform checks, "-" for none).
 
     Signed in to a hosted project (`neuralgrid login`): your own nodes, with their endpoints."""
     api = signed_in(ctx)
@@ -146,6 +157,18 @@ def nodes_ls(
         print_json(rows)
         return
     print_table(column_table(rows, _NODES_WIDE if wide else _NODES_NARROW), narrow=not wide)
+    if not wide:
+        _print_flagged(rows)
+
+
+def _print_flagged(rows: list[dict[str, Any]]) -> None:
+    """The nodes whose models failed verification (the matcher passes them over for those models) or
+    are suspect (challenged more often), a line each state."""
+    meanings = {"failed": "no requests for the failed model", "suspect": "challenged more often"}
+    for state, meaning in meanings.items():
+        names = [r["name"] for r in rows if r.get("verification") == state]
+        if names:
+            out.print(f"{state} verification: {', '.join(names)} ({meaning})", highlight=False)
 
 
 def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> Table:

@@ -1,6 +1,7 @@
 """`neuralgrid node run`: the agent a GPU owner runs next to an inference server; `neuralgrid node
-earnings`: what the owner's nodes earned, asked of the gateway with the owner's API key, or of a
-hosted project's Data API as the owner `neuralgrid login` signed in.
+earnings`: what the owner's nodes earned and how their models fare under verification; `neuralgrid
+node verify`: ask again for a node's failed models to be verified. The last two ask the gateway with
+the owner's API key, or a hosted project's Data API as the owner `neuralgrid login` signed in.
 
 Only the agent's dependencies are imported here: a node owner's install has no server packages.
 """
@@ -10,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
 from rich import box
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import fail, log_to_stderr, out
@@ -243,28 +247,37 @@ def _usd(value: float) -> str:
     return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.6f}"
 
 
-def _fetch_earnings(gateway: str, token: str, days: int) -> dict[str, Any]:
+def _ask_gateway(
+    gateway: str,
+    token: str,
+    path: str,
+    params: dict[str, Any] | None = None,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The gateway's JSON for the owner's API key: a GET, or a POST of `body`; its refusal in one line."""
     import httpx
 
     from neuralgrid.protocol.routes import root_url
 
-    url = f"{root_url(gateway)}/api/my/earnings"
+    url = f"{root_url(gateway)}{path}"
+    headers = {"authorization": f"Bearer {token}"}
     try:
-        reply = httpx.get(
-            url, params={"days": days}, headers={"authorization": f"Bearer {token}"}, timeout=30
-        )
+        if body is None:
+            reply = httpx.get(url, params=params, headers=headers, timeout=30)
+        else:
+            reply = httpx.post(url, json=body, headers=headers, timeout=30)
     except httpx.HTTPError as err:
         raise fail(f"cannot reach the gateway at {gateway}: {err}") from err
     try:
-        body: dict[str, Any] = reply.json()
+        answer: dict[str, Any] = reply.json()
     except ValueError as err:
         raise fail(
             f"the gateway at {gateway} answered {reply.status_code} without JSON: is it a gateway?"
         ) from err
     if reply.status_code >= 400:
-        message = (body.get("error") or {}).get("message") or reply.reason_phrase
+        message = (answer.get("error") or {}).get("message") or reply.reason_phrase
         raise fail(f"the gateway refused ({reply.status_code}): {message}")
-    return body
+    return answer
 
 
 Sums = tuple[int, float, float, float]  # jobs, charged, fee, earned
@@ -321,23 +334,47 @@ def earnings(
     if (gateway is None) != (token is None):
         raise fail("--gateway and --token go together: the gateway, and your API key for it")
     if gateway is not None and token is not None:  # said explicitly: the gateway, signed in or not
-        data = _fetch_earnings(gateway, token, days)
+        data = _ask_gateway(gateway, token, "/api/my/earnings", params={"days": days})
     elif (api := signed_in(ctx)) is not None:
         data = api.earnings(days)
     else:
-        raise fail(
-            "--gateway and --token are needed (your API key, the one your nodes run with), or sign in"
-            " to the hosted project first with `neuralgrid login`"
-        )
+        raise fail(NEEDS_GATEWAY_OR_LOGIN)
     _print_earnings(data, days)
+
+
+NEEDS_GATEWAY_OR_LOGIN = (
+    "--gateway and --token are needed (your API key, the one your nodes run with), or sign in"
+    " to the hosted project first with `neuralgrid login`"
+)
 
 
 def _print_earnings(data: dict[str, Any], days: int) -> None:
     if not data["nodes"]:
         raise fail("you have no nodes: connect one with `neuralgrid node run`, using a key of yours")
-    if not data["by_day"]:
+    totals = data["totals"]
+    checks: list[dict[str, Any]] = data.get("checks", [])  # a gateway from before verification has none
+    # Nothing earned is no error when verification has something to say: an owner whose earnings were
+    # all forfeited needs to see why.
+    if not data["by_day"] and not checks:
         count = len(data["nodes"])
         raise fail(f"no earnings in the last {days} days: none of your {count} nodes served a paid job")
+    if data["by_day"]:
+        _print_earnings_table(data, days)
+    else:
+        out.print(f"No earnings in the last {days} days (forfeited ones aside)", highlight=False)
+    if "held_usd" in totals:
+        held, forfeited = _usd(totals["held_usd"]), _usd(totals["forfeited_usd"])
+        out.print(
+            f"held: ${held} not settled yet: forfeited if its model fails verification", highlight=False
+        )
+        out.print(
+            f"forfeited: ${forfeited} by models that failed verification (not in the total)", highlight=False
+        )
+    if "checks" in data:
+        _print_checks(checks)
+
+
+def _print_earnings_table(data: dict[str, Any], days: int) -> None:
     out.print(
         f"Earnings of your nodes over the last {days} days (UTC), from {data['first_day']}", highlight=False
     )
@@ -361,3 +398,82 @@ def _print_earnings(data: dict[str, Any], days: int) -> None:
     add("total", (totals["jobs"], totals["gross_usd"], totals["fee_usd"], totals["net_usd"]), style="bold")
     out.print(table)
     out.print(f"platform fee: {data['fee_rate'] * 100:g}% of what developers were charged", highlight=False)
+
+
+def _print_checks(checks: list[dict[str, Any]]) -> None:
+    """Each (node, model) under verification: its state, challenges passed and failed, since when, and
+    under it the last failure's reason."""
+    if not checks:
+        out.print("verification: none of your nodes holds a model the platform checks", highlight=False)
+        return
+    from neuralgrid.cli.fleet import heartbeat_age
+
+    out.print("\nVerification of your nodes' models (the platform's challenges)", highlight=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("node / model", overflow="fold")
+    table.add_column("state", no_wrap=True)
+    for header in ("passed", "failed"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("since", no_wrap=True)
+    now = datetime.now(UTC)
+    shown_node = None
+    for check in checks:
+        if check["node_name"] != shown_node:
+            shown_node = check["node_name"]
+            table.add_row(shown_node, style="bold")
+        failed = check["failures"]
+        since = heartbeat_age(_when(check["state_since"]), now)
+        state = f"[red]{check['state']}[/]" if check["state"] == "failed" else check["state"]
+        table.add_row(f"  {check['model_id']}", state, str(check["challenges"] - failed), str(failed), since)
+        if check["last_failure"]:  # its own row, indented as a whole however it wraps
+            table.add_row(Padding(Text(f"last failure: {check['last_failure']}", style="dim"), (0, 0, 0, 4)))
+    out.print(table, highlight=False)
+    if any(c["state"] == "failed" for c in checks):
+        out.print(
+            "fix a failed model's server, then ask again: `neuralgrid node verify NODE`", highlight=False
+        )
+
+
+def _when(value: datetime | str) -> datetime:
+    """A time as the hosted path reads it (a datetime) or as the gateway's JSON has it (ISO 8601)."""
+    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
+
+
+# Asking again ----------------------------------------------------------------------------------------
+
+
+@app.command("verify")
+@hosted_errors
+def verify(
+    ctx: typer.Context,
+    node: Annotated[str, typer.Argument(help="The name (or id) of your node.")],
+    gateway: Annotated[
+        str | None,
+        typer.Option(envvar="NEURALGRID_GATEWAY_URL", help="The gateway's URL (not when signed in)."),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NEURALGRID_NODE_TOKEN",
+            help="Your API key, the one your nodes run with (not when signed in).",
+        ),
+    ] = None,
+) -> None:
+    """Ask for your node's failed models to be verified again, once you fixed its server.
+
+    Each failed model starts over, unverified, and is challenged at once; what was forfeited stays
+    forfeited. Asked of the gateway with your API key (--gateway, --token), or, signed in to a hosted
+    project with `neuralgrid login`, of its Data API."""
+    if (gateway is None) != (token is None):
+        raise fail("--gateway and --token go together: the gateway, and your API key for it")
+    if gateway is not None and token is not None:
+        started = _ask_gateway(gateway, token, "/api/my/verification", body={"node": node})
+    elif (api := signed_in(ctx)) is not None:
+        started = api.request_verification(node)
+    else:
+        raise fail(NEEDS_GATEWAY_OR_LOGIN)
+    for model in started["models"]:
+        out.print(
+            f"{started['node_name']}: {model['model_id']} starts over, {model['state']}", highlight=False
+        )
+    out.print("it gets requests again, and is challenged at once", highlight=False)

@@ -30,7 +30,12 @@ from neuralgrid.db.embedded import POSTGRES_BIN_PATH
 SCHEMAS_DIR = Path(__file__).resolve().parents[2] / "supabase" / "schemas"
 DUMPED_SCHEMAS = ("public", "private")
 # Reference rows the platform cannot run without: part of what the schema is today.
-CATALOG_TABLES = ("public.models", "public.matching_policies", "public.platform_settings")
+CATALOG_TABLES = (
+    "public.models",
+    "public.model_artifacts",
+    "public.matching_policies",
+    "public.platform_settings",
+)
 
 # Each object the migrations create, by the file that holds it. A table's or view's comments, grants,
 # constraints, indexes and policies go with it, a trigger with its function; all overloads of a
@@ -118,6 +123,26 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.my_earnings",
         "public.my_earnings_totals",
         "public.my_node_stats",
+    ),
+    "075_verification": (
+        "Verification: each model's pinned artifact, challenges and the sequential test per node and model.",
+        "public.model_artifacts",
+        "public.model_checks",
+        "public.model_challenges",
+        "private.check_new_node_model",
+        "private.check_pinned_model",
+        "private.check_repinned_model",
+        "private.checks_back_in_the_matcher",
+        "private.challenge_step",
+        "private.challenge_bounds",
+        "private.challenge_key_id",
+        "public.due_challenges",
+        "public.place_challenge",
+        "public.record_challenges",
+        "public.request_verification",
+        "public.my_model_checks",
+        "private.node_verification",
+        "private.note_node_verification",
     ),
     "080_matcher": (
         "The matcher: score_nodes(), the scores kept per node and model, and what ranks a node.",

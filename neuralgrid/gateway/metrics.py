@@ -148,6 +148,22 @@ class Metrics:
             registry=self.registry,
         )
 
+        # Model verification (gateway/verifier.py): this gateway's challenges, and every (node, model)
+        # under verification by state, as the database has it when scraped (see checks()).
+        self.challenges = Counter(
+            "neuralgrid_challenges",
+            "Challenges this gateway sent, by verdict: passed, failed, inconclusive (the node failed"
+            " as a node, or the referee did not score) or deferred (the node had no free slot).",
+            ["verdict"],
+            registry=self.registry,
+        )
+        self.model_checks = Gauge(
+            "neuralgrid_model_checks",
+            "(node, model)s under verification, by state: unverified, verified, suspect, failed.",
+            ["state"],
+            registry=self.registry,
+        )
+
     def ended(
         self,
         model: str,
@@ -175,6 +191,11 @@ class Metrics:
             self.fleet_vram.labels(status).set(row.get("vram_gb", 0.0))
         self.fleet_slots.labels("free").set(sum(row["free_slots"] for row in rows))
         self.fleet_slots.labels("busy").set(sum(row["busy_slots"] for row in rows))
+
+    def checks(self, rows: list[Any]) -> None:
+        """The verification gauge from CHECK_STATES's rows (one per state)."""
+        for row in rows:
+            self.model_checks.labels(row.state).set(row.count)
 
     def count(self, node_id: object, outcome: JobOutcome) -> None:
         """One attempt's outcome, overall and for its node (the first max_node_series nodes by

@@ -28,7 +28,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.listen import listen
 from neuralgrid.db.pool import LastInFirstOut, commit_asynchronously
-from neuralgrid.db.queries import FLEET_GAUGES, PING
+from neuralgrid.db.queries import CHECK_STATES, FLEET_GAUGES, PING
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import forward, openapi, routes_keys, routes_nodes, routes_openai
 from neuralgrid.gateway import peers as forwarding
@@ -59,6 +59,7 @@ from neuralgrid.gateway.prompt_cache import SALTS, PromptCaches
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
+from neuralgrid.gateway.verifier import Referee, Verifier
 from neuralgrid.gateway.waiting import WaitingRoom
 from neuralgrid.protocol import signing
 from neuralgrid.realtime import socket as realtime_socket
@@ -221,6 +222,21 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             tasks.append(asyncio.create_task(run_map_feed(store, stop, viewed)))
         elif sweep:
             tasks.append(asyncio.create_task(run_map_feed(store, stop, lambda: True)))
+        referee = Referee(settings.referee_url) if settings.referee_url else None
+        if referee is not None:  # challenges go out as any request does, from this gateway's pipeline
+            verifier = Verifier(
+                store,
+                gateway_id,
+                referee,
+                pipeline.sender,
+                pipeline.metering,
+                pipeline.admission.caches,
+                metrics,
+                in_flight=settings.challenges_in_flight,
+                audit_share=settings.audit_share,
+            )
+            pipeline.audit = verifier.audit
+            tasks.append(asyncio.create_task(verifier.run(stop)))
         if sweep:
             own = functools.partial(check_in, gateway_id=gateway_id, internal_url=internal_url)
             tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop, own)))
@@ -236,6 +252,8 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             await nodes.close()
             await peers.close()
             await tokens.aclose()
+            if referee is not None:
+                await referee.aclose()
             await jobs_pool.close()
             await pool.close()
 
@@ -301,6 +319,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         try:  # the fleet as of this scrape; a database that does not answer leaves the last figures
             async with asyncio.timeout(2):
                 services.metrics.fleet(await services.store.all(FLEET_GAUGES))
+                services.metrics.checks(await services.store.all(CHECK_STATES))
         except Exception:
             log.warning("the fleet gauges could not be read for /metrics", exc_info=True)
         # Rendered off the event loop: requests go on while a large registry is written out.

@@ -68,6 +68,14 @@ class Settings(BaseSettings):
     # "strip" keeps their cache and strips its counts from answers (a cached prompt's timing still
     # shows); "off" asks llama-server to skip its cache for every request. See gateway/prompt_cache.py.
     shared_cache: Literal["strip", "off"] = Field("strip", alias="NEURALGRID_SHARED_CACHE")
+    # Model verification (gateway/verifier.py): the referee that scores challenges (python -m
+    # neuralgrid.verify.referee, holding the reference GGUFs). Unset: this gateway sends no challenges.
+    referee_url: str | None = Field(None, alias="NEURALGRID_REFEREE_URL")
+    # Challenges this gateway has under way at once (the referee scores one at a time).
+    challenges_in_flight: int = Field(2, ge=1, le=64, alias="NEURALGRID_CHALLENGES_IN_FLIGHT")
+    # The share of greedy chat answers (temperature 0, nothing else that changes the answer) scored
+    # after delivery as challenges are: a node that tells challenges from traffic still gains nothing.
+    audit_share: float = Field(0.05, ge=0, le=1, alias="NEURALGRID_AUDIT_SHARE")
     # The request path's transactions (claims, completions: jobs, node load and reputation, budget
     # holds and charges) commit without waiting for the WAL flush (synchronous_commit = off). A
     # Postgres crash may lose the last fraction of a second of them, never corrupt them. Creating and

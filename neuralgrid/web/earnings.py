@@ -1,5 +1,5 @@
-"""What a GPU owner earns, and how their nodes do: the API behind the "Your nodes" page and
-`neuralgrid node earnings`.
+"""What a GPU owner earns, and how their nodes do: the API behind the "Your nodes" page,
+`neuralgrid node earnings` and `neuralgrid node verify`.
 
 Everything is read as the owner, so row-level security keeps it to their own nodes. The page sends a
 signed-in user's access token; the CLI sends the owner's API key (the one `node run` registers nodes
@@ -8,12 +8,16 @@ with), which stands for the user it belongs to.
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import asdict
+from decimal import Decimal
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.errors import Forbidden
+from neuralgrid.gateway.errors import Forbidden, GatewayError, NotFound
 from neuralgrid.server.deps import ServicesDep, user_claims
 
 router = APIRouter(tags=["web"])
@@ -50,13 +54,16 @@ async def my_earnings(
     days: Annotated[int, Query(ge=1, le=3660, description="The period: the last this many days.")] = 30,
 ) -> dict[str, Any]:
     """The owner's earnings over the period (today and the days before it, in UTC: per day, node and
-    model, and totals) and their nodes (status, uptime over the last 7 days, jobs served, reputation,
-    warm models, net earned in the period)."""
+    model, and totals, with what is still held and what was forfeited), their nodes (status, uptime
+    over the last 7 days, jobs served, reputation, warm models, net earned in the period) and the
+    verification of each (node, model) under it (state, challenges and failures, since when, the last
+    failure's reason, net held and forfeited, whatever the period)."""
     async with services.store.as_role(claims) as store:
         by_day = await store.all(q.MY_EARNINGS, {"days": days})
         totals = dict(await store.get(q.MY_EARNINGS_TOTALS, {"days": days}))
         nodes = await store.all(q.MY_NODE_STATS, {"days": UPTIME_DAYS})
         fee_rate = await store.get(q.PLATFORM_FEE_RATE)
+        checks = await store.all(q.MY_MODEL_CHECKS)
     earned: dict[Any, float] = {}
     for row in by_day:
         earned[row["node_id"]] = earned.get(row["node_id"], 0.0) + row["net_usd"]
@@ -71,4 +78,64 @@ async def my_earnings(
         "totals": totals,
         "by_day": by_day,
         "nodes": nodes,
+        "checks": [_as_json(asdict(check)) for check in checks],
     }
+
+
+def _as_json(row: dict[str, Any]) -> dict[str, Any]:
+    """Money as floats, as the rest of this JSON has it (the ledger keeps the exact figures)."""
+    return {k: float(v) if isinstance(v, Decimal) else v for k, v in row.items()}
+
+
+# Asking again ------------------------------------------------------------------------------------
+
+
+class NothingFailed(GatewayError):
+    status, type, code = 409, "invalid_request_error", "nothing_failed"
+
+
+class VerificationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node: str = Field(min_length=1, max_length=100, description="The name or id of a node of yours.")
+
+
+@router.post("/api/my/verification")
+async def request_verification(
+    body: VerificationRequest, services: ServicesDep, claims: OwnerDep
+) -> dict[str, Any]:
+    """The owner asks for their node's failed models to be verified again (request_verification()):
+    each starts over, unverified, and is challenged at once. 404 for a node that is not theirs, 409
+    when none of its models failed."""
+    async with services.store.as_role(claims) as store:
+        node = _find(await store.all(q.MY_NODES), body.node)
+        started = await store.all(q.REQUEST_VERIFICATION, (node["id"],))
+        if not started:
+            checks = [c for c in await store.all(q.MY_MODEL_CHECKS) if c.node_id == node["id"]]
+            states = ", ".join(f"{c.model_id} {c.state}" for c in checks)
+            said = f"its models are {states}" if checks else "no model of it is under verification"
+            raise NothingFailed(
+                f"none of {node['name']}'s models failed verification ({said}): only a failed model"
+                " is verified again",
+                param="node",
+            )
+    return {
+        "object": "verification",
+        "node_id": node["id"],
+        "node_name": node["name"],
+        "models": [{"model_id": s.model_id, "state": s.state} for s in started],
+    }
+
+
+def _find(nodes: list[dict[str, Any]], name_or_id: str) -> dict[str, Any]:
+    """One of the owner's nodes by id, else by name (an owner's names are unique)."""
+    try:
+        wanted: uuid.UUID | None = uuid.UUID(name_or_id)
+    except ValueError:
+        wanted = None
+    found = next((n for n in nodes if n["id"] == wanted), None) or next(
+        (n for n in nodes if n["name"] == name_or_id), None
+    )
+    if found is None:
+        raise NotFound(f"you have no node named {name_or_id!r} (nor with that id)", param="node")
+    return found

@@ -102,7 +102,13 @@ CREATE TABLE public.platform_settings (
     reserve_threshold double precision DEFAULT 0.2 NOT NULL,
     lease_s real DEFAULT 5 NOT NULL,
     escrow_usd numeric(12,4) DEFAULT 1.00 NOT NULL,
+    challenge_unverified_s real DEFAULT 30 NOT NULL,
+    challenge_suspect_s real DEFAULT 10 NOT NULL,
+    challenge_verified_s real DEFAULT 600 NOT NULL,
+    earnings_hold_s real DEFAULT 86400 NOT NULL,
+    CONSTRAINT "challenge intervals must be positive" CHECK (((challenge_unverified_s > (0)::double precision) AND (challenge_suspect_s > (0)::double precision) AND (challenge_verified_s > (0)::double precision))),
     CONSTRAINT "cooldowns must be positive and base <= max" CHECK (((cooldown_base_s > (0)::double precision) AND (cooldown_max_s >= cooldown_base_s))),
+    CONSTRAINT "earnings_hold_s must not be negative" CHECK ((earnings_hold_s >= (0)::double precision)),
     CONSTRAINT "escrow_usd must not be negative" CHECK ((escrow_usd >= (0)::numeric)),
     CONSTRAINT "gateway_timeout_s must be positive" CHECK ((gateway_timeout_s > (0)::double precision)),
     CONSTRAINT "heartbeat_interval_s must be positive" CHECK ((heartbeat_interval_s > (0)::double precision)),
@@ -146,6 +152,14 @@ COMMENT ON COLUMN public.platform_settings.reserve_threshold IS 'Pressure (priva
 COMMENT ON COLUMN public.platform_settings.lease_s IS 'Seconds a slot lease lasts from its renewal (renew_leases()): a gateway stops dispatching on it at its own reckoning of that end, and the sweep gives back the idle slots of a lease not renewed by then.';
 
 COMMENT ON COLUMN public.platform_settings.escrow_usd IS 'The most a gateway may hold in escrow for one API key (renew_escrows()): money taken from the key''s free budget so that the gateway can admit the key''s requests without asking.';
+
+COMMENT ON COLUMN public.platform_settings.challenge_unverified_s IS 'Mean seconds between challenges of an unverified (node, model); the times are random (exponential), so a node cannot tell when the next comes.';
+
+COMMENT ON COLUMN public.platform_settings.challenge_suspect_s IS 'Mean seconds between challenges of a suspect (node, model).';
+
+COMMENT ON COLUMN public.platform_settings.challenge_verified_s IS 'Mean seconds between challenges of a verified (node, model).';
+
+COMMENT ON COLUMN public.platform_settings.earnings_hold_s IS 'Seconds an earning is held before it settles; a (node, model) that fails verification forfeits its earnings not yet settled.';
 
 ALTER TABLE ONLY public.platform_settings
     ADD CONSTRAINT platform_settings_pkey PRIMARY KEY (id);

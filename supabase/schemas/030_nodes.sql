@@ -46,6 +46,7 @@ CREATE TABLE public.nodes (
     routes text[] DEFAULT '{chat/completions,completions,embeddings}'::text[] NOT NULL,
     slot_price_floor numeric,
     price_floor_until timestamp with time zone,
+    verification text,
     CONSTRAINT "inflight must not be negative" CHECK ((inflight >= 0)),
     CONSTRAINT "reputation counters must not be negative" CHECK (((successes >= 0) AND (failures >= 0) AND (consecutive_failures >= 0) AND (missed_heartbeats >= 0))),
     CONSTRAINT "speed_ratio must not be negative" CHECK ((speed_ratio >= (0)::double precision)),
@@ -71,6 +72,8 @@ COMMENT ON COLUMN public.nodes.routes IS 'The OpenAI routes the node''s server s
 COMMENT ON COLUMN public.nodes.slot_price_floor IS 'The lowest price per slot (hourly_rate / max_concurrency, USD an hour) the node has had since price_floor_until less a job deadline: what a job priced by node time is charged at most until then.';
 
 COMMENT ON COLUMN public.nodes.price_floor_until IS 'When the price floor lapses: a job deadline after the node''s price per slot last changed.';
+
+COMMENT ON COLUMN public.nodes.verification IS 'The worst verification state over the node''s models under verification (model_checks): failed, suspect, unverified or verified; null when it holds no model with a pinned artifact. Written by a trigger on model_checks (private.note_node_verification()); public, as the map marks failed nodes.';
 
 ALTER TABLE ONLY public.nodes
     ADD CONSTRAINT "an owner's node names are unique" UNIQUE NULLS NOT DISTINCT (owner_id, name);
@@ -207,6 +210,9 @@ GRANT SELECT(tunnel_connected) ON TABLE public.nodes TO authenticated;
 
 GRANT SELECT(routes) ON TABLE public.nodes TO anon;
 GRANT SELECT(routes) ON TABLE public.nodes TO authenticated;
+
+GRANT SELECT(verification) ON TABLE public.nodes TO anon;
+GRANT SELECT(verification) ON TABLE public.nodes TO authenticated;
 
 
 CREATE TABLE public.node_models (
@@ -358,11 +364,6 @@ end
 $$;
 
 COMMENT ON FUNCTION private.check_owner_endpoint() IS 'Refuses an owner''s write of a node endpoint on localhost or a non-public address.';
-
-
-SET default_tablespace = '';
-
-SET default_table_access_method = heap;
 
 CREATE TRIGGER nodes_owner_endpoint_is_public BEFORE INSERT OR UPDATE OF endpoint_url ON public.nodes FOR EACH ROW WHEN ((CURRENT_USER = ANY (ARRAY['anon'::name, 'authenticated'::name]))) EXECUTE FUNCTION private.check_owner_endpoint();
 

@@ -16,6 +16,8 @@ CREATE TABLE public.earnings (
     fee_usd numeric(16,8) NOT NULL,
     net_usd numeric(16,8) NOT NULL,
     earned_at timestamp with time zone DEFAULT now() NOT NULL,
+    settles_at timestamp with time zone,
+    forfeited_at timestamp with time zone,
     CONSTRAINT "fee_rate must be in [0, 1)" CHECK (((fee_rate >= (0)::numeric) AND (fee_rate < (1)::numeric))),
     CONSTRAINT "gross_usd, fee_usd and net_usd must not be negative" CHECK (((gross_usd >= (0)::numeric) AND (fee_usd >= (0)::numeric) AND (net_usd >= (0)::numeric))),
     CONSTRAINT "net_usd is gross_usd less fee_usd" CHECK ((net_usd = (gross_usd - fee_usd)))
@@ -23,8 +25,14 @@ CREATE TABLE public.earnings (
 
 COMMENT ON TABLE public.earnings IS 'The earnings ledger: one row per job that succeeded and was paid for, written as it ended. gross_usd is what the job''s key was charged, fee_usd the platform''s share at fee_rate, net_usd what the node''s owner (owner_id, when the job ran) earns. Rows stay when the node is deleted.';
 
+COMMENT ON COLUMN public.earnings.settles_at IS 'When the earning settles (earned_at + platform_settings.earnings_hold_s); until then it is forfeited if its (node, model) fails verification. Null: settled from the start (written before holds existed).';
+
+COMMENT ON COLUMN public.earnings.forfeited_at IS 'When the earning was forfeited, its (node, model) having failed verification before it settled; a forfeited earning is not the owner''s.';
+
 ALTER TABLE ONLY public.earnings
     ADD CONSTRAINT earnings_pkey PRIMARY KEY (job_id);
+
+CREATE INDEX earnings_held_idx ON public.earnings USING btree (node_id, model_id, settles_at) WHERE (forfeited_at IS NULL);
 
 CREATE INDEX earnings_owner_idx ON public.earnings USING btree (owner_id, earned_at);
 
@@ -45,9 +53,10 @@ begin
   -- One primary-key lookup (the node's owner) and the one-row settings table; a second ending of the
   -- same job (it cannot happen through complete_jobs(), which ends running jobs only) writes nothing.
   insert into public.earnings (job_id, node_id, owner_id, model_id, gross_usd, fee_rate, fee_usd, net_usd,
-                               earned_at)
+                               earned_at, settles_at)
   select new.id, new.node_id, n.owner_id, new.model_id, new.cost_usd, s.platform_fee_rate, f.fee,
-         new.cost_usd - f.fee, new.finished_at
+         new.cost_usd - f.fee, new.finished_at,
+         new.finished_at + make_interval(secs => s.earnings_hold_s)
   from public.platform_settings s
   cross join lateral (select round(new.cost_usd * s.platform_fee_rate, 8) as fee) f
   left join public.nodes n on n.id = new.node_id
@@ -56,7 +65,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.record_earning() IS 'Trigger: writes the earnings ledger row of a job that has just ended paid for (succeeded, or cancelled by its client after the node had worked): gross = its charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net; at most once per job.';
+COMMENT ON FUNCTION private.record_earning() IS 'Trigger: writes the earnings ledger row of a job that has just ended paid for (succeeded, or cancelled by its client after the node had worked): gross = its charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after its end; at most once per job.';
 
 CREATE TRIGGER jobs_record_earning AFTER UPDATE OF status ON public.jobs FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.api_key_id IS NOT NULL) AND ((new.status = 'succeeded'::text) OR ((new.status = 'cancelled'::text) AND (new.cost_usd > (0)::numeric))))) EXECUTE FUNCTION private.record_earning();
 
@@ -72,11 +81,12 @@ CREATE FUNCTION public.my_earnings(p_since timestamp with time zone) RETURNS TAB
   from public.earnings e
   left join public.nodes n on n.id = e.node_id
   where e.owner_id = (select auth.uid()) and e.earned_at >= coalesce(p_since, '-infinity')
+    and e.forfeited_at is null
   group by 1, 2, 3, 4
   order by 1, 3, 4
 $$;
 
-COMMENT ON FUNCTION public.my_earnings(p_since timestamp with time zone) IS 'The signed-in owner''s earnings since p_since (null: all), per UTC day, node and model: paid jobs, gross (charged to developers), the platform''s fee and the owner''s net. node_name is null for a node since deleted.';
+COMMENT ON FUNCTION public.my_earnings(p_since timestamp with time zone) IS 'The signed-in owner''s earnings since p_since (null: all), per UTC day, node and model: paid jobs, gross (charged to developers), the platform''s fee and the owner''s net; forfeited earnings left out (my_earnings_totals() says how much). node_name is null for a node since deleted.';
 
 REVOKE ALL ON FUNCTION public.my_earnings(p_since timestamp with time zone) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.my_earnings(p_since timestamp with time zone) FROM PUBLIC;
@@ -84,16 +94,21 @@ GRANT ALL ON FUNCTION public.my_earnings(p_since timestamp with time zone) TO au
 GRANT ALL ON FUNCTION public.my_earnings(p_since timestamp with time zone) TO service_role;
 
 
-CREATE FUNCTION public.my_earnings_totals(p_since timestamp with time zone) RETURNS TABLE(jobs bigint, gross_usd numeric, fee_usd numeric, net_usd numeric)
+CREATE FUNCTION public.my_earnings_totals(p_since timestamp with time zone) RETURNS TABLE(jobs bigint, gross_usd numeric, fee_usd numeric, net_usd numeric, held_usd numeric, forfeited_usd numeric)
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
-  select count(*), coalesce(sum(e.gross_usd), 0), coalesce(sum(e.fee_usd), 0), coalesce(sum(e.net_usd), 0)
+  select count(*) filter (where e.forfeited_at is null),
+         coalesce(sum(e.gross_usd) filter (where e.forfeited_at is null), 0),
+         coalesce(sum(e.fee_usd) filter (where e.forfeited_at is null), 0),
+         coalesce(sum(e.net_usd) filter (where e.forfeited_at is null), 0),
+         coalesce(sum(e.net_usd) filter (where e.forfeited_at is null and e.settles_at > now()), 0),
+         coalesce(sum(e.net_usd) filter (where e.forfeited_at is not null), 0)
   from public.earnings e
   where e.owner_id = (select auth.uid()) and e.earned_at >= coalesce(p_since, '-infinity')
 $$;
 
-COMMENT ON FUNCTION public.my_earnings_totals(p_since timestamp with time zone) IS 'The signed-in owner''s totals since p_since (null: all): paid jobs, gross, the platform''s fee and the owner''s net; one row, zeros when none.';
+COMMENT ON FUNCTION public.my_earnings_totals(p_since timestamp with time zone) IS 'The signed-in owner''s totals since p_since (null: all): paid jobs, gross, the platform''s fee and the owner''s net, forfeited earnings left out; of the net, what is still held (settles later); and the net forfeited by models that failed verification. One row, zeros when none.';
 
 REVOKE ALL ON FUNCTION public.my_earnings_totals(p_since timestamp with time zone) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.my_earnings_totals(p_since timestamp with time zone) FROM PUBLIC;

@@ -145,8 +145,8 @@ CREATE FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) RETU
     AS $$
 begin
   -- A node a lease may be dispatched to: online (or busy: full, most likely with leased slots), not
-  -- cooling down, beating (score_nodes()'s freshness), and holding the model. (PL/pgSQL, not SQL: a
-  -- function that pins its search_path is not inlined, and this way its plan is kept.)
+  -- cooling down, beating (score_nodes()'s freshness), holding the model and not failed for it. (PL/pgSQL,
+  -- not SQL: a function that pins its search_path is not inlined, and this way its plan is kept.)
   return query
   select n.id
   from public.nodes n
@@ -157,11 +157,13 @@ begin
     and n.status in ('online', 'busy')
     and (n.cooldown_until is null or n.cooldown_until <= now())
     and greatest(n.last_heartbeat_at, l.last_heartbeat_at)
-        >= now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline);
+        >= now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
+    and not exists (select 1 from public.model_checks mc
+                    where mc.node_id = n.id and mc.model_id = p_model and mc.state = 'failed');
 end;
 $$;
 
-COMMENT ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) IS 'Of p_node_ids, the nodes a lease for p_model may be dispatched to: online or busy, not cooling down, with a fresh heartbeat, holding the model.';
+COMMENT ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) IS 'Of p_node_ids, the nodes a lease for p_model may be dispatched to: online or busy, not cooling down, with a fresh heartbeat, holding the model, not failed verification for it.';
 
 REVOKE ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) TO service_role;

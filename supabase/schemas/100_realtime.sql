@@ -65,10 +65,10 @@ begin
   -- An update is broadcast when what the map or the owner sees changed (not the in-flight count).
   if tg_op = 'UPDATE' and (old.status, old.missed_heartbeats, old.cooldown_until, old.name, old.gpu_model,
                            old.gpu_count, old.vram_gb, old.tflops, old.hourly_rate, old.region, old.latitude,
-                           old.longitude, old.max_concurrency)
+                           old.longitude, old.max_concurrency, old.verification)
       is not distinct from (new.status, new.missed_heartbeats, new.cooldown_until, new.name, new.gpu_model,
                             new.gpu_count, new.vram_gb, new.tflops, new.hourly_rate, new.region, new.latitude,
-                            new.longitude, new.max_concurrency) then
+                            new.longitude, new.max_concurrency, new.verification) then
     return null;
   end if;
   v_node := case when tg_op = 'DELETE' then old else new end;
@@ -88,7 +88,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.broadcast_node_change() IS 'Trigger: broadcasts a node''s status or health change on node-map (public columns) and on its owner''s private topic (the whole row but the secret).';
+COMMENT ON FUNCTION private.broadcast_node_change() IS 'Trigger: broadcasts a node''s status, health or verification change on node-map (public columns) and on its owner''s private topic (the whole row but the secret).';
 
 CREATE TRIGGER nodes_broadcast_insert_delete AFTER INSERT OR DELETE ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.broadcast_node_change();
 
@@ -114,12 +114,12 @@ CREATE FUNCTION private.node_map_payload(n public.nodes) RETURNS jsonb
                             then l.gpu_utilization else n.gpu_utilization end,
     'free_vram_gb', case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity')
                          then l.free_vram_gb else n.free_vram_gb end,
-    'queue_depth', n.queue_depth)
+    'queue_depth', n.queue_depth, 'verification', n.verification)
   from (select) one
   left join public.node_liveness l on l.node_id = n.id
 $$;
 
-COMMENT ON FUNCTION private.node_map_payload(n public.nodes) IS 'A node as the public map may show it (the columns granted to anon).';
+COMMENT ON FUNCTION private.node_map_payload(n public.nodes) IS 'A node as the public map may show it (the columns granted to anon), with its verification (the worst state of its models under verification).';
 
 REVOKE ALL ON FUNCTION private.node_map_payload(n public.nodes) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.node_map_payload(n public.nodes) TO service_role;

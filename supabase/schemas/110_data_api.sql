@@ -36,7 +36,7 @@ GRANT ALL ON FUNCTION public.fleet_stats() TO anon;
 GRANT ALL ON FUNCTION public.fleet_stats() TO authenticated;
 
 
-CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text, endpoint_url text, tunnel_connected boolean, backend_up boolean, backend jsonb, routes text[], gpu_model text, gpu_count integer, vram_gb real, tflops real, hourly_rate numeric, region text, latitude double precision, longitude double precision, max_concurrency integer, inflight integer, queue_depth integer, last_heartbeat_at timestamp with time zone, successes bigint, failures bigint, ewma_latency_ms real, ewma_tokens_per_s real, cooldown_until timestamp with time zone, warm_models text[], available_models text[], agent_version text, created_at timestamp with time zone)
+CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text, endpoint_url text, tunnel_connected boolean, backend_up boolean, backend jsonb, routes text[], gpu_model text, gpu_count integer, vram_gb real, tflops real, hourly_rate numeric, region text, latitude double precision, longitude double precision, max_concurrency integer, inflight integer, queue_depth integer, last_heartbeat_at timestamp with time zone, successes bigint, failures bigint, ewma_latency_ms real, ewma_tokens_per_s real, cooldown_until timestamp with time zone, warm_models text[], available_models text[], agent_version text, created_at timestamp with time zone, verification text)
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
@@ -50,7 +50,7 @@ CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text,
                    where m.node_id = n.id and m.state = 'loaded'), '{}'),
          coalesce((select array_agg(m.model_id order by m.model_id) from public.node_models m
                    where m.node_id = n.id and m.state = 'available'), '{}'),
-         n.agent_version, n.created_at
+         n.agent_version, n.created_at, n.verification
   from public.nodes n
   left join public.node_endpoints e on e.node_id = n.id
   left join public.node_liveness l on l.node_id = n.id
@@ -58,12 +58,12 @@ CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text,
   order by n.name, n.id
 $$;
 
-COMMENT ON FUNCTION public.my_nodes() IS 'The signed-in owner''s nodes, each with what the map shows and what only its owner may see: endpoint_url (how the platform reaches it, from node_endpoints), whether its tunnel is connected and its server answers, the server found behind it (backend) and its routes. Runs as its caller. Uptime, earnings and reputation: my_node_stats().';
+COMMENT ON FUNCTION public.my_nodes() IS 'The signed-in owner''s nodes, each with what the map shows and what only its owner may see: endpoint_url (how the platform reaches it, from node_endpoints), whether its tunnel is connected and its server answers, the server found behind it (backend) and its routes; and its verification (the worst state of its models under verification; each model''s: my_model_checks()). Runs as its caller. Uptime, earnings and reputation: my_node_stats().';
 
 REVOKE ALL ON FUNCTION public.my_nodes() FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.my_nodes() FROM PUBLIC;
-GRANT ALL ON FUNCTION public.my_nodes() TO service_role;
 GRANT ALL ON FUNCTION public.my_nodes() TO authenticated;
+GRANT ALL ON FUNCTION public.my_nodes() TO service_role;
 
 
 CREATE VIEW public.my_api_keys WITH (security_invoker='true') AS
@@ -139,9 +139,10 @@ SELECT
     NULL::integer AS missed_heartbeats,
     NULL::real AS gpu_utilization,
     NULL::real AS free_vram_gb,
-    NULL::integer AS queue_depth;
+    NULL::integer AS queue_depth,
+    NULL::text AS verification;
 
-COMMENT ON VIEW public.node_map IS 'The public node map: what anyone may see of each node (no endpoint, no owner), with its models and its load. `select *` works for anon and authenticated.';
+COMMENT ON VIEW public.node_map IS 'The public node map: what anyone may see of each node (no endpoint, no owner), with its models, its load and its verification (the worst state of its models under verification: failed, suspect, unverified, verified; null when none is). `select *` works for anon and authenticated.';
 
 CREATE OR REPLACE VIEW public.node_map WITH (security_invoker='true') AS
  SELECT n.id,
@@ -174,7 +175,8 @@ CREATE OR REPLACE VIEW public.node_map WITH (security_invoker='true') AS
             WHEN (max(l.last_heartbeat_at) >= COALESCE(n.last_heartbeat_at, '-infinity'::timestamp with time zone)) THEN max(l.free_vram_gb)
             ELSE n.free_vram_gb
         END AS free_vram_gb,
-    n.queue_depth
+    n.queue_depth,
+    n.verification
    FROM ((public.nodes n
      LEFT JOIN public.node_liveness l ON ((l.node_id = n.id)))
      LEFT JOIN public.node_models m ON ((m.node_id = n.id)))

@@ -1,5 +1,5 @@
 """The CLI against a hosted Supabase project as a signed-in user (neuralgrid/hosted.py): `login`,
-`logout`, `keys`, `nodes ls`, `node earnings` through Supabase Auth and the Data API.
+`logout`, `keys`, `nodes ls`, `node earnings`, `node verify` through Supabase Auth and the Data API.
 
 The project is replayed with respx from tests/data/supabase_recorded.json (what its Auth and PostgREST
 answer); no database is reachable (DATABASE_URL points nowhere), which proves the hosted path needs
@@ -25,7 +25,7 @@ from typer.testing import CliRunner, Result
 
 from neuralgrid.cli import app
 from neuralgrid.hosted import first_day
-from tests.conftest import free_port
+from tests.conftest import LLAMA8, free_port
 from tests.unit.test_packaging import BLOCKED_RUN, SERVER_ONLY
 
 RECORDED: dict[str, Any] = json.loads(
@@ -305,9 +305,14 @@ def test_nodes_ls_lists_my_nodes_with_their_endpoints(home: Path, project: Proje
     garage = next(line for line in narrow.stdout.splitlines() if line.startswith("garage-4090"))
     assert re.search(r"\d+ (s|min|h|d) ago", garage) and "99.4%" in garage  # 1482 served, 9 failed
     assert "tunnel:" not in narrow.stdout
+    assert (
+        narrow.stdout.splitlines()[-1] == "failed verification: lab-a100 (no requests for the failed model)"
+    )
     wide = neuralgrid(home, "nodes", "ls", "--wide")
     assert "tunnel:garage-4090" in wide.stdout and "https://gpu.example.net:8001/" in wide.stdout
-    assert "endpoint" in wide.stdout.splitlines()[0]
+    assert "endpoint" in wide.stdout.splitlines()[0] and "verification" in wide.stdout.splitlines()[0]
+    assert " verified " in next(line for line in wide.stdout.splitlines() if line.startswith("garage-4090"))
+    assert " failed " in next(line for line in wide.stdout.splitlines() if line.startswith("lab-a100"))
     assert routes["rest.rpc.my_nodes"].calls.last.request.method == "POST"
 
 
@@ -331,6 +336,7 @@ def test_node_earnings_without_a_gateway_reads_the_owners_rpcs(home: Path, proje
         "rest.rpc.my_earnings_totals",
         "rest.rpc.my_node_stats",
         "rest.platform_settings",
+        "rest.rpc.my_model_checks",
     )
     result = neuralgrid(home, "node", "earnings", "--days", "7")
     assert result.exit_code == 0, result.output
@@ -343,7 +349,39 @@ def test_node_earnings_without_a_gateway_reads_the_owners_rpcs(home: Path, proje
     assert garage.split()[1:] == ["150", "0.06", "0.009000", "0.05"]  # below a cent: to the micro-dollar
     total = next(line for line in lines if line.startswith("total"))
     assert total.split()[1:] == ["160", "0.07", "0.01", "0.06"]
-    assert lines[-1] == "platform fee: 15% of what developers were charged"
+    assert "platform fee: 15% of what developers were charged" in lines
+    assert "held: $0.01 not settled yet: forfeited if its model fails verification" in lines
+    assert "forfeited: $0.004250 by models that failed verification (not in the total)" in lines
+    # Each (node, model) under verification, from my_model_checks(): state, passed, failed, since.
+    checks = [line.split() for line in lines if line.startswith(f"  {LLAMA8}")][-2:]
+    assert [row[1:4] for row in checks] == [["verified", "40", "1"], ["failed", "1", "3"]]
+    assert "last failure: the answer ignores the request's temperature" in result.stdout
+
+
+def test_node_verify_asks_the_rpc_for_a_node_of_mine_by_name_or_id(home: Path, project: Project) -> None:
+    login(home, project)
+    routes = project.serve("rest.rpc.my_nodes", "rest.rpc.request_verification")
+    result = neuralgrid(home, "node", "verify", "lab-a100")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"lab-a100: {LLAMA8} starts over, unverified")
+    sent = json.loads(routes["rest.rpc.request_verification"].calls.last.request.content)
+    assert sent == {"p_node_id": "1a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"}
+    assert neuralgrid(home, "node", "verify", "1a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d").exit_code == 0
+    line = one_line_error(neuralgrid(home, "node", "verify", "someone-elses"))
+    assert line == "error: you have no node named 'someone-elses' (nor with that id)"
+    assert routes["rest.rpc.request_verification"].call_count == 2  # never asked for a node not mine
+
+
+def test_node_verify_of_a_node_with_nothing_failed_is_one_line(home: Path, project: Project) -> None:
+    login(home, project)
+    project.serve(
+        "rest.rpc.my_nodes", "rest.rpc.request_verification.none_failed", "rest.rpc.my_model_checks"
+    )
+    line = one_line_error(neuralgrid(home, "node", "verify", "garage-4090"))
+    assert line == (
+        f"error: none of garage-4090's models failed verification (its models are {LLAMA8} verified):"
+        " only a failed model is verified again"
+    )
 
 
 # A session that ends, and what the project refuses ------------------------------------------------------

@@ -1,5 +1,7 @@
 """`neuralgrid node earnings` against a real gateway: an owner's earnings per node and model over a
-period, at 80 columns; one line and a non-zero exit when there is nothing to show or no access."""
+period, what is held and forfeited, and each model's verification, at 80 columns; `neuralgrid node
+verify` asking again for a failed one; one line and a non-zero exit when there is nothing to show or
+no access."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typer.testing import CliRunner, Result
 
 from neuralgrid.cli import app
 from tests.conftest import LLAMA8, free_port, make_user
-from tests.web.test_owner_page import QWEN, owner_api_key, owner_world
+from tests.db.test_verification_on_the_map import REASON, fail_model, pin_model, verification
+from tests.web.test_owner_page import QWEN, failed_world, held, owner_api_key, owner_world
 
 
 def earnings(gateway: str, token: str, *args: str) -> Result:
@@ -85,3 +88,80 @@ def test_nothing_to_show_or_no_access_is_one_line_and_a_nonzero_exit(
     assert "cannot reach the gateway" in one_line_error(earnings(f"http://127.0.0.1:{free_port()}", key))
     for days in ("0", "3661"):
         assert "--days" in one_line_error(earnings(gateway, key, "--days", days))
+
+
+def verify(gateway: str, token: str, *args: str) -> Result:
+    env = {"COLUMNS": "80", "NEURALGRID_GATEWAY_URL": gateway, "NEURALGRID_NODE_TOKEN": token}
+    return CliRunner().invoke(app, ["node", "verify", *args], env=env)
+
+
+CHECK = re.compile(r"^  (\S+)\s+(failed|suspect|unverified|verified)\s+(\d+)\s+(\d+)\s+(.+ ago)$")
+
+
+def test_earnings_say_what_is_held_forfeited_and_how_each_model_fares_under_verification(
+    conn: psycopg.Connection, gateway: str
+) -> None:
+    owner = make_user(conn)
+    failed_world(conn, owner)
+    result = earnings(gateway, owner_api_key(conn, owner))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in result.stdout
+    assert table(result)[-1] == ("total", ["5", "4.60", "0.69", "3.91"])  # the forfeited job left out
+    assert "\nheld: $0.17 not settled yet: forfeited if its model fails verification\n" in result.stdout
+    assert "\nforfeited: $0.51 by models that failed verification (not in the total)\n" in result.stdout
+
+    start = lines.index("Verification of your nodes' models (the platform's challenges)")
+    checks = [line.rstrip() for line in lines[start:]]
+    assert [(m[1], m[2], m[3], m[4]) for m in map(CHECK.match, checks) if m] == [
+        (LLAMA8, "failed", "0", "3"),
+        (LLAMA8, "unverified", "0", "0"),
+    ]
+    # Under the failed model, its last failure's reason, indented as a whole where it wraps.
+    first = next(i for i, line in enumerate(checks) if line.startswith(f"  {LLAMA8}"))
+    below = checks[first + 1 : checks.index("my-a100")]
+    assert all(line.startswith("    ") for line in below)
+    assert " ".join(line.strip() for line in below) == f"last failure: {REASON}"
+    assert "`neuralgrid node verify NODE`" in result.stdout
+
+
+def test_all_earnings_forfeited_still_shows_why(conn: psycopg.Connection, gateway: str) -> None:
+    owner = make_user(conn)
+    world = owner_world(conn, owner)
+    conn.execute("delete from earnings where owner_id = %s", (owner,))
+    held(conn, world["mine"], owner, LLAMA8, "1.00")  # the only earning, forfeited by the failure
+    pin_model(conn)
+    fail_model(conn, world["mine"])
+    result = earnings(gateway, owner_api_key(conn, owner))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("No earnings in the last 30 days (forfeited ones aside)\n")
+    assert "\nforfeited: $0.85 by models that failed verification (not in the total)\n" in result.stdout
+    assert any(m and m[2] == "failed" for m in map(CHECK.match, result.stdout.splitlines()))
+
+
+def test_node_verify_starts_a_failed_model_over_and_refuses_in_one_line(
+    conn: psycopg.Connection, gateway: str
+) -> None:
+    owner = make_user(conn)
+    world = failed_world(conn, owner)
+    key = owner_api_key(conn, owner)
+    result = verify(gateway, key, "my-4090")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"my-4090: {LLAMA8} starts over, unverified",
+        "it gets requests again, and is challenged at once",
+    ]
+    assert verification(conn, world["mine"]) == "unverified"
+
+    assert "none of my-4090's models failed verification" in one_line_error(verify(gateway, key, "my-4090"))
+    assert "none of my-a100's models failed" in one_line_error(verify(gateway, key, "my-a100"))
+    line = one_line_error(verify(gateway, key, "someone-elses"))
+    assert "(404)" in line and "you have no node named 'someone-elses'" in line
+    fail_model(conn, world["mine"])
+    assert verify(gateway, key, str(world["mine"])).exit_code == 0  # by id
+    assert "unknown API key" in one_line_error(verify(gateway, "ng-0000", "my-4090"))
+    assert "cannot reach the gateway" in one_line_error(verify(f"http://127.0.0.1:{free_port()}", key, "x"))
+    alone = CliRunner().invoke(
+        app, ["node", "verify", "my-4090", "--gateway", gateway], env={"COLUMNS": "80"}
+    )
+    assert "--gateway and --token go together" in one_line_error(alone)

@@ -1,11 +1,15 @@
-"""What an operator sees at an 80-column terminal: the version, help, `nodes ls`, `keys ls`, bad
-settings."""
+"""What an operator sees at an 80-column terminal: the version, help, `nodes ls` (verification too),
+`keys ls`, `models pin`, bad settings."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import re
+import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import typer
@@ -15,6 +19,7 @@ from typer.testing import CliRunner, Result
 from neuralgrid.cli import app
 from neuralgrid.cli.fleet import heartbeat_age
 from neuralgrid.dev.demo import DEMO_FLEET
+from tests.db.test_verification_on_the_map import challenged, fail_model, pin_model
 
 CUT = "…"  # what rich prints where it cuts a cell
 
@@ -80,6 +85,49 @@ def test_nodes_ls_fits_80_columns_with_reputation_and_heartbeat_ages(
         assert not re.search(r"\d\d:\d\d:\d\d", narrow.stdout)
         assert "no jobs" in row_of(narrow, "london-l4")
         assert all(re.search(rf"^{name} ", narrow.stdout, re.M) for name in names)
+
+
+def node_ids(conn: psycopg.Connection) -> dict[str, uuid.UUID]:
+    return {str(name): uuid.UUID(str(node)) for name, node in conn.execute("select name, id from nodes")}
+
+
+QWEN14 = "Qwen/Qwen2.5-14B-Instruct"  # 9 of the demo's 24 nodes hold it
+
+
+def test_nodes_ls_says_which_nodes_failed_verification(conn: psycopg.Connection, db_url: str) -> None:
+    """Narrow, under the table (it has no room for a column at 80); --wide, a column for every node."""
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    ids = node_ids(conn)
+    pin_model(conn, QWEN14)
+    fail_model(conn, ids["ashburn-h100"], QWEN14)
+    fail_model(conn, ids["seattle-a100-80g"], QWEN14)
+    challenged(conn, ids["warsaw-a100-80g"], QWEN14, False)
+    for width in WIDTHS:
+        narrow = invoke_at(width, "nodes", "ls", DATABASE_URL=db_url)
+        assert narrow.exit_code == 0, narrow.output
+        assert CUT not in narrow.stdout and widest(narrow) <= 80, (width, narrow.stdout)
+        lines = narrow.stdout.splitlines()
+        assert all(re.search(rf"^{name} ", narrow.stdout, re.M) for name in ids)  # a line a node
+        under = " ".join(line.strip() for line in lines[2 + len(ids) :])  # then the flags, wrapped at 80
+        assert under == (
+            "failed verification: ashburn-h100, seattle-a100-80g (no requests for the failed model)"
+            " suspect verification: warsaw-a100-80g (challenged more often)"
+        )
+    wide = invoke_at(WIDTHS[1], "nodes", "ls", "--wide", DATABASE_URL=db_url)
+    assert "verification" in wide.stdout.splitlines()[0].split()
+    expected = {
+        "ashburn-h100": "failed",
+        "warsaw-a100-80g": "suspect",
+        "london-a100-40g": "unverified",
+        "newyork-rtx3090": "-",  # holds no pinned model
+    }
+    for name, state in expected.items():
+        assert state in row_of(wide, name).split(), (name, row_of(wide, name))
+    listed = {
+        n["name"]: n["verification"]
+        for n in json.loads(invoke("nodes", "ls", "--json", DATABASE_URL=db_url).stdout)
+    }
+    assert (listed["ashburn-h100"], listed["newyork-rtx3090"]) == ("failed", None)
 
 
 def test_heartbeats_read_as_ages() -> None:
@@ -208,3 +256,68 @@ def test_match_explain_fits_80_columns_with_the_reasons_grouped(db_url: str) -> 
         assert widest(unheld) <= 80 and CUT not in unheld.stdout
         [reason] = [line for line in unheld.stdout.splitlines() if "hold" in line]
         assert reason.strip().startswith("24 nodes do not hold my/model"), unheld.stdout
+
+
+# Pinning a model to its file ------------------------------------------------------------------------
+
+
+def gguf(tmp_path: Path, content: bytes = b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 9000) -> Path:
+    """A file that starts as a GGUF does, bigger than one read of the hash (2.3 MB)."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def artifact(conn: psycopg.Connection, model: str) -> tuple[str, str] | None:
+    row = conn.execute("select format, sha256 from model_artifacts where model_id = %s", (model,)).fetchone()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
+def test_models_pin_hashes_the_gguf_and_puts_its_nodes_under_verification(
+    conn: psycopg.Connection, db_url: str, tmp_path: Path
+) -> None:
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    holders = conn.execute("select count(*) from node_models where model_id = %s", (QWEN14,)).fetchone()
+    assert holders is not None and holders[0] > 1
+    path = gguf(tmp_path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    result = invoke("models", "pin", QWEN14, "--gguf", str(path), DATABASE_URL=db_url)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"pinned {QWEN14} to the GGUF file with sha256 {digest}",
+        f"{holders[0]} nodes hold it: each is under verification",
+    ]
+    assert artifact(conn, QWEN14) == ("gguf", digest)
+    states = conn.execute("select distinct state from model_checks where model_id = %s", (QWEN14,)).fetchall()
+    assert states == [("unverified",)]
+
+    # Pinned again, by a sha256 given as text (any case): the new file replaces the old.
+    again = invoke("models", "pin", QWEN14, "--sha256", "AB" * 32, DATABASE_URL=db_url)
+    assert again.exit_code == 0, again.output
+    assert artifact(conn, QWEN14) == ("gguf", "ab" * 32)
+
+
+def test_models_pin_refuses_bad_input_in_one_line(
+    conn: psycopg.Connection, db_url: str, tmp_path: Path
+) -> None:
+    path = gguf(tmp_path)
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip, not a model")
+
+    def refused(*args: str) -> str:
+        result = invoke("models", "pin", *args, DATABASE_URL=db_url)
+        assert result.exit_code == 1 and result.stdout == "", result.output
+        [line] = result.stderr.splitlines()
+        assert line.startswith("error: ")
+        return line
+
+    assert "one of the two" in refused(QWEN14)
+    assert "one of the two" in refused(QWEN14, "--gguf", str(path), "--sha256", "a" * 64)
+    assert "64 hex digits" in refused(QWEN14, "--sha256", "a" * 63)
+    assert "64 hex digits" in refused(QWEN14, "--sha256", "g" * 64)
+    assert "is not a GGUF file" in refused(QWEN14, "--gguf", str(not_gguf))
+    assert "cannot read" in refused(QWEN14, "--gguf", str(tmp_path / "missing.gguf"))
+    assert "is a directory" in refused(QWEN14, "--gguf", str(tmp_path))
+    line = refused("no/such-model", "--gguf", str(path))
+    assert "'no/such-model' is not a catalog model" in line and QWEN14 in line
+    assert artifact(conn, QWEN14) is None and artifact(conn, "no/such-model") is None

@@ -31,6 +31,7 @@ PUBLIC_API = sorted(
         "continuing_nodes",
         "create_api_key",
         "detach_tunnel",
+        "due_challenges",  # the (node, model)s a gateway's referee can challenge now (issue 39)
         "failover_job",
         "fleet_stats",  # the map's totals through the Data API (issue 18)
         "gateway_alive",
@@ -45,6 +46,7 @@ PUBLIC_API = sorted(
         "my_earnings",  # an owner's earnings (issue 19)
         "my_earnings_totals",
         "my_node_stats",
+        "my_model_checks",  # an owner's models under verification, held and forfeited earnings
         "my_nodes",  # an owner's nodes with their endpoints, through the Data API (issue 18)
         "node_heartbeat",
         "node_heartbeats",  # a gateway's beats of the last second in one call (issue 41)
@@ -52,11 +54,14 @@ PUBLIC_API = sorted(
         "move_to_lease",  # a leased job whose node failed, moved to another leased slot (issue 42)
         "place_job",  # the gateway's: match_job() that may wait for a slot
         "place_job",  # with the request's route: only nodes serving it
+        "place_challenge",  # a challenge's job, on exactly its node (issue 39)
         "place_jobs",  # the gateway's placements grouped (issue 16)
+        "record_challenges",  # verdicts: the sequential test, its states and consequences
         "record_jobs",  # leased jobs written behind (issue 42)
         "register_node",
         "register_node",
         "reject_job",
+        "request_verification",  # an owner starts a failed model over
         "renew_escrows",  # the money a gateway holds for keys with a budget (issue 42)
         "renew_leases",  # a gateway's slot leases, renewed once a second (issue 42)
         "revoke_api_key",  # a user revokes their own key through the Data API (issue 18)
@@ -84,7 +89,14 @@ PRIVATE_HELPERS = sorted(
         "broadcast_node_change",
         "budget_hold",
         "capacity_state",
+        "challenge_bounds",  # the sequential test's bounds (issue 39)
+        "challenge_key_id",  # the platform's key that pays for challenges
+        "challenge_step",  # what one verdict adds to the evidence
+        "check_new_node_model",  # a node listing a pinned model is under verification
         "check_owner_endpoint",
+        "check_pinned_model",  # a model pinned: its nodes are under verification
+        "check_repinned_model",  # pinned to another file: its nodes start over
+        "checks_back_in_the_matcher",  # a failed model started over is scored again
         "claim_node",
         "copy_node_endpoint",
         "cooldown_until",
@@ -101,6 +113,8 @@ PRIVATE_HELPERS = sorted(
         "move_job",
         "node_is_eligible",
         "node_map_payload",
+        "node_verification",  # the worst state of a node's models under verification (issue 39)
+        "note_node_verification",  # keeps nodes.verification, which the map reads
         "node_scores_after_catalog_change",
         "node_scores_after_node_models_change",
         "node_scores_after_node_update",

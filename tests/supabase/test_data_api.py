@@ -297,6 +297,7 @@ def test_a_user_revokes_their_own_key_and_no_one_elses(
         ("rest.rpc.my_earnings", "select * from public.my_earnings(null)"),
         ("rest.rpc.my_earnings_totals", "select * from public.my_earnings_totals(null)"),
         ("rest.rpc.my_node_stats", "select * from public.my_node_stats()"),
+        ("rest.rpc.my_model_checks", "select * from public.my_model_checks()"),
         ("rest.platform_settings", "select platform_fee_rate from public.platform_settings"),
     ],
 )

@@ -1,6 +1,6 @@
 """The "Your nodes" page in headless Chromium, and the API behind it: an owner's nodes (status, uptime,
-jobs served, reputation, warm models), their earnings over time and in total, and nothing of anyone
-else's."""
+jobs served, reputation, warm models, each model's verification), their earnings over time and in
+total (held and forfeited too), asking again for a failed model, and nothing of anyone else's."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from neuralgrid.server import stack
 from neuralgrid.server.settings import PLACEHOLDER_SECRET
 from tests.conftest import LLAMA8, make_node, make_user
 from tests.db.test_earnings import set_history
+from tests.db.test_verification_on_the_map import REASON, fail_model, pin_model, verification
 from tests.web.test_web import Opener, screenshot, sign_in
 
 QWEN = "Qwen/Qwen2.5-32B-Instruct-AWQ"
@@ -58,6 +59,26 @@ def owner_world(conn: psycopg.Connection, owner: uuid.UUID) -> dict[str, uuid.UU
     earned(conn, big, owner, LLAMA8, "1.00", 10)
     earned(conn, theirs, other, LLAMA8, "5.00", 1)
     return {"other": other, "mine": mine, "big": big, "theirs": theirs}
+
+
+def held(conn: psycopg.Connection, node: uuid.UUID, owner: uuid.UUID, model: str, gross: str) -> None:
+    """A ledger row earned today that settles tomorrow: forfeited if its model fails meanwhile."""
+    earned(conn, node, owner, model, gross, 0)
+    conn.execute(
+        "update earnings set settles_at = now() + interval '1 day' where node_id = %s and gross_usd = %s",
+        (node, gross),
+    )
+
+
+def failed_world(conn: psycopg.Connection, owner: uuid.UUID) -> dict[str, uuid.UUID]:
+    """owner_world() with LLAMA8 pinned: my-4090 failed it (3 failures) and forfeited a $0.60 job not
+    yet settled; my-a100 is unverified, with a $0.20 job held."""
+    world = owner_world(conn, owner)
+    pin_model(conn)
+    held(conn, world["mine"], owner, LLAMA8, "0.60")
+    held(conn, world["big"], owner, LLAMA8, "0.20")
+    fail_model(conn, world["mine"])
+    return world
 
 
 def owner_api_key(conn: psycopg.Connection, owner: uuid.UUID) -> str:
@@ -187,7 +208,15 @@ def test_api_my_earnings_reads_as_the_owner_by_token_or_by_key(
     assert mine["days"] == 30 and mine["uptime_days"] == 7 and mine["fee_rate"] == 0.15
     # The period is whole UTC days: today and the 29 before it.
     assert mine["first_day"] == str(datetime.now(UTC).date() - timedelta(days=29))
-    assert mine["totals"] == {"jobs": 4, "gross_usd": 4.4, "fee_usd": 0.66, "net_usd": 3.74}
+    assert mine["totals"] == {
+        "jobs": 4,
+        "gross_usd": 4.4,
+        "fee_usd": 0.66,
+        "net_usd": 3.74,
+        "held_usd": 0.0,
+        "forfeited_usd": 0.0,
+    }
+    assert mine["checks"] == []  # no model of theirs is pinned
     assert [n["name"] for n in mine["nodes"]] == ["my-4090", "my-a100"]
     assert {(r["node_name"], r["model_id"]) for r in mine["by_day"]} == {
         ("my-4090", LLAMA8),
@@ -217,3 +246,134 @@ def test_api_my_earnings_reads_as_the_owner_by_token_or_by_key(
     for days in ("0", "3661", "week"):
         bad = get(token, days=days)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.days", days
+
+
+def test_api_my_earnings_says_what_is_held_and_forfeited_and_each_models_verification(
+    conn: psycopg.Connection, gateway: str
+) -> None:
+    owner = make_user(conn)
+    failed_world(conn, owner)
+    token = stack.user_token(PLACEHOLDER_SECRET, owner, None)
+    mine = httpx.get(f"{gateway}/api/my/earnings", headers={"authorization": f"Bearer {token}"}).json()
+    # The forfeited job is in none of the sums but its own; the held one is in the net, and said held.
+    assert mine["totals"] == {
+        "jobs": 5,
+        "gross_usd": 4.6,
+        "fee_usd": 0.69,
+        "net_usd": 3.91,
+        "held_usd": 0.17,
+        "forfeited_usd": 0.51,
+    }
+    checks = [
+        {k: c[k] for k in ("node_name", "model_id", "state", "challenges", "failures", "last_failure")}
+        | {"held": c["held_usd"], "forfeited": c["forfeited_usd"]}
+        for c in mine["checks"]
+    ]
+    assert checks == [
+        {
+            "node_name": "my-4090",
+            "model_id": LLAMA8,
+            "state": "failed",
+            "challenges": 3,
+            "failures": 3,
+            "last_failure": REASON,
+            "held": 0.0,
+            "forfeited": 0.51,
+        },
+        {
+            "node_name": "my-a100",
+            "model_id": LLAMA8,
+            "state": "unverified",
+            "challenges": 0,
+            "failures": 0,
+            "last_failure": None,
+            "held": 0.17,
+            "forfeited": 0.0,
+        },
+    ]
+    assert datetime.fromisoformat(mine["checks"][0]["state_since"]) <= datetime.now(UTC)
+    # someone-elses holds LLAMA8 too: under verification, and none of this owner's business.
+    assert {c["node_name"] for c in mine["checks"]} == {"my-4090", "my-a100"}
+
+
+def test_an_owner_asks_again_for_a_failed_node_and_bad_requests_are_refused(
+    conn: psycopg.Connection, gateway: str
+) -> None:
+    url = f"{gateway}/api/my/verification"
+    owner = make_user(conn)
+    world = failed_world(conn, owner)
+    key = owner_api_key(conn, owner)
+
+    def post(body: Any, credential: str = key) -> httpx.Response:
+        return httpx.post(url, json=body, headers={"authorization": f"Bearer {credential}"})
+
+    assert httpx.post(url, json={"node": "my-4090"}).status_code == 401
+    operator_key = conn.execute("select api_key from create_api_key('operator')").fetchone()
+    assert operator_key is not None
+    assert post({"node": "my-4090"}, operator_key[0]).json()["error"]["code"] == "key_without_owner"
+    bad_bodies: list[Any] = [
+        {},
+        {"node": ""},
+        {"node": "x" * 101},
+        {"node": 7},
+        {"node": "my-4090", "also": 1},
+        [],
+    ]
+    for body in bad_bodies:
+        refused = post(body)
+        assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", body
+    for theirs in ("someone-elses", str(world["theirs"]), str(uuid.uuid4())):
+        refused = post({"node": theirs})
+        assert refused.status_code == 404, theirs
+        assert refused.json()["error"]["param"] == "node" and theirs in refused.json()["error"]["message"]
+    none_failed = post({"node": "my-a100"})
+    assert none_failed.status_code == 409 and none_failed.json()["error"]["code"] == "nothing_failed"
+    assert f"{LLAMA8} unverified" in none_failed.json()["error"]["message"]
+
+    started = post({"node": "my-4090"})
+    assert started.status_code == 200, started.text
+    assert started.json() == {
+        "object": "verification",
+        "node_id": str(world["mine"]),
+        "node_name": "my-4090",
+        "models": [{"model_id": LLAMA8, "state": "unverified"}],
+    }
+    assert verification(conn, world["mine"]) == "unverified"
+    assert post({"node": "my-4090"}).status_code == 409  # nothing failed any more
+
+    # By id, with a signed-in user's token as the page sends it.
+    fail_model(conn, world["mine"])
+    token = stack.user_token(PLACEHOLDER_SECRET, owner, None)
+    again = post({"node": str(world["mine"])}, token)
+    assert again.status_code == 200 and again.json()["models"] == [
+        {"model_id": LLAMA8, "state": "unverified"}
+    ]
+
+
+def test_the_page_shows_each_models_verification_and_asks_again_for_a_failed_one(
+    conn: psycopg.Connection, gateway: str, gateway_settings: dict[str, Any], open_page: Opener
+) -> None:
+    page, watch = sign_in(open_page, gateway, gateway_settings)
+    world = failed_world(conn, local_owner(conn))
+    page.goto(f"{gateway}/nodes")
+    expect(page.locator("#total-held")).to_have_text("$0.17")
+    expect(page.locator("#total-forfeited")).to_have_text("$0.51")
+    expect(page.locator("#total-net")).to_have_text("$3.91")
+
+    failed = page.locator('#nodes-body tr[data-name="my-4090"] li[data-state="failed"]')
+    expect(failed).to_contain_text(LLAMA8)
+    expect(failed).to_contain_text("0 passed, 3 failed")
+    expect(failed.locator(".last-failure")).to_have_text(f"Last failure: {REASON}")
+    unverified = page.locator('#nodes-body tr[data-name="my-a100"] li[data-state="unverified"]')
+    expect(unverified).to_contain_text(LLAMA8)
+    expect(page.locator('#nodes-body tr[data-name="my-a100"] button')).to_have_count(0)  # nothing to ask
+    screenshot(page, "owner-nodes-verification-1280")
+
+    failed.get_by_role("button", name=f"Verify {LLAMA8} on my-4090 again").click()
+    expect(page.locator("#verify-status")).to_contain_text(f"my-4090: {LLAMA8} starts over, unverified")
+    expect(page.locator('#nodes-body tr[data-name="my-4090"] li[data-model]')).to_have_attribute(
+        "data-state", "unverified"
+    )
+    expect(page.locator('#nodes-body tr[data-name="my-4090"] button')).to_have_count(0)
+    assert verification(conn, world["mine"]) == "unverified"
+    watch.assert_clean()

@@ -362,6 +362,42 @@ def test_a_heartbeat_pulses_the_node_and_updates_its_load(
     watch.assert_clean()
 
 
+def test_the_map_marks_the_nodes_that_failed_verification(
+    conn: psycopg.Connection, gateway: str, open_page: Opener
+) -> None:
+    """A node that failed verification is ringed on the map, said so in its marker's name, its card and
+    the table; one that fails while the page is open is marked when its row is read again."""
+    from tests.db.test_verification_on_the_map import fail_model, pin_model
+
+    nodes = fleet(conn)
+    pin_model(conn)
+    fail_model(conn, nodes["alpha-online"])
+    page, watch = open_page(gateway)
+    cheat = marker(page, "alpha-online")
+    expect(cheat).to_have_attribute("data-verification", "failed")
+    expect(cheat).to_have_class("node s-online verify-failed")
+    expect(cheat.locator(".verify-ring")).to_be_visible()
+    assert "alpha-online: online, failed verification," in (cheat.get_attribute("aria-label") or "")
+    honest = marker(page, "charlie-draining")
+    expect(honest).to_have_attribute("data-verification", "unverified")
+    expect(honest.locator(".verify-ring")).to_be_hidden()
+    expect(page.locator("#legend [data-key='verify-failed']")).to_contain_text("failed verification")
+    row = page.locator(f'#nodes-body tr[data-id="{nodes["alpha-online"]}"]')
+    expect(row.locator("[data-label='Status']")).to_contain_text("failed verification")
+    expect(page.locator(f'#nodes-body tr[data-id="{nodes["charlie-draining"]}"] .check')).to_have_count(0)
+    cheat.click()
+    expect(page.locator("#card")).to_contain_text("failed: a model it serves did not pass")
+    screenshot(page, "map-verification-failed-1280")
+    page.keyboard.press("Escape")
+
+    fail_model(conn, nodes["delta-offline"])  # the rows on show are read again every 5 s
+    expect(marker(page, "delta-offline")).to_have_class("node s-offline verify-failed", timeout=12_000)
+    expect(page.locator(f'#nodes-body tr[data-id="{nodes["delta-offline"]}"]')).to_contain_text(
+        "failed verification"
+    )
+    watch.assert_clean()
+
+
 def test_the_map_without_its_libraries_says_what_to_run(
     conn: psycopg.Connection, gateway: str, open_page: Opener, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

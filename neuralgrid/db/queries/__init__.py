@@ -5,7 +5,8 @@
 - keys.py: API keys, and what a key used;
 - nodes.py: agents registering and heartbeating, the fleet operators load;
 - gateways.py: gateways' liveness, tunnels, readiness, the sweep, the Realtime feed's presence;
-- pages.py: what the web pages and /metrics read.
+- pages.py: what the web pages and /metrics read;
+- verification.py: challenges of the models nodes claim, and their outcomes.
 
 The rules live in SQL functions (supabase/migrations/); these are the calls to them and the few
 plain reads the pages and the CLI show. `Store` (db/store.py) runs them. Callers read them all from
@@ -22,3 +23,4 @@ from neuralgrid.db.queries.models import *  # noqa: F403
 from neuralgrid.db.queries.nodes import *  # noqa: F403
 from neuralgrid.db.queries.pages import *  # noqa: F403
 from neuralgrid.db.queries.query import *  # noqa: F403
+from neuralgrid.db.queries.verification import *  # noqa: F403

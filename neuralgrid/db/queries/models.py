@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from psycopg.rows import class_row
+from psycopg.rows import class_row, scalar_row
 
 from neuralgrid.db.queries.query import Query
 
@@ -13,6 +13,7 @@ __all__ = [
     "MODEL",
     "MODELS",
     "MODEL_KINDS",
+    "MODEL_UNDER_VERIFICATION",
     "ModelInfo",
     "ModelKind",
     "ServedModel",
@@ -94,4 +95,11 @@ group by c.id, c.kind
 having c.id is not null or count(nm.node_id) > 0
 """,
     class_row(ModelInfo),
+)
+
+# How many nodes have the model under verification (`neuralgrid models pin` says it once pinned).
+MODEL_UNDER_VERIFICATION = Query(
+    "model_under_verification",
+    "select count(*) from public.model_checks where model_id = %s",
+    scalar_row,
 )

@@ -77,7 +77,7 @@ select n.id, n.name, n.gpu_model, n.gpu_count, n.vram_gb, n.tflops, n.hourly_rat
   case when l.last_heartbeat_at >= coalesce(n.last_heartbeat_at, '-infinity') then l.free_vram_gb
        else n.free_vram_gb end as free_vram_gb,
   greatest(n.last_heartbeat_at, l.last_heartbeat_at) as last_heartbeat_at, n.successes, n.failures,
-  n.agent_version, n.created_at
+  n.agent_version, n.created_at, n.verification
 from public.nodes n
 -- Its last beat, and the load it said: the later of the two rows (issue 41).
 left join public.node_liveness l on l.node_id = n.id
@@ -131,7 +131,7 @@ with period as (
   select date_trunc('day', now(), 'UTC') at time zone 'UTC' - make_interval(days => %(days)s - 1) as first_day
 )
 select p.first_day::date as first_day, t.jobs, t.gross_usd::float8 as gross_usd, t.fee_usd::float8 as fee_usd,
-  t.net_usd::float8 as net_usd
+  t.net_usd::float8 as net_usd, t.held_usd::float8 as held_usd, t.forfeited_usd::float8 as forfeited_usd
 from period p, public.my_earnings_totals(p.first_day at time zone 'UTC') t
 """,
     dict_row,

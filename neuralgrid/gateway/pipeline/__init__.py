@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
 
 from starlette.responses import Response
 
@@ -46,6 +49,9 @@ class Pipeline:
         self.relay = relay
         self.metering = metering
         self.metrics = metrics
+        # Whole answers that model verification may audit (gateway/verifier.py): (node, model, job,
+        # the body the node was sent, its answer). None: no referee.
+        self.audit: Callable[[UUID, str, UUID, dict[str, Any], bytes], None] | None = None
 
     async def handle(self, call: Call) -> Response:
         admitted = await self.admission.admit(call)
@@ -165,6 +171,8 @@ class Pipeline:
             usage = None
         meter.usage = usage or Usage()
         await self.metering.end(meter, outcome, error)  # the slot is free first
+        if self.audit is not None and outcome == "succeeded" and admitted.call.kind == "chat":
+            self.audit(meter.node_id, admitted.call.model, meter.job_id, admitted.body, content)
         self._stamp_overhead(headers, received, not_ours)
         if resp.status >= 400:
             return errors.from_node(resp.status, content, resp.content_type, headers)

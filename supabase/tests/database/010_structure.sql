@@ -4,14 +4,14 @@
 -- policies fails here first; the other files test what the roles can and cannot do with them.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(86);
+select plan(99);
 
 -- What there is ---------------------------------------------------------------------------------------
 
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
   'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity',
-  'node_endpoints', 'node_liveness', 'map_feed'
+  'node_endpoints', 'node_liveness', 'map_feed', 'model_artifacts', 'model_checks', 'model_challenges'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -47,6 +47,11 @@ select policies_are('public', 'job_attempts', array['Users can see the attempts 
 select policies_are('public', 'earnings', array['Owners can see the earnings of their own nodes']);
 select policies_are('public', 'node_status_changes', array['Owners can see the status history of their own nodes']);
 select policies_are('public', 'prewarm_requests', array['Owners can see the pre-warm requests of their own nodes']);
+select policies_are('public', 'model_artifacts', array['Anyone can read the model artifacts']);
+select policies_are('public', 'model_checks', array[
+  'Owners can see the checks of their own nodes', 'Owners can ask again for a model their node failed'
+]);
+select policies_are('public', 'model_challenges', array['Owners can see the challenges of their own nodes']);
 select policies_are('public', 'node_scores', '{}'::name[], 'node_scores has no policy: only service_role reads it');
 select policies_are('public', 'node_liveness', array['Anyone can see when nodes last beat']);
 select policy_roles_are('public', 'node_liveness', 'Anyone can see when nodes last beat', array['anon', 'authenticated']);
@@ -98,6 +103,15 @@ select table_privs_are('public', 'prewarm_requests', 'service_role', array['SELE
 select table_privs_are('public', 'node_liveness', 'anon', array['SELECT']);
 select table_privs_are('public', 'node_liveness', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'node_liveness', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
+select table_privs_are('public', 'model_artifacts', 'anon', array['SELECT']);
+select table_privs_are('public', 'model_artifacts', 'authenticated', array['SELECT']);
+select table_privs_are('public', 'model_artifacts', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
+select table_privs_are('public', 'model_checks', 'anon', '{}'::text[]);
+select table_privs_are('public', 'model_checks', 'authenticated', array['SELECT']);
+select table_privs_are('public', 'model_checks', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
+select table_privs_are('public', 'model_challenges', 'anon', '{}'::text[]);
+select table_privs_are('public', 'model_challenges', 'authenticated', array['SELECT']);
+select table_privs_are('public', 'model_challenges', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
 select table_privs_are('public', 'node_map', 'anon', array['SELECT']);
 select table_privs_are('public', 'node_map', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'node_base_scores', 'anon', '{}'::text[]);
@@ -129,6 +143,9 @@ select set_eq($$ select * from tests.columns_withheld('authenticated', 'public.a
   array['key_hash']::name[], 'authenticated reads every column of api_keys but the key''s hash');
 select set_eq($$ select * from tests.columns_granted('authenticated', 'public.api_keys', 'UPDATE') $$,
   array['name', 'revoked_at']::name[], 'authenticated may only rename or revoke a key, not change its limits or spend');
+select set_eq($$ select * from tests.columns_granted('authenticated', 'public.model_checks', 'UPDATE') $$,
+  array['state', 'evidence', 'state_since', 'next_challenge_at']::name[],
+  'authenticated may only start a failed model over (its policy says in which shape), not touch its counts');
 select is_empty($$ select * from tests.columns_granted('anon', 'public.api_keys', 'SELECT') $$,
   'anon reads no column of api_keys');
 select hasnt_column('public', 'node_map', 'endpoint_url', 'the public map does not show where nodes are reached');
@@ -160,6 +177,8 @@ $$, array[
   'my_node_stats(interval)',
   'revoke_api_key(uuid)',
   'my_nodes()',
+  'my_model_checks()',
+  'request_verification(uuid)',
   'fleet_stats()',
   'map_summary(boolean)',
   'map_view(double precision,double precision,double precision,double precision,double precision,integer)',

@@ -259,6 +259,8 @@ function renderLegend() {
       h('span', { class: 'muted' }, notes[s] ?? ''))),
     h('li', {}, h('span', { class: 'cluster-key', 'aria-hidden': 'true' }, '12'),
       h('span', { class: 'muted' }, 'a cluster of nodes, ringed by their statuses: select it to zoom in')),
+    h('li', { 'data-key': 'verify-failed' }, h('span', { class: 'verify-key', 'aria-hidden': 'true' }),
+      h('span', { class: 'muted' }, 'a dashed red ring: the node failed verification of a model (it gets no requests for it)')),
   );
 }
 

@@ -204,14 +204,16 @@ export function createMap({ svgEl, wrapEl, cardEl, onView }) {
 
   function describe(node) {
     const status = displayStatus(node);
-    return `${node.name}: ${STATUSES[status].label}, ${node.gpu_count} × ${node.gpu_model}, ${usd(node.hourly_rate)} per hour, ${node.region}`;
+    const failed = node.verification === 'failed' ? ', failed verification' : '';
+    return `${node.name}: ${STATUSES[status].label}${failed}, ${node.gpu_count} × ${node.gpu_model}, ${usd(node.hourly_rate)} per hour, ${node.region}`;
   }
 
   function marker(id) {
     let g = markers.get(id);
     if (g) return g;
     g = svg('g', { class: 'node', tabindex: '0', role: 'button', 'aria-controls': 'card', 'aria-expanded': 'false', 'data-id': id },
-      svg('circle', { class: 'pulse', r: '6' }), statusShape('online'), svg('circle', { class: 'focus-ring', r: '9' }));
+      svg('circle', { class: 'pulse', r: '6' }), svg('circle', { class: 'verify-ring', r: '8.5' }), statusShape('online'),
+      svg('circle', { class: 'focus-ring', r: '9' }));
     g.addEventListener('mouseenter', () => { if (!pinned) openCard(nodes.get(id), false); });
     g.addEventListener('mouseleave', () => { if (!pinned && shown?.id === id) closeCard(false); });
     g.addEventListener('focus', () => { if (!pinned) openCard(nodes.get(id), false); });
@@ -316,9 +318,11 @@ export function createMap({ svgEl, wrapEl, cardEl, onView }) {
         const status = displayStatus(node);
         const g = marker(id);
         g.setAttribute('transform', `translate(${x.toFixed(1)} ${y.toFixed(1)}) scale(${scale.toFixed(2)})`);
-        g.setAttribute('class', `node s-${status}`);
+        // A node that failed verification is ringed: it cheated on a model (or its server broke it).
+        g.setAttribute('class', `node s-${status}${node.verification === 'failed' ? ' verify-failed' : ''}`);
         g.setAttribute('aria-label', describe(node));
         g.dataset.status = status;
+        g.dataset.verification = node.verification ?? '';
         g.querySelector('.shape').setAttribute('d', STATUSES[status].path);
         if (!g.isConnected) layer.append(g);
       }
@@ -360,6 +364,17 @@ export function createMap({ svgEl, wrapEl, cardEl, onView }) {
     return value == null ? null : `${Math.round(value * 100)}%`;
   }
 
+  function verificationText(state) {
+    if (!state) return 'no model checked';
+    const words = {
+      failed: 'failed: a model it serves did not pass the platform\'s challenges; it gets no requests for it',
+      suspect: 'suspect: a challenge failed lately; challenged more often',
+      unverified: 'not yet verified: being challenged',
+      verified: 'verified: its models pass the platform\'s challenges',
+    };
+    return h('span', { class: `check-word c-${state}` }, words[state] ?? state);
+  }
+
   function renderCard() {
     for (const [id, g] of markers) g.setAttribute('aria-expanded', String(id === shown?.id));
     onCard(shown?.id ?? null);
@@ -386,6 +401,7 @@ export function createMap({ svgEl, wrapEl, cardEl, onView }) {
       ['Warm models', node.warm_models?.length ? h('ul', {}, node.warm_models.map((m) => h('li', {}, m))) : 'none loaded'],
       ['Load', load.join(' · ')],
       ['Reputation', reputation],
+      ['Verification', verificationText(node.verification)],
       ['Last heartbeat', timeAgo(node.last_heartbeat_at)],
     ];
     const close = h('button', { type: 'button', 'aria-label': 'Close node details', onclick: () => closeCard(true) }, '×');

@@ -1,6 +1,8 @@
-// Your nodes: the signed-in owner's nodes (status, uptime, jobs served, reputation, warm models) and
-// what they earned over a period: totals, net earnings per day as a bar chart drawn in plain SVG, and
-// a table per node and model. Everything comes from /api/my/earnings, read as the owner (RLS).
+// Your nodes: the signed-in owner's nodes (status, uptime, jobs served, reputation, warm models, the
+// verification of each model, with a button to ask again for a failed one) and what they earned over
+// a period: totals (held and forfeited too), net earnings per day as a bar chart drawn in plain SVG,
+// and a table per node and model. Everything comes from /api/my/earnings, read as the owner (RLS);
+// asking again is POST /api/my/verification.
 
 import {
   api, displayStatus, enterSignedIn, fmt, h, showAlert, showSignIn, startClock, statusBadge, svg, timeAgo,
@@ -127,7 +129,41 @@ function uptimeCell(node, days) {
   return h('td', { 'data-label': `Uptime (${days} d)`, class: 'num', title }, percent(node.uptime));
 }
 
+/** Each of the node's models under verification: its state, its record and the last failure's reason;
+ * a failed one with the button that asks again. */
+function verificationCell(node, checks) {
+  const mine = checks.filter((c) => c.node_id === node.node_id);
+  if (!mine.length) return cell('Verification', h('span', { class: 'muted' }, 'no model checked'), 'wrap verification');
+  return cell('Verification', h('ul', { class: 'plain checks' }, mine.map((c) => h('li', { 'data-model': c.model_id, 'data-state': c.state },
+    h('span', { class: `check c-${c.state}` }, c.state), ' ', c.model_id,
+    h('div', { class: 'muted' }, `${fmt(c.challenges - c.failures)} passed, ${fmt(c.failures)} failed · since `, timeAgo(c.state_since)),
+    c.last_failure ? h('div', { class: 'last-failure' }, `Last failure: ${c.last_failure}`) : null,
+    c.state === 'failed'
+      ? h('button', { type: 'button', class: 'verify-again', 'aria-label': `Verify ${c.model_id} on ${node.name} again`, onclick: (event) => verifyAgain(node, event.currentTarget) }, 'Verify again')
+      : null))), 'wrap verification');
+}
+
+async function verifyAgain(node, button) {
+  button.disabled = true;
+  try {
+    const started = await api('/api/my/verification', { method: 'POST', body: { node: node.node_id }, token: session.access_token });
+    const models = started.models.map((m) => m.model_id).join(', ');
+    showStatus(`${started.node_name}: ${models} ${started.models.length === 1 ? 'starts' : 'start'} over, unverified. It gets requests again, and is challenged at once.`, 'ok');
+    await load();
+  } catch (err) {
+    button.disabled = false;
+    showStatus(`Could not ask again for ${node.name}: ${err.message}`, 'error');
+  }
+}
+
+function showStatus(message, kind) {
+  const el = $('verify-status');
+  el.className = `alert ${kind}`;
+  showAlert(el, message);
+}
+
 function renderNodes(data) {
+  const checks = data.checks ?? [];
   $('nodes-body').replaceChildren(...data.nodes.map((n) => h('tr', { 'data-id': n.node_id, 'data-name': n.name },
     cell('Status', statusBadge(displayStatus(n))),
     h('th', { scope: 'row', 'data-label': 'Node' }, n.name),
@@ -137,6 +173,7 @@ function renderNodes(data) {
     cell('Jobs served', fmt(n.jobs_served), 'num'),
     h('td', { 'data-label': 'Reputation', class: 'num', title: `${n.jobs_served} served, ${n.failures} failed` }, percent(n.reputation)),
     cell('Warm models', n.warm_models.length ? h('ul', { class: 'plain' }, n.warm_models.map((m) => h('li', {}, m))) : h('span', { class: 'muted' }, 'no model loaded'), 'wrap'),
+    verificationCell(n, checks),
     cell('Earned', money(n.net_usd), 'num'),
     cell('Last heartbeat', timeAgo(n.last_heartbeat_at)))));
   $('nodes-empty').hidden = data.nodes.length > 0;
@@ -147,6 +184,8 @@ function renderTotals(data) {
   $('total-gross').textContent = money(data.totals.gross_usd);
   $('total-fee').textContent = money(data.totals.fee_usd);
   $('total-net').textContent = money(data.totals.net_usd);
+  $('total-held').textContent = money(data.totals.held_usd);
+  $('total-forfeited').textContent = money(data.totals.forfeited_usd);
   $('fee-rate').textContent = `${Number((100 * data.fee_rate).toFixed(2))}%`;
 }
 

@@ -7,8 +7,14 @@ import { displayStatus, fmt, h, parseTime, statusBadge, timeAgo, usd } from './c
 
 export const PAGE_SIZE = 50;
 
+/** The status, and beside it a node's verification when it failed or is suspect (the card says more). */
+function statusCell(node) {
+  const flagged = node.verification === 'failed' || node.verification === 'suspect';
+  return [statusBadge(displayStatus(node)), flagged ? h('span', { class: `check c-${node.verification}` }, `${node.verification} verification`) : null];
+}
+
 const COLUMNS = [
-  { key: 'status', label: 'Status', cell: (n) => statusBadge(displayStatus(n)) },
+  { key: 'status', label: 'Status', cell: statusCell },
   { key: 'name', label: 'Node', cell: null },
   { key: 'gpu', label: 'GPU', cell: (n) => `${n.gpu_count} × ${n.gpu_model}` },
   { key: 'vram', label: 'VRAM', num: true, cell: (n) => `${fmt(n.vram_gb)} GB` },
@@ -121,7 +127,7 @@ export function createTable({ readPage, onOpen, onError }) {
       if (!next) return row;
       const before = parseTime(row.last_heartbeat_at)?.getTime();
       changed ||= displayStatus(next) !== displayStatus(row) || parseTime(next.last_heartbeat_at)?.getTime() !== before
-        || next.inflight !== row.inflight;
+        || next.inflight !== row.inflight || next.verification !== row.verification;
       return { ...row, ...next };
     });
     if (changed) renderRows();

@@ -1,0 +1,310 @@
+"""Challenges: this gateway checks that nodes serve the models they claim (issue 39).
+
+Where the operator runs a referee (neuralgrid/verify/referee.py: the reference models, by their
+files' sha256), the gateway asks SQL which (node, model)s of those artifacts are due a challenge
+(due_challenges(): at random times, more often for suspects), places each on its node as a paid job
+of the platform's own key (place_challenge()), sends it as any request is sent (signed, with its
+key's cache salt, through the node's tunnel if it has one), ends the job as any job ends, has the
+referee score the answer and records the verdicts in SQL (record_challenges()), which keeps the
+sequential test, the states and their consequences. Python decides one challenge's verdict
+(verify/verdict.py); SQL decides what the verdicts add up to.
+
+A share of real traffic is audited the same way (`audit()`): a greedy chat answer whose request
+says nothing else that changes the answer is scored after it was delivered, and counts as a
+challenge would. A node that could tell challenges from traffic still gains nothing by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import httpx
+
+from neuralgrid.db import queries as q
+from neuralgrid.db.store import Store
+from neuralgrid.gateway.metrics import Metrics
+from neuralgrid.gateway.pipeline.kinds import PATHS
+from neuralgrid.gateway.pipeline.meter import Bounds, Meter, Metering
+from neuralgrid.gateway.pipeline.place import Node
+from neuralgrid.gateway.pipeline.send import Retryable, Sender
+from neuralgrid.gateway.prompt_cache import PromptCaches
+from neuralgrid.protocol import wire_json
+from neuralgrid.protocol.sse import Usage
+from neuralgrid.verify import challenge as challenges
+from neuralgrid.verify.verdict import Verdict, judge, refused, unreadable
+
+log = logging.getLogger(__name__)
+
+ARTIFACTS_EVERY_S = 60.0  # how often the referee is asked which models it holds
+AUDITS_WAITING = 8  # audits queued for the referee at most; more are not taken (traffic is not held up)
+SCORE_TIMEOUT_S = 60.0  # the referee scores one at a time: a queue of long challenges takes a while
+
+
+class RefereeError(Exception):
+    """The referee did not score: no verdict (the challenge counts for nothing)."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    gaps: list[float]
+    prompt_tokens: int
+    answer_tokens: int
+    cpu_s: float
+
+
+class Referee:
+    """The referee process, over HTTP."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.client = client or httpx.AsyncClient(timeout=SCORE_TIMEOUT_S)
+
+    async def artifacts(self) -> list[str]:
+        try:
+            resp = await self.client.get(f"{self.url}/v1/artifacts")
+            resp.raise_for_status()
+            return [a["sha256"] for a in resp.json()["artifacts"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+            raise RefereeError(f"the referee at {self.url} did not list its models: {err}") from err
+
+    async def score(self, sha256: str, messages: list[dict[str, str]], answer: str, finish: str) -> Scored:
+        body = {"sha256": sha256, "messages": messages, "answer": answer, "finish_reason": finish}
+        try:
+            resp = await self.client.post(f"{self.url}/v1/score", json=body)
+            if resp.status_code != 200:
+                raise RefereeError(f"the referee answered HTTP {resp.status_code}: {resp.text[:200]}")
+            got = resp.json()
+            return Scored(
+                [float(g) for g in got["gaps"]], got["prompt_tokens"], got["answer_tokens"], got["cpu_s"]
+            )
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+            raise RefereeError(f"the referee at {self.url} did not score: {err}") from err
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+@dataclass
+class Outcome:
+    """A challenge's verdict, as record_challenges() takes it."""
+
+    due: q.Due
+    job_id: UUID
+    verdict: Verdict
+    cpu_s: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "node": str(self.due.node_id),
+            "model": self.due.model_id,
+            "job": str(self.job_id),
+            "passed": self.verdict.passed,
+            "distance": self.verdict.distance,
+            "detail": {**self.verdict.detail, **self.detail},
+        }
+
+
+@dataclass(frozen=True)
+class Audit:
+    """A client's answer to score: whose, and what was asked and answered."""
+
+    due: q.Due
+    job_id: UUID
+    messages: list[dict[str, str]]
+    text: str
+    finish: str
+
+
+class Verifier:
+    def __init__(
+        self,
+        store: Store,
+        gateway_id: UUID,
+        referee: Referee,
+        sender: Sender,
+        metering: Metering,
+        caches: PromptCaches,
+        metrics: Metrics,
+        *,
+        in_flight: int = 2,
+        every_s: float = 1.0,
+        audit_share: float = 0.0,
+    ) -> None:
+        self.store = store
+        self.gateway_id = gateway_id
+        self.referee = referee
+        self.sender = sender
+        self.metering = metering
+        self.caches = caches
+        self.metrics = metrics
+        self.in_flight = in_flight  # challenges at once: the referee scores one at a time
+        self.every_s = every_s
+        self.audit_share = audit_share  # of auditable answers, the share scored
+        self._audits: asyncio.Queue[Audit] = asyncio.Queue(AUDITS_WAITING)
+        self._artifacts: list[str] = []
+        self._pinned: dict[str, str] = {}  # model -> the sha256 of its GGUF, for those the referee holds
+        self._artifacts_at = -ARTIFACTS_EVERY_S
+        self._contexts: dict[str, int] = {}
+        self._running: set[asyncio.Task[None]] = set()
+        self._key_id: UUID | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Challenge what is due, every `every_s`, and score the audits taken, until stopped."""
+        auditing = asyncio.get_running_loop().create_task(self._score_audits())
+        self._running.add(auditing)
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:  # a database or referee hiccup: the next tick tries again
+                log.exception("challenges: this round failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.every_s)
+        for task in list(self._running):
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def tick(self) -> None:
+        """One round: take what is due (as many as there is room for) and challenge each."""
+        free = self.in_flight - len(self._running)
+        if free <= 0:
+            return
+        artifacts = await self._held()
+        if not artifacts:
+            return
+        for due in await self.store.all(q.DUE_CHALLENGES, (artifacts, free)):
+            task = asyncio.get_running_loop().create_task(self._challenge_and_record(due))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _held(self) -> list[str]:
+        if time.monotonic() - self._artifacts_at >= ARTIFACTS_EVERY_S:
+            try:
+                self._artifacts = await self.referee.artifacts()
+            except RefereeError as err:
+                log.warning("challenges paused: %s", err)
+                self._artifacts = []
+            self._artifacts_at = time.monotonic()
+            self._contexts = {m.id: m.context_length for m in await self.store.all(q.MODEL_KINDS)}
+            self._pinned = dict(await self.store.all(q.ARTIFACTS, (self._artifacts,)))
+        return self._artifacts
+
+    def audit(self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], answer: bytes) -> None:
+        """A delivered whole chat answer: scored later as a challenge is, if drawn and auditable."""
+        sha256 = self._pinned.get(model)
+        if sha256 is None or random.random() >= self.audit_share:
+            return
+        messages = challenges.auditable(body)
+        if messages is None:
+            return
+        try:
+            choice = wire_json.loads_answer(answer)["choices"][0]
+            text, finish = str(choice["message"]["content"] or ""), choice["finish_reason"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return  # the client got it as it was; a node's garbage answer is health's to count
+        due = q.Due(node_id, model, sha256, "")
+        with contextlib.suppress(asyncio.QueueFull):  # the referee is behind: this one goes unaudited
+            self._audits.put_nowait(
+                Audit(due, job_id, messages, text, "stop" if finish == "stop" else "length")
+            )
+
+    async def _score_audits(self) -> None:
+        while True:
+            audit = await self._audits.get()
+            try:
+                scored = await self.referee.score(audit.due.sha256, audit.messages, audit.text, audit.finish)
+            except RefereeError as err:
+                log.warning(
+                    "audit of node %s (%s) not scored: %s", audit.due.node_id, audit.due.model_id, err
+                )
+                continue
+            detail = {"audit": True, "prompt_tokens": scored.prompt_tokens, "finish_reason": audit.finish}
+            outcome = Outcome(audit.due, audit.job_id, judge(scored.gaps), scored.cpu_s, detail)
+            self.metrics.challenges.labels(
+                "audit " + ("passed" if outcome.verdict.passed else "failed")
+            ).inc()
+            try:
+                await self.store.all(q.RECORD_CHALLENGES, (json.dumps([outcome.as_json()]),))
+            except Exception:
+                log.exception("audit of node %s not recorded", audit.due.node_id)
+
+    async def _challenge_and_record(self, due: q.Due) -> None:
+        outcome = await self.challenge(due)
+        if outcome is None:
+            return
+        self.metrics.challenges.labels("passed" if outcome.verdict.passed else "failed").inc()
+        await self.store.all(q.RECORD_CHALLENGES, (json.dumps([outcome.as_json()]),))
+
+    async def challenge(self, due: q.Due) -> Outcome | None:
+        """Ask one node one challenge and judge its answer; None when there is no verdict (the node
+        had no free slot, failed as a node fails, or the referee could not score)."""
+        key_id = self._key_id
+        if key_id is None:
+            found: UUID = await self.store.get(q.CHALLENGE_KEY)
+            key_id = self._key_id = found
+        asked = challenges.make(self._contexts.get(due.model_id, 2048))
+        body = asked.body(due.model_id)
+        self.caches.apply("chat", body, key_id)  # its own key's salt, as every request has
+        payload = json.dumps(body).encode()
+        placed = await self.store.one(q.PLACE_CHALLENGE, (str(self.gateway_id), due.node_id, due.model_id))
+        if placed is None:
+            self.metrics.challenges.labels("deferred").inc()  # busy: due again at its next time
+            return None
+        meter = Meter(
+            placed.job_id,
+            placed.node_id,
+            sent=time.perf_counter(),
+            model=due.model_id,
+            bounds=Bounds(len(payload), asked.max_tokens),
+        )
+        answered = await self._ask(placed, payload, asked, meter)
+        if answered is None:
+            return None
+        if isinstance(answered, Verdict):
+            return Outcome(due, placed.job_id, answered)
+        text, finish = answered
+        try:
+            scored = await self.referee.score(due.sha256, asked.messages, text, finish)
+        except RefereeError as err:
+            log.warning("challenge of node %s (%s) not scored: %s", due.node_id, due.model_id, err)
+            self.metrics.challenges.labels("inconclusive").inc()
+            return None
+        detail = {"long": asked.long, "prompt_tokens": scored.prompt_tokens, "finish_reason": finish}
+        return Outcome(due, placed.job_id, judge(scored.gaps), scored.cpu_s, detail)
+
+    async def _ask(
+        self, placed: q.PlacedChallenge, payload: bytes, asked: challenges.Challenge, meter: Meter
+    ) -> tuple[str, str] | Verdict | None:
+        """The node's answer (its text and why it ended: stop or length), a verdict without the
+        referee (it refused, or answered no chat completion), or None when it failed as a node."""
+        node = Node(placed.node_id, placed.endpoint_url, placed.node_key, placed.attempt)
+        timeout = self.sender.first_byte_timeout(False, asked.max_tokens, placed.tokens_per_s)
+        try:
+            resp, _, content = await self.sender.send(node, PATHS["chat"], payload, False, timeout)
+        except Retryable as failure:  # as any job that fails on its node: health's business, not ours
+            meter.first_byte = time.perf_counter()
+            self.metering.finish(meter, failure.outcome, str(failure))
+            self.metrics.challenges.labels("inconclusive").inc()
+            return None
+        meter.first_byte = time.perf_counter()
+        if resp.status >= 400:  # ended as any refused request: neutral for the node's reputation
+            await self.metering.end(meter, "cancelled", f"HTTP {resp.status} from the node")
+            return refused(resp.status, content.decode(errors="replace"), asked.long)
+        try:
+            answer = wire_json.loads_answer(content)
+            choice = answer["choices"][0]
+            text, finish = choice["message"]["content"] or "", choice["finish_reason"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            await self.metering.end(meter, "succeeded", None)
+            return unreadable()
+        meter.usage = Usage.parse(answer) or Usage()
+        await self.metering.end(meter, "succeeded", None)
+        return str(text), "stop" if finish == "stop" else "length"
