@@ -147,14 +147,16 @@ class FrontState:
         kind = self.backend.kind
         # Only a request with an alias to resolve or a cache field its server does not take is read.
         foreign = [f for f, named in _CACHE_FIELDS if f not in kind.cache_fields and named in body]
-        if (self.served_names or foreign) and content_type == JSON:
+        defaults = kind.openai_defaults if path in GENERATES else {}
+        if (self.served_names or foreign or defaults) and content_type == JSON:
             request = json_object(body)
         if request is not None:
             dropped = [field for field in foreign if field in request]
             catalog_id = request.get("model")
             served = self.served_names.get(catalog_id) if isinstance(catalog_id, str) else None
-            if dropped or served is not None:
-                request = {k: v for k, v in request.items() if k not in dropped}
+            undone = {k: v for k, v in defaults.items() if k not in request}
+            if dropped or served is not None or undone:
+                request = {k: v for k, v in request.items() if k not in dropped} | undone
                 if served is not None:
                     request["model"] = served
                     renamed = (served, str(catalog_id)) if served != catalog_id else None
@@ -227,6 +229,7 @@ async def _once(body: bytes) -> AsyncIterator[bytes]:
 
 _SIGNATURE = signing.HEADER.encode()
 _CACHE_FIELDS = [(field, f'"{field}"'.encode()) for field in CACHE_FIELDS]  # as JSON names them
+GENERATES = frozenset({"/v1/chat/completions", "/v1/completions"})  # where openai_defaults apply
 
 
 class Front:

@@ -13,6 +13,7 @@ from neuralgrid.cli import (
     bench,
     bench_gateway,
     bench_map,
+    bench_verify,
     dev,
     fleet,
     keys,
@@ -80,5 +81,6 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
 bench_gateway.register(bench.app)
 bench_map.register(bench.app)
+bench_verify.register(bench.app)
 register_bench_world(bench.app)
 app.add_typer(bench.app, name="bench")

@@ -157,6 +157,12 @@ class Metrics:
             ["verdict"],
             registry=self.registry,
         )
+        self.referee_cpu = Histogram(
+            "neuralgrid_referee_cpu_seconds",
+            "The referee's CPU time to score one challenge or audit (all its threads).",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
+            registry=self.registry,
+        )
         self.model_checks = Gauge(
             "neuralgrid_model_checks",
             "(node, model)s under verification, by state: unverified, verified, suspect, failed.",

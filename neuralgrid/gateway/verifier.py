@@ -226,6 +226,7 @@ class Verifier:
                     "audit of node %s (%s) not scored: %s", audit.due.node_id, audit.due.model_id, err
                 )
                 continue
+            self.metrics.referee_cpu.observe(scored.cpu_s)
             detail = {"audit": True, "prompt_tokens": scored.prompt_tokens, "finish_reason": audit.finish}
             outcome = Outcome(audit.due, audit.job_id, judge(scored.gaps), scored.cpu_s, detail)
             self.metrics.challenges.labels(
@@ -277,6 +278,7 @@ class Verifier:
             log.warning("challenge of node %s (%s) not scored: %s", due.node_id, due.model_id, err)
             self.metrics.challenges.labels("inconclusive").inc()
             return None
+        self.metrics.referee_cpu.observe(scored.cpu_s)
         detail = {"long": asked.long, "prompt_tokens": scored.prompt_tokens, "finish_reason": finish}
         return Outcome(due, placed.job_id, judge(scored.gaps), scored.cpu_s, detail)
 

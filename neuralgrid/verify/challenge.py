@@ -16,7 +16,7 @@ from typing import Any
 
 MAX_TOKENS = 32  # enough tokens to tell models apart, few enough to cost the node little
 LONG_SHARE = 4  # one challenge in this many is a long one
-LONG_TOKENS = 900  # about how long a long challenge's prompt is, in tokens
+LONG_TOKENS = 600  # about how long a long challenge's prompt is, in tokens: well past a cut context
 CHARS_PER_TOKEN = 4  # English prose, for sizing the long document
 
 _rng = random.SystemRandom()  # not seedable: nothing about the next challenge can be predicted

@@ -15,8 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# A token whose logit is this far below the reference's best fails the challenge.
-GAP_LIMIT = 3.0
+# An answer fails when at least TOKENS_OVER of its tokens are more than GAP_LIMIT logits below the
+# reference's best. One such token alone is not enough: an honest llama-server sent one with a gap of
+# 4.7 in 200 challenges (a near-tie the batch shape tipped, or text that tokenizes back otherwise),
+# and none sent two over 1 logit; the cheats measured send two or more in most answers.
+GAP_LIMIT = 1.0
+TOKENS_OVER = 2
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,13 @@ def judge(gaps: Sequence[float], *, limit: float = GAP_LIMIT) -> Verdict:
     distance = max(gaps, default=0.0)
     over = sum(1 for gap in gaps if gap > limit)
     detail: dict[str, Any] = {"tokens": len(gaps), "over": over, "max_gap": round(distance, 3)}
-    if over:
+    if over >= TOKENS_OVER:
         at = next(i for i, gap in enumerate(gaps) if gap > limit)
         detail["reason"] = (
             f"{over} of {len(gaps)} tokens are not the model's greedy choice (the first at token {at},"
             f" {gaps[at]:.1f} logits below the reference's best)"
         )
-    return Verdict(over == 0, distance, detail)
+    return Verdict(over < TOKENS_OVER, distance, detail)
 
 
 def refused(status: int, body: str, long: bool) -> Verdict:

@@ -45,6 +45,12 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
     ],
 ]
 
+# A prompt whose greedy answer, cut at 32 tokens, ends with two "\n" tokens (measured on this build).
+TWO_NEWLINES_AT_THE_CUT = [
+    {"role": "system", "content": "You are a concise assistant for a logistics company. Keep answers short."},
+    {"role": "user", "content": "Write a short email to Aiko Kim confirming that order #705043 has shipped."},
+]
+
 
 def referee_python() -> Path:
     return built() / "venv" / "bin" / "python"
@@ -94,13 +100,18 @@ def sha256(path: Path) -> str:
 
 
 def greedy(server: RealServer, messages: list[dict[str, str]], max_tokens: int = 32) -> dict[str, Any]:
-    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens}
+    """llama-server's greedy answer, with its tokens' ids (its logprobs list them)."""
+    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "logprobs": True}
     answer: dict[str, Any] = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
     return answer
 
 
-def score(referee: str, messages: list[dict[str, str]], answer: str, finish_reason: str) -> dict[str, Any]:
-    body = {"sha256": sha256(built() / "model.gguf"), "messages": messages, "answer": answer}
+def score(
+    referee: str, messages: list[dict[str, str]], answer: str | list[int], finish_reason: str
+) -> dict[str, Any]:
+    """The referee's scores of an answer: its text, or its token ids."""
+    body: dict[str, Any] = {"sha256": sha256(built() / "model.gguf"), "messages": messages}
+    body["answer" if isinstance(answer, str) else "answer_ids"] = answer
     resp = httpx.post(f"{referee}/v1/score", json={**body, "finish_reason": finish_reason}, timeout=60)
     assert resp.status_code == 200, resp.text
     scored: dict[str, Any] = resp.json()
@@ -158,6 +169,26 @@ def test_a_greedy_answer_of_llama_server_scores_gaps_near_zero(
     assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
     assert min(scored["gaps"]) == 0
     assert 0 < scored["cpu_s"] < 60
+    # The server's own tokens score the same (its ids end with the end of generation where it stopped).
+    ids = [token["id"] for token in choice["logprobs"]["content"]]
+    by_ids = score(referee, messages, ids, choice["finish_reason"])
+    assert len(by_ids["gaps"]) == len(scored["gaps"])
+    assert max(by_ids["gaps"]) < HONEST_GAP
+
+
+def test_an_answer_cut_between_two_newlines_scores_as_the_server_emitted_it(
+    llama_server: RealServer, referee: str
+) -> None:
+    """The text "\n\n" tokenizes as one token; the model emitted two "\n", and max_tokens cut the
+    answer after them. The reference splits the text as its own greedy choice does, and finds no gap."""
+    answer = greedy(llama_server, TWO_NEWLINES_AT_THE_CUT)
+    choice = answer["choices"][0]
+    ids = [token["id"] for token in choice["logprobs"]["content"]]
+    if not (choice["finish_reason"] == "length" and choice["message"]["content"].endswith("\n\n")):
+        pytest.skip(f"SmolLM2 answered otherwise on this CPU: {choice['message']['content']!r}")
+    scored = score(referee, TWO_NEWLINES_AT_THE_CUT, choice["message"]["content"], "length")
+    assert scored["answer_tokens"] == len(ids) == answer["usage"]["completion_tokens"]
+    assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
 
 
 def test_a_made_up_answer_scores_large_gaps(referee: str) -> None:

@@ -44,11 +44,12 @@ def test_a_model_with_a_short_context_gets_no_long_challenge() -> None:
 def test_an_answer_the_reference_would_give_passes_and_one_it_ranks_low_fails() -> None:
     honest = judge([0.0, 0.0, 0.4, 0.0, 0.0])  # a near-tie picked the other way
     assert honest.passed and honest.distance == 0.4 and honest.reason is None
+    assert judge([0.0, 4.7, 0.0, 0.0]).passed  # one token far off alone is not enough
     cheat = judge([0.0, 0.0, GAP_LIMIT + 0.5, 7.25, 0.0])
     assert not cheat.passed and cheat.distance == 7.25
     assert cheat.detail == {"tokens": 5, "over": 2, "max_gap": 7.25, "reason": cheat.reason}
     assert cheat.reason == (
-        "2 of 5 tokens are not the model's greedy choice (the first at token 2, 3.5 logits below the"
+        "2 of 5 tokens are not the model's greedy choice (the first at token 2, 1.5 logits below the"
         " reference's best)"
     )
     assert judge([]).passed  # an empty answer that should have been empty

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import httpx
@@ -61,6 +63,10 @@ class ServerKind(ABC):
     # others. A server that takes no `cache_salt` cannot keep keys' caches apart: the agent strips
     # the cache counts from its answers.
     cache_fields: frozenset[str] = frozenset()
+    # What its server does by default that OpenAI's API does not, undone in each text-generation
+    # request that does not say otherwise: OpenAI semantics (and model verification's greedy
+    # challenges, which expect the model's own most likely token) hold on every node.
+    openai_defaults: Mapping[str, Any] = MappingProxyType({})
 
     @property
     def isolates_cache(self) -> bool:

@@ -8,6 +8,7 @@ and loads that one.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from neuralgrid.agent.routes import answers, openapi_routes, ordered
@@ -27,6 +28,9 @@ class LlamaCppPython(ServerKind):
     identify = "/openapi.json"
     health = "/openapi.json"
     interrupts = True
+    # Its requests' repeat_penalty defaults to 1.1: even at temperature 0 it would not answer with the
+    # model's most likely tokens (a greedy answer of OpenAI's API has no penalty).
+    openai_defaults = MappingProxyType({"repeat_penalty": 1.0})
 
     def recognise(self, identity: Any) -> bool:
         return "llama.cpp Python" in str(dig(identity, "info", "title"))
