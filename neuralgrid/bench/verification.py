@@ -217,6 +217,8 @@ def run(
                     str(root / "venv" / "bin" / "python"),
                     "-m",
                     "neuralgrid.verify.referee",
+                    "--threads",  # llama.cpp's threads spin: two on two busy cores slow everything
+                    "1",
                     "--port",
                     str(referee_port),
                     "--model",
