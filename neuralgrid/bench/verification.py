@@ -194,6 +194,7 @@ def run(
     admin_url: str,
     honest_challenges: int,
     cheat_challenges: int,
+    minutes: float | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     root = built_root()
@@ -264,7 +265,8 @@ def run(
             progress(f"node up: {name}")
         stack.callback(stop.set)
         with psycopg.connect(url, autocommit=True) as conn:
-            results = _watch(conn, honest_challenges, cheat_challenges, progress)
+            deadline = None if minutes is None else time.monotonic() + minutes * 60
+            results = _watch(conn, honest_challenges, cheat_challenges, deadline, progress)
             loaded_s = time.monotonic() - started
             earnings = _earnings(conn)
             challenge_tokens = _challenge_tokens(conn)
@@ -339,10 +341,15 @@ cross join lateral (select min(e.distance) as least, max(e.distance) as most fro
 
 
 def _watch(
-    conn: psycopg.Connection[Any], honest_target: int, cheat_cap: int, progress: Callable[[str], None]
+    conn: psycopg.Connection[Any],
+    honest_target: int,
+    cheat_cap: int,
+    deadline: float | None,
+    progress: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """Until the honest nodes have taken `honest_target` challenges between them and every cheat has
-    failed or taken `cheat_cap`; a cheat at its cap is challenged no more."""
+    failed or taken `cheat_cap`, or the deadline (time.monotonic()) comes; a cheat at its cap is
+    challenged no more."""
     last = 0.0
     while True:
         rows = conn.execute(STATE).fetchall()
@@ -361,7 +368,9 @@ def _watch(
                 f"honest challenges {honest_taken}/{honest_target}; "
                 + ", ".join(f"{r[0]}: {r[1]} {r[3]}/{r[2]}" for r in rows if not SERVERS[r[0]][1])
             )
-        if done_cheats and honest_taken >= honest_target:
+        if (done_cheats and honest_taken >= honest_target) or (
+            deadline is not None and time.monotonic() > deadline
+        ):
             break
         time.sleep(1)
     return [

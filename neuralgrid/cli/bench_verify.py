@@ -24,6 +24,9 @@ def bench_verify(
     cheat_cap: Annotated[
         int, typer.Option(help="Challenges at most for a cheat not flagged by then.", min=1)
     ] = 40,
+    minutes: Annotated[
+        float | None, typer.Option(help="Stop after this long, whatever was reached (the report says what).")
+    ] = None,
     out_file: OutFile = Path("bench-results/verification.json"),
 ) -> None:
     """Honest servers (llama-server with four slots, llama-cpp-python) under load and six cheats built
@@ -34,7 +37,7 @@ def bench_verify(
     from neuralgrid.bench import verification as bench
 
     try:
-        results = bench.run(database_url(ctx), honest, cheat_cap, progress=progress)
+        results = bench.run(database_url(ctx), honest, cheat_cap, minutes, progress=progress)
     except RuntimeError as err:
         raise fail(str(err)) from err
     table = Table(

@@ -148,10 +148,12 @@ create trigger model_artifacts_repinned after update on public.model_artifacts
 -- BETA (a cheat verified). docs/security.md says how the rule behind "failed" was calibrated.
 create function private.challenge_step(p_passed boolean) returns double precision
   language sql immutable set search_path = '' as $$
-  -- P_HONEST 0.01, P_CHEAT 0.3: a failure adds ln(0.3 / 0.01), a pass ln(0.7 / 0.99).
-  select case when p_passed then ln(0.7 / 0.99) else ln(0.3 / 0.01) end
+  -- P_HONEST 0.01, P_CHEAT 0.5: a failure adds ln(0.5 / 0.01), a pass ln(0.5 / 0.99). Every cheat
+  -- measured but the subtlest fails at least 88% of challenges (docs/security.md), and an honest
+  -- server none in 200: P_CHEAT 0.5 flags a gross cheat in two or three challenges.
+  select case when p_passed then ln(0.5 / 0.99) else ln(0.5 / 0.01) end
 $$;
-comment on function private.challenge_step(boolean) is 'What one challenge adds to the evidence (log-likelihood ratio, cheat against honest; P_HONEST 0.01, P_CHEAT 0.3): +3.40 for a failure, -0.35 for a pass.';
+comment on function private.challenge_step(boolean) is 'What one challenge adds to the evidence (log-likelihood ratio, cheat against honest; P_HONEST 0.01, P_CHEAT 0.5): +3.91 for a failure, -0.68 for a pass.';
 revoke all on function private.challenge_step(boolean) from public;
 grant execute on function private.challenge_step(boolean) to service_role;
 
@@ -160,7 +162,7 @@ create function private.challenge_bounds(out failed_at double precision, out ver
   -- Wald's bounds for ALPHA 0.001 and BETA 0.01.
   select ln((1 - 0.01) / 0.001), ln(0.01 / (1 - 0.001))
 $$;
-comment on function private.challenge_bounds() is 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, three failures in a row fail a node, and from the floor (verified) four do; fourteen passes verify it.';
+comment on function private.challenge_bounds() is 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, two failures in a row fail a node (or two with one pass between and a third), and from the floor (verified) three in a row do; seven passes verify it.';
 revoke all on function private.challenge_bounds() from public;
 grant execute on function private.challenge_bounds() to service_role;
 

@@ -216,7 +216,7 @@ def test_an_answer_cut_by_max_tokens_scores_no_end_of_generation(referee: str) -
         ),
         ({"messages": CONVERSATIONS[1], "answer": "x", "finish_reason": "stop"}, 404, "unknown sha256"),
         ({"messages": [], "answer": "x", "finish_reason": "stop"}, 400, "messages"),
-        ({"messages": [{"role": "user"}], "answer": "x", "finish_reason": "stop"}, 400, "messages"),
+        ({"messages": [{"role": "user"}], "answer": "x", "finish_reason": "stop"}, 400, "each message"),
         ({"messages": CONVERSATIONS[1], "answer": "x", "finish_reason": "eos"}, 400, "finish_reason"),
         ({"messages": CONVERSATIONS[1], "finish_reason": "stop"}, 400, "answer"),
         ({"messages": CONVERSATIONS[1], "answer": 3, "finish_reason": "stop"}, 400, "answer"),

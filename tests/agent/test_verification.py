@@ -161,8 +161,9 @@ def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(wor
     assert checks["honest"][1] == 0  # never failed once
     for cheat in ("pruned", "canned"):
         challenges, failures = checks[cheat]
-        # Failed by three failures, with a few passes between at most (bench verify measures how many).
-        assert failures == 3 and challenges <= 8, (cheat, checks[cheat])
+        # Failed by two failures in a row, or a third after passes between (bench verify measures how
+        # many challenges it takes).
+        assert failures in (2, 3) and challenges <= 6, (cheat, checks[cheat])
     reasons = world.conn.execute(
         "select n.name, c.detail ->> 'reason' from model_challenges c join nodes n on n.id = c.node_id"
         " where not c.passed"

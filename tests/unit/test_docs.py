@@ -505,7 +505,75 @@ def readme_block() -> str:
             run_cell("map", base),
         ]
     )
+    rows.append(verification_row(base))
     return table(["what", "measure", "figure", "beside it, same run", "target", "run"], rows)
+
+
+GROSS_CHEATS = ("pruned", "sampling at 0.8", "canned")  # bench/verification.py: flagged within 3
+HONEST_TARGET = 2000
+
+
+def verification_row(base: str) -> list[str]:
+    report = load("verification")
+    nodes = {r["node"]: r for r in report["results"]}
+    honest = [r for r in report["results"] if r["honest"]]
+    flagged = sum(r["state"] == "failed" for r in honest)
+    gross = [nodes[name]["flagged_after"] for name in GROSS_CHEATS]
+    requant = nodes["requantized"]["flagged_after"]
+    return [
+        "model verification, real servers of SmolLM2",
+        "honest nodes flagged (challenges); gross cheats flagged after (challenges)",
+        f"{flagged} ({report['honest_challenges']:,}); "
+        + ", ".join(f"{name} {after or 'never'}" for name, after in zip(GROSS_CHEATS, gross, strict=True)),
+        f"requantized: {requant or 'never'}; referee CPU {ms(dig(report, 'referee_cpu_s.mean_s'))} s a challenge;"
+        f" a verified node's tokens: {ms(100 * dig(report, 'cost.share_verified'), 3)}%",
+        verdict(f"0 over {HONEST_TARGET:,}", flagged == 0 and report["honest_challenges"] >= HONEST_TARGET)
+        + "; "
+        + verdict("gross ≤ 3", all(after is not None and after <= 3 for after in gross))
+        + "; "
+        + verdict("requantized ≤ 20", requant is not None and requant <= 20)
+        + "; "
+        + verdict("≤ 1%", dig(report, "cost.share_verified") <= 0.01),
+        run_cell("verification", base),
+    ]
+
+
+def verification_block() -> str:
+    report = load("verification")
+    rows = [
+        [
+            r["node"],
+            "honest" if r["honest"] else "cheat",
+            r["state"],
+            str(r["challenges"]),
+            str(r["failed"]),
+            str(r["flagged_after"] or NONE),
+            NONE if r["distance_of_failures"] is None else " to ".join(map(str, r["distance_of_failures"])),
+            str(r.get("paid_jobs", 0)),
+            str(r.get("forfeited_jobs", 0)),
+        ]
+        for r in report["results"]
+    ]
+    head = [
+        "node",
+        "",
+        "state",
+        "challenges",
+        "failed",
+        "flagged after",
+        "failures' largest gap, logits",
+        "paid jobs",
+        "forfeited",
+    ]
+    cost = report["cost"]
+    said = (
+        f"A challenge cost its node {ms(cost['tokens_per_challenge'], 1)} tokens on average; at one per"
+        f" 10 minutes, {ms(100 * cost['share_verified'], 3)}% of what the honest llama-server served"
+        f" under the bench's light load ({ms(cost['node_tokens_per_s_served'])} tokens/s), and"
+        f" {ms(100 * cost['share_unverified'], 2)}% while unverified (one per 30 s). The referee spent"
+        f" {ms(dig(report, 'referee_cpu_s.mean_s'))} s of CPU a challenge (one thread)."
+    )
+    return table(head, rows, right=3) + "\n" + said + " " + run_line("verification")
 
 
 def viewer(feed: str) -> dict[str, Any]:
@@ -781,6 +849,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "map": map_block,
     "heartbeats": heartbeats_block,
     "sse": sse_block,
+    "verification": verification_block,
 }
 # The heartbeats' and Realtime's figures stand beside their design, the map's beside its page
 # (docs/benchmarks.md points to each); the others are in docs/benchmarks.md.
@@ -789,6 +858,7 @@ WHERE = {
     "heartbeats": DOCS / "scaling.md",
     "realtime": DOCS / "realtime.md",
     "map": DOCS / "web.md",
+    "verification": DOCS / "security.md",
 }
 
 
