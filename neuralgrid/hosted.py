@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from supabase_auth import SyncSupportedStorage
 
+from neuralgrid.verify.owners import nothing_restarted
+
 if TYPE_CHECKING:
     from supabase import Client
 
@@ -334,12 +336,8 @@ class DataApi:
         )
         if not started:
             checks = self._rows(lambda: self.client.rpc("my_model_checks", {}).execute())
-            states = ", ".join(f"{c['model_id']} {c['state']}" for c in checks if c["node_id"] == node["id"])
-            said = f"its models are {states}" if states else "no model of it is under verification"
-            raise HostedError(
-                f"none of {node['name']}'s models failed verification ({said}): only a failed model"
-                " is verified again"
-            )
+            states = [(c["model_id"], c["state"]) for c in checks if c["node_id"] == node["id"]]
+            raise HostedError(nothing_restarted(node["name"], states))
         return {"node_id": node["id"], "node_name": node["name"], "models": started}
 
 

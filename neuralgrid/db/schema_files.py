@@ -133,6 +133,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.check_pinned_model",
         "private.check_repinned_model",
         "private.checks_back_in_the_matcher",
+        "private.forfeit_unverified_on_delete",
         "private.challenge_step",
         "private.challenge_bounds",
         "private.challenge_key_id",

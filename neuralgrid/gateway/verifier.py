@@ -9,9 +9,9 @@ referee score the answer and records the verdicts in SQL (record_challenges()), 
 sequential test, the states and their consequences. Python decides one challenge's verdict
 (verify/verdict.py); SQL decides what the verdicts add up to.
 
-A share of real traffic is audited the same way (`audit()`): a greedy chat answer whose request
-says nothing else that changes the answer is scored after it was delivered, and counts as a
-challenge would. A node that could tell challenges from traffic still gains nothing by it.
+A share of real traffic is audited the same way (`audit()`): a short greedy chat answer to a user's
+message, whose request says nothing else that changes the answer, is scored after it was delivered
+and counts as a challenge would. A node that could tell challenges from such traffic gains nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import json
 import logging
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
-
-import httpx
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
@@ -39,57 +38,15 @@ from neuralgrid.gateway.prompt_cache import PromptCaches
 from neuralgrid.protocol import wire_json
 from neuralgrid.protocol.sse import Usage
 from neuralgrid.verify import challenge as challenges
-from neuralgrid.verify.verdict import Verdict, judge, refused, unreadable
+from neuralgrid.verify.client import RefereeClient, RefereeError, Unscorable
+from neuralgrid.verify.verdict import Verdict, judge, refused, unreadable, unscorable
 
 log = logging.getLogger(__name__)
 
 ARTIFACTS_EVERY_S = 60.0  # how often the referee is asked which models it holds
 AUDITS_WAITING = 8  # audits queued for the referee at most; more are not taken (traffic is not held up)
-SCORE_TIMEOUT_S = 60.0  # the referee scores one at a time: a queue of long challenges takes a while
-
-
-class RefereeError(Exception):
-    """The referee did not score: no verdict (the challenge counts for nothing)."""
-
-
-@dataclass(frozen=True)
-class Scored:
-    gaps: list[float]
-    prompt_tokens: int
-    answer_tokens: int
-    cpu_s: float
-
-
-class Referee:
-    """The referee process, over HTTP."""
-
-    def __init__(self, url: str, client: httpx.AsyncClient | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.client = client or httpx.AsyncClient(timeout=SCORE_TIMEOUT_S)
-
-    async def artifacts(self) -> list[str]:
-        try:
-            resp = await self.client.get(f"{self.url}/v1/artifacts")
-            resp.raise_for_status()
-            return [a["sha256"] for a in resp.json()["artifacts"]]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
-            raise RefereeError(f"the referee at {self.url} did not list its models: {err}") from err
-
-    async def score(self, sha256: str, messages: list[dict[str, str]], answer: str, finish: str) -> Scored:
-        body = {"sha256": sha256, "messages": messages, "answer": answer, "finish_reason": finish}
-        try:
-            resp = await self.client.post(f"{self.url}/v1/score", json=body)
-            if resp.status_code != 200:
-                raise RefereeError(f"the referee answered HTTP {resp.status_code}: {resp.text[:200]}")
-            got = resp.json()
-            return Scored(
-                [float(g) for g in got["gaps"]], got["prompt_tokens"], got["answer_tokens"], got["cpu_s"]
-            )
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
-            raise RefereeError(f"the referee at {self.url} did not score: {err}") from err
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
+STOP_GRACE_S = 5.0  # on shutdown, how long challenges under way may take to end their jobs
+FINISHES = ("stop", "length")  # why a greedy chat answer may end
 
 
 @dataclass
@@ -99,7 +56,6 @@ class Outcome:
     due: q.Due
     job_id: UUID
     verdict: Verdict
-    cpu_s: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
@@ -114,14 +70,38 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class Answered:
+    """A node's chat answer: its text, why it ended, and how many tokens it was asked for at most."""
+
+    text: str
+    finish: str
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
 class Audit:
     """A client's answer to score: whose, and what was asked and answered."""
 
     due: q.Due
     job_id: UUID
     messages: list[dict[str, str]]
-    text: str
-    finish: str
+    answered: Answered
+
+
+def read_answer(content: bytes, max_tokens: int | None) -> Answered | Verdict:
+    """A chat completion's answer, or the verdict on one that is no greedy chat answer at all."""
+    try:
+        choice = wire_json.loads_answer(content)["choices"][0]
+        text, finish = choice["message"]["content"] or "", choice["finish_reason"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return unreadable()
+    if not isinstance(text, str) or finish not in FINISHES:
+        return unreadable()
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON may carry a lone surrogate: no text a model writes
+        return unscorable("text that is not Unicode")
+    return Answered(text, finish, max_tokens)
 
 
 class Verifier:
@@ -129,7 +109,7 @@ class Verifier:
         self,
         store: Store,
         gateway_id: UUID,
-        referee: Referee,
+        referee: RefereeClient,
         sender: Sender,
         metering: Metering,
         caches: PromptCaches,
@@ -154,13 +134,12 @@ class Verifier:
         self._pinned: dict[str, str] = {}  # model -> the sha256 of its GGUF, for those the referee holds
         self._artifacts_at = -ARTIFACTS_EVERY_S
         self._contexts: dict[str, int] = {}
-        self._running: set[asyncio.Task[None]] = set()
+        self._challenging: set[asyncio.Task[None]] = set()
         self._key_id: UUID | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Challenge what is due, every `every_s`, and score the audits taken, until stopped."""
         auditing = asyncio.get_running_loop().create_task(self._score_audits())
-        self._running.add(auditing)
         while not stop.is_set():
             try:
                 await self.tick()
@@ -168,22 +147,34 @@ class Verifier:
                 log.exception("challenges: this round failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.every_s)
-        for task in list(self._running):
-            task.cancel()
-        await asyncio.gather(*self._running, return_exceptions=True)
+        auditing.cancel()
+        if self._challenging:  # let them end their jobs; those that cannot are ended as cancelled
+            _, late = await asyncio.wait(set(self._challenging), timeout=STOP_GRACE_S)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(auditing, *self._challenging, return_exceptions=True)
 
     async def tick(self) -> None:
         """One round: take what is due (as many as there is room for) and challenge each."""
-        free = self.in_flight - len(self._running)
+        free = self.in_flight - len(self._challenging)
         if free <= 0:
             return
         artifacts = await self._held()
         if not artifacts:
             return
         for due in await self.store.all(q.DUE_CHALLENGES, (artifacts, free)):
-            task = asyncio.get_running_loop().create_task(self._challenge_and_record(due))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._spawn(self._challenge_and_record(due), f"challenge of node {due.node_id}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._challenging.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._challenging.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s failed", what, exc_info=task.exception())
+
+        task.add_done_callback(done)
 
     async def _held(self) -> list[str]:
         if time.monotonic() - self._artifacts_at >= ARTIFACTS_EVERY_S:
@@ -197,51 +188,13 @@ class Verifier:
             self._pinned = dict(await self.store.all(q.ARTIFACTS, (self._artifacts,)))
         return self._artifacts
 
-    def audit(self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], answer: bytes) -> None:
-        """A delivered whole chat answer: scored later as a challenge is, if drawn and auditable."""
-        sha256 = self._pinned.get(model)
-        if sha256 is None or random.random() >= self.audit_share:
-            return
-        messages = challenges.auditable(body)
-        if messages is None:
-            return
-        try:
-            choice = wire_json.loads_answer(answer)["choices"][0]
-            text, finish = str(choice["message"]["content"] or ""), choice["finish_reason"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return  # the client got it as it was; a node's garbage answer is health's to count
-        due = q.Due(node_id, model, sha256, "")
-        with contextlib.suppress(asyncio.QueueFull):  # the referee is behind: this one goes unaudited
-            self._audits.put_nowait(
-                Audit(due, job_id, messages, text, "stop" if finish == "stop" else "length")
-            )
-
-    async def _score_audits(self) -> None:
-        while True:
-            audit = await self._audits.get()
-            try:
-                scored = await self.referee.score(audit.due.sha256, audit.messages, audit.text, audit.finish)
-            except RefereeError as err:
-                log.warning(
-                    "audit of node %s (%s) not scored: %s", audit.due.node_id, audit.due.model_id, err
-                )
-                continue
-            self.metrics.referee_cpu.observe(scored.cpu_s)
-            detail = {"audit": True, "prompt_tokens": scored.prompt_tokens, "finish_reason": audit.finish}
-            outcome = Outcome(audit.due, audit.job_id, judge(scored.gaps), scored.cpu_s, detail)
-            self.metrics.challenges.labels(
-                "audit " + ("passed" if outcome.verdict.passed else "failed")
-            ).inc()
-            try:
-                await self.store.all(q.RECORD_CHALLENGES, (json.dumps([outcome.as_json()]),))
-            except Exception:
-                log.exception("audit of node %s not recorded", audit.due.node_id)
-
     async def _challenge_and_record(self, due: q.Due) -> None:
         outcome = await self.challenge(due)
-        if outcome is None:
-            return
-        self.metrics.challenges.labels("passed" if outcome.verdict.passed else "failed").inc()
+        if outcome is not None:
+            await self._record(outcome, "")
+
+    async def _record(self, outcome: Outcome, kind: str) -> None:
+        self.metrics.challenges.labels(kind + ("passed" if outcome.verdict.passed else "failed")).inc()
         await self.store.all(q.RECORD_CHALLENGES, (json.dumps([outcome.as_json()]),))
 
     async def challenge(self, due: q.Due) -> Outcome | None:
@@ -256,8 +209,9 @@ class Verifier:
         self.caches.apply("chat", body, key_id)  # its own key's salt, as every request has
         payload = json.dumps(body).encode()
         placed = await self.store.one(q.PLACE_CHALLENGE, (str(self.gateway_id), due.node_id, due.model_id))
-        if placed is None:
-            self.metrics.challenges.labels("deferred").inc()  # busy: due again at its next time
+        if placed is None:  # busy: due again in a few seconds
+            self.metrics.challenges.labels("deferred").inc()
+            await self.store.all(q.DEFER_CHALLENGE, (due.node_id, due.model_id))
             return None
         meter = Meter(
             placed.job_id,
@@ -266,32 +220,55 @@ class Verifier:
             model=due.model_id,
             bounds=Bounds(len(payload), asked.max_tokens),
         )
-        answered = await self._ask(placed, payload, asked, meter)
+        try:
+            answered = await self._ask(placed, payload, asked, meter)
+        except BaseException:  # cancelled, or broken: the job still ends and its slot is given back
+            meter.first_byte = meter.first_byte or time.perf_counter()
+            self.metering.finish(meter, "cancelled", "the challenge was stopped")
+            raise
         if answered is None:
             return None
         if isinstance(answered, Verdict):
-            return Outcome(due, placed.job_id, answered)
-        text, finish = answered
+            return Outcome(due, placed.job_id, answered, {"long": asked.long})
+        return await self._judge(due, placed.job_id, asked.messages, answered, {"long": asked.long})
+
+    async def _judge(
+        self,
+        due: q.Due,
+        job_id: UUID,
+        messages: list[dict[str, str]],
+        answered: Answered,
+        detail: dict[str, Any],
+    ) -> Outcome | None:
         try:
-            scored = await self.referee.score(due.sha256, asked.messages, text, finish)
+            scores = await self.referee.score(due.sha256, messages, answered.text, answered.finish)
+        except Unscorable as why:
+            return Outcome(due, job_id, unscorable(str(why)), detail)
         except RefereeError as err:
             log.warning("challenge of node %s (%s) not scored: %s", due.node_id, due.model_id, err)
             self.metrics.challenges.labels("inconclusive").inc()
             return None
-        self.metrics.referee_cpu.observe(scored.cpu_s)
-        detail = {"long": asked.long, "prompt_tokens": scored.prompt_tokens, "finish_reason": finish}
-        return Outcome(due, placed.job_id, judge(scored.gaps), scored.cpu_s, detail)
+        self.metrics.referee_cpu.observe(scores.cpu_s)
+        verdict = judge(
+            scores.gaps,
+            finish=answered.finish,
+            answer_tokens=scores.answer_tokens,
+            max_tokens=answered.max_tokens,
+        )
+        detail = {**detail, "prompt_tokens": scores.prompt_tokens, "finish_reason": answered.finish}
+        return Outcome(due, job_id, verdict, detail)
 
     async def _ask(
         self, placed: q.PlacedChallenge, payload: bytes, asked: challenges.Challenge, meter: Meter
-    ) -> tuple[str, str] | Verdict | None:
-        """The node's answer (its text and why it ended: stop or length), a verdict without the
-        referee (it refused, or answered no chat completion), or None when it failed as a node."""
+    ) -> Answered | Verdict | None:
+        """The node's answer, a verdict without the referee (it refused, or answered no greedy chat
+        answer), or None when it failed as a node fails (health's business: no verdict). The job has
+        ended when this returns."""
         node = Node(placed.node_id, placed.endpoint_url, placed.node_key, placed.attempt)
         timeout = self.sender.first_byte_timeout(False, asked.max_tokens, placed.tokens_per_s)
         try:
             resp, _, content = await self.sender.send(node, PATHS["chat"], payload, False, timeout)
-        except Retryable as failure:  # as any job that fails on its node: health's business, not ours
+        except Retryable as failure:
             meter.first_byte = time.perf_counter()
             self.metering.finish(meter, failure.outcome, str(failure))
             self.metrics.challenges.labels("inconclusive").inc()
@@ -300,13 +277,34 @@ class Verifier:
         if resp.status >= 400:  # ended as any refused request: neutral for the node's reputation
             await self.metering.end(meter, "cancelled", f"HTTP {resp.status} from the node")
             return refused(resp.status, content.decode(errors="replace"), asked.long)
-        try:
-            answer = wire_json.loads_answer(content)
-            choice = answer["choices"][0]
-            text, finish = choice["message"]["content"] or "", choice["finish_reason"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            await self.metering.end(meter, "succeeded", None)
-            return unreadable()
-        meter.usage = Usage.parse(answer) or Usage()
+        with contextlib.suppress(ValueError):
+            meter.usage = Usage.parse(wire_json.loads_answer(content)) or Usage()
         await self.metering.end(meter, "succeeded", None)
-        return str(text), "stop" if finish == "stop" else "length"
+        return read_answer(content, asked.max_tokens)
+
+    def audit(self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], answer: bytes) -> None:
+        """A delivered whole chat answer: scored later as a challenge is, if drawn and auditable."""
+        sha256 = self._pinned.get(model)
+        if sha256 is None or random.random() >= self.audit_share:
+            return
+        messages = challenges.auditable(body)
+        if messages is None:
+            return
+        answered = read_answer(answer, challenges.answer_limit(body))
+        if not isinstance(answered, Answered):
+            return  # the client got it as it was; a node's unreadable answer is health's to count
+        due = q.Due(node_id, model, sha256, "")
+        with contextlib.suppress(asyncio.QueueFull):  # the referee is behind: this one goes unaudited
+            self._audits.put_nowait(Audit(due, job_id, messages, answered))
+
+    async def _score_audits(self) -> None:
+        while True:
+            audit = await self._audits.get()
+            try:
+                outcome = await self._judge(
+                    audit.due, audit.job_id, audit.messages, audit.answered, {"audit": True}
+                )
+                if outcome is not None:
+                    await self._record(outcome, "audit ")
+            except Exception:  # the next audit is scored all the same
+                log.exception("audit of node %s not recorded", audit.due.node_id)

@@ -59,7 +59,7 @@ from neuralgrid.gateway.prompt_cache import SALTS, PromptCaches
 from neuralgrid.gateway.ratelimit import RateLimiter
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
-from neuralgrid.gateway.verifier import Referee, Verifier
+from neuralgrid.gateway.verifier import Verifier
 from neuralgrid.gateway.waiting import WaitingRoom
 from neuralgrid.protocol import signing
 from neuralgrid.realtime import socket as realtime_socket
@@ -70,6 +70,7 @@ from neuralgrid.server.services import Services
 from neuralgrid.server.settings import Settings
 from neuralgrid.server.sweeper import run_sweeper
 from neuralgrid.server.tokens import TokenKeys, stack_api_keys
+from neuralgrid.verify.client import RefereeClient
 from neuralgrid.web import routes as web_routes
 from neuralgrid.web.map_feed import TOPIC as MAP_TOPIC
 from neuralgrid.web.map_feed import run_map_feed
@@ -222,7 +223,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             tasks.append(asyncio.create_task(run_map_feed(store, stop, viewed)))
         elif sweep:
             tasks.append(asyncio.create_task(run_map_feed(store, stop, lambda: True)))
-        referee = Referee(settings.referee_url) if settings.referee_url else None
+        referee = RefereeClient(settings.referee_url) if settings.referee_url else None
         if referee is not None:  # challenges go out as any request does, from this gateway's pipeline
             verifier = Verifier(
                 store,

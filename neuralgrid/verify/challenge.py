@@ -14,7 +14,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-MAX_TOKENS = 32  # enough tokens to tell models apart, few enough to cost the node little
+# How many tokens a challenge asks for, drawn each time: enough to tell models apart, few enough to
+# cost the node little, and no fixed number for a node to know challenges by.
+MAX_TOKENS = (24, 48)
 LONG_SHARE = 4  # one challenge in this many is a long one
 LONG_TOKENS = 600  # about how long a long challenge's prompt is, in tokens: well past a cut context
 CHARS_PER_TOKEN = 4  # English prose, for sizing the long document
@@ -144,7 +146,7 @@ def make(context_length: int, rng: random.Random = _rng) -> Challenge:
     long = context_length >= 2 * LONG_TOKENS and rng.randrange(LONG_SHARE) == 0
     user = _long(rng, LONG_TOKENS) if long else _short(rng)
     messages = [{"role": "system", "content": rng.choice(SYSTEMS)}, {"role": "user", "content": user}]
-    return Challenge(messages, MAX_TOKENS, long)
+    return Challenge(messages, rng.randint(*MAX_TOKENS), long)
 
 
 # What a client's request may say and still be scored as a challenge is: a greedy chat of plain text
@@ -168,10 +170,24 @@ AUDITABLE_FIELDS = frozenset(
 )
 
 
+# The longest answer audited: the verdict's rule was calibrated on challenges' short answers.
+AUDIT_MAX_TOKENS = 64
+
+
+def answer_limit(body: dict[str, Any]) -> int | None:
+    """The most tokens a chat request asks for, if it says."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return limit if type(limit) is int else None
+
+
 def auditable(body: dict[str, Any]) -> list[dict[str, str]] | None:
     """The messages of a client's chat request that the reference can score as it scores a
-    challenge (asked greedily, nothing else that changes the answer), or None."""
+    challenge (asked greedily for a short answer to a user's message, nothing else that changes the
+    answer), or None."""
     if set(body) - AUDITABLE_FIELDS or body.get("temperature") != 0 or body.get("n", 1) != 1:
+        return None
+    limit = answer_limit(body)
+    if limit is None or not 0 < limit <= AUDIT_MAX_TOKENS:
         return None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -184,4 +200,5 @@ def auditable(body: dict[str, Any]) -> list[dict[str, str]] | None:
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             return None
         plain.append({"role": role, "content": content})
-    return plain
+    # An open assistant message is continued by servers that can (the reference would answer anew).
+    return plain if plain[-1]["role"] == "user" else None

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.errors import Forbidden, GatewayError, NotFound
 from neuralgrid.server.deps import ServicesDep, user_claims
+from neuralgrid.verify.owners import nothing_restarted
 
 router = APIRouter(tags=["web"])
 
@@ -106,19 +107,15 @@ async def request_verification(
 ) -> dict[str, Any]:
     """The owner asks for their node's failed models to be verified again (request_verification()):
     each starts over, unverified, and is challenged at once. 404 for a node that is not theirs, 409
-    when none of its models failed."""
+    when none of its models may start over (none failed, or not an hour ago)."""
     async with services.store.as_role(claims) as store:
         node = _find(await store.all(q.MY_NODES), body.node)
         started = await store.all(q.REQUEST_VERIFICATION, (node["id"],))
         if not started:
-            checks = [c for c in await store.all(q.MY_MODEL_CHECKS) if c.node_id == node["id"]]
-            states = ", ".join(f"{c.model_id} {c.state}" for c in checks)
-            said = f"its models are {states}" if checks else "no model of it is under verification"
-            raise NothingFailed(
-                f"none of {node['name']}'s models failed verification ({said}): only a failed model"
-                " is verified again",
-                param="node",
-            )
+            checks = [
+                (c.model_id, c.state) for c in await store.all(q.MY_MODEL_CHECKS) if c.node_id == node["id"]
+            ]
+            raise NothingFailed(nothing_restarted(node["name"], checks), param="node")
     return {
         "object": "verification",
         "node_id": node["id"],

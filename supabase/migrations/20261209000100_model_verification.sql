@@ -162,7 +162,7 @@ create function private.challenge_bounds(out failed_at double precision, out ver
   -- Wald's bounds for ALPHA 0.001 and BETA 0.01.
   select ln((1 - 0.01) / 0.001), ln(0.01 / (1 - 0.001))
 $$;
-comment on function private.challenge_bounds() is 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, two failures in a row fail a node (or two with one pass between and a third), and from the floor (verified) three in a row do; seven passes verify it.';
+comment on function private.challenge_bounds() is 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, two failures in a row fail a node (fail, pass, fail too), and from the floor (verified) three in a row do; seven passes verify it.';
 revoke all on function private.challenge_bounds() from public;
 grant execute on function private.challenge_bounds() to service_role;
 
@@ -210,6 +210,7 @@ create function private.challenge_key_id() returns uuid
 declare
   v_id uuid;
 begin
+  perform pg_advisory_xact_lock(hashtext('neuralgrid verification key'));  -- gateways starting together: one key
   select k.id into v_id from public.api_keys k
   where k.owner_id is null and k.name = 'neuralgrid verification' and k.revoked_at is null
   order by k.created_at limit 1;
@@ -234,8 +235,10 @@ declare
   v_job uuid;
   v_key uuid := private.challenge_key_id();
 begin
-  perform set_config('neuralgrid.gateway_id', coalesce(p_gateway, ''), true);  -- stamp_job_gateway()
-  -- One free slot on this node, or nothing (no waiting: the challenge comes again later).
+  -- The job is stamped with no gateway: a renewal moves its gateway's running jobs into its leases
+  -- (renew_lane()), and a challenge's slot must stay SQL's. Its end is written at once, or by the
+  -- job deadline if its gateway dies first.
+  -- One free slot on this node, or nothing (no waiting: the challenge comes again soon).
   select * into v_node from private.claim_node(array[p_node_id], '{}', false);
   if v_node.id is null then
     return;
@@ -249,7 +252,7 @@ begin
   return query select v_job, v_node.id, v_node.endpoint_url, v_node.secret_hash, 1, v_node.ewma_tokens_per_s;
 end;
 $$;
-comment on function public.place_challenge(text, uuid, text, boolean) is 'A challenge''s job: claims one free slot on p_node_id (no waiting; nothing returned when it has none) and records a running job for p_model paid by the platform''s verification key, as p_gateway. It ends as any job does (complete_jobs()), and earns the node what any job does.';
+comment on function public.place_challenge(text, uuid, text, boolean) is 'A challenge''s job: claims one free slot on p_node_id (no waiting; nothing returned when it has none) and records a running job for p_model paid by the platform''s verification key, stamped with no gateway (p_gateway is not recorded: no renewal may move it into a lease). It ends as any job does (complete_jobs()), and earns the node what any job does.';
 revoke all on function public.place_challenge(text, uuid, text, boolean) from public, anon, authenticated;
 grant execute on function public.place_challenge(text, uuid, text, boolean) to service_role;
 
@@ -266,11 +269,16 @@ create or replace function private.record_earning() returns trigger
 begin
   -- One primary-key lookup (the node's owner) and the one-row settings table; a second ending of the
   -- same job (it cannot happen through complete_jobs(), which ends running jobs only) writes nothing.
+  -- A job of a (node, model) that has failed verification (ended after the failure: in flight then,
+  -- or dispatched on a lease before its renewal) is forfeited as it is written.
   insert into public.earnings (job_id, node_id, owner_id, model_id, gross_usd, fee_rate, fee_usd, net_usd,
-                               earned_at, settles_at)
+                               earned_at, settles_at, forfeited_at)
   select new.id, new.node_id, n.owner_id, new.model_id, new.cost_usd, s.platform_fee_rate, f.fee,
          new.cost_usd - f.fee, new.finished_at,
-         new.finished_at + make_interval(secs => s.earnings_hold_s)
+         new.finished_at + make_interval(secs => s.earnings_hold_s),
+         case when exists (select 1 from public.model_checks c
+                           where c.node_id = new.node_id and c.model_id = new.model_id and c.state = 'failed')
+              then now() end
   from public.platform_settings s
   cross join lateral (select round(new.cost_usd * s.platform_fee_rate, 8) as fee) f
   left join public.nodes n on n.id = new.node_id
@@ -278,7 +286,7 @@ begin
   return null;
 end;
 $$;
-comment on function private.record_earning() is 'Trigger: writes the earnings ledger row of a job that has just ended paid for (succeeded, or cancelled by its client after the node had worked): gross = its charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after its end; at most once per job.';
+comment on function private.record_earning() is 'Trigger: writes the earnings ledger row of a job that has just ended paid for (succeeded, or cancelled by its client after the node had worked): gross = its charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after its end (forfeited at once when its (node, model) has failed verification); at most once per job.';
 
 -- Challenge outcomes, in batches; the state machine and its consequences.
 create function public.record_challenges(p_results jsonb)
@@ -336,12 +344,29 @@ comment on function public.record_challenges(jsonb) is 'Records challenge outcom
 revoke all on function public.record_challenges(jsonb) from public, anon, authenticated;
 grant execute on function public.record_challenges(jsonb) to service_role;
 
+-- A node deleted before its earnings settled, with a model not verified, forfeits them: deleting a
+-- suspect node (and registering it anew) must not keep what it earned.
+create function private.forfeit_unverified_on_delete() returns trigger
+  language plpgsql security definer set search_path = '' as $$
+begin
+  update public.earnings e set forfeited_at = now()
+  from public.model_checks c
+  where c.node_id = old.id and c.state <> 'verified'
+    and e.node_id = old.id and e.model_id = c.model_id and e.settles_at > now() and e.forfeited_at is null;
+  return old;
+end;
+$$;
+comment on function private.forfeit_unverified_on_delete() is 'Trigger: a node deleted while a model of it is not verified forfeits that model''s earnings not yet settled (its checks go with it; its earnings stay).';
+revoke all on function private.forfeit_unverified_on_delete() from public;
+create trigger nodes_forfeit_unverified before delete on public.nodes
+  for each row execute function private.forfeit_unverified_on_delete();
+
 -- An owner who fixed their server asks again: an update of their own failed rows, which RLS lets
 -- them make in one shape only (unverified, no evidence, challenged now), so no definer function is
 -- needed (Supabase's advisor warns of those an API role may run).
 grant update (state, evidence, state_since, next_challenge_at) on table public.model_checks to authenticated;
 create policy "Owners can ask again for a model their node failed" on public.model_checks for update to authenticated
-  using (state = 'failed'
+  using (state = 'failed' and state_since <= now() - interval '1 hour'
          and exists (select 1 from public.nodes n where n.id = model_checks.node_id and n.owner_id = (select auth.uid())))
   with check (state = 'unverified' and evidence = 0 and next_challenge_at <= now() and state_since <= now()
               and exists (select 1 from public.nodes n where n.id = model_checks.node_id and n.owner_id = (select auth.uid())));
@@ -372,11 +397,11 @@ begin
   return query
   update public.model_checks c
   set state = 'unverified', evidence = 0, state_since = now(), next_challenge_at = now()
-  where c.node_id = p_node_id and c.state = 'failed'
+  where c.node_id = p_node_id and c.state = 'failed' and c.state_since <= now() - interval '1 hour'
   returning c.model_id, c.state;
 end;
 $$;
-comment on function public.request_verification(uuid) is 'The owner of p_node_id (or the service) asks for its failed models to be verified again: each starts over, unverified, challenged at once, and the matcher scores it again. What was forfeited stays forfeited; suspect and verified models are left as they are (their evidence is not the owner''s to erase). Returns the models that start over.';
+comment on function public.request_verification(uuid) is 'The owner of p_node_id (or the service) asks for its failed models to be verified again, an hour after each failed at the soonest: each starts over, unverified, challenged at once, and the matcher scores it again. What was forfeited stays forfeited; suspect and verified models are left as they are (their evidence is not the owner''s to erase). Returns the models that start over.';
 revoke all on function public.request_verification(uuid) from public, anon;
 grant execute on function public.request_verification(uuid) to authenticated, service_role;
 

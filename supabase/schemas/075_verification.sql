@@ -30,7 +30,7 @@ CREATE INDEX model_checks_due_idx ON public.model_checks USING btree (next_chall
 ALTER TABLE ONLY public.model_checks
     ADD CONSTRAINT model_checks_node_id_fkey FOREIGN KEY (node_id) REFERENCES public.nodes(id) ON DELETE CASCADE;
 
-CREATE POLICY "Owners can ask again for a model their node failed" ON public.model_checks FOR UPDATE TO authenticated USING (((state = 'failed'::text) AND (EXISTS ( SELECT 1
+CREATE POLICY "Owners can ask again for a model their node failed" ON public.model_checks FOR UPDATE TO authenticated USING (((state = 'failed'::text) AND (state_since <= (now() - '01:00:00'::interval)) AND (EXISTS ( SELECT 1
    FROM public.nodes n
   WHERE ((n.id = model_checks.node_id) AND (n.owner_id = ( SELECT auth.uid() AS uid))))))) WITH CHECK (((state = 'unverified'::text) AND (evidence = (0)::double precision) AND (next_challenge_at <= now()) AND (state_since <= now()) AND (EXISTS ( SELECT 1
    FROM public.nodes n
@@ -144,7 +144,7 @@ CREATE FUNCTION private.challenge_bounds(OUT failed_at double precision, OUT ver
   select ln((1 - 0.01) / 0.001), ln(0.01 / (1 - 0.001))
 $$;
 
-COMMENT ON FUNCTION private.challenge_bounds(OUT failed_at double precision, OUT verified_at double precision) IS 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, two failures in a row fail a node (or two with one pass between and a third), and from the floor (verified) three in a row do; seven passes verify it.';
+COMMENT ON FUNCTION private.challenge_bounds(OUT failed_at double precision, OUT verified_at double precision) IS 'Wald''s bounds of the sequential test (ALPHA 0.001, BETA 0.01): evidence at or above failed_at (6.90) fails the (node, model); at or below verified_at (-4.60) verifies it, and is the floor the evidence never goes below. From nothing, two failures in a row fail a node (fail, pass, fail too), and from the floor (verified) three in a row do; seven passes verify it.';
 
 REVOKE ALL ON FUNCTION private.challenge_bounds(OUT failed_at double precision, OUT verified_at double precision) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.challenge_bounds(OUT failed_at double precision, OUT verified_at double precision) TO service_role;
@@ -157,6 +157,7 @@ CREATE FUNCTION private.challenge_key_id() RETURNS uuid
 declare
   v_id uuid;
 begin
+  perform pg_advisory_xact_lock(hashtext('neuralgrid verification key'));  -- gateways starting together: one key
   select k.id into v_id from public.api_keys k
   where k.owner_id is null and k.name = 'neuralgrid verification' and k.revoked_at is null
   order by k.created_at limit 1;
@@ -271,6 +272,26 @@ SET default_table_access_method = heap;
 CREATE TRIGGER model_checks_back_in_the_matcher AFTER UPDATE OF state ON public.model_checks FOR EACH ROW WHEN (((old.state = 'failed'::text) AND (new.state <> 'failed'::text))) EXECUTE FUNCTION private.checks_back_in_the_matcher();
 
 REVOKE ALL ON FUNCTION private.checks_back_in_the_matcher() FROM PUBLIC;
+
+
+CREATE FUNCTION private.forfeit_unverified_on_delete() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO ''
+    AS $$
+begin
+  update public.earnings e set forfeited_at = now()
+  from public.model_checks c
+  where c.node_id = old.id and c.state <> 'verified'
+    and e.node_id = old.id and e.model_id = c.model_id and e.settles_at > now() and e.forfeited_at is null;
+  return old;
+end;
+$$;
+
+COMMENT ON FUNCTION private.forfeit_unverified_on_delete() IS 'Trigger: a node deleted while a model of it is not verified forfeits that model''s earnings not yet settled (its checks go with it; its earnings stay).';
+
+CREATE TRIGGER nodes_forfeit_unverified BEFORE DELETE ON public.nodes FOR EACH ROW EXECUTE FUNCTION private.forfeit_unverified_on_delete();
+
+REVOKE ALL ON FUNCTION private.forfeit_unverified_on_delete() FROM PUBLIC;
 
 
 CREATE FUNCTION private.node_verification(p_node_id uuid) RETURNS text
@@ -390,8 +411,10 @@ declare
   v_job uuid;
   v_key uuid := private.challenge_key_id();
 begin
-  perform set_config('neuralgrid.gateway_id', coalesce(p_gateway, ''), true);  -- stamp_job_gateway()
-  -- One free slot on this node, or nothing (no waiting: the challenge comes again later).
+  -- The job is stamped with no gateway: a renewal moves its gateway's running jobs into its leases
+  -- (renew_lane()), and a challenge's slot must stay SQL's. Its end is written at once, or by the
+  -- job deadline if its gateway dies first.
+  -- One free slot on this node, or nothing (no waiting: the challenge comes again soon).
   select * into v_node from private.claim_node(array[p_node_id], '{}', false);
   if v_node.id is null then
     return;
@@ -406,7 +429,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_model text, p_stream boolean) IS 'A challenge''s job: claims one free slot on p_node_id (no waiting; nothing returned when it has none) and records a running job for p_model paid by the platform''s verification key, as p_gateway. It ends as any job does (complete_jobs()), and earns the node what any job does.';
+COMMENT ON FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_model text, p_stream boolean) IS 'A challenge''s job: claims one free slot on p_node_id (no waiting; nothing returned when it has none) and records a running job for p_model paid by the platform''s verification key, stamped with no gateway (p_gateway is not recorded: no renewal may move it into a lease). It ends as any job does (complete_jobs()), and earns the node what any job does.';
 
 REVOKE ALL ON FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_model text, p_stream boolean) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_model text, p_stream boolean) FROM PUBLIC;
@@ -487,12 +510,12 @@ begin
   return query
   update public.model_checks c
   set state = 'unverified', evidence = 0, state_since = now(), next_challenge_at = now()
-  where c.node_id = p_node_id and c.state = 'failed'
+  where c.node_id = p_node_id and c.state = 'failed' and c.state_since <= now() - interval '1 hour'
   returning c.model_id, c.state;
 end;
 $$;
 
-COMMENT ON FUNCTION public.request_verification(p_node_id uuid) IS 'The owner of p_node_id (or the service) asks for its failed models to be verified again: each starts over, unverified, challenged at once, and the matcher scores it again. What was forfeited stays forfeited; suspect and verified models are left as they are (their evidence is not the owner''s to erase). Returns the models that start over.';
+COMMENT ON FUNCTION public.request_verification(p_node_id uuid) IS 'The owner of p_node_id (or the service) asks for its failed models to be verified again, an hour after each failed at the soonest: each starts over, unverified, challenged at once, and the matcher scores it again. What was forfeited stays forfeited; suspect and verified models are left as they are (their evidence is not the owner''s to erase). Returns the models that start over.';
 
 REVOKE ALL ON FUNCTION public.request_verification(p_node_id uuid) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.request_verification(p_node_id uuid) FROM PUBLIC;

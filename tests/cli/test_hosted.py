@@ -379,8 +379,8 @@ def test_node_verify_of_a_node_with_nothing_failed_is_one_line(home: Path, proje
     )
     line = one_line_error(neuralgrid(home, "node", "verify", "garage-4090"))
     assert line == (
-        f"error: none of garage-4090's models failed verification (its models are {LLAMA8} verified):"
-        " only a failed model is verified again"
+        f"error: none of garage-4090's models can start over now ({LLAMA8} verified): a model is verified"
+        " again once it has failed, an hour after at the soonest"
     )
 
 

@@ -114,7 +114,7 @@ def test_earnings_say_what_is_held_forfeited_and_how_each_model_fares_under_veri
     start = lines.index("Verification of your nodes' models (the platform's challenges)")
     checks = [line.rstrip() for line in lines[start:]]
     assert [(m[1], m[2], m[3], m[4]) for m in map(CHECK.match, checks) if m] == [
-        (LLAMA8, "failed", "0", "3"),
+        (LLAMA8, "failed", "0", "2"),
         (LLAMA8, "unverified", "0", "0"),
     ]
     # Under the failed model, its last failure's reason, indented as a whole where it wraps.
@@ -153,8 +153,8 @@ def test_node_verify_starts_a_failed_model_over_and_refuses_in_one_line(
     ]
     assert verification(conn, world["mine"]) == "unverified"
 
-    assert "none of my-4090's models failed verification" in one_line_error(verify(gateway, key, "my-4090"))
-    assert "none of my-a100's models failed" in one_line_error(verify(gateway, key, "my-a100"))
+    assert "none of my-4090's models can start over now" in one_line_error(verify(gateway, key, "my-4090"))
+    assert "none of my-a100's models can start over" in one_line_error(verify(gateway, key, "my-a100"))
     line = one_line_error(verify(gateway, key, "someone-elses"))
     assert "(404)" in line and "you have no node named 'someone-elses'" in line
     fail_model(conn, world["mine"])

@@ -97,6 +97,7 @@ PRIVATE_HELPERS = sorted(
         "check_pinned_model",  # a model pinned: its nodes are under verification
         "check_repinned_model",  # pinned to another file: its nodes start over
         "checks_back_in_the_matcher",  # a failed model started over is scored again
+        "forfeit_unverified_on_delete",  # a node deleted unverified keeps nothing held
         "claim_node",
         "copy_node_endpoint",
         "cooldown_until",

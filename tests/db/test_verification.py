@@ -218,6 +218,11 @@ def test_an_owner_asks_again_for_a_failed_model_and_only_a_failed_one(conn: psyc
     node = make_node(conn, owner_id=owner, models={LLAMA8: "loaded", QWEN: "loaded"})
     record(conn, node, False, False)
     record(conn, node, False, model=QWEN)
+    with acting_as(conn, "authenticated", owner):  # not within the hour it failed
+        assert conn.execute("select * from request_verification(%s)", (node,)).fetchall() == []
+    conn.execute(
+        "update model_checks set state_since = now() - interval '61 minutes' where node_id = %s", (node,)
+    )
     with acting_as(conn, "authenticated", stranger), pytest.raises(psycopg.errors.NoDataFound):
         conn.execute("select * from request_verification(%s)", (node,))
     with acting_as(conn, "authenticated", owner):
@@ -267,7 +272,7 @@ def test_a_challenge_is_a_paid_job_on_exactly_its_node(conn: psycopg.Connection)
     assert row is not None and row[1] == node
     job = conn.execute("select gateway_id, api_key_id, status from jobs where id = %s", (row[0],)).fetchone()
     key = conn.execute("select private.challenge_key_id()").fetchone()
-    assert job == (gateway, key[0] if key else None, "running")
+    assert job == (None, key[0] if key else None, "running")  # no gateway's: no renewal leases its slot
     # Full: no challenge placed, nothing recorded, no other node taken.
     assert (
         conn.execute("select * from place_challenge(%s, %s, %s)", (str(gateway), node, LLAMA8)).fetchall()
@@ -308,3 +313,35 @@ def test_a_model_pinned_to_another_file_starts_every_node_over(conn: psycopg.Con
     conn.execute("update model_artifacts set sha256 = %s where model_id = %s", ("e" * 64, LLAMA8))
     assert check(conn, verified)["state"] == check(conn, failed)["state"] == "unverified"
     assert set(ranked(conn)) == {verified, failed}  # the failed one back in the matcher
+
+
+def test_what_a_failed_model_earns_later_is_forfeited_as_it_is_written(conn: psycopg.Connection) -> None:
+    pin(conn)
+    node = make_node(conn, models={LLAMA8: "loaded"})
+    key = make_key(conn, budget_usd=10.0)
+    row = conn.execute("select job_id from match_job(%s, %s)", (LLAMA8, key)).fetchone()
+    assert row is not None
+    record(conn, node, False, False)  # fails while the job runs
+    conn.execute("select complete_job(%s, 'succeeded', 1000, 100)", (row[0],))
+    assert conn.execute(
+        "select forfeited_at is not null from earnings where job_id = %s", (row[0],)
+    ).fetchone() == (True,)
+
+
+def test_a_node_deleted_before_it_is_verified_forfeits_what_it_holds(conn: psycopg.Connection) -> None:
+    pin(conn)
+    pin(conn, QWEN, "b" * 64)
+    owner = make_user(conn)
+    node = make_node(conn, owner_id=owner, models={LLAMA8: "loaded", QWEN: "loaded"})
+    key = make_key(conn, budget_usd=10.0)
+    jobs = {}
+    for model in (LLAMA8, QWEN):
+        row = conn.execute("select job_id from match_job(%s, %s)", (model, key)).fetchone()
+        assert row is not None
+        conn.execute("select complete_job(%s, 'succeeded', 1000, 100)", (row[0],))
+        jobs[model] = row[0]
+    record(conn, node, *[True] * 7, model=QWEN)  # verified: its earnings settle as they would
+    record(conn, node, False)  # LLAMA8 suspect: its owner deletes the node
+    conn.execute("delete from nodes where id = %s", (node,))
+    kept: dict[str, bool] = dict(conn.execute("select model_id, forfeited_at is null from earnings").fetchall())
+    assert kept == {LLAMA8: False, QWEN: True}

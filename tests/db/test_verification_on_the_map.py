@@ -38,7 +38,13 @@ def challenged(
 
 
 def fail_model(conn: psycopg.Connection, node: uuid.UUID, model: str = LLAMA8, reason: str = REASON) -> None:
-    challenged(conn, node, model, False, False, False, reason=reason)  # three in a row fail a model
+    """Failed two hours ago (two failures in a row fail a fresh model, three one that passed before; a
+    failure after it failed is ignored): its owner may ask again."""
+    challenged(conn, node, model, False, False, False, reason=reason)
+    conn.execute(
+        "update model_checks set state_since = now() - interval '2 hours' where node_id = %s and model_id = %s",
+        (node, model),
+    )
 
 
 def verification(conn: psycopg.Connection, node: uuid.UUID) -> str | None:
@@ -64,18 +70,21 @@ def test_a_nodes_verification_is_the_worst_state_of_its_models(conn: psycopg.Con
     pin_model(conn, QWEN, "c" * 64)
     assert verification(conn, plain) == "unverified"
 
-    challenged(conn, node, QWEN, *[True] * 14)  # Qwen verified; LLAMA8 still unverified: the worse
+    challenged(conn, node, QWEN, *[True] * 7)  # Qwen verified; LLAMA8 still unverified: the worse
     assert verification(conn, node) == "unverified"
-    challenged(conn, node, LLAMA8, *[True] * 14)
+    challenged(conn, node, LLAMA8, *[True] * 7)
     assert verification(conn, node) == "verified"
     challenged(conn, node, LLAMA8, False)
     assert verification(conn, node) == "suspect"
-    challenged(conn, node, LLAMA8, False, False, False)  # from the floor, four failures fail it
+    challenged(conn, node, LLAMA8, False, False)  # from the floor, three failures fail it
     assert verification(conn, node) == "failed"
     challenged(conn, node, QWEN, False)  # another model's suspicion is less bad than a failure
     assert verification(conn, node) == "failed"
 
-    # Asked again, the failed model starts over: the worst is now Qwen's suspect.
+    # Asked again (an hour on), the failed model starts over: the worst is now Qwen's suspect.
+    conn.execute(
+        "update model_checks set state_since = now() - interval '2 hours' where node_id = %s", (node,)
+    )
     conn.execute("select * from request_verification(%s)", (node,))
     assert verification(conn, node) == "suspect"
 

@@ -20,9 +20,11 @@ def test_challenges_are_greedy_everyday_requests_each_with_its_own_nonce() -> No
     assert body == {
         "model": "m",
         "messages": made[0].messages,
-        "max_tokens": challenge.MAX_TOKENS,
+        "max_tokens": made[0].max_tokens,
         "temperature": 0,
     }
+    asked = {c.max_tokens for c in made}
+    assert min(asked) >= challenge.MAX_TOKENS[0] and max(asked) <= challenge.MAX_TOKENS[1] and len(asked) > 10
     longs = [c for c in made if c.long]
     assert 20 <= len(longs) <= 90  # about one in LONG_SHARE
     for c in longs:
@@ -45,6 +47,10 @@ def test_an_answer_the_reference_would_give_passes_and_one_it_ranks_low_fails() 
     honest = judge([0.0, 0.0, 0.4, 0.0, 0.0])  # a near-tie picked the other way
     assert honest.passed and honest.distance == 0.4 and honest.reason is None
     assert judge([0.0, 4.7, 0.0, 0.0]).passed  # one token far off alone is not enough
+    assert not judge([0.0, 9.0]).passed  # but one far enough is
+    assert not judge([0.3], answer_tokens=0).passed  # an empty answer, however likely its end
+    assert not judge([0.0] * 10, finish="length", answer_tokens=10, max_tokens=32).passed  # cut short
+    assert judge([0.0] * 30, finish="length", answer_tokens=30, max_tokens=32).passed  # tokenized back
     cheat = judge([0.0, 0.0, GAP_LIMIT + 0.5, 7.25, 0.0])
     assert not cheat.passed and cheat.distance == 7.25
     assert cheat.detail == {"tokens": 5, "over": 2, "max_gap": 7.25, "reason": cheat.reason}
@@ -52,7 +58,6 @@ def test_an_answer_the_reference_would_give_passes_and_one_it_ranks_low_fails() 
         "2 of 5 tokens are not the model's greedy choice (the first at token 2, 1.5 logits below the"
         " reference's best)"
     )
-    assert judge([]).passed  # an empty answer that should have been empty
 
 
 def test_a_refusal_or_an_unreadable_answer_fails_without_the_reference() -> None:
@@ -67,6 +72,7 @@ def test_a_refusal_or_an_unreadable_answer_fails_without_the_reference() -> None
 def test_only_a_greedy_plain_chat_is_auditable() -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     greedy = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 8, "cache_salt": "s"}
+    assert challenge.auditable({**greedy, "max_tokens": None, "max_completion_tokens": 64}) == messages
     assert challenge.auditable(greedy) == messages
     assert challenge.auditable({**greedy, "stream": True, "user": "u", "n": 1}) == messages
     changes: list[dict[str, object]] = [
@@ -82,6 +88,9 @@ def test_only_a_greedy_plain_chat_is_auditable() -> None:
         {"messages": [{"role": "tool", "content": "x"}]},
         {"messages": [{"role": "user", "content": "Hi", "name": "bob"}]},
         {"messages": []},
+        {"messages": [*messages, {"role": "assistant", "content": "Hel"}]},  # continued, not answered anew
+        {"max_tokens": 65},  # longer than the rule was calibrated on
+        {"max_tokens": None},
     ]
     for changed in changes:
         assert challenge.auditable({**greedy, **changed}) is None, changed

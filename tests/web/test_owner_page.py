@@ -274,8 +274,8 @@ def test_api_my_earnings_says_what_is_held_and_forfeited_and_each_models_verific
             "node_name": "my-4090",
             "model_id": LLAMA8,
             "state": "failed",
-            "challenges": 3,
-            "failures": 3,
+            "challenges": 2,
+            "failures": 2,
             "last_failure": REASON,
             "held": 0.0,
             "forfeited": 0.51,
@@ -362,7 +362,7 @@ def test_the_page_shows_each_models_verification_and_asks_again_for_a_failed_one
 
     failed = page.locator('#nodes-body tr[data-name="my-4090"] li[data-state="failed"]')
     expect(failed).to_contain_text(LLAMA8)
-    expect(failed).to_contain_text("0 passed, 3 failed")
+    expect(failed).to_contain_text("0 passed, 2 failed")
     expect(failed.locator(".last-failure")).to_have_text(f"Last failure: {REASON}")
     unverified = page.locator('#nodes-body tr[data-name="my-a100"] li[data-state="unverified"]')
     expect(unverified).to_contain_text(LLAMA8)

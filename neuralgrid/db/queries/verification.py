@@ -16,6 +16,7 @@ __all__ = [
     "ARTIFACTS",
     "CHALLENGE_KEY",
     "CHECK_STATES",
+    "DEFER_CHALLENGE",
     "DUE_CHALLENGES",
     "MY_MODEL_CHECKS",
     "PIN_ARTIFACT",
@@ -41,6 +42,15 @@ class Due:
 
 # (the sha256s of the GGUFs the referee holds, how many at most)
 DUE_CHALLENGES = Query("due_challenges", "select * from public.due_challenges(%s, %s)", class_row(Due))
+
+
+# (node, model): a challenge that found no free slot comes again soon, not at its next random time
+DEFER_CHALLENGE = Query(
+    "defer_challenge",
+    "update public.model_checks set next_challenge_at = least(next_challenge_at, now() + interval '5 s')"
+    " where node_id = %s and model_id = %s returning node_id",
+    scalar_row,
+)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ select throws_ok($$ select * from public.due_challenges(array['x'], 1) $$, '4250
 select throws_ok($$ insert into public.model_artifacts (model_id, format, sha256) values ('HuggingFaceTB/SmolLM2-135M-Instruct', 'gguf', repeat('d', 64)) $$,
   '42501', null, 'nor pin an artifact');
 
+select tests.as_postgres();
+update public.model_checks set state_since = now() - interval '2 hours' where state = 'failed';  -- failed a while ago
 select tests.as_user('alice');
 select results_eq($$ select c.state, e.detail ->> 'reason' from public.model_checks c join public.model_challenges e using (node_id) order by e.id desc limit 1 $$,
   $$ values ('failed'::text, 'canned'::text) $$, 'the owner of a failed node sees its state and the evidence');
