@@ -151,28 +151,7 @@ class _Resampling(BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def _process(args: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(ready_url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{args[0]} did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-def _load(url: str, model: str, stop: threading.Event, served: list[int]) -> None:
+def _load(url: str, model: str, stop: threading.Event, tokens: list[int]) -> None:
     """Ordinary requests, one every LOAD_EVERY_S, until stopped; counts the completion tokens served.
     Steady, not saturating: on two cores a saturated server would starve the referee."""
     i = 0
@@ -185,7 +164,7 @@ def _load(url: str, model: str, stop: threading.Event, served: list[int]) -> Non
         i += 1
         try:
             answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
-            served.append(int(answer["usage"]["completion_tokens"]))
+            tokens.append(int(answer["usage"]["completion_tokens"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             time.sleep(0.5)
 
@@ -213,7 +192,7 @@ def run(
         referee = f"http://127.0.0.1:{referee_port}"
         gateway = f"http://127.0.0.1:{gateway_port}"
         stack.enter_context(
-            _process(
+            served(
                 [
                     str(root / "venv" / "bin" / "python"),
                     "-m",
@@ -225,9 +204,8 @@ def run(
                     "--model",
                     str(root / "model.gguf"),
                 ],
+                {**os.environ, "PYTHONPATH": str(REPO)},
                 f"{referee}/v1/artifacts",
-                logs / "referee.log",
-                env={**os.environ, "PYTHONPATH": str(REPO)},
             )
         )
         env = {
@@ -246,7 +224,7 @@ def run(
         for name, (command, honest) in SERVERS.items():
             port = free_port()
             backend = f"http://127.0.0.1:{port}"
-            stack.enter_context(_process(command(root, port), f"{backend}/v1/models", logs / f"{port}.log"))
+            stack.enter_context(served(command(root, port), dict(os.environ), f"{backend}/v1/models"))
             if name == "sampling at 0.8":
                 handler = type("Resampling", (_Resampling,), {"upstream": backend})
                 proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)

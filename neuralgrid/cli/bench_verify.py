@@ -63,6 +63,7 @@ def bench_verify(
         results["nodes"],
         cost=cost,
         referee_cpu_s=results["referee_cpu_s"],
+        honest_challenges=sum(r["challenges"] for r in results["nodes"] if r["honest"]),
         target=TARGET,
     )
     out.print(

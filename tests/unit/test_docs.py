@@ -522,11 +522,11 @@ def verification_row(base: str) -> list[str]:
     requant = nodes["requantized"]["flagged_after"]
     return [
         "model verification, real servers of SmolLM2",
-        "honest nodes flagged (challenges); gross cheats flagged after (challenges)",
+        "honest nodes flagged (their challenges); cheats flagged after (challenges)",
         f"{flagged} ({report['honest_challenges']:,}); "
         + ", ".join(f"{name} {after or 'never'}" for name, after in zip(GROSS_CHEATS, gross, strict=True)),
-        f"requantized: {requant or 'never'}; referee CPU {ms(dig(report, 'referee_cpu_s.mean_s'))} s a challenge;"
-        f" a verified node's tokens: {ms(100 * dig(report, 'cost.share_verified'), 3)}%",
+        f"requantized {requant or 'never'}; referee CPU {ms(dig(report, 'referee_cpu_s.mean_s'))} s a challenge;"
+        f" challenges over what a verified node served under light load: {ms(100 * dig(report, 'cost.share_verified'))}%",
         verdict(f"0 over {HONEST_TARGET:,}", flagged == 0 and report["honest_challenges"] >= HONEST_TARGET)
         + "; "
         + verdict("gross ≤ 3", all(after is not None and after <= 3 for after in gross))
@@ -561,7 +561,7 @@ def verification_block() -> str:
         "challenges",
         "failed",
         "flagged after",
-        "failures' largest gap, logits",
+        "largest gap of each failure, logits",
         "paid jobs",
         "forfeited",
     ]
