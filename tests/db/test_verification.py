@@ -343,5 +343,7 @@ def test_a_node_deleted_before_it_is_verified_forfeits_what_it_holds(conn: psyco
     record(conn, node, *[True] * 7, model=QWEN)  # verified: its earnings settle as they would
     record(conn, node, False)  # LLAMA8 suspect: its owner deletes the node
     conn.execute("delete from nodes where id = %s", (node,))
-    kept: dict[str, bool] = dict(conn.execute("select model_id, forfeited_at is null from earnings").fetchall())
+    kept: dict[str, bool] = dict(
+        conn.execute("select model_id, forfeited_at is null from earnings").fetchall()
+    )
     assert kept == {LLAMA8: False, QWEN: True}
