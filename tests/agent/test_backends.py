@@ -97,8 +97,16 @@ class Stack:
         Asked twice, and the second answer kept: llama-cpp-python's greedy answer to a prompt it has
         just seen differs from its answer to a new one (its prompt cache), and the gateway's request
         that follows is one it has just seen."""
+        # As the agent asks it: OpenAI's defaults where the server's differ (llama-cpp-python's penalty).
+        defaults = (
+            {"repeat_penalty": 1.0}
+            if self.server.kind == "llama-cpp-python" and "embeddings" not in path
+            else {}
+        )
         for _ in range(2):
-            resp = httpx.post(self.server.url + path, json={**body, "model": self.server.served}, timeout=60)
+            resp = httpx.post(
+                self.server.url + path, json={**defaults, **body, "model": self.server.served}, timeout=60
+            )
         answer: dict[str, Any] = resp.json()
         return answer
 
