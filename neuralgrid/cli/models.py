@@ -4,7 +4,6 @@ serving a smaller, pruned or requantized model under the catalog's name is caugh
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +11,7 @@ from typing import Annotated
 import typer
 
 from neuralgrid.cli.common import database, fail, friendly_errors, out, progress
+from neuralgrid.verify.artifacts import file_sha256
 
 app = typer.Typer(no_args_is_help=True, help="The catalog's models: pin each to the file nodes must serve.")
 
@@ -31,18 +31,6 @@ def check_gguf(path: Path) -> None:
         raise fail(f"--gguf: cannot read {path}: {err.strerror or err}") from err
     if magic != GGUF_MAGIC:
         raise fail(f"--gguf: {path} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
-
-
-def file_sha256(path: Path) -> str:
-    """The file's sha256, read a chunk at a time (a GGUF is gigabytes)."""
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as file:
-            while chunk := file.read(CHUNK):
-                digest.update(chunk)
-    except OSError as err:
-        raise fail(f"--gguf: cannot read {path}: {err.strerror or err}") from err
-    return digest.hexdigest()
 
 
 def sha256_text(text: str) -> str:

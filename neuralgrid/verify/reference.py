@@ -15,7 +15,6 @@ the standard library, numpy and llama_cpp (when a Reference is made).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from neuralgrid.verify.artifacts import file_sha256
 
 # Enough for a long challenge (about 1000 prompt tokens) and its answer, with room to spare.
 DEFAULT_CTX = 2048
@@ -46,15 +47,6 @@ class Scored:
     prompt_tokens: int
     answer_tokens: int
     cpu_s: float  # the process's CPU time (all of llama.cpp's threads) spent scoring
-
-
-def file_sha256(path: Path) -> str:
-    """The file's sha256, read in chunks: a GGUF is often larger than memory wants to hold twice."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Reference:
