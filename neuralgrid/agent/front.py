@@ -29,11 +29,13 @@ from starlette.types import Message, Receive, Scope, Send
 
 from neuralgrid.agent.answers import counted_body, json_object, rewritten_body, rewritten_events, text_answers
 from neuralgrid.agent.backend import Backend
+from neuralgrid.agent.gpu_probe import GpuProbeHost
 from neuralgrid.agent.relay import JSON, RelayError, RelayResponse
 from neuralgrid.agent.servers.base import CACHE_FIELDS, dig
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.routes import route_of
 from neuralgrid.server.serving import Abort
+from neuralgrid.verify import gpu_probe
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class FrontState:
     served_names: dict[str, str] = field(default_factory=dict)  # catalog id -> the server's name
     key: bytes | None = None  # set once registered
     signatures: signing.Verifier = field(default_factory=signing.Verifier)  # remembers nonces
+    gpu: GpuProbeHost | None = None  # answers the gateway's GPU probe (None: not yet detected)
     inflight: int = 0
     draining: bool = False
     served: int = 0
@@ -129,6 +132,12 @@ class FrontState:
         self.inflight -= 1
         if held_turn:
             self.turn.release()
+
+    async def probe(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """The gateway's GPU probe (gpu_probe.PATH): answered by the agent, never by the server."""
+        if self.gpu is None:
+            self.gpu = await asyncio.to_thread(GpuProbeHost.detect)
+        return await self.gpu.answer(body)
 
     def check(self, path: str, content_type: str) -> None:
         """Refused unless `path` is a route the node advertises and the content type is a header."""
@@ -288,6 +297,8 @@ class Front:
         path = scope["path"]
         if not state.signatures.verify(state.key, signature.decode("latin-1"), path, body):
             return await _error(send, 401, UNSIGNED)
+        if path == gpu_probe.PATH:
+            return await _json(send, *await state.probe(body))
         if state.draining:
             return await _error(send, 503, "this node is draining: it takes no new work")
         # The gateway may hang up before the answer's end (its client left, or it died): the

@@ -40,6 +40,7 @@ from neuralgrid.protocol.tunnel import (
     is_text,
     unpack,
 )
+from neuralgrid.verify import gpu_probe
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,11 @@ class TunnelClient:
         try:
             try:
                 body = unpack(frame.body, frame.b64)
+                if frame.path == gpu_probe.PATH:
+                    status, probed = await self.front.probe(body)
+                    await send(Start(id=request_id, status=status))
+                    await _send_data(send, window, request_id, json.dumps(probed))
+                    return await send(End(id=request_id))
                 answer = await self.front.forward(frame.path, body, frame.type or "application/json")
             except Refused as refused:
                 return await _refuse(send, request_id, refused.status, refused.message)

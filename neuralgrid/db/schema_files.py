@@ -125,7 +125,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.my_node_stats",
     ),
     "075_verification": (
-        "Verification: each model's pinned artifact, challenges and the sequential test per node and model.",
+        "Verification: pinned artifacts, challenges and the sequential test per (node, model); GPU probes.",
         "public.model_artifacts",
         "public.model_checks",
         "public.model_challenges",
@@ -144,6 +144,11 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "public.my_model_checks",
         "private.node_verification",
         "private.note_node_verification",
+        "public.gpu_proofs",
+        "public.gpu_probes",
+        "public.due_gpu_probes",
+        "public.record_gpu_probe",
+        "private.start_gpu_proof",
     ),
     "080_matcher": (
         "The matcher: score_nodes(), the scores kept per node and model, and what ranks a node.",

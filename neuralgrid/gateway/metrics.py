@@ -163,6 +163,13 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
             registry=self.registry,
         )
+        self.gpu_probes = Counter(
+            "neuralgrid_gpu_probes",
+            "GPU probes this gateway made, by outcome: passed, slow, wrong, no_gpu, refused or"
+            " unreachable (gateway/gpu_prober.py).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.model_checks = Gauge(
             "neuralgrid_model_checks",
             "(node, model)s under verification, by state: unverified, verified, suspect, failed.",

@@ -44,6 +44,7 @@ from neuralgrid.gateway.errors import (
     invalid,
 )
 from neuralgrid.gateway.escrow import Escrows
+from neuralgrid.gateway.gpu_prober import GpuProber
 from neuralgrid.gateway.heartbeats import Heartbeats
 from neuralgrid.gateway.journal import Journal, Spool, replay_orphans
 from neuralgrid.gateway.leases import LeaseBook, keep_renewing
@@ -238,6 +239,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             )
             pipeline.audit = verifier.audit
             tasks.append(asyncio.create_task(verifier.run(stop)))
+        if settings.gpu_probes:
+            prober = GpuProber(store, pipeline.sender, metrics, fill_share=settings.gpu_probe_fill_share)
+            tasks.append(asyncio.create_task(prober.run(stop)))
         if sweep:
             own = functools.partial(check_in, gateway_id=gateway_id, internal_url=internal_url)
             tasks.append(asyncio.create_task(run_sweeper(session_url, settings.sweep_interval_s, stop, own)))

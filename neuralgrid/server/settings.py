@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     # The share of greedy chat answers (temperature 0, nothing else that changes the answer) scored
     # after delivery as challenges are: a node that tells challenges from traffic still gains nothing.
     audit_share: float = Field(0.05, ge=0, le=1, alias="NEURALGRID_AUDIT_SHARE")
+    # GPU probes (gateway/gpu_prober.py): this gateway takes its share of the nodes due one (each
+    # checks a few blocks on this CPU, some 0.3 s for 2 MiB blocks).
+    gpu_probes: bool = Field(True, alias="NEURALGRID_GPU_PROBES")
+    # The share of one claimed GPU's memory a probe fills: more proves more, and costs the node more.
+    gpu_probe_fill_share: float = Field(0.5, gt=0, le=0.9, alias="NEURALGRID_GPU_PROBE_FILL_SHARE")
     # The request path's transactions (claims, completions: jobs, node load and reputation, budget
     # holds and charges) commit without waiting for the WAL flush (synchronous_commit = off). A
     # Postgres crash may lose the last fraction of a second of them, never corrupt them. Creating and

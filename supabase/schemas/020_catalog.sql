@@ -106,11 +106,13 @@ CREATE TABLE public.platform_settings (
     challenge_suspect_s real DEFAULT 10 NOT NULL,
     challenge_verified_s real DEFAULT 600 NOT NULL,
     earnings_hold_s real DEFAULT 86400 NOT NULL,
+    gpu_probe_every_s real DEFAULT 86400 NOT NULL,
     CONSTRAINT "challenge intervals must be positive" CHECK (((challenge_unverified_s > (0)::double precision) AND (challenge_suspect_s > (0)::double precision) AND (challenge_verified_s > (0)::double precision))),
     CONSTRAINT "cooldowns must be positive and base <= max" CHECK (((cooldown_base_s > (0)::double precision) AND (cooldown_max_s >= cooldown_base_s))),
     CONSTRAINT "earnings_hold_s must not be negative" CHECK ((earnings_hold_s >= (0)::double precision)),
     CONSTRAINT "escrow_usd must not be negative" CHECK ((escrow_usd >= (0)::numeric)),
     CONSTRAINT "gateway_timeout_s must be positive" CHECK ((gateway_timeout_s > (0)::double precision)),
+    CONSTRAINT "gpu_probe_every_s must be at least 60" CHECK ((gpu_probe_every_s >= (60)::double precision)),
     CONSTRAINT "heartbeat_interval_s must be positive" CHECK ((heartbeat_interval_s > (0)::double precision)),
     CONSTRAINT "job_deadline_s must be positive" CHECK ((job_deadline_s > (0)::double precision)),
     CONSTRAINT "lease_s must be positive" CHECK ((lease_s > (0)::double precision)),
@@ -160,6 +162,8 @@ COMMENT ON COLUMN public.platform_settings.challenge_suspect_s IS 'Mean seconds 
 COMMENT ON COLUMN public.platform_settings.challenge_verified_s IS 'Mean seconds between challenges of a verified (node, model).';
 
 COMMENT ON COLUMN public.platform_settings.earnings_hold_s IS 'Seconds an earning is held before it settles; a (node, model) that fails verification forfeits its earnings not yet settled.';
+
+COMMENT ON COLUMN public.platform_settings.gpu_probe_every_s IS 'Seconds between GPU probes of a node whose GPU was proven (or that said it has none); a failed one is probed again after as long, a suspect or refused one within minutes.';
 
 ALTER TABLE ONLY public.platform_settings
     ADD CONSTRAINT platform_settings_pkey PRIMARY KEY (id);

@@ -752,12 +752,14 @@ begin
            n.hourly_rate::float8 as hourly_rate, n.region, n.latitude, n.longitude,
            coalesce(private.reject_reason(n, greatest(n.last_heartbeat_at, l.last_heartbeat_at), nm.state, p_model,
                                           v_min, v_fresh_after, p_max_hourly_rate, v_seed, p_route),
-                    -- A hard filter of every policy, seed too (model_checks).
-                    case when mc.state = 'failed' then format('failed verification of %s', p_model) end) as reason
+                    -- Hard filters of every policy, seed too (model_checks, gpu_proofs).
+                    case when mc.state = 'failed' then format('failed verification of %s', p_model)
+                         when gp.state = 'failed' then 'its GPU failed its probe' end) as reason
     from public.nodes n
     left join public.node_liveness l on l.node_id = n.id
     left join public.node_models nm on nm.node_id = n.id and nm.model_id = p_model
     left join public.model_checks mc on mc.node_id = n.id and mc.model_id = p_model
+    left join public.gpu_proofs gp on gp.node_id = n.id
     where p_explain or n.status = 'online'
   ),
   ranked as (
@@ -800,7 +802,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.score_nodes(p_model text, p_min_vram_gb real, p_policy text, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_explain boolean, p_limit integer, p_route text) IS 'Ranks the nodes that can serve p_model under a policy (seed or a row of matching_policies), best first, with each score component (reserve: how little it takes from requests needing more VRAM, under current demand); with p_route (the path after /v1/), only nodes serving that route; with p_explain, also lists every rejected node and why (a model the node failed verification for among the reasons: a hard filter of every policy).';
+COMMENT ON FUNCTION public.score_nodes(p_model text, p_min_vram_gb real, p_policy text, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_explain boolean, p_limit integer, p_route text) IS 'Ranks the nodes that can serve p_model under a policy (seed or a row of matching_policies), best first, with each score component (reserve: how little it takes from requests needing more VRAM, under current demand); with p_route (the path after /v1/), only nodes serving that route; with p_explain, also lists every rejected node and why (a model the node failed verification for, or a GPU that failed its probe, among the reasons: hard filters of every policy).';
 
 REVOKE ALL ON FUNCTION public.score_nodes(p_model text, p_min_vram_gb real, p_policy text, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_explain boolean, p_limit integer, p_route text) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.score_nodes(p_model text, p_min_vram_gb real, p_policy text, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_explain boolean, p_limit integer, p_route text) FROM PUBLIC;
@@ -850,11 +852,13 @@ CREATE VIEW private.node_components WITH (security_invoker='true') AS
             ((w.capacity)::double precision / s.weight) AS capacity_share) p)
      CROSS JOIN LATERAL ( SELECT (p.other_base + (p.reputation_share * c.reputation)) AS fixed_base,
             p.capacity_share) b)
-  WHERE (NOT (EXISTS ( SELECT 1
+  WHERE ((NOT (EXISTS ( SELECT 1
            FROM public.model_checks mc
-          WHERE ((mc.node_id = nm.node_id) AND (mc.model_id = nm.model_id) AND (mc.state = 'failed'::text)))));
+          WHERE ((mc.node_id = nm.node_id) AND (mc.model_id = nm.model_id) AND (mc.state = 'failed'::text))))) AND (NOT (EXISTS ( SELECT 1
+           FROM public.gpu_proofs g
+          WHERE ((g.node_id = n.id) AND (g.state = 'failed'::text))))));
 
-COMMENT ON VIEW private.node_components IS 'The request-independent score components of each node for each model it holds under each weighted policy, each in [0,1], with fit for the catalog''s VRAM need; base is their weighted share of the score: fixed_base (all but capacity: other_base plus reputation_share times reputation) plus capacity_share times capacity, so that a change of load or of the success counts alone is rescored without this view. fit_weight is the fit''s share (a request''s own need changes only that term). A model its node failed verification for (model_checks) is not there: a hard filter.';
+COMMENT ON VIEW private.node_components IS 'The request-independent score components of each node for each model it holds under each weighted policy, each in [0,1], with fit for the catalog''s VRAM need; base is their weighted share of the score: fixed_base (all but capacity: other_base plus reputation_share times reputation) plus capacity_share times capacity, so that a change of load or of the success counts alone is rescored without this view. fit_weight is the fit''s share (a request''s own need changes only that term). A model its node failed verification for (model_checks) is not there: a hard filter; so is a node whose GPU failed its probe (gpu_proofs).';
 
 GRANT SELECT ON TABLE private.node_components TO service_role;
 

@@ -145,7 +145,7 @@ CREATE FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) RETU
     AS $$
 begin
   -- A node a lease may be dispatched to: online (or busy: full, most likely with leased slots), not
-  -- cooling down, beating (score_nodes()'s freshness), holding the model and not failed for it. (PL/pgSQL,
+  -- cooling down, beating (score_nodes()'s freshness), holding the model, not failed for it and its GPU not failed. (PL/pgSQL,
   -- not SQL: a function that pins its search_path is not inlined, and this way its plan is kept.)
   return query
   select n.id
@@ -159,11 +159,12 @@ begin
     and greatest(n.last_heartbeat_at, l.last_heartbeat_at)
         >= now() - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline)
     and not exists (select 1 from public.model_checks mc
-                    where mc.node_id = n.id and mc.model_id = p_model and mc.state = 'failed');
+                    where mc.node_id = n.id and mc.model_id = p_model and mc.state = 'failed')
+    and not exists (select 1 from public.gpu_proofs g where g.node_id = n.id and g.state = 'failed');
 end;
 $$;
 
-COMMENT ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) IS 'Of p_node_ids, the nodes a lease for p_model may be dispatched to: online or busy, not cooling down, with a fresh heartbeat, holding the model, not failed verification for it.';
+COMMENT ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) IS 'Of p_node_ids, the nodes a lease for p_model may be dispatched to: online or busy, not cooling down, with a fresh heartbeat, holding the model, not failed verification for it, its GPU not failed its probe.';
 
 REVOKE ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) TO service_role;

@@ -1,5 +1,6 @@
 """Model verification: which (node, model)s are due a challenge, a challenge's job, its outcome, and
-what owners and operators read of it (supabase/schemas/075_verification.sql)."""
+what owners and operators read of it; which nodes are due a GPU probe, and its outcome
+(supabase/schemas/075_verification.sql)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ __all__ = [
     "CHECK_STATES",
     "DEFER_CHALLENGE",
     "DUE_CHALLENGES",
+    "DUE_GPU_PROBES",
     "MY_MODEL_CHECKS",
     "PIN_ARTIFACT",
     "PLACE_CHALLENGE",
     "RECORD_CHALLENGES",
+    "RECORD_GPU_PROBE",
     "REQUEST_VERIFICATION",
     "CheckState",
     "Due",
+    "DueProbe",
     "ModelCheck",
     "PlacedChallenge",
     "Recorded",
@@ -153,4 +157,25 @@ on conflict (model_id) do update set format = 'gguf', sha256 = excluded.sha256,
 returning model_id
 """,
     scalar_row,
+)
+
+
+@dataclass(frozen=True)
+class DueProbe:
+    node_id: UUID
+    endpoint_url: str
+    node_key: bytes | None
+    gpu_model: str
+    gpu_count: int
+    vram_gb: float
+    free_vram_gb: float | None
+    state: str
+
+
+# (how many at most): online nodes due a GPU probe, each put off as it is taken
+DUE_GPU_PROBES = Query("due_gpu_probes", "select * from public.due_gpu_probes(%s)", class_row(DueProbe))
+
+# (node id, outcome, detail as JSON): the proof's state after it
+RECORD_GPU_PROBE = Query(
+    "record_gpu_probe", "select state from public.record_gpu_probe(%s, %s, %s::jsonb)", scalar_row
 )

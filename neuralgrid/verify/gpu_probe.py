@@ -1,0 +1,201 @@
+"""GPU claims that cost something to fake (issue 39, part 3): the probe's arithmetic, the same for
+the agent that answers it (on a GPU, through CuPy) and the gateway that checks it (NumPy, on a CPU).
+
+1. **Fill.** The gateway sends a nonce and a size; the agent fills that much GPU memory with blocks
+   derived from the nonce (`blocks()`): each 64-bit word is ROUNDS rounds of a mixer away from its
+   index, so that making a block costs several times what reading it does.
+2. **Digest, timed.** The gateway sends a second nonce and times the answer: PASSES passes over every
+   block, each block's digest keyed by another block's digest of the pass before (`digests()`), so
+   that the passes run one after another and each reads every block again, or makes it again. What
+   it answers is the last pass's digests, 8 bytes a block.
+3. **Check.** Afterwards the gateway picks a few blocks, makes the blocks their digests depend on,
+   pass by pass, and compares (`wrong_digests()`); and it judges the time against the datasheet
+   bandwidth of the GPU the node claims (`judge()`).
+
+What it proves, and what not, is in docs/security.md ("GPU claims").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+PATH = "/v1/neuralgrid/gpu-probe"  # signed like any request the gateway sends a node
+ROUNDS = 24  # mixer rounds a word: the cost of making a block, against that of reading it
+PASSES = 4
+BLOCK_BYTES = 2 << 20
+MIN_BLOCK_BYTES = 64 << 10
+MAX_BLOCK_BYTES = 64 << 20
+CHUNK_BYTES = 256 << 20  # what the agent works on at once: its temporaries are this size
+MAX_BYTES = 1 << 41  # 2 TiB: more than any one GPU holds
+# The share of the datasheet bandwidth a probe must reach. Not calibrated on a real GPU yet: set
+# low, so that a busy honest GPU passes while a CPU (tens of GB/s against hundreds) does not.
+MIN_SHARE = 0.1
+
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+# Datasheet memory bandwidth (GB/s) of one GPU, by substring of its NVML name, most specific first;
+# the lower figure where a name covers two memory sizes (A100 40 GB, H100 PCIe).
+BANDWIDTH_BY_MODEL: tuple[tuple[str, float], ...] = (
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("A10", 600.0),
+    ("A6000", 768.0),
+    ("T4", 320.0),
+    ("V100", 900.0),
+    ("4090", 1008.0),
+    ("4080", 717.0),
+    ("3090", 936.0),
+    ("3080", 760.0),
+)
+
+
+def bandwidth_for(gpu_model: str) -> float | None:
+    """The datasheet bandwidth of one such GPU in GB/s; None for a model not in the table."""
+    for fragment, gbps in BANDWIDTH_BY_MODEL:
+        if fragment in gpu_model:
+            return gbps
+    return None
+
+
+def seed(nonce: str, label: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(label + nonce.encode()).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One probe's shape, as the gateway asks for it."""
+
+    nonce: str
+    size: int  # bytes filled
+    block_bytes: int = BLOCK_BYTES
+
+    @property
+    def blocks(self) -> int:
+        return self.size // self.block_bytes
+
+    @property
+    def words(self) -> int:
+        return self.block_bytes // 8
+
+
+def plan_error(size: Any, block_bytes: Any) -> str | None:
+    """Why a fill of `size` bytes in blocks of `block_bytes` cannot be asked; None when it can."""
+    if type(block_bytes) is not int or not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        return f"block_bytes must be an integer from {MIN_BLOCK_BYTES} to {MAX_BLOCK_BYTES}"
+    if block_bytes & (block_bytes - 1):
+        return "block_bytes must be a power of two"
+    if type(size) is not int or not block_bytes <= size <= MAX_BYTES or size % block_bytes:
+        return f"bytes must be a whole number of blocks, at most {MAX_BYTES}"
+    return None
+
+
+def _mix(xp: ModuleType, x: Any) -> Any:
+    """One round of SplitMix64's finalizer (after its increment), on uint64 arrays, in place."""
+    x += xp.uint64(_GOLDEN)
+    x ^= x >> xp.uint64(30)
+    x *= xp.uint64(_M1)
+    x ^= x >> xp.uint64(27)
+    x *= xp.uint64(_M2)
+    x ^= x >> xp.uint64(31)
+    return x
+
+
+def blocks(xp: ModuleType, fill_seed: int, first: int, count: int, words: int) -> Any:
+    """Blocks first..first+count-1 of a fill, as a (count, words) uint64 array."""
+    x = xp.arange(first * words, (first + count) * words, dtype=xp.uint64).reshape(count, words)
+    x ^= xp.uint64(fill_seed)
+    for _ in range(ROUNDS):
+        _mix(xp, x)
+    return x
+
+
+def fill(xp: ModuleType, plan: Plan) -> Any:
+    """The whole fill, made CHUNK_BYTES at a time into one (blocks, words) array."""
+    data = xp.empty((plan.blocks, plan.words), dtype=xp.uint64)
+    step = max(1, CHUNK_BYTES // plan.block_bytes)
+    fill_seed = seed(plan.nonce, b"fill")
+    for first in range(0, plan.blocks, step):
+        count = min(step, plan.blocks - first)
+        data[first : first + count] = blocks(xp, fill_seed, first, count, plan.words)
+    return data
+
+
+def _key(xp: ModuleType, digest_seed: int, words: int) -> Any:
+    key = xp.arange(words, dtype=xp.uint64) ^ xp.uint64(digest_seed)
+    return _mix(xp, key) | xp.uint64(1)  # odd: every bit of a word moves the product
+
+
+def offsets(digest_seed: int, n: int, passes: int) -> list[int]:
+    """Pass p's block b is keyed by block (b + offsets[p]) % n's digest of pass p - 1."""
+    out = []
+    for p in range(passes):
+        h = hashlib.sha256(digest_seed.to_bytes(8, "little") + p.to_bytes(4, "little")).digest()
+        out.append(1 + int.from_bytes(h[:8], "little") % (n - 1) if n > 1 else 0)
+    return out
+
+
+def _macs(xp: ModuleType, rows: Any, salts: Any, key: Any) -> Any:
+    """Each row's digest: the sum of (word xor its row's salt) times the key's word, mod 2**64."""
+    return ((rows ^ salts[:, None]) * key).sum(axis=1, dtype=xp.uint64)
+
+
+def digests(xp: ModuleType, data: Any, digest_seed: int, passes: int = PASSES) -> Any:
+    """The last pass's digest of every block of `data` (a fill), as a uint64 array."""
+    n, words = data.shape
+    key = _key(xp, digest_seed, words)
+    step = max(1, CHUNK_BYTES // (words * 8))
+    h = xp.zeros(n, dtype=xp.uint64)
+    for offset in offsets(digest_seed, n, passes):
+        salts = xp.roll(h, -offset)  # salts[b] = h[(b + offset) % n]
+        h = xp.empty(n, dtype=xp.uint64)
+        for first in range(0, n, step):
+            h[first : first + step] = _macs(xp, data[first : first + step], salts[first : first + step], key)
+    return h
+
+
+def wrong_digests(plan: Plan, nonce2: str, answered: Sequence[int], picks: Sequence[int]) -> list[int]:
+    """Of the blocks picked, those whose answered digest is not what their blocks make: each is
+    worked out back through the passes, making one block a pass (on this CPU, with NumPy)."""
+    import numpy as np  # the gateway's (the server extra); an agent's install needs none
+
+    fill_seed, digest_seed = seed(plan.nonce, b"fill"), seed(nonce2, b"digest")
+    n, words = plan.blocks, plan.words
+    key = _key(np, digest_seed, words)
+    steps = offsets(digest_seed, n, PASSES)
+    made: dict[int, Any] = {}
+    wrong = []
+    for block in picks:
+        chain = [block]  # the block whose digest of pass p the next pass's digest needs
+        for offset in reversed(steps[1:]):
+            chain.append((chain[-1] + offset) % n)
+        h = np.zeros(1, dtype=np.uint64)
+        for b in reversed(chain):
+            if b not in made:
+                made[b] = blocks(np, fill_seed, b, 1, words)
+            h = _macs(np, made[b], h, key)
+        if int(h[0]) != int(answered[block]):
+            wrong.append(block)
+    return wrong
+
+
+@dataclass(frozen=True)
+class Judged:
+    passed: bool
+    gbps: float  # the bandwidth the answer's time shows, as the gateway saw it
+    datasheet_gbps: float
+
+
+def judge(size: int, seconds: float, rtt_s: float, datasheet_gbps: float) -> Judged:
+    """Whether PASSES passes over `size` bytes in `seconds` (less one round trip) show at least
+    MIN_SHARE of the claimed GPU's datasheet bandwidth."""
+    working = max(seconds - rtt_s, 1e-6)
+    gbps = PASSES * size / working / 1e9
+    return Judged(gbps >= MIN_SHARE * datasheet_gbps, round(gbps, 3), datasheet_gbps)
