@@ -51,7 +51,7 @@ class GpuProber:
         metrics: Metrics,
         *,
         fill_share: float = 0.5,
-        every_s: float = 10.0,
+        every_s: float = 2.0,
         in_flight: int = 1,
     ) -> None:
         self.store, self.sender, self.metrics = store, sender, metrics

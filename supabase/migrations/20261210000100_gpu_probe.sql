@@ -33,6 +33,7 @@ create index gpu_proofs_due_idx on public.gpu_proofs (next_probe_at);
 alter table public.gpu_proofs enable row level security;
 create policy "Owners can see their own nodes' GPU proofs" on public.gpu_proofs for select to authenticated
   using (exists (select 1 from public.nodes n where n.id = gpu_proofs.node_id and n.owner_id = (select auth.uid())));
+revoke all on public.gpu_proofs from anon, authenticated;
 grant select on public.gpu_proofs to authenticated;
 grant all on public.gpu_proofs to service_role;
 
@@ -51,6 +52,7 @@ create index gpu_probes_node_idx on public.gpu_probes (node_id, probed_at);
 alter table public.gpu_probes enable row level security;
 create policy "Owners can see their own nodes' GPU probes" on public.gpu_probes for select to authenticated
   using (exists (select 1 from public.nodes n where n.id = gpu_probes.node_id and n.owner_id = (select auth.uid())));
+revoke all on public.gpu_probes from anon, authenticated;
 grant select on public.gpu_probes to authenticated;
 grant all on public.gpu_probes to service_role;
 

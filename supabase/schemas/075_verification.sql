@@ -37,9 +37,8 @@ CREATE POLICY "Owners can see their own nodes' GPU proofs" ON public.gpu_proofs 
 ALTER TABLE public.gpu_proofs ENABLE ROW LEVEL SECURITY;
 
 REVOKE ALL ON TABLE public.gpu_proofs FROM anon, authenticated, service_role;
-GRANT ALL ON TABLE public.gpu_proofs TO anon;
-GRANT ALL ON TABLE public.gpu_proofs TO authenticated;
 GRANT ALL ON TABLE public.gpu_proofs TO service_role;
+GRANT SELECT ON TABLE public.gpu_proofs TO authenticated;
 
 
 CREATE TABLE public.model_checks (
@@ -127,9 +126,8 @@ CREATE POLICY "Owners can see their own nodes' GPU probes" ON public.gpu_probes 
 ALTER TABLE public.gpu_probes ENABLE ROW LEVEL SECURITY;
 
 REVOKE ALL ON TABLE public.gpu_probes FROM anon, authenticated, service_role;
-GRANT ALL ON TABLE public.gpu_probes TO anon;
-GRANT ALL ON TABLE public.gpu_probes TO authenticated;
 GRANT ALL ON TABLE public.gpu_probes TO service_role;
+GRANT SELECT ON TABLE public.gpu_probes TO authenticated;
 
 REVOKE ALL ON SEQUENCE public.gpu_probes_id_seq FROM anon, authenticated, service_role;
 GRANT ALL ON SEQUENCE public.gpu_probes_id_seq TO anon;

@@ -172,15 +172,16 @@ def start_agent(gateway: str, key: str, server: Server, name: str, mode: str) ->
 
 
 @contextmanager
-def platform(pg_server: Any, template_db: str) -> Iterator[tuple[str, str, psycopg.Connection]]:
-    """A fresh database and a gateway that sweeps, with fast heartbeats; yields (url, key, conn)."""
+def platform(pg_server: Any, template_db: str, **env: Any) -> Iterator[tuple[str, str, psycopg.Connection]]:
+    """A fresh database and a gateway that sweeps, with fast heartbeats (and `env`'s settings);
+    yields (url, key, conn)."""
     name = clone_database(pg_server, template_db)
     try:
         with psycopg.connect(pg_server.url(name), autocommit=True) as conn:
             conn.execute("update platform_settings set heartbeat_interval_s = %s", (HEARTBEAT_S,))
             key = conn.execute("select api_key from create_api_key('conformance')").fetchone()
             assert key is not None
-            settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=30)
+            settings = Settings(NEURALGRID_SWEEP_INTERVAL_S=0.1, NEURALGRID_FIRST_BYTE_TIMEOUT_S=30, **env)
             with ThreadedServer(create_app(settings, pg_server.url(name))) as gateway:
                 yield gateway.url, str(key[0]), conn
     finally:

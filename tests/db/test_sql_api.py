@@ -32,6 +32,7 @@ PUBLIC_API = sorted(
         "create_api_key",
         "detach_tunnel",
         "due_challenges",  # the (node, model)s a gateway's referee can challenge now (issue 39)
+        "due_gpu_probes",  # the nodes due a GPU probe (issue 39)
         "failover_job",
         "fleet_stats",  # the map's totals through the Data API (issue 18)
         "gateway_alive",
@@ -57,6 +58,7 @@ PUBLIC_API = sorted(
         "place_challenge",  # a challenge's job, on exactly its node (issue 39)
         "place_jobs",  # the gateway's placements grouped (issue 16)
         "record_challenges",  # verdicts: the sequential test, its states and consequences
+        "record_gpu_probe",  # a GPU probe's outcome: the proof's state, the matcher's hard filter
         "record_jobs",  # leased jobs written behind (issue 42)
         "register_node",
         "register_node",
@@ -106,6 +108,7 @@ PRIVATE_HELPERS = sorted(
         "gateway_is_live",
         "json_changes",  # what changed between two summaries of the map
         "schedule_sweep_with_pg_cron",
+        "start_gpu_proof",  # a node with an agent, or new GPU claims: a proof due at once
         "sync_warm_models",  # a heartbeat's warm models (node_heartbeat(), agent_heartbeat())
         "ewma_fold",
         "great_circle_km",

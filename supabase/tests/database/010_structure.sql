@@ -4,14 +4,15 @@
 -- policies fails here first; the other files test what the roles can and cannot do with them.
 begin;
 create extension if not exists pgtap with schema extensions;
-select plan(99);
+select plan(105);
 
 -- What there is ---------------------------------------------------------------------------------------
 
 select tables_are('public', array[
   'models', 'platform_settings', 'matching_policies', 'nodes', 'node_models', 'api_keys', 'jobs',
   'job_attempts', 'node_scores', 'earnings', 'node_status_changes', 'prewarm_requests', 'fleet_activity',
-  'node_endpoints', 'node_liveness', 'map_feed', 'model_artifacts', 'model_checks', 'model_challenges'
+  'node_endpoints', 'node_liveness', 'map_feed', 'model_artifacts', 'model_checks', 'model_challenges',
+  'gpu_proofs', 'gpu_probes'
 ], 'public has the platform''s tables, and no table these tests do not cover');
 select views_are('public', array['node_map', 'node_base_scores', 'my_api_keys', 'my_usage'],
   'public has the map, score and Data API views, and no view these tests do not cover');
@@ -52,6 +53,8 @@ select policies_are('public', 'model_checks', array[
   'Owners can see the checks of their own nodes', 'Owners can ask again for a model their node failed'
 ]);
 select policies_are('public', 'model_challenges', array['Owners can see the challenges of their own nodes']);
+select policies_are('public', 'gpu_proofs', array['Owners can see their own nodes'' GPU proofs']);
+select policies_are('public', 'gpu_probes', array['Owners can see their own nodes'' GPU probes']);
 select policies_are('public', 'node_scores', '{}'::name[], 'node_scores has no policy: only service_role reads it');
 select policies_are('public', 'node_liveness', array['Anyone can see when nodes last beat']);
 select policy_roles_are('public', 'node_liveness', 'Anyone can see when nodes last beat', array['anon', 'authenticated']);
@@ -112,6 +115,10 @@ select table_privs_are('public', 'model_checks', 'service_role', array['SELECT',
 select table_privs_are('public', 'model_challenges', 'anon', '{}'::text[]);
 select table_privs_are('public', 'model_challenges', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'model_challenges', 'service_role', array['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']);
+select table_privs_are('public', 'gpu_proofs', 'anon', '{}'::text[]);
+select table_privs_are('public', 'gpu_proofs', 'authenticated', array['SELECT']);
+select table_privs_are('public', 'gpu_probes', 'anon', '{}'::text[]);
+select table_privs_are('public', 'gpu_probes', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'node_map', 'anon', array['SELECT']);
 select table_privs_are('public', 'node_map', 'authenticated', array['SELECT']);
 select table_privs_are('public', 'node_base_scores', 'anon', '{}'::text[]);
