@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Column as RichColumn
 from rich.table import Table
@@ -38,7 +39,7 @@ R = TypeVar("R")
 
 def fail(message: str) -> typer.Exit:
     """One line on stderr and a non-zero exit, for every error a person can cause."""
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 

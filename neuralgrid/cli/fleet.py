@@ -127,6 +127,7 @@ _NODES_WIDE = (
     Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}"),
     Column("reputation", _reputation),
     Column("verification", _verification, only_with="verification"),
+    Column("gpu proof", lambda r: r["gpu_proof"] or "-", only_with="gpu_proof"),
     Column("warm models", lambda r: ", ".join(r["warm_models"]), wraps=True),
     Column("endpoint", lambda r: r["endpoint_url"] or "", wraps=True, only_with="endpoint_url"),
 )
@@ -141,14 +142,15 @@ def nodes_ls(
         bool,
         typer.Option(
             "--wide",
-            help="Every column: region, VRAM, TFLOPS, price, ok/fail, verification, warm models"
+            help="Every column: region, VRAM, TFLOPS, price, ok/fail, verification, GPU proof, warm models"
             " (endpoint: yours).",
         ),
     ] = False,
 ) -> None:
     """List nodes: GPU, status, load, heartbeat age, reputation, and under them those that failed
-    verification or are suspect (--wide: region, specs, warm models, and each node's verification:
-    the worst state of its models the platform checks, "-" for none).
+    verification or are suspect, or whose GPU failed its probe (--wide: region, specs, warm models,
+    each node's verification: the worst state of its models the platform checks, "-" for none, and
+    its GPU proof: unproven, proven, suspect, failed or no_gpu).
 
     Signed in to a hosted project (`neuralgrid login`): your own nodes, with their endpoints."""
     api = signed_in(ctx)
@@ -163,12 +165,15 @@ def nodes_ls(
 
 def _print_flagged(rows: list[dict[str, Any]]) -> None:
     """The nodes whose models failed verification (the matcher passes them over for those models) or
-    are suspect (challenged more often), a line each state."""
+    are suspect (challenged more often), a line each state; and those whose GPU failed its probe."""
     meanings = {"failed": "no requests for the failed model", "suspect": "challenged more often"}
     for state, meaning in meanings.items():
         names = [r["name"] for r in rows if r.get("verification") == state]
         if names:
             out.print(f"{state} verification: {', '.join(names)} ({meaning})", highlight=False)
+    names = [r["name"] for r in rows if r.get("gpu_proof") == "failed"]
+    if names:
+        out.print(f"GPU failed its probe: {', '.join(names)} (no requests)", highlight=False)
 
 
 def column_table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> Table:

@@ -20,6 +20,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from neuralgrid.cli import gpu_probe
 from neuralgrid.cli.account import hosted_errors, signed_in
 from neuralgrid.cli.common import fail, log_to_stderr, out
 from neuralgrid.protocol.nodes import NodeRegistration
@@ -30,6 +31,7 @@ app = typer.Typer(no_args_is_help=True, help="Run a GPU node: the agent a GPU ow
 REACH = "How the gateway reaches the agent"
 HARDWARE = "Hardware (when NVML cannot tell)"
 MAP = "Location on the map"
+app.command("probe-gpu")(gpu_probe.probe_gpu)
 
 
 def _within(low: float, high: float, low_open: bool = False) -> Callable[[Any], Any]:

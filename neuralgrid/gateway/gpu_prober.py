@@ -4,7 +4,7 @@ SQL says which nodes are due (due_gpu_probes(): every node with an agent, once p
 platform_settings.gpu_probe_every_s); for each, the gateway asks the node's agent, signed as any
 request is and through its tunnel if it has one, to fill a share of one claimed GPU's memory from a
 nonce (NEURALGRID_GPU_PROBE_FILL_SHARE: the server holds much of the rest), then times the digests of
-a second nonce (neuralgrid/verify/gpu_probe.py), checks CHECKS blocks it picks afterwards on its own
+a second nonce (neuralgrid/verify/gpu_probe.py), checks probe.CHECKS blocks it picks afterwards on its own
 CPU, judges the bandwidth the time shows against the claimed GPU's datasheet, and records the outcome
 in SQL (record_gpu_probe()), which keeps the states and the matcher's hard filter. The agent's NVML
 report plays no part: it is what is being checked.
@@ -31,7 +31,6 @@ from neuralgrid.verify import gpu_probe as probe
 
 log = logging.getLogger(__name__)
 
-CHECKS = 4  # blocks checked afterwards, each by making PASSES blocks here
 PINGS = 3  # round trips timed before the digests, the fastest taken off their time
 FILL_TIMEOUT_S = 300.0
 DIGEST_TIMEOUT_S = 120.0
@@ -123,7 +122,7 @@ class GpuProber:
         digests = _digests(answered.get("digests"), plan.blocks)
         if digests is None:
             return "wrong", {**detail, "reason": f"the answer is not {plan.blocks} digests"}
-        picks = random.sample(range(plan.blocks), min(CHECKS, plan.blocks))
+        picks = random.sample(range(plan.blocks), min(probe.CHECKS, plan.blocks))
         wrong = await asyncio.to_thread(probe.wrong_digests, plan, nonce2, digests, picks)
         if wrong:
             reason = f"{len(wrong)} of {len(picks)} blocks checked are not what the fill makes"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -128,6 +129,24 @@ def test_nodes_ls_says_which_nodes_failed_verification(conn: psycopg.Connection,
         for n in json.loads(invoke("nodes", "ls", "--json", DATABASE_URL=db_url).stdout)
     }
     assert (listed["ashburn-h100"], listed["newyork-rtx3090"]) == ("failed", None)
+
+
+def test_nodes_ls_names_the_nodes_whose_gpu_failed_its_probe(conn: psycopg.Connection, db_url: str) -> None:
+    assert invoke("nodes", "import", str(DEMO_FLEET), DATABASE_URL=db_url).exit_code == 0
+    ids = node_ids(conn)
+    for name in ("ashburn-h100", "warsaw-a100-80g"):  # run by agents: their GPUs are probed
+        conn.execute("update nodes set secret_hash = %s where id = %s", (os.urandom(32), ids[name]))
+    conn.execute("select record_gpu_probe(%s, 'wrong')", (ids["ashburn-h100"],))
+    conn.execute("select record_gpu_probe(%s, 'passed')", (ids["warsaw-a100-80g"],))
+    for width in WIDTHS:
+        narrow = invoke_at(width, "nodes", "ls", DATABASE_URL=db_url)
+        assert narrow.exit_code == 0 and widest(narrow) <= 80, narrow.stdout
+        assert narrow.stdout.splitlines()[-1] == "GPU failed its probe: ashburn-h100 (no requests)"
+    wide = invoke_at(WIDTHS[1], "nodes", "ls", "--wide", DATABASE_URL=db_url)
+    assert "proof" in wide.stdout.splitlines()[0].split()
+    expected = {"ashburn-h100": "failed", "warsaw-a100-80g": "proven", "newyork-rtx3090": "-"}
+    for name, state in expected.items():
+        assert state in row_of(wide, name).split(), (name, row_of(wide, name))
 
 
 def test_heartbeats_read_as_ages() -> None:

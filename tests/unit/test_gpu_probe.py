@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from neuralgrid.agent.gpu_probe import GpuProbeHost, gpu_arrays
+from neuralgrid.cli import app
 from neuralgrid.gateway.gpu_prober import fill_size
 from neuralgrid.verify import gpu_probe as probe
 
@@ -128,3 +130,18 @@ async def test_an_agent_without_a_gpu_says_so_and_fills_nothing() -> None:
 async def test_a_bad_probe_request_is_a_400_that_says_why(body: bytes, fragment: str) -> None:
     status, answer = await GpuProbeHost(np, "cpu").answer(body)
     assert status == 400 and fragment in answer["error"]["message"]
+
+
+def test_the_whole_probe_runs_here_and_checks_its_own_blocks() -> None:
+    figures = probe.run_here(np, PLAN, lambda: None)
+    assert figures["bytes"] == PLAN.size and figures["checked"] == probe.CHECKS and figures["wrong"] == 0
+    assert figures["gbps"] > 0 and figures["fill_s"] > 0 and figures["digest_s"] > 0
+
+
+def test_probe_gpu_on_a_machine_without_one_says_why_in_one_line() -> None:
+    xp, why = gpu_arrays()
+    if xp is not None:
+        pytest.skip("this machine has a GPU: `neuralgrid node probe-gpu` probes it")
+    result = CliRunner().invoke(app, ["node", "probe-gpu"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"error: {why}"  # brackets and all: pip install 'neuralgrid[gpu]'

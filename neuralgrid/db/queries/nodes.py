@@ -142,8 +142,9 @@ FLEET = Query(
 select m.id, m.name, m.gpu_model, m.gpu_count, m.vram_gb, m.tflops, m.hourly_rate::float8 as hourly_rate,
   m.region, m.latitude, m.longitude, m.status, m.inflight, m.max_concurrency, m.last_heartbeat_at,
   m.successes, m.failures, m.ewma_latency_ms, m.ewma_tokens_per_s, m.cooldown_until,
-  m.warm_models, m.available_models, m.verification
+  m.warm_models, m.available_models, m.verification, g.state as gpu_proof
 from public.node_map m
+left join public.gpu_proofs g on g.node_id = m.id
 order by m.region, m.name
 """,
     dict_row,
