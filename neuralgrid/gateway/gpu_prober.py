@@ -114,6 +114,7 @@ class GpuProber:
         detail: dict[str, Any] = {
             "bytes": plan.size,
             "device": device,
+            "device_is_claimed": device == due.gpu_model,  # both the agent's word: a consistency check only
             "seconds": round(seconds, 4),
             "rtt_s": round(rtt, 4),
         }
