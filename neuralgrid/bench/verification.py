@@ -218,6 +218,7 @@ def run(
         cli = [sys.executable, "-m", "neuralgrid.cli"]
         stack.enter_context(served([*cli, "up"], env, f"{gateway}/readyz"))
         stop = threading.Event()
+        honest_backend = honest_name = ""
         loads: dict[str, list[int]] = {}
         threads: list[threading.Thread] = []
         started = time.monotonic()
@@ -233,6 +234,8 @@ def run(
                 backend = f"http://127.0.0.1:{proxy.server_address[1]}"
             served_name = httpx.get(f"{backend}/v1/models", timeout=10).json()["data"][0]["id"]
             stack.enter_context(_agent(cli, env, gateway, key, backend, name, served_name, logs))
+            if name == "honest llama-server":
+                honest_backend, honest_name = backend, served_name
             if honest:
                 loads[name] = []
                 thread = threading.Thread(
@@ -246,10 +249,14 @@ def run(
             deadline = None if minutes is None else time.monotonic() + minutes * 60
             results = _watch(conn, honest_challenges, cheat_challenges, deadline, progress)
             loaded_s = time.monotonic() - started
+            conn.execute("update model_checks set next_challenge_at = 'infinity'")  # quiet, for capacity
+            stop.set()
             earnings = _earnings(conn)
             challenge_tokens = _challenge_tokens(conn)
         metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
-    cost = _cost(loads, loaded_s, challenge_tokens)
+        progress("the honest llama-server's capacity, saturated")
+        capacity = _capacity(honest_backend, honest_name)
+    cost = _cost(loads, loaded_s, challenge_tokens, capacity)
     for row in results:
         row.update(earnings.get(row["node"], {}))
     return {"nodes": results, "cost": cost, "referee_cpu_s": _referee_cpu(metrics)}
@@ -379,26 +386,84 @@ def _earnings(conn: psycopg.Connection[Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def _challenge_tokens(conn: psycopg.Connection[Any]) -> float:
-    """Tokens a challenge cost its node, on average (prompt and answer, as the ledger has them)."""
+def _challenge_tokens(conn: psycopg.Connection[Any]) -> tuple[float, float]:
+    """Prompt and completion tokens a challenge cost its node, on average, as the ledger has them."""
     row = conn.execute(
-        "select avg(j.prompt_tokens + j.completion_tokens) from public.jobs j"
+        "select avg(j.prompt_tokens), avg(j.completion_tokens) from public.jobs j"
         " where j.api_key_id = private.challenge_key_id() and j.status = 'succeeded'"
     ).fetchone()
-    return float(row[0] or 0) if row else 0.0
+    return (float(row[0] or 0), float(row[1] or 0)) if row else (0.0, 0.0)
 
 
-def _cost(loads: dict[str, list[int]], seconds: float, per_challenge: float) -> dict[str, Any]:
-    """A verified node's challenges as a share of its token capacity: at the default mean of one
-    challenge per platform_settings.challenge_verified_s (600 s), against the tokens the honest
-    llama-server served per second under the bench's load (a floor on its capacity)."""
+CAPACITY_S = 20.0  # how long each saturating burst runs
+CAPACITY_SLOTS = 4  # the honest llama-server's -np
+
+
+def _capacity(backend: str, model: str) -> dict[str, float]:
+    """The honest llama-server's capacity, saturated (every slot busy, nothing else asking): the
+    completion tokens it generates per second (answers of up to 64 tokens to short prompts) and the
+    prompt tokens it reads per second (long prompts, one token answered, its prompt cache off)."""
+    long_prompt = " ".join(LOAD_PROMPTS) * 40  # some 800 tokens, a long challenge's length
+    asks = {
+        "completion": {"messages": [{"role": "user", "content": LOAD_PROMPTS[0]}], "max_tokens": 64},
+        "prompt": {
+            "messages": [{"role": "user", "content": long_prompt}],
+            "max_tokens": 1,
+            "cache_prompt": False,
+        },
+    }
+    out = {}
+    for kind, body in asks.items():
+        counted: list[int] = []
+        end = time.monotonic() + CAPACITY_S
+
+        def ask(
+            body: dict[str, Any] = body, counted: list[int] = counted, kind: str = kind, end: float = end
+        ) -> None:
+            with httpx.Client(timeout=120) as http:
+                while time.monotonic() < end:
+                    answer = http.post(backend + "/v1/chat/completions", json={"model": model, **body}).json()
+                    counted.append(int(answer["usage"][f"{kind}_tokens"]))
+
+        started = time.monotonic()
+        workers = [threading.Thread(target=ask) for _ in range(CAPACITY_SLOTS)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        out[f"{kind}_tokens_per_s"] = round(sum(counted) / (time.monotonic() - started), 2)
+    return out
+
+
+def _cost(
+    loads: dict[str, list[int]],
+    seconds: float,
+    per_challenge: tuple[float, float],
+    capacity: dict[str, float],
+) -> dict[str, Any]:
+    """A verified node's challenges as a share of its capacity: at the default mean of one challenge
+    per platform_settings.challenge_verified_s (600 s), the share of the honest llama-server's time
+    their prompts and answers take at its saturated rates (_capacity()); and, as before, their tokens
+    against what it served under the bench's light load (a floor on its capacity)."""
+    prompt, completion = per_challenge
     served_per_s = sum(loads.get("honest llama-server", [])) / seconds if seconds else 0.0
     verified_s, unverified_s = 600.0, 30.0
+    busy = prompt / capacity["prompt_tokens_per_s"] + completion / capacity["completion_tokens_per_s"]
     return {
-        "tokens_per_challenge": round(per_challenge, 1),
+        "tokens_per_challenge": round(prompt + completion, 1),
+        "prompt_tokens_per_challenge": round(prompt, 1),
+        "completion_tokens_per_challenge": round(completion, 1),
+        "capacity": capacity,
+        "node_seconds_per_challenge": round(busy, 3),
+        "capacity_share_verified": round(busy / verified_s, 5),
+        "capacity_share_unverified": round(busy / unverified_s, 5),
         "node_tokens_per_s_served": round(served_per_s, 2),
-        "share_verified": round(per_challenge / verified_s / served_per_s, 5) if served_per_s else None,
-        "share_unverified": round(per_challenge / unverified_s / served_per_s, 5) if served_per_s else None,
+        "share_verified": round((prompt + completion) / verified_s / served_per_s, 5)
+        if served_per_s
+        else None,
+        "share_unverified": round((prompt + completion) / unverified_s / served_per_s, 5)
+        if served_per_s
+        else None,
         "long_share": 1 / challenge.LONG_SHARE,
     }
 

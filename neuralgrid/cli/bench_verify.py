@@ -66,10 +66,15 @@ def bench_verify(
         honest_challenges=sum(r["challenges"] for r in results["nodes"] if r["honest"]),
         target=TARGET,
     )
+    capacity = cost["capacity"]
     out.print(
-        f"a challenge: {cost['tokens_per_challenge']} tokens; verified, {cost['share_verified']} of the"
-        f" honest llama-server's tokens served ({cost['node_tokens_per_s_served']}/s under load), unverified"
-        f" {cost['share_unverified']}; the referee's CPU per challenge: {results['referee_cpu_s']}"
+        f"a challenge: {cost['prompt_tokens_per_challenge']} prompt and"
+        f" {cost['completion_tokens_per_challenge']} answer tokens, {cost['node_seconds_per_challenge']} s"
+        f" of the honest llama-server at its capacity ({capacity['prompt_tokens_per_s']} prompt,"
+        f" {capacity['completion_tokens_per_s']} answer tokens/s):"
+        f" verified {cost['capacity_share_verified']:.3%} of its time,"
+        f" unverified {cost['capacity_share_unverified']:.2%};"
+        f" the referee's CPU per challenge: {results['referee_cpu_s']}"
     )
 
 

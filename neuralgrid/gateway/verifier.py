@@ -9,9 +9,10 @@ referee score the answer and records the verdicts in SQL (record_challenges()), 
 sequential test, the states and their consequences. Python decides one challenge's verdict
 (verify/verdict.py); SQL decides what the verdicts add up to.
 
-A share of real traffic is audited the same way (`audit()`): a short greedy chat answer to a user's
-message, whose request says nothing else that changes the answer, is scored after it was delivered
-and counts as a challenge would. A node that could tell challenges from such traffic gains nothing.
+A share of real traffic is audited the same way (`audit()`, `audit_stream()`): a short greedy chat
+answer to a user's message, whole or streamed, whose request says nothing else that changes the
+answer, is scored after it was delivered and counts as a challenge would. A node that could tell
+challenges from such traffic gains nothing.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def read_answer(content: bytes, max_tokens: int | None) -> Answered | Verdict:
         text, finish = choice["message"]["content"] or "", choice["finish_reason"]
     except (ValueError, KeyError, IndexError, TypeError):
         return unreadable()
+    return answered(text, finish, max_tokens)
+
+
+def answered(text: Any, finish: Any, max_tokens: int | None) -> Answered | Verdict:
+    """A chat answer's text and why it ended (a whole answer's, or a stream's put together)."""
     if not isinstance(text, str) or finish not in FINISHES:
         return unreadable()
     try:
@@ -284,18 +290,28 @@ class Verifier:
 
     def audit(self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], answer: bytes) -> None:
         """A delivered whole chat answer: scored later as a challenge is, if drawn and auditable."""
-        sha256 = self._pinned.get(model)
-        if sha256 is None or random.random() >= self.audit_share:
-            return
+        if self._drawn(model, body):
+            self._take(node_id, model, job_id, body, read_answer(answer, challenges.answer_limit(body)))
+
+    def audit_stream(
+        self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], text: str, finish: str
+    ) -> None:
+        """A delivered chat stream, its text put together: audited as a whole answer is."""
+        if self._drawn(model, body):
+            self._take(node_id, model, job_id, body, answered(text, finish, challenges.answer_limit(body)))
+
+    def _drawn(self, model: str, body: dict[str, Any]) -> bool:
+        return model in self._pinned and random.random() < self.audit_share
+
+    def _take(
+        self, node_id: UUID, model: str, job_id: UUID, body: dict[str, Any], answer: Answered | Verdict
+    ) -> None:
         messages = challenges.auditable(body)
-        if messages is None:
-            return
-        answered = read_answer(answer, challenges.answer_limit(body))
-        if not isinstance(answered, Answered):
+        if messages is None or not isinstance(answer, Answered):
             return  # the client got it as it was; a node's unreadable answer is health's to count
-        due = q.Due(node_id, model, sha256, "")
+        due = q.Due(node_id, model, self._pinned[model], "")
         with contextlib.suppress(asyncio.QueueFull):  # the referee is behind: this one goes unaudited
-            self._audits.put_nowait(Audit(due, job_id, messages, answered))
+            self._audits.put_nowait(Audit(due, job_id, messages, answer))
 
     async def _score_audits(self) -> None:
         while True:

@@ -67,6 +67,7 @@ class SseEvents:
         self.usage: Usage | None = None
         self.text: list[str] = []  # choice 0's text so far
         self.finished = False  # a choice has its finish_reason: the answer is whole
+        self.finish_reason: str | None = None  # choice 0's, once it has one
         self.plain_text = True  # one choice of text only (no tool calls): an answer one can resume
         self.identity: dict[str, Any] = {}  # the first event's id and created
         self.resumes = 0
@@ -197,6 +198,7 @@ class SseEvents:
                 carried = carried or bool(piece)
             if choice.get("finish_reason"):
                 self.finished = True
+                self.finish_reason = str(choice["finish_reason"])
         return carried
 
 

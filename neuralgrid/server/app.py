@@ -238,6 +238,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                 audit_share=settings.audit_share,
             )
             pipeline.audit = verifier.audit
+            pipeline.relay.audit = verifier.audit_stream
             tasks.append(asyncio.create_task(verifier.run(stop)))
         if settings.gpu_probes:
             prober = GpuProber(store, pipeline.sender, metrics, fill_share=settings.gpu_probe_fill_share)

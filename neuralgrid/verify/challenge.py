@@ -160,6 +160,7 @@ AUDITABLE_FIELDS = frozenset(
         "max_completion_tokens",
         "temperature",
         "stream",
+        "stream_options",  # asks for usage: the answer is the same
         "user",
         "cache_salt",
         "cache_prompt",

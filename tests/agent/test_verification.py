@@ -25,6 +25,7 @@ import httpx
 import openai
 import psycopg
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
@@ -180,14 +181,17 @@ def test_only_the_verified_node_serves_traffic_and_the_cheats_forfeit_their_held
 ) -> None:
     wait_for(lambda: world.state("canned") == "failed" and world.state("pruned") == "failed", 240)
     sdk = openai.OpenAI(base_url=f"{world.gateway}/v1", api_key=world.key, max_retries=3, timeout=60)
-    for _ in range(6):
-        raw = sdk.chat.completions.with_raw_response.create(
-            model=SMOLLM2,
-            messages=[{"role": "user", "content": "Name a colour."}],
-            max_tokens=4,
-            temperature=0,
+    colour: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
+    for _ in range(3):  # whole answers and streams
+        whole = sdk.chat.completions.with_raw_response.create(
+            model=SMOLLM2, messages=colour, max_tokens=4, temperature=0
         )
-        assert raw.headers["x-neuralgrid-node"] == str(world.nodes["honest"])
+        assert whole.headers["x-neuralgrid-node"] == str(world.nodes["honest"])
+        streamed = sdk.chat.completions.with_raw_response.create(
+            model=SMOLLM2, messages=colour, max_tokens=4, temperature=0, stream=True
+        )
+        assert streamed.headers["x-neuralgrid-node"] == str(world.nodes["honest"])
+        assert "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)
     rows = world.conn.execute(
         "select n.name, count(*) filter (where e.forfeited_at is null), count(*) filter (where e.forfeited_at is not null)"
         " from earnings e join nodes n on n.id = e.node_id group by n.name"
@@ -199,8 +203,8 @@ def test_only_the_verified_node_serves_traffic_and_the_cheats_forfeit_their_held
     metrics = httpx.get(f"{world.gateway}/metrics", timeout=10).text
     assert 'neuralgrid_model_checks{state="failed"} 2.0' in metrics
     assert 'neuralgrid_challenges_total{verdict="failed"}' in metrics
-    # Each greedy answer above was audited after it was delivered (NEURALGRID_AUDIT_SHARE=1): scored
-    # as a challenge, and passed.
+    # Each greedy answer above, whole or streamed, was audited after it was delivered
+    # (NEURALGRID_AUDIT_SHARE=1): scored as a challenge, and passed.
     wait_for(
         lambda: 'verdict="audit passed"} 6.0' in httpx.get(f"{world.gateway}/metrics", timeout=10).text, 60
     )

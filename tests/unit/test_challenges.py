@@ -75,6 +75,8 @@ def test_only_a_greedy_plain_chat_is_auditable() -> None:
     assert challenge.auditable({**greedy, "max_tokens": None, "max_completion_tokens": 64}) == messages
     assert challenge.auditable(greedy) == messages
     assert challenge.auditable({**greedy, "stream": True, "user": "u", "n": 1}) == messages
+    streamed = {**greedy, "stream": True, "stream_options": {"include_usage": True}}
+    assert challenge.auditable(streamed) == messages  # streams are audited too
     changes: list[dict[str, object]] = [
         {"temperature": 0.7},
         {"temperature": None},

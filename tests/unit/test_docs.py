@@ -526,14 +526,14 @@ def verification_row(base: str) -> list[str]:
         f"{flagged} ({report['honest_challenges']:,}); "
         + ", ".join(f"{name} {after or 'never'}" for name, after in zip(GROSS_CHEATS, gross, strict=True)),
         f"requantized {requant or 'never'}; referee CPU {ms(dig(report, 'referee_cpu_s.mean_s'))} s a challenge;"
-        f" challenges over what a verified node served under light load: {ms(100 * dig(report, 'cost.share_verified'))}%",
+        f" a verified node's challenges: {ms(100 * dig(report, 'cost.capacity_share_verified'), 3)}% of its time at capacity",
         verdict(f"0 over {HONEST_TARGET:,}", flagged == 0 and report["honest_challenges"] >= HONEST_TARGET)
         + "; "
         + verdict("gross ≤ 3", all(after is not None and after <= 3 for after in gross))
         + "; "
         + verdict("requantized ≤ 20", requant is not None and requant <= 20)
         + "; "
-        + verdict("≤ 1%", dig(report, "cost.share_verified") <= 0.01),
+        + verdict("≤ 1%", dig(report, "cost.capacity_share_verified") <= 0.01),
         run_cell("verification", base),
     ]
 
@@ -566,11 +566,17 @@ def verification_block() -> str:
         "forfeited",
     ]
     cost = report["cost"]
+    capacity = cost["capacity"]
     said = (
-        f"A challenge cost its node {ms(cost['tokens_per_challenge'], 1)} tokens on average; at one per"
-        f" 10 minutes, {ms(100 * cost['share_verified'], 3)}% of what the honest llama-server served"
-        f" under the bench's light load ({ms(cost['node_tokens_per_s_served'])} tokens/s), and"
-        f" {ms(100 * cost['share_unverified'], 2)}% while unverified (one per 30 s). The referee spent"
+        f"A challenge cost its node {ms(cost['prompt_tokens_per_challenge'], 1)} prompt and"
+        f" {ms(cost['completion_tokens_per_challenge'], 1)} answer tokens on average:"
+        f" {ms(cost['node_seconds_per_challenge'], 2)} s of the honest llama-server's time at its capacity"
+        f" (saturated: {ms(capacity['prompt_tokens_per_s'])} prompt tokens/s read,"
+        f" {ms(capacity['completion_tokens_per_s'])} answer tokens/s written). At one per 10 minutes that is"
+        f" {ms(100 * cost['capacity_share_verified'], 3)}% of its time, and"
+        f" {ms(100 * cost['capacity_share_unverified'], 2)}% while unverified (one per 30 s); against what it"
+        f" served under the bench's light load ({ms(cost['node_tokens_per_s_served'])} tokens/s),"
+        f" {ms(100 * cost['share_verified'], 3)}%. The referee spent"
         f" {ms(dig(report, 'referee_cpu_s.mean_s'))} s of CPU a challenge (one thread)."
     )
     return table(head, rows, right=3) + "\n" + said + " " + run_line("verification")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from neuralgrid.gateway.pipeline.relay import continuation
+from neuralgrid.gateway.pipeline.relay import audited, continuation
 from neuralgrid.protocol.sse import MAX_EVENT_BYTES, NotAnAnswer, SseEvents, Usage
 
 
@@ -167,3 +167,21 @@ def test_nothing_but_a_role_so_far_asks_again_as_it_was() -> None:
     events = SseEvents(keep_usage_event=False)
     events.feed(_sse(_chat_chunk("", role="assistant")))
     assert json.loads(continuation("chat", CHAT, events) or b"") == CHAT
+
+
+def test_a_whole_chat_streams_text_and_finish_reason_are_what_an_audit_scores() -> None:
+    events = SseEvents(keep_usage_event=False)
+    events.feed(_sse(_chat_chunk("", role="assistant"), _chat_chunk("Paris"), _chat_chunk(".", "stop")))
+    events.feed(b"data: [DONE]\n\n")
+    assert "".join(events.text) == "Paris." and events.finish_reason == "stop" and audited(events)
+    resumed = SseEvents(keep_usage_event=False)
+    resumed.feed(_sse(_chat_chunk("Par")))
+    resumed.resumed()  # another node wrote the rest: no one node's answer
+    resumed.feed(_sse(_chat_chunk("is", "stop")) + b"data: [DONE]\n\n")
+    assert not audited(resumed)
+    tools = SseEvents(keep_usage_event=False)
+    tools.feed(_sse(_chat_chunk(None, "tool_calls", tool_calls=[{"index": 0}])) + b"data: [DONE]\n\n")
+    assert not audited(tools)
+    cut = SseEvents(keep_usage_event=False)
+    cut.feed(_sse(_chat_chunk("Par")))
+    assert not audited(cut)  # no finish reason: not a whole answer

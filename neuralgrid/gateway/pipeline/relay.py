@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 from uuid import UUID
 
@@ -105,6 +105,9 @@ class Relay:
         self.metrics = metrics
         self.resume_streams = resume_streams
         self.deadline = deadline or JobDeadline()
+        # Streams that model verification may audit (gateway/verifier.py): (node, model, job, the
+        # client's body, the answer's text, why it ended); set by the app when a referee is configured.
+        self.audit: Callable[[UUID, str, UUID, dict[str, Any], str, str], None] | None = None
 
     def response(
         self,
@@ -169,6 +172,15 @@ class Relay:
                 yield b"".join(last[:-1])
             meter.usage, ended = events.used(), True
             await self.metering.end(meter, outcome, error)
+            if self.audit is not None and admitted.call.kind == "chat" and audited(events):
+                self.audit(
+                    meter.node_id,
+                    admitted.call.model,
+                    meter.job_id,
+                    admitted.body,
+                    "".join(events.text),
+                    str(events.finish_reason),
+                )
             yield last[-1]  # [DONE], or the Responses API's last event
         except NodeError as err:
             drop = Drop.of(err)
@@ -227,6 +239,12 @@ class Relay:
         self.metrics.resumes.inc()
         events.resumed()
         return delivery
+
+
+def audited(events: SseEvents) -> bool:
+    """Whether a whole chat stream's text is one answer from one node, as an audit needs: plain
+    text of one choice, ended with a reason, never resumed (a second node wrote its end)."""
+    return events.plain_text and events.finish_reason is not None and not events.resumes
 
 
 def _stream_error(kind: str, message: str, code: str = "upstream_dropped") -> list[bytes]:
