@@ -37,6 +37,9 @@ _counter = itertools.count()
 # beyond loopback.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("SUPABASE_TELEMETRY_DISABLED", "1")
+# Gateways probe the GPUs of agents' nodes in the background (gateway/gpu_prober.py): a test that
+# counts what its nodes are asked would see those requests too. The probe's own tests turn it on.
+os.environ["NEURALGRID_GPU_PROBES"] = "false"
 
 
 def free_port() -> int:

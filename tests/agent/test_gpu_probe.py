@@ -112,7 +112,9 @@ def rejected(conn: psycopg.Connection) -> dict[UUID, str | None]:
 def world(
     pg_server: Any, template_db: str, tmp_path_factory: Any
 ) -> Iterator[tuple[str, str, psycopg.Connection]]:
-    with platform(pg_server, template_db, NEURALGRID_GPU_PROBE_FILL_SHARE=FILL_SHARE) as stack:
+    with platform(
+        pg_server, template_db, NEURALGRID_GPU_PROBES=True, NEURALGRID_GPU_PROBE_FILL_SHARE=FILL_SHARE
+    ) as stack:
         yield stack
 
 
