@@ -37,9 +37,11 @@ _counter = itertools.count()
 # beyond loopback.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("SUPABASE_TELEMETRY_DISABLED", "1")
-# Gateways probe the GPUs of agents' nodes in the background (gateway/gpu_prober.py): a test that
-# counts what its nodes are asked would see those requests too. The probe's own tests turn it on.
+# Gateways probe the GPUs of agents' nodes and cross-check nodes of pinned models in the background
+# (gateway/gpu_prober.py, gateway/verifier.py): a test that counts what its nodes are asked would see
+# those requests too. Their own tests turn them on.
 os.environ["NEURALGRID_GPU_PROBES"] = "false"
+os.environ["NEURALGRID_CROSS_CHECKS"] = "false"
 
 
 def free_port() -> int:

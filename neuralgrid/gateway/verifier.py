@@ -38,6 +38,7 @@ from neuralgrid.gateway.pipeline.send import Retryable, Sender
 from neuralgrid.gateway.prompt_cache import PromptCaches
 from neuralgrid.protocol import wire_json
 from neuralgrid.protocol.sse import Usage
+from neuralgrid.verify import agreement
 from neuralgrid.verify import challenge as challenges
 from neuralgrid.verify.client import RefereeClient, RefereeError, Unscorable
 from neuralgrid.verify.verdict import Verdict, judge, refused, unreadable, unscorable
@@ -48,6 +49,10 @@ ARTIFACTS_EVERY_S = 60.0  # how often the referee is asked which models it holds
 AUDITS_WAITING = 8  # audits queued for the referee at most; more are not taken (traffic is not held up)
 STOP_GRACE_S = 5.0  # on shutdown, how long challenges under way may take to end their jobs
 FINISHES = ("stop", "length")  # why a greedy chat answer may end
+
+
+class NoFreeSlot(Exception):
+    """The node had no free slot for a challenge."""
 
 
 @dataclass
@@ -115,7 +120,7 @@ class Verifier:
         self,
         store: Store,
         gateway_id: UUID,
-        referee: RefereeClient,
+        referee: RefereeClient | None,
         sender: Sender,
         metering: Metering,
         caches: PromptCaches,
@@ -124,6 +129,7 @@ class Verifier:
         in_flight: int = 2,
         every_s: float = 1.0,
         audit_share: float = 0.0,
+        cross_checks: bool = True,
     ) -> None:
         self.store = store
         self.gateway_id = gateway_id
@@ -135,6 +141,7 @@ class Verifier:
         self.in_flight = in_flight  # challenges at once: the referee scores one at a time
         self.every_s = every_s
         self.audit_share = audit_share  # of auditable answers, the share scored
+        self.cross_checks = cross_checks  # where the referee holds no reference: nodes against each other
         self._audits: asyncio.Queue[Audit] = asyncio.Queue(AUDITS_WAITING)
         self._artifacts: list[str] = []
         self._pinned: dict[str, str] = {}  # model -> the sha256 of its GGUF, for those the referee holds
@@ -161,15 +168,19 @@ class Verifier:
         await asyncio.gather(auditing, *self._challenging, return_exceptions=True)
 
     async def tick(self) -> None:
-        """One round: take what is due (as many as there is room for) and challenge each."""
+        """One round: take what is due (as many as there is room for) and challenge each: against
+        the referee where it holds the artifact, else against other nodes (cross_check.py)."""
         free = self.in_flight - len(self._challenging)
         if free <= 0:
             return
-        artifacts = await self._held()
-        if not artifacts:
-            return
-        for due in await self.store.all(q.DUE_CHALLENGES, (artifacts, free)):
-            self._spawn(self._challenge_and_record(due), f"challenge of node {due.node_id}")
+        held = await self._held()
+        if held:
+            for due in await self.store.all(q.DUE_CHALLENGES, (held, free)):
+                self._spawn(self._challenge_and_record(due), f"challenge of node {due.node_id}")
+                free -= 1
+        if self.cross_checks and free > 0:
+            for crossing in await self.store.all(q.DUE_CROSS_CHECKS, (held, free)):
+                self._spawn(self.cross_check(crossing), f"cross-check of node {crossing.node_id}")
 
     def _spawn(self, work: Coroutine[Any, Any, None], what: str) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -183,12 +194,15 @@ class Verifier:
         task.add_done_callback(done)
 
     async def _held(self) -> list[str]:
+        """The sha256s of the GGUFs the referee holds (none without one), read again every
+        ARTIFACTS_EVERY_S with the catalog's context lengths."""
         if time.monotonic() - self._artifacts_at >= ARTIFACTS_EVERY_S:
-            try:
-                self._artifacts = await self.referee.artifacts()
-            except RefereeError as err:
-                log.warning("challenges paused: %s", err)
-                self._artifacts = []
+            self._artifacts = []
+            if self.referee is not None:
+                try:
+                    self._artifacts = await self.referee.artifacts()
+                except RefereeError as err:
+                    log.warning("challenges against the referee paused: %s", err)
             self._artifacts_at = time.monotonic()
             self._contexts = {m.id: m.context_length for m in await self.store.all(q.MODEL_KINDS)}
             self._pinned = dict(await self.store.all(q.ARTIFACTS, (self._artifacts,)))
@@ -200,43 +214,109 @@ class Verifier:
             await self._record(outcome, "")
 
     async def _record(self, outcome: Outcome, kind: str) -> None:
-        self.metrics.challenges.labels(kind + ("passed" if outcome.verdict.passed else "failed")).inc()
-        await self.store.all(q.RECORD_CHALLENGES, (json.dumps([outcome.as_json()]),))
+        await self.record([outcome], kind)
+
+    async def record(self, outcomes: list[Outcome], kind: str) -> None:
+        for outcome in outcomes:
+            self.metrics.challenges.labels(kind + ("passed" if outcome.verdict.passed else "failed")).inc()
+        if outcomes:
+            await self.store.all(q.RECORD_CHALLENGES, (json.dumps([o.as_json() for o in outcomes]),))
+
+    def context_of(self, model: str) -> int:
+        return self._contexts.get(model, 2048)
 
     async def challenge(self, due: q.Due) -> Outcome | None:
         """Ask one node one challenge and judge its answer; None when there is no verdict (the node
         had no free slot, failed as a node fails, or the referee could not score)."""
+        asked = challenges.make(self.context_of(due.model_id))
+        try:
+            job_id, answer = await self.answer_of(due.node_id, due.model_id, asked)
+        except NoFreeSlot:  # busy: due again in a few seconds
+            self.metrics.challenges.labels("deferred").inc()
+            await self.store.all(q.DEFER_CHALLENGE, (due.node_id, due.model_id))
+            return None
+        if answer is None:
+            return None
+        if isinstance(answer, Verdict):
+            return Outcome(due, job_id, answer, {"long": asked.long})
+        return await self._judge(due, job_id, asked.messages, answer, {"long": asked.long})
+
+    async def cross_check(self, due: q.DueCrossCheck) -> None:
+        """A challenge whose artifact the referee does not hold: the node's answer against its
+        peers' answers to the same challenge (verify/agreement.py), recorded as a challenge's is. A
+        peer found the odd one out is recorded as failing it too."""
+        if not due.peers:  # no other node serves it now: due again at its next time
+            self.metrics.challenges.labels("inconclusive").inc()
+            return
+        asked = challenges.make(self.context_of(due.model_id))
+        subject = q.Due(due.node_id, due.model_id, "", due.state)
+        try:
+            job_id, mine = await self.answer_of(due.node_id, due.model_id, asked)
+        except NoFreeSlot:
+            self.metrics.challenges.labels("deferred").inc()
+            await self.store.all(q.DEFER_CHALLENGE, (due.node_id, due.model_id))
+            return
+        detail: dict[str, Any] = {"long": asked.long, "cross_check": True}
+        if not isinstance(mine, Answered):
+            if mine is not None:  # it refused, or answered no chat answer: no peer needed
+                await self.record([Outcome(subject, job_id, mine, detail)], "cross-check ")
+            return
+        peers: list[tuple[q.Due, UUID, Answered]] = []
+        outcomes: list[Outcome] = []
+        for peer in due.peers:
+            if peers and (len(peers) == 2 or agreement.agree(mine.text, peers[0][2].text)):
+                break  # decided
+            them = q.Due(peer, due.model_id, "", "")
+            try:
+                peer_job, theirs = await self.answer_of(peer, due.model_id, asked)
+            except NoFreeSlot:
+                continue
+            if isinstance(theirs, Answered):
+                peers.append((them, peer_job, theirs))
+            elif theirs is not None:
+                outcomes.append(Outcome(them, peer_job, theirs, detail))
+        decision = agreement.decide(mine.text, [answer.text for _, _, answer in peers])
+        detail |= {"peers": [str(them.node_id) for them, _, _ in peers], "reason": decision.reason}
+        if decision.passed is not None:
+            outcomes.append(Outcome(subject, job_id, Verdict(decision.passed, None, dict(detail)), detail))
+        else:
+            self.metrics.challenges.labels("inconclusive").inc()
+        if decision.odd_peer is not None:
+            them, peer_job, _ = peers[decision.odd_peer]
+            odd = {**detail, "checked_with": str(due.node_id)}
+            outcomes.append(Outcome(them, peer_job, Verdict(False, None, odd), odd))
+        await self.record(outcomes, "cross-check ")
+
+    async def answer_of(
+        self, node_id: UUID, model: str, asked: challenges.Challenge
+    ) -> tuple[UUID, Answered | Verdict | None]:
+        """A challenge's job on `node_id` (a paid job of the platform's key on a free slot) and the
+        node's answer: a greedy chat answer, a verdict without the referee (it refused, or answered
+        no chat answer), or None when it failed as a node fails. The job has ended when this
+        returns. NoFreeSlot when the node has none."""
         key_id = self._key_id
         if key_id is None:
             found: UUID = await self.store.get(q.CHALLENGE_KEY)
             key_id = self._key_id = found
-        asked = challenges.make(self._contexts.get(due.model_id, 2048))
-        body = asked.body(due.model_id)
+        body = asked.body(model)
         self.caches.apply("chat", body, key_id)  # its own key's salt, as every request has
         payload = json.dumps(body).encode()
-        placed = await self.store.one(q.PLACE_CHALLENGE, (str(self.gateway_id), due.node_id, due.model_id))
-        if placed is None:  # busy: due again in a few seconds
-            self.metrics.challenges.labels("deferred").inc()
-            await self.store.all(q.DEFER_CHALLENGE, (due.node_id, due.model_id))
-            return None
+        placed = await self.store.one(q.PLACE_CHALLENGE, (str(self.gateway_id), node_id, model))
+        if placed is None:
+            raise NoFreeSlot(node_id)
         meter = Meter(
             placed.job_id,
             placed.node_id,
             sent=time.perf_counter(),
-            model=due.model_id,
+            model=model,
             bounds=Bounds(len(payload), asked.max_tokens),
         )
         try:
-            answered = await self._ask(placed, payload, asked, meter)
+            return placed.job_id, await self._ask(placed, payload, asked, meter)
         except BaseException:  # cancelled, or broken: the job still ends and its slot is given back
             meter.first_byte = meter.first_byte or time.perf_counter()
             self.metering.finish(meter, "cancelled", "the challenge was stopped")
             raise
-        if answered is None:
-            return None
-        if isinstance(answered, Verdict):
-            return Outcome(due, placed.job_id, answered, {"long": asked.long})
-        return await self._judge(due, placed.job_id, asked.messages, answered, {"long": asked.long})
 
     async def _judge(
         self,
@@ -246,6 +326,7 @@ class Verifier:
         answered: Answered,
         detail: dict[str, Any],
     ) -> Outcome | None:
+        assert self.referee is not None  # only what the referee holds is judged here
         try:
             scores = await self.referee.score(due.sha256, messages, answered.text, answered.finish)
         except Unscorable as why:

@@ -225,7 +225,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         elif sweep:
             tasks.append(asyncio.create_task(run_map_feed(store, stop, lambda: True)))
         referee = RefereeClient(settings.referee_url) if settings.referee_url else None
-        if referee is not None:  # challenges go out as any request does, from this gateway's pipeline
+        if referee is not None or settings.cross_checks:  # sent as any request is, from the pipeline
             verifier = Verifier(
                 store,
                 gateway_id,
@@ -236,6 +236,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
                 metrics,
                 in_flight=settings.challenges_in_flight,
                 audit_share=settings.audit_share,
+                cross_checks=settings.cross_checks,
             )
             pipeline.audit = verifier.audit
             pipeline.relay.audit = verifier.audit_stream

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     # The share of greedy chat answers (temperature 0, nothing else that changes the answer) scored
     # after delivery as challenges are: a node that tells challenges from traffic still gains nothing.
     audit_share: float = Field(0.05, ge=0, le=1, alias="NEURALGRID_AUDIT_SHARE")
+    # Where no referee of this gateway holds a pinned model's artifact (a Hugging Face revision, a GGUF
+    # it lacks), its nodes are challenged against each other (verify/agreement.py).
+    cross_checks: bool = Field(True, alias="NEURALGRID_CROSS_CHECKS")
     # GPU probes (gateway/gpu_prober.py): this gateway takes its share of the nodes due one (each
     # checks a few blocks on this CPU, some 0.3 s for 2 MiB blocks).
     gpu_probes: bool = Field(True, alias="NEURALGRID_GPU_PROBES")

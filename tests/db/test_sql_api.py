@@ -32,6 +32,7 @@ PUBLIC_API = sorted(
         "create_api_key",
         "detach_tunnel",
         "due_challenges",  # the (node, model)s a gateway's referee can challenge now (issue 39)
+        "due_cross_checks",  # where no referee can score: the (node, model)s due, with their peers
         "due_gpu_probes",  # the nodes due a GPU probe (issue 39)
         "failover_job",
         "fleet_stats",  # the map's totals through the Data API (issue 18)

@@ -260,6 +260,38 @@ def test_due_challenges_are_those_the_referee_can_score_and_each_is_given_a_late
         conn.execute("select * from due_challenges(%s, 0)", ([SHA],))
 
 
+def test_due_cross_checks_are_the_others_each_with_peers_the_platforms_and_verified_first(
+    conn: psycopg.Connection,
+) -> None:
+    pin(conn)  # a GGUF the referee holds: challenged against it, not cross-checked
+    conn.execute(
+        "insert into model_artifacts (model_id, format, repository, revision, dtype)"
+        " values (%s, 'hf', 'Qwen/Qwen2.5-32B-Instruct-AWQ', %s, 'awq')",
+        (QWEN, "c" * 40),
+    )
+    owner = make_user(conn)
+    mine = make_node(conn, "mine", owner_id=owner, models={QWEN: "loaded", LLAMA8: "loaded"})
+    platform = make_node(conn, "platform", models={QWEN: "loaded"})  # no owner: the platform's own
+    verified = make_node(conn, "verified", owner_id=owner, models={QWEN: "loaded"})
+    record(conn, verified, *[True] * 7, model=QWEN)
+    failed = make_node(conn, "failed", owner_id=owner, models={QWEN: "loaded"})
+    record(conn, failed, False, False, model=QWEN)
+    conn.execute("update model_checks set next_challenge_at = 'infinity' where node_id <> %s", (mine,))
+    due = conn.execute(
+        "select node_id, model_id, state, peers from due_cross_checks(%s, 10)", ([SHA],)
+    ).fetchall()
+    assert due == [(mine, QWEN, "unverified", [platform, verified])]  # never a failed peer
+    assert conn.execute("select count(*) from due_cross_checks(%s, 10)", ([SHA],)).fetchone() == (0,)
+    # Without a referee, the GGUF's nodes are cross-checked too; one with no peer comes alone.
+    conn.execute("update model_checks set next_challenge_at = now() where node_id = %s", (mine,))
+    alone = conn.execute(
+        "select model_id, peers from due_cross_checks('{}', 10) order by model_id"
+    ).fetchall()
+    assert alone == [(QWEN, [platform, verified]), (LLAMA8, [])]
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="limit"):
+        conn.execute("select * from due_cross_checks(%s, 0)", ([SHA],))
+
+
 def test_a_challenge_is_a_paid_job_on_exactly_its_node(conn: psycopg.Connection) -> None:
     pin(conn)
     owner = make_user(conn)

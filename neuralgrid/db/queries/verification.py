@@ -19,6 +19,7 @@ __all__ = [
     "CHECK_STATES",
     "DEFER_CHALLENGE",
     "DUE_CHALLENGES",
+    "DUE_CROSS_CHECKS",
     "DUE_GPU_PROBES",
     "MY_MODEL_CHECKS",
     "PIN_ARTIFACT",
@@ -28,6 +29,7 @@ __all__ = [
     "REQUEST_VERIFICATION",
     "CheckState",
     "Due",
+    "DueCrossCheck",
     "DueProbe",
     "ModelCheck",
     "PlacedChallenge",
@@ -46,6 +48,21 @@ class Due:
 
 # (the sha256s of the GGUFs the referee holds, how many at most)
 DUE_CHALLENGES = Query("due_challenges", "select * from public.due_challenges(%s, %s)", class_row(Due))
+
+
+@dataclass(frozen=True)
+class DueCrossCheck:
+    node_id: UUID
+    model_id: str
+    state: str
+    peers: list[UUID]
+
+
+# (the sha256s of the GGUFs the referee holds, how many at most): the others' (node, model)s due,
+# each with up to two peers to be checked against
+DUE_CROSS_CHECKS = Query(
+    "due_cross_checks", "select * from public.due_cross_checks(%s, %s)", class_row(DueCrossCheck)
+)
 
 
 # (node, model): a challenge that found no free slot comes again soon, not at its next random time

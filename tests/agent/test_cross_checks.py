@@ -1,0 +1,91 @@
+"""Cross-checks against real servers: a gateway with no referee checks the nodes that claim SmolLM2
+against each other. Two honest llama-servers of the pinned GGUF agree and are verified; a llama-server
+of the same model with layers pruned (llama-quantize) disagrees with both, is the odd one out each
+time a second peer decides, fails, and gets no more traffic. The canned answers of the fake node fail
+the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import openai
+import psycopg
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from neuralgrid.server.app import create_app
+from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.settings import Settings
+from tests.agent.servers import SMOLLM2, built
+from tests.agent.test_backends import join, make_server
+from tests.agent.test_verification import CHALLENGE_EVERY_S, World, llama_server
+from tests.conftest import clone_database, wait_for
+
+
+@pytest.fixture(scope="module")
+def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[World]:
+    tmp: Path = tmp_path_factory.mktemp("cross-checks")
+    root = built()
+    name = clone_database(pg_server, template_db)
+    try:
+        with ExitStack() as cleanup, psycopg.connect(pg_server.url(name), autocommit=True) as conn:
+            conn.execute(
+                "update platform_settings set heartbeat_interval_s = 0.5, challenge_unverified_s = %s,"
+                " challenge_suspect_s = %s, challenge_verified_s = %s",
+                (CHALLENGE_EVERY_S,) * 3,
+            )
+            key = conn.execute("select api_key from create_api_key('developer')").fetchone()
+            assert key is not None
+            settings = Settings(
+                NEURALGRID_SWEEP_INTERVAL_S=0.1,
+                NEURALGRID_FIRST_BYTE_TIMEOUT_S=30,
+                NEURALGRID_CROSS_CHECKS=True,
+            )
+            gateway = cleanup.enter_context(ThreadedServer(create_app(settings, pg_server.url(name)))).url
+            servers = {
+                "honest-a": llama_server(tmp, root / "model.gguf"),
+                "honest-b": llama_server(tmp, root / "model.gguf"),
+                "pruned": llama_server(tmp, root / "model-pruned.gguf"),
+                "canned": make_server("fake", tmp),
+            }
+            nodes, agents = {}, {}
+            for label, server in servers.items():
+                cleanup.callback(server.kill)
+                agent, node_id = join(gateway, str(key[0]), conn, server, label, "direct")
+                cleanup.callback(agent.stop)
+                nodes[label], agents[label] = node_id, agent
+            yield World(gateway, str(key[0]), conn, nodes, agents)
+    finally:
+        with psycopg.connect(pg_server.url(), autocommit=True) as admin:
+            admin.execute(f"drop database {name} with (force)")
+
+
+def test_nodes_serving_the_same_artifact_are_checked_against_each_other(world: World) -> None:
+    def states() -> dict[str, str | None]:
+        return {label: world.state(label) for label in world.nodes}
+
+    want = {"honest-a": "verified", "honest-b": "verified", "pruned": "failed", "canned": "failed"}
+    try:
+        wait_for(lambda: states() == want, 300)
+    except AssertionError:
+        raise AssertionError(f"states: {states()}") from None
+    rows = world.conn.execute(
+        "select n.name, c.failures from model_checks c join nodes n on n.id = c.node_id"
+    ).fetchall()
+    failures: dict[str, int] = dict(rows)
+    assert failures["honest-a"] == failures["honest-b"] == 0  # never the odd one out
+    reasons = world.conn.execute(
+        "select n.name, ch.detail from model_challenges ch join nodes n on n.id = ch.node_id where not ch.passed"
+    ).fetchall()
+    assert {name for name, _ in reasons} == {"pruned", "canned"}
+    assert all(detail["cross_check"] and "parts from two nodes" in detail["reason"] for _, detail in reasons)
+    sdk = openai.OpenAI(base_url=f"{world.gateway}/v1", api_key=world.key, max_retries=3, timeout=60)
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
+    served = set()
+    for _ in range(6):
+        raw = sdk.chat.completions.with_raw_response.create(model=SMOLLM2, messages=ask, max_tokens=4)
+        served.add(raw.headers["x-neuralgrid-node"])
+    assert served <= {str(world.nodes["honest-a"]), str(world.nodes["honest-b"])}
