@@ -175,6 +175,7 @@ def run(
     cheat_challenges: int,
     minutes: float | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    cross_checks: bool = False,
 ) -> dict[str, Any]:
     root = built_root()
     if not (root / "READY").exists():
@@ -191,30 +192,32 @@ def run(
         referee_port, gateway_port = free_port(), free_port()
         referee = f"http://127.0.0.1:{referee_port}"
         gateway = f"http://127.0.0.1:{gateway_port}"
-        stack.enter_context(
-            served(
-                [
-                    str(root / "venv" / "bin" / "python"),
-                    "-m",
-                    "neuralgrid.verify.referee",
-                    "--threads",  # llama.cpp's threads spin: two on two busy cores slow everything
-                    "1",
-                    "--port",
-                    str(referee_port),
-                    "--model",
-                    str(root / "model.gguf"),
-                ],
-                {**os.environ, "PYTHONPATH": str(REPO)},
-                f"{referee}/v1/artifacts",
-            )
-        )
         env = {
             **os.environ,
             "DATABASE_URL": url,
             "NEURALGRID_PORT": str(gateway_port),
-            "NEURALGRID_REFEREE_URL": referee,
             "NEURALGRID_CHALLENGES_IN_FLIGHT": "4",
+            "NEURALGRID_CROSS_CHECKS": "true",  # with a referee, only for what it does not hold: nothing here
         }
+        if not cross_checks:
+            env["NEURALGRID_REFEREE_URL"] = referee
+            stack.enter_context(
+                served(
+                    [
+                        str(root / "venv" / "bin" / "python"),
+                        "-m",
+                        "neuralgrid.verify.referee",
+                        "--threads",  # llama.cpp's threads spin: two on two busy cores slow everything
+                        "1",
+                        "--port",
+                        str(referee_port),
+                        "--model",
+                        str(root / "model.gguf"),
+                    ],
+                    {**os.environ, "PYTHONPATH": str(REPO)},
+                    f"{referee}/v1/artifacts",
+                )
+            )
         cli = [sys.executable, "-m", "neuralgrid.cli"]
         stack.enter_context(served([*cli, "up"], env, f"{gateway}/readyz"))
         stop = threading.Event()

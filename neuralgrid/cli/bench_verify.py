@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from neuralgrid.cli.common import OutFile, database_url, fail, friendly_errors, out, progress, report
+from neuralgrid.cli.common import database_url, fail, friendly_errors, out, progress, report
 
 TARGET = (
     "0 honest nodes flagged over 2,000 challenges; pruned, sampling and canned flagged within 3 challenges,"
@@ -27,17 +27,29 @@ def bench_verify(
     minutes: Annotated[
         float | None, typer.Option(help="Stop after this long, whatever was reached (the report says what).")
     ] = None,
-    out_file: OutFile = Path("bench-results/verification.json"),
+    cross_checks: Annotated[
+        bool,
+        typer.Option(
+            "--cross-checks",
+            help="No referee: the nodes are checked against each other (written to cross_checks.json).",
+        ),
+    ] = False,
+    out_file: Annotated[
+        Path | None, typer.Option("--out", help="Where to write the JSON report.", dir_okay=False)
+    ] = None,
 ) -> None:
     """Honest servers (llama-server with four slots, llama-cpp-python) under load and six cheats built
     from the same GGUF, each behind an agent, challenged by a gateway with a referee until the honest
     nodes have taken --honest challenges and every cheat is flagged or has taken --cheat-cap: the state
     SQL reached for each, after how many challenges, the share failed, the distances of failures,
-    what was paid and forfeited, the referee's CPU and what challenges cost a node."""
+    what was paid and forfeited, the referee's CPU and what challenges cost a node. With
+    --cross-checks, no referee: each node is checked against two others serving the same file."""
     from neuralgrid.bench import verification as bench
 
     try:
-        results = bench.run(database_url(ctx), honest, cheat_cap, minutes, progress=progress)
+        results = bench.run(
+            database_url(ctx), honest, cheat_cap, minutes, progress=progress, cross_checks=cross_checks
+        )
     except RuntimeError as err:
         raise fail(str(err)) from err
     table = Table(
@@ -56,10 +68,11 @@ def bench_verify(
             str(r.get("forfeited_jobs", 0)),
         )
     cost = results["cost"]
+    name = "cross_checks" if cross_checks else "verification"
     report(
         table,
-        out_file,
-        "verification",
+        out_file or Path(f"bench-results/{name}.json"),
+        name,
         results["nodes"],
         cost=cost,
         referee_cpu_s=results["referee_cpu_s"],

@@ -9,6 +9,12 @@ referee score the answer and records the verdicts in SQL (record_challenges()), 
 sequential test, the states and their consequences. Python decides one challenge's verdict
 (verify/verdict.py); SQL decides what the verdicts add up to.
 
+Where no referee of this gateway holds a pinned model's artifact (a Hugging Face revision, a GGUF it
+lacks), the (node, model)s due are cross-checked (due_cross_checks(), `cross_check()`): the node and
+a peer serving the same artifact answer the same challenge with their log-probabilities, and where
+their answers part each token must be a near tie in the other's distribution (verify/agreement.py);
+when they disagree, a second peer decides and the odd one out fails.
+
 A share of real traffic is audited the same way (`audit()`, `audit_stream()`): a short greedy chat
 answer to a user's message, whole or streamed, whose request says nothing else that changes the
 answer, is scored after it was delivered and counts as a challenge would. A node that could tell
@@ -82,6 +88,7 @@ class Answered:
     text: str
     finish: str
     max_tokens: int | None
+    steps: list[agreement.Step] | None = None  # its tokens and their candidates, when asked for
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,12 @@ def read_answer(content: bytes, max_tokens: int | None) -> Answered | Verdict:
         text, finish = choice["message"]["content"] or "", choice["finish_reason"]
     except (ValueError, KeyError, IndexError, TypeError):
         return unreadable()
-    return answered(text, finish, max_tokens)
+    return answered(text, finish, max_tokens, agreement.steps(choice.get("logprobs")))
 
 
-def answered(text: Any, finish: Any, max_tokens: int | None) -> Answered | Verdict:
+def answered(
+    text: Any, finish: Any, max_tokens: int | None, steps: list[agreement.Step] | None = None
+) -> Answered | Verdict:
     """A chat answer's text and why it ended (a whole answer's, or a stream's put together)."""
     if not isinstance(text, str) or finish not in FINISHES:
         return unreadable()
@@ -112,7 +121,7 @@ def answered(text: Any, finish: Any, max_tokens: int | None) -> Answered | Verdi
         text.encode()
     except UnicodeEncodeError:  # JSON may carry a lone surrogate: no text a model writes
         return unscorable("text that is not Unicode")
-    return Answered(text, finish, max_tokens)
+    return Answered(text, finish, max_tokens, steps)
 
 
 class Verifier:
@@ -243,52 +252,58 @@ class Verifier:
 
     async def cross_check(self, due: q.DueCrossCheck) -> None:
         """A challenge whose artifact the referee does not hold: the node's answer against its
-        peers' answers to the same challenge (verify/agreement.py), recorded as a challenge's is. A
-        peer found the odd one out is recorded as failing it too."""
+        peers' answers to the same challenge, token by token where they part (verify/agreement.py),
+        recorded as a challenge's is. A peer found the odd one out is recorded as failing it too; a
+        node that gives no log-probabilities when asked cannot be compared, and fails."""
         if not due.peers:  # no other node serves it now: due again at its next time
             self.metrics.challenges.labels("inconclusive").inc()
             return
         asked = challenges.make(self.context_of(due.model_id))
-        subject = q.Due(due.node_id, due.model_id, "", due.state)
+        detail: dict[str, Any] = {"long": asked.long, "cross_check": True}
+        outcomes: list[Outcome] = []
+
+        async def steps_of(node_id: UUID) -> tuple[UUID, list[agreement.Step]] | None:
+            """The node's answer as steps, or None (recorded when it is a failure)."""
+            job_id, answer = await self.answer_of(node_id, due.model_id, asked, agreement.TOP_LOGPROBS)
+            if isinstance(answer, Answered) and answer.steps is None:
+                answer = unscorable("an answer without the log-probabilities asked for")
+            if isinstance(answer, Verdict):  # it refused, or answered nothing comparable
+                outcomes.append(Outcome(q.Due(node_id, due.model_id, "", ""), job_id, answer, detail))
+            return (
+                (job_id, answer.steps) if isinstance(answer, Answered) and answer.steps is not None else None
+            )
+
         try:
-            job_id, mine = await self.answer_of(due.node_id, due.model_id, asked)
+            mine = await steps_of(due.node_id)
         except NoFreeSlot:
             self.metrics.challenges.labels("deferred").inc()
             await self.store.all(q.DEFER_CHALLENGE, (due.node_id, due.model_id))
             return
-        detail: dict[str, Any] = {"long": asked.long, "cross_check": True}
-        if not isinstance(mine, Answered):
-            if mine is not None:  # it refused, or answered no chat answer: no peer needed
-                await self.record([Outcome(subject, job_id, mine, detail)], "cross-check ")
-            return
-        peers: list[tuple[q.Due, UUID, Answered]] = []
-        outcomes: list[Outcome] = []
+        peers: list[tuple[UUID, UUID, list[agreement.Step]]] = []
         for peer in due.peers:
-            if peers and (len(peers) == 2 or agreement.agree(mine.text, peers[0][2].text)):
-                break  # decided
-            them = q.Due(peer, due.model_id, "", "")
-            try:
-                peer_job, theirs = await self.answer_of(peer, due.model_id, asked)
-            except NoFreeSlot:
-                continue
-            if isinstance(theirs, Answered):
-                peers.append((them, peer_job, theirs))
-            elif theirs is not None:
-                outcomes.append(Outcome(them, peer_job, theirs, detail))
-        decision = agreement.decide(mine.text, [answer.text for _, _, answer in peers])
-        detail |= {"peers": [str(them.node_id) for them, _, _ in peers], "reason": decision.reason}
-        if decision.passed is not None:
-            outcomes.append(Outcome(subject, job_id, Verdict(decision.passed, None, dict(detail)), detail))
-        else:
-            self.metrics.challenges.labels("inconclusive").inc()
-        if decision.odd_peer is not None:
-            them, peer_job, _ = peers[decision.odd_peer]
-            odd = {**detail, "checked_with": str(due.node_id)}
-            outcomes.append(Outcome(them, peer_job, Verdict(False, None, odd), odd))
+            if mine is None or (peers and (len(peers) == 2 or agreement.agree(mine[1], peers[0][2]))):
+                break  # nothing to compare, or decided
+            with contextlib.suppress(NoFreeSlot):
+                if (theirs := await steps_of(peer)) is not None:
+                    peers.append((peer, *theirs))
+        if mine is not None:
+            decision = agreement.decide(mine[1], [answer for _, _, answer in peers])
+            found = detail | {"peers": [str(peer) for peer, _, _ in peers], "reason": decision.reason}
+            if decision.passed is None:
+                self.metrics.challenges.labels("inconclusive").inc()
+            else:
+                subject = q.Due(due.node_id, due.model_id, "", due.state)
+                outcomes.append(Outcome(subject, mine[0], Verdict(decision.passed, None, found), {}))
+            if decision.odd_peer is not None:
+                peer, peer_job, _ = peers[decision.odd_peer]
+                odd = found | {"checked_with": str(due.node_id)}
+                outcomes.append(
+                    Outcome(q.Due(peer, due.model_id, "", ""), peer_job, Verdict(False, None, odd), {})
+                )
         await self.record(outcomes, "cross-check ")
 
     async def answer_of(
-        self, node_id: UUID, model: str, asked: challenges.Challenge
+        self, node_id: UUID, model: str, asked: challenges.Challenge, logprobs: int = 0
     ) -> tuple[UUID, Answered | Verdict | None]:
         """A challenge's job on `node_id` (a paid job of the platform's key on a free slot) and the
         node's answer: a greedy chat answer, a verdict without the referee (it refused, or answered
@@ -298,7 +313,7 @@ class Verifier:
         if key_id is None:
             found: UUID = await self.store.get(q.CHALLENGE_KEY)
             key_id = self._key_id = found
-        body = asked.body(model)
+        body = asked.body(model, logprobs)
         self.caches.apply("chat", body, key_id)  # its own key's salt, as every request has
         payload = json.dumps(body).encode()
         placed = await self.store.one(q.PLACE_CHALLENGE, (str(self.gateway_id), node_id, model))

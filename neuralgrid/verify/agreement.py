@@ -1,41 +1,79 @@
-"""Whether two nodes' greedy answers to the same challenge agree: the check where no reference can
-score a node's tokens (gateway/cross_check.py).
+"""Whether two nodes' greedy answers to the same challenge are the same model's: the check where no
+reference can score a node's tokens (gateway/verifier.py's cross-checks).
 
-Greedy decoding of the same artifact gives the same tokens until two candidates are nearly tied, and
-then kernels, batch shapes and prompt caches may break the tie differently: honest answers share a
-long beginning and may part after it. Another model, a pruned or requantized one, or a server that
-samples, parts early. So two answers agree when they begin with the same AGREE_CHARS characters
-(whitespace runs read as one space), or are the same when either is shorter.
+Greedy decoding of the same artifact picks the same tokens until two candidates are nearly tied;
+there kernels, batch shapes and prompt caches may break the tie differently, and the answers part
+(measured here: an honest llama-server and llama-cpp-python of the same GGUF began differently in 4
+of 40 challenges). So the answers are read with their log-probabilities (`logprobs`, TOP_LOGPROBS
+candidates a token) and compared where they first part: each answer's token there must be within
+TIE of the best candidate in the other's own distribution. An honest parting is a near tie both
+ways; another model's token is far down an honest node's list, whatever that model says of its own.
 """
 
 from __future__ import annotations
 
-import re
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-AGREE_CHARS = 48  # about a dozen tokens of English (docs/security.md says how it was calibrated)
-_SPACES = re.compile(r"\s+")
-
-
-def _plain(text: str) -> str:
-    return _SPACES.sub(" ", text).strip()
+TOP_LOGPROBS = 5  # candidates asked for each token
+TIE = 1.0  # logits (natural-log probabilities): the most an honest parting may lose on either side
 
 
-def shared(a: str, b: str) -> int:
-    """How many characters the two answers begin with alike (whitespace runs as one space)."""
-    a, b = _plain(a), _plain(b)
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+@dataclass(frozen=True)
+class Step:
+    """One token of an answer, and the candidates its server weighed for it (token -> logprob)."""
+
+    token: str
+    top: dict[str, float]
 
 
-def agree(a: str, b: str) -> bool:
-    """Whether two greedy answers to one challenge are the same model's: alike over their first
-    AGREE_CHARS characters, or over the whole of the longer one when that is shorter."""
-    return shared(a, b) >= min(AGREE_CHARS, max(len(_plain(a)), len(_plain(b))))
+def steps(logprobs: Any) -> list[Step] | None:
+    """An answer's tokens from a chat completion's `choices[0].logprobs`; None when it has none."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    out = []
+    for item in content:
+        if not isinstance(item, dict) or not isinstance(item.get("token"), str):
+            return None
+        top: dict[str, float] = {}
+        for candidate in item.get("top_logprobs") or []:
+            if isinstance(candidate, dict) and isinstance(candidate.get("token"), str):
+                value = candidate.get("logprob")
+                if isinstance(value, int | float) and math.isfinite(value):
+                    top.setdefault(candidate["token"], float(value))
+        if not top:
+            return None
+        out.append(Step(item["token"], top))
+    return out
+
+
+def parting(a: Sequence[Step], b: Sequence[Step]) -> int | None:
+    """Where the two answers first differ; None when one is all of the other's beginning."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x.token != y.token:
+            return i
+    return None
+
+
+def loss(a: Sequence[Step], b: Sequence[Step]) -> float:
+    """What `a`'s token where they part loses against the best in `b`'s distribution there (0 when
+    they never part; infinite when b does not even list it among its candidates: TOP_LOGPROBS
+    tokens more likely than it is no tie a kernel's rounding breaks)."""
+    i = parting(a, b)
+    if i is None:
+        return 0.0
+    top = b[i].top
+    token = a[i].token
+    return max(top.values()) - top[token] if token in top else math.inf
+
+
+def agree(a: Sequence[Step], b: Sequence[Step]) -> bool:
+    """The same model's answers: where they part, each one's token is a near tie in the other's
+    distribution (both ways, so neither side's own word decides)."""
+    return loss(a, b) <= TIE and loss(b, a) <= TIE
 
 
 @dataclass(frozen=True)
@@ -48,7 +86,7 @@ class Decision:
     reason: str
 
 
-def decide(mine: str, peers: list[str]) -> Decision:
+def decide(mine: Sequence[Step], peers: Sequence[Sequence[Step]]) -> Decision:
     """The node's answer against its peers' answers to the same challenge, in the order asked: it
     passes when it agrees with the first; when it does not, a second peer decides, and whichever of
     the two disagrees with the other two fails. No verdict without a second answer to decide, or
@@ -56,22 +94,18 @@ def decide(mine: str, peers: list[str]) -> Decision:
     if not peers:
         return Decision(None, None, "no peer answered")
     if agree(mine, peers[0]):
-        return Decision(True, None, f"agrees with a peer over {shared(mine, peers[0])} characters")
+        return Decision(True, None, "agrees with a peer serving the same artifact")
     if len(peers) < 2:
         return Decision(None, None, "disagrees with a peer, and no second peer answered to decide")
     with_mine, between = agree(mine, peers[1]), agree(peers[0], peers[1])
     if between and not with_mine:
-        parted = max(shared(mine, peers[0]), shared(mine, peers[1]))
+        lost = max(loss(mine, peers[0]), loss(mine, peers[1]))
         return Decision(
-            False,
-            None,
-            f"its answer parts from two nodes serving the same artifact after {parted} characters",
+            False, None, f"its token where it parts from two peers is {lost:.2f} logits below theirs"
         )
     if with_mine and not between:
-        parted = shared(peers[0], mine)
+        lost = loss(peers[0], mine)
         return Decision(
-            True,
-            0,
-            f"a peer's answer parts from two nodes serving the same artifact after {parted} characters",
+            True, 0, f"a peer's token where it parts from two nodes is {lost:.2f} logits below theirs"
         )
     return Decision(None, None, "three nodes serving the same artifact answered three ways")

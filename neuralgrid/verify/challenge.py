@@ -96,9 +96,13 @@ class Challenge:
     max_tokens: int
     long: bool
 
-    def body(self, model: str) -> dict[str, Any]:
-        """The request as it goes to the node: an ordinary chat completion, asked greedily."""
-        return {"model": model, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0}
+    def body(self, model: str, logprobs: int = 0) -> dict[str, Any]:
+        """The request as it goes to the node: an ordinary chat completion, asked greedily (with
+        `logprobs` candidates a token, for a cross-check)."""
+        body = {"model": model, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0}
+        if logprobs:
+            body |= {"logprobs": True, "top_logprobs": logprobs}
+        return body
 
 
 def nonce() -> str:

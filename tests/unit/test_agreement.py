@@ -1,36 +1,71 @@
-"""Cross-checks' rule (verify/agreement.py): two greedy answers agree over their first AGREE_CHARS
-characters, or whole when shorter; a second peer decides a disagreement, and the odd one out fails."""
+"""Cross-checks' rule (verify/agreement.py): two greedy answers agree when, where they part, each
+one's token is a near tie in the other's distribution; a second peer decides a disagreement, and the
+odd one out fails. Answers are read from a chat completion's logprobs as servers send them."""
 
 from __future__ import annotations
 
-from neuralgrid.verify.agreement import AGREE_CHARS, agree, decide, shared
+from typing import Any
 
-HONEST = "Your order #48213 shipped on Monday and should arrive by Thursday. Track it in your account."
-LATE_TIE = HONEST[:60] + " Friday, and you can track it online."  # parted after a near tie, late
-OTHER = "Thank you for reaching out! I'm sorry to hear about the delay with your order."
+from neuralgrid.verify.agreement import TIE, Step, agree, decide, loss, parting, steps
 
 
-def test_answers_agree_over_their_beginning_and_whitespace_runs_read_as_one() -> None:
-    assert agree(HONEST, HONEST) and agree(HONEST, LATE_TIE)
-    assert agree(HONEST, HONEST.replace(" ", "  \n", 3) + "\n")
-    assert shared(HONEST, LATE_TIE) >= AGREE_CHARS
-    assert not agree(HONEST, OTHER) and shared(HONEST, OTHER) < AGREE_CHARS
-    assert not agree(HONEST, HONEST[: AGREE_CHARS // 2] + "X" + HONEST[AGREE_CHARS // 2 + 1 :])
+def answer(*tokens: tuple[str, dict[str, float]]) -> list[Step]:
+    return [Step(token, top) for token, top in tokens]
 
 
-def test_short_answers_agree_only_whole_and_an_empty_one_never() -> None:
-    assert agree("Paris.", "Paris.") and not agree("Paris.", "Paris is")
-    assert not agree("", "Paris.") and not agree("Paris.", "")
-    assert agree("", "")
+COMMON = [("The", {"The": -1.7, "A": -1.9}), (" colour", {" colour": -1.5, " most": -2.0})]
+# Where an honest llama-server and llama-cpp-python parted (measured): " is" -1.44 and " I" -1.49 at
+# one, " I" -1.49 and " is" -1.50 at the other.
+HONEST = answer(*COMMON, (" is", {" is": -1.44, " I": -1.49, " you": -2.0}))
+HONEST_TOO = answer(*COMMON, (" I", {" I": -1.49, " is": -1.50, " you": -2.0}))
+OTHER = answer(("Thank", {"Thank": -0.2, "The": -4.0}), (" you", {" you": -0.1}))  # another model
+OTHER_TOO = answer(("Thank", {"Thank": -0.3, "The": -3.5}), (" you", {" you": -0.2}))
+
+
+def test_answers_that_part_at_a_near_tie_agree_and_another_models_do_not() -> None:
+    assert parting(HONEST, HONEST) is None and loss(HONEST, HONEST) == 0 and agree(HONEST, HONEST)
+    assert parting(HONEST, HONEST_TOO) == 2 and agree(HONEST, HONEST_TOO)
+    assert loss(HONEST, HONEST_TOO) < TIE and loss(HONEST_TOO, HONEST) < TIE
+    assert not agree(HONEST, OTHER) and loss(OTHER, HONEST) > TIE
+    assert agree(HONEST, HONEST[:2])  # one stopped where the other went on: nothing to compare
+
+
+def test_a_liars_own_distribution_does_not_make_it_agree() -> None:
+    """A cheat that claims the honest token was its near tie still loses in the honest node's list."""
+    liar = answer(("Thank", {"Thank": -0.2, "The": -0.21}), (" you", {" you": -0.1}))
+    assert loss(HONEST, liar) < TIE  # its own word
+    assert loss(liar, HONEST) > TIE and not agree(HONEST, liar)
+    unlisted = answer(
+        ("Zebra", {"Zebra": -0.1}),
+    )  # not among the honest node's candidates at all
+    assert loss(unlisted, HONEST) >= 0.2 and not agree(unlisted, answer(("The", {"The": -0.1, "A": -5.0})))
 
 
 def test_a_second_peer_decides_a_disagreement_and_the_odd_one_out_fails() -> None:
-    assert decide(HONEST, [LATE_TIE]).passed is True
+    assert decide(HONEST, [HONEST_TOO]).passed is True
     assert decide(HONEST, []).passed is None
     assert decide(OTHER, [HONEST]).passed is None  # one against one: nobody knows who is right
-    cheat = decide(OTHER, [HONEST, LATE_TIE])
-    assert cheat.passed is False and cheat.odd_peer is None and "parts from two nodes" in cheat.reason
-    peer_cheats = decide(HONEST, [OTHER, LATE_TIE])
+    cheat = decide(OTHER, [HONEST, HONEST_TOO])
+    assert cheat.passed is False and cheat.odd_peer is None and "logits below theirs" in cheat.reason
+    peer_cheats = decide(HONEST, [OTHER, HONEST_TOO])
     assert peer_cheats.passed is True and peer_cheats.odd_peer == 0
-    three_ways = decide(HONEST, [OTHER, "Something else entirely, at length, from a third model here."])
-    assert three_ways.passed is None and three_ways.odd_peer is None
+    colluding = decide(HONEST, [OTHER, OTHER_TOO])  # two peers of the same other model outvote it
+    assert colluding.passed is False
+
+
+def test_steps_are_read_from_a_chat_completions_logprobs() -> None:
+    logprobs: dict[str, Any] = {
+        "content": [
+            {
+                "token": "The",
+                "logprob": -1.7,
+                "bytes": None,
+                "top_logprobs": [{"token": "The", "logprob": -1.7}, {"token": "A", "logprob": -1.9}],
+            }
+        ]
+    }
+    assert steps(logprobs) == [Step("The", {"The": -1.7, "A": -1.9})]
+    assert steps(None) is None and steps({"content": None}) is None
+    assert steps({"content": [{"token": "The", "top_logprobs": []}]}) is None  # no candidates: not asked
+    nan = {"content": [{"token": "A", "top_logprobs": [{"token": "A", "logprob": float("nan")}]}]}
+    assert steps(nan) is None
