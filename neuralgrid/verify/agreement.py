@@ -99,13 +99,19 @@ def decide(mine: Sequence[Step], peers: Sequence[Sequence[Step]]) -> Decision:
         return Decision(None, None, "disagrees with a peer, and no second peer answered to decide")
     with_mine, between = agree(mine, peers[1]), agree(peers[0], peers[1])
     if between and not with_mine:
-        lost = max(loss(mine, peers[0]), loss(mine, peers[1]))
         return Decision(
-            False, None, f"its token where it parts from two peers is {lost:.2f} logits below theirs"
+            False, None, "parts from two peers serving the same artifact " + _by(mine, *peers[:2])
         )
     if with_mine and not between:
-        lost = loss(peers[0], mine)
         return Decision(
-            True, 0, f"a peer's token where it parts from two nodes is {lost:.2f} logits below theirs"
+            True, 0, "a peer parts from two nodes serving the same artifact " + _by(peers[0], mine, peers[1])
         )
     return Decision(None, None, "three nodes serving the same artifact answered three ways")
+
+
+def _by(odd: Sequence[Step], one: Sequence[Step], other: Sequence[Step]) -> str:
+    """How far the odd answer is from the two others where it parts from each, at the least."""
+    apart = min(max(loss(odd, x), loss(x, odd)) for x in (one, other))
+    if math.isinf(apart):
+        return "with tokens the others do not list among their candidates"
+    return f"by {apart:.2f} logits at least (a near tie is within {TIE:g})"

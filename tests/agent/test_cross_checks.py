@@ -1,8 +1,8 @@
 """Cross-checks against real servers: a gateway with no referee checks the nodes that claim SmolLM2
-against each other. Two honest llama-servers of the pinned GGUF agree and are verified; a llama-server
-of the same model with layers pruned (llama-quantize) disagrees with both, is the odd one out each
-time a second peer decides, fails, and gets no more traffic. The canned answers of the fake node fail
-the same way."""
+against each other. Two honest llama-servers of the pinned GGUF agree and pass; a llama-server
+of the same model with layers pruned (llama-quantize) disagrees with both where their answers part
+(its token far down their lists of candidates), fails, and gets no more traffic. The fake node's
+canned answers come without the log-probabilities asked for: they cannot be compared, and fail."""
 
 from __future__ import annotations
 
@@ -64,24 +64,35 @@ def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[W
 
 
 def test_nodes_serving_the_same_artifact_are_checked_against_each_other(world: World) -> None:
-    def states() -> dict[str, str | None]:
-        return {label: world.state(label) for label in world.nodes}
+    def checks() -> dict[str, tuple[str, int, int]]:
+        rows = world.conn.execute(
+            "select n.name, c.state, c.challenges, c.failures from model_checks c join nodes n on n.id = c.node_id"
+        ).fetchall()
+        return {name: (state, taken, failed) for name, state, taken, failed in rows}
 
-    want = {"honest-a": "verified", "honest-b": "verified", "pruned": "failed", "canned": "failed"}
+    def settled() -> bool:
+        now = checks()
+        honest = [now[name] for name in ("honest-a", "honest-b")]
+        cheats = [now[name][0] for name in ("pruned", "canned")]
+        return cheats == ["failed", "failed"] and all(taken >= 3 for _, taken, _ in honest)
+
     try:
-        wait_for(lambda: states() == want, 300)
+        wait_for(settled, 300)
     except AssertionError:
-        raise AssertionError(f"states: {states()}") from None
-    rows = world.conn.execute(
-        "select n.name, c.failures from model_checks c join nodes n on n.id = c.node_id"
-    ).fetchall()
-    failures: dict[str, int] = dict(rows)
-    assert failures["honest-a"] == failures["honest-b"] == 0  # never the odd one out
+        raise AssertionError(f"checks: {checks()}") from None
+    for name in ("honest-a", "honest-b"):  # never the odd one out, and on their way to verified
+        state, _, failed = checks()[name]
+        assert failed == 0 and state in ("unverified", "verified"), (name, checks()[name])
     reasons = world.conn.execute(
         "select n.name, ch.detail from model_challenges ch join nodes n on n.id = ch.node_id where not ch.passed"
     ).fetchall()
     assert {name for name, _ in reasons} == {"pruned", "canned"}
-    assert all(detail["cross_check"] and "parts from two nodes" in detail["reason"] for _, detail in reasons)
+    why = {name: {detail["reason"] for n, detail in reasons if n == name} for name in ("pruned", "canned")}
+    assert all(detail["cross_check"] for _, detail in reasons)
+    # The pruned model's tokens where it parts are far down both honest nodes' lists; the fake node
+    # sends no log-probabilities, and cannot be compared.
+    assert all("parts from two" in reason for reason in why["pruned"]), why
+    assert all("without the log-probabilities asked for" in reason for reason in why["canned"]), why
     sdk = openai.OpenAI(base_url=f"{world.gateway}/v1", api_key=world.key, max_retries=3, timeout=60)
     ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
     served = set()

@@ -46,7 +46,7 @@ def test_a_second_peer_decides_a_disagreement_and_the_odd_one_out_fails() -> Non
     assert decide(HONEST, []).passed is None
     assert decide(OTHER, [HONEST]).passed is None  # one against one: nobody knows who is right
     cheat = decide(OTHER, [HONEST, HONEST_TOO])
-    assert cheat.passed is False and cheat.odd_peer is None and "logits below theirs" in cheat.reason
+    assert cheat.passed is False and cheat.odd_peer is None and "parts from two peers" in cheat.reason
     peer_cheats = decide(HONEST, [OTHER, HONEST_TOO])
     assert peer_cheats.passed is True and peer_cheats.odd_peer == 0
     colluding = decide(HONEST, [OTHER, OTHER_TOO])  # two peers of the same other model outvote it
