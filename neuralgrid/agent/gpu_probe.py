@@ -90,8 +90,10 @@ class GpuProbeHost:
             started = time.perf_counter()
             try:
                 data = await asyncio.to_thread(self._fill_now, plan)
-            except MemoryError as err:  # CuPy's OutOfMemoryError is one
-                return 507, _error(f"not enough free GPU memory for {size} bytes: {err}")
+            except (
+                MemoryError
+            ) as err:  # CuPy's OutOfMemoryError is one (a 409: a 5xx would read as a failing node)
+                return 409, _error(f"not enough free GPU memory for {size} bytes: {err}")
             self._filled = _Filled(plan, data, time.monotonic())
             self._drop_expiry()
             self._expiry = asyncio.get_running_loop().call_later(FORGET_S, self._forget)

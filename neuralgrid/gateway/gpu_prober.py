@@ -79,7 +79,12 @@ class GpuProber:
         for due in await self.store.all(q.DUE_GPU_PROBES, (free,)):
             task = asyncio.get_running_loop().create_task(self.probe_and_record(due))
             self._probing.add(task)
-            task.add_done_callback(self._probing.discard)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[str | None]) -> None:
+        self._probing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # due again in ten minutes
+            log.error("GPU probe failed", exc_info=task.exception())
 
     async def probe_and_record(self, due: q.DueProbe) -> str | None:
         """Probe one node and record what it showed; the proof's state after, or None when the node

@@ -118,7 +118,7 @@ def test_wrong_digests_fail_a_gpu_at_once_and_it_leaves_the_matcher_and_the_leas
 
 def test_no_gpu_and_refusals_are_recorded_without_a_penalty(conn: psycopg.Connection) -> None:
     node = agent_node(conn, "cpu-box")
-    assert probe(conn, node, "refused", reason="HTTP 507: not enough free GPU memory") == "unproven"
+    assert probe(conn, node, "refused", reason="HTTP 409: not enough free GPU memory") == "unproven"
     assert proof(conn, node)["wait"].total_seconds() <= 600
     assert probe(conn, node, "no_gpu", reason="no NVIDIA GPU found") == "no_gpu"
     assert node in ranked(conn)

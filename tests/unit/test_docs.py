@@ -12,6 +12,7 @@ a run, copy its JSON over the old one and rewrite the tables:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
@@ -538,8 +539,10 @@ def verification_row(base: str) -> list[str]:
     ]
 
 
-def verification_block() -> str:
-    report = load("verification")
+def verification_block(name: str = "verification") -> str:
+    """bench verify's nodes and what challenges cost; `name`: its run against a referee, or the one
+    with cross-checks alone (--cross-checks)."""
+    report = load(name)
     rows = [
         [
             r["node"],
@@ -576,10 +579,15 @@ def verification_block() -> str:
         f" {ms(100 * cost['capacity_share_verified'], 3)}% of its time, and"
         f" {ms(100 * cost['capacity_share_unverified'], 2)}% while unverified (one per 30 s); against what it"
         f" served under the bench's light load ({ms(cost['node_tokens_per_s_served'])} tokens/s),"
-        f" {ms(100 * cost['share_verified'], 3)}%. The referee spent"
-        f" {ms(dig(report, 'referee_cpu_s.mean_s'))} s of CPU a challenge (one thread)."
+        f" {ms(100 * cost['share_verified'], 3)}%."
     )
-    return table(head, rows, right=3) + "\n" + said + " " + run_line("verification")
+    if report.get("referee_cpu_s"):
+        said += (
+            f" The referee spent {ms(dig(report, 'referee_cpu_s.mean_s'))} s of CPU a challenge (one thread)."
+        )
+    else:
+        said += " No referee: each challenge asks the node and one or two peers."
+    return table(head, rows, right=3) + "\n" + said + " " + run_line(name)
 
 
 def viewer(feed: str) -> dict[str, Any]:
@@ -856,6 +864,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "heartbeats": heartbeats_block,
     "sse": sse_block,
     "verification": verification_block,
+    "cross_checks": functools.partial(verification_block, "cross_checks"),
 }
 # The heartbeats' and Realtime's figures stand beside their design, the map's beside its page
 # (docs/benchmarks.md points to each); the others are in docs/benchmarks.md.
@@ -865,6 +874,7 @@ WHERE = {
     "realtime": DOCS / "realtime.md",
     "map": DOCS / "web.md",
     "verification": DOCS / "security.md",
+    "cross_checks": DOCS / "security.md",
 }
 
 
