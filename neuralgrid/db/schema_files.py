@@ -139,6 +139,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.challenge_key_id",
         "public.due_challenges",
         "public.due_cross_checks",
+        "private.take_due_checks",
         "public.place_challenge",
         "public.record_challenges",
         "public.request_verification",

@@ -7,60 +7,31 @@ canned answers come without the log-probabilities asked for: they cannot be comp
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import openai
-import psycopg
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from neuralgrid.server.app import create_app
-from neuralgrid.server.serving import ThreadedServer
-from neuralgrid.server.settings import Settings
 from tests.agent.servers import SMOLLM2, built
-from tests.agent.test_backends import join, make_server
-from tests.agent.test_verification import CHALLENGE_EVERY_S, World, llama_server
-from tests.conftest import clone_database, wait_for
+from tests.agent.test_backends import make_server
+from tests.agent.test_verification import World, a_world, llama_server
+from tests.conftest import wait_for
 
 
 @pytest.fixture(scope="module")
 def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[World]:
     tmp: Path = tmp_path_factory.mktemp("cross-checks")
     root = built()
-    name = clone_database(pg_server, template_db)
-    try:
-        with ExitStack() as cleanup, psycopg.connect(pg_server.url(name), autocommit=True) as conn:
-            conn.execute(
-                "update platform_settings set heartbeat_interval_s = 0.5, challenge_unverified_s = %s,"
-                " challenge_suspect_s = %s, challenge_verified_s = %s",
-                (CHALLENGE_EVERY_S,) * 3,
-            )
-            key = conn.execute("select api_key from create_api_key('developer')").fetchone()
-            assert key is not None
-            settings = Settings(
-                NEURALGRID_SWEEP_INTERVAL_S=0.1,
-                NEURALGRID_FIRST_BYTE_TIMEOUT_S=30,
-                NEURALGRID_CROSS_CHECKS=True,
-            )
-            gateway = cleanup.enter_context(ThreadedServer(create_app(settings, pg_server.url(name)))).url
-            servers = {
-                "honest-a": llama_server(tmp, root / "model.gguf"),
-                "honest-b": llama_server(tmp, root / "model.gguf"),
-                "pruned": llama_server(tmp, root / "model-pruned.gguf"),
-                "canned": make_server("fake", tmp),
-            }
-            nodes, agents = {}, {}
-            for label, server in servers.items():
-                cleanup.callback(server.kill)
-                agent, node_id = join(gateway, str(key[0]), conn, server, label, "direct")
-                cleanup.callback(agent.stop)
-                nodes[label], agents[label] = node_id, agent
-            yield World(gateway, str(key[0]), conn, nodes, agents)
-    finally:
-        with psycopg.connect(pg_server.url(), autocommit=True) as admin:
-            admin.execute(f"drop database {name} with (force)")
+    servers = {
+        "honest-a": lambda: llama_server(tmp, root / "model.gguf"),
+        "honest-b": lambda: llama_server(tmp, root / "model.gguf"),
+        "pruned": lambda: llama_server(tmp, root / "model-pruned.gguf"),
+        "canned": lambda: make_server("fake", tmp),
+    }
+    with a_world(pg_server, template_db, tmp, servers, referee=False, NEURALGRID_CROSS_CHECKS=True) as made:
+        yield made
 
 
 def test_nodes_serving_the_same_artifact_are_checked_against_each_other(world: World) -> None:

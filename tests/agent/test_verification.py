@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,9 +108,18 @@ class World:
         return None if row is None else str(row[0])
 
 
-@pytest.fixture(scope="module")
-def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[World]:
-    tmp: Path = tmp_path_factory.mktemp("verification")
+@contextmanager
+def a_world(
+    pg_server: Any,
+    template_db: str,
+    tmp: Path,
+    servers: dict[str, Callable[[], Any]],
+    referee: bool = True,
+    **settings: Any,
+) -> Iterator[World]:
+    """A gateway (with a referee of the pinned GGUF, or none) on a fresh database whose every
+    challenge comes about every CHALLENGE_EVERY_S, and each of `servers` (started by its function)
+    behind a real agent, its node online."""
     root = built()
     name = clone_database(pg_server, template_db)
     try:
@@ -122,21 +131,15 @@ def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[W
             )
             key = conn.execute("select api_key from create_api_key('developer')").fetchone()
             assert key is not None
-            referee = cleanup.enter_context(running_referee(tmp / "referee.log", root / "model.gguf"))
-            settings = Settings(
-                NEURALGRID_SWEEP_INTERVAL_S=0.1,
-                NEURALGRID_FIRST_BYTE_TIMEOUT_S=30,
-                NEURALGRID_REFEREE_URL=referee,
-                NEURALGRID_AUDIT_SHARE=1.0,
-            )
-            gateway = cleanup.enter_context(ThreadedServer(create_app(settings, pg_server.url(name)))).url
-            servers = {
-                "honest": llama_server(tmp, root / "model.gguf"),
-                "pruned": llama_server(tmp, root / "model-pruned.gguf"),
-                "canned": make_server("fake", tmp),
-            }
+            if referee:
+                url = cleanup.enter_context(running_referee(tmp / "referee.log", root / "model.gguf"))
+                settings["NEURALGRID_REFEREE_URL"] = url
+            settings = {"NEURALGRID_SWEEP_INTERVAL_S": 0.1, "NEURALGRID_FIRST_BYTE_TIMEOUT_S": 30, **settings}
+            app = create_app(Settings(**settings), pg_server.url(name))
+            gateway = cleanup.enter_context(ThreadedServer(app)).url
             nodes, agents = {}, {}
-            for label, server in servers.items():
+            for label, start in servers.items():
+                server = start()
                 cleanup.callback(server.kill)
                 agent, node_id = join(gateway, str(key[0]), conn, server, label, "direct")
                 cleanup.callback(agent.stop)
@@ -145,6 +148,19 @@ def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[W
     finally:
         with psycopg.connect(pg_server.url(), autocommit=True) as admin:
             admin.execute(f"drop database {name} with (force)")
+
+
+@pytest.fixture(scope="module")
+def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[World]:
+    tmp: Path = tmp_path_factory.mktemp("verification")
+    root = built()
+    servers = {
+        "honest": lambda: llama_server(tmp, root / "model.gguf"),
+        "pruned": lambda: llama_server(tmp, root / "model-pruned.gguf"),
+        "canned": lambda: make_server("fake", tmp),
+    }
+    with a_world(pg_server, template_db, tmp, servers, NEURALGRID_AUDIT_SHARE=1.0) as made:
+        yield made
 
 
 def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(world: World) -> None:

@@ -109,6 +109,7 @@ PRIVATE_HELPERS = sorted(
         "gateway_is_live",
         "json_changes",  # what changed between two summaries of the map
         "schedule_sweep_with_pg_cron",
+        "take_due_checks",  # the (node, model)s due a challenge, against the referee or peers
         "start_gpu_proof",  # a node with an agent, or new GPU claims: a proof due at once
         "sync_warm_models",  # a heartbeat's warm models (node_heartbeat(), agent_heartbeat())
         "ewma_fold",

@@ -145,3 +145,9 @@ def test_probe_gpu_on_a_machine_without_one_says_why_in_one_line() -> None:
     result = CliRunner().invoke(app, ["node", "probe-gpu"], env={"COLUMNS": "200"})
     assert result.exit_code == 1
     assert result.stderr.strip() == f"error: {why}"  # brackets and all: pip install 'neuralgrid[gpu]'
+
+
+async def test_an_agent_without_the_memory_to_fill_refuses_with_a_409() -> None:
+    host = GpuProbeHost(np, "a small GPU")
+    status, answer = await ask(host, op="fill", nonce=PLAN.nonce, bytes=1 << 40, block_bytes=BLOCK)  # 1 TiB
+    assert status == 409 and "not enough free GPU memory" in answer["error"]["message"]
