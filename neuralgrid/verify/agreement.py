@@ -19,6 +19,7 @@ from typing import Any
 
 TOP_LOGPROBS = 5  # candidates asked for each token
 TIE = 1.0  # logits (natural-log probabilities): the most an honest parting may lose on either side
+MIN_SHARED = 3  # tokens alike before one answer ends where the other goes on
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,11 @@ def loss(a: Sequence[Step], b: Sequence[Step]) -> float:
 
 def agree(a: Sequence[Step], b: Sequence[Step]) -> bool:
     """The same model's answers: where they part, each one's token is a near tie in the other's
-    distribution (both ways, so neither side's own word decides)."""
+    distribution (both ways, so neither side's own word decides). One that ended where the other
+    went on is compared no further, once it said MIN_SHARED tokens alike (an empty answer agrees with
+    nothing but another)."""
+    if parting(a, b) is None and len(a) != len(b) and min(len(a), len(b)) < MIN_SHARED:
+        return False
     return loss(a, b) <= TIE and loss(b, a) <= TIE
 
 

@@ -27,7 +27,10 @@ def test_answers_that_part_at_a_near_tie_agree_and_another_models_do_not() -> No
     assert parting(HONEST, HONEST_TOO) == 2 and agree(HONEST, HONEST_TOO)
     assert loss(HONEST, HONEST_TOO) < TIE and loss(HONEST_TOO, HONEST) < TIE
     assert not agree(HONEST, OTHER) and loss(OTHER, HONEST) > TIE
-    assert agree(HONEST, HONEST[:2])  # one stopped where the other went on: nothing to compare
+    longer = [*HONEST, *HONEST_TOO]
+    assert agree(HONEST, HONEST[:2]) is False  # ended after two tokens where the other went on
+    assert agree(HONEST, longer) and agree(longer, HONEST)  # ended after three alike: compared no further
+    assert not agree([], HONEST) and agree([], [])  # an empty answer agrees with nothing but another
 
 
 def test_a_liars_own_distribution_does_not_make_it_agree() -> None:
