@@ -13,7 +13,9 @@ from neuralgrid.verify.verdict import GAP_LIMIT, judge, refused, unreadable
 def test_challenges_are_greedy_everyday_requests_each_with_its_own_nonce() -> None:
     made = [challenge.make(8192) for _ in range(200)]
     users = [c.messages[-1]["content"] for c in made]
-    assert len(set(users)) == len(users)  # never the same twice
+    # Their own nonces: six random digits, so two of 200 meet now and then by chance (a CI run saw
+    # one pair among 200); more than that would be a nonce that does not vary.
+    assert len(set(users)) >= len(users) - 2
     assert all(re.search(r"\b\d{6}\b", u) for u in users)
     assert all(c.messages[0]["role"] == "system" and c.messages[1]["role"] == "user" for c in made)
     body = made[0].body("m")
