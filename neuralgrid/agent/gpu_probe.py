@@ -13,7 +13,6 @@ import base64
 import json
 import logging
 import time
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -39,19 +38,12 @@ def gpu_arrays() -> tuple[ModuleType | None, str]:
     return cupy, name.decode() if isinstance(name, bytes) else str(name)
 
 
-@dataclass
-class _Filled:
-    plan: probe.Plan
-    data: Any
-    at: float
-
-
 class GpuProbeHost:
     """Answers the gateway's probe requests: {"op": "fill" | "digest" | "ping", ...}."""
 
     def __init__(self, xp: ModuleType | None, device: str) -> None:
         self.xp, self.device = xp, device  # device: the GPU's name, or why there is none
-        self._filled: _Filled | None = None
+        self._filled: Any = None  # the fill's array, until its digests are asked for
         self._expiry: asyncio.TimerHandle | None = None
         self._lock = asyncio.Lock()
 
@@ -94,7 +86,7 @@ class GpuProbeHost:
                 MemoryError
             ) as err:  # CuPy's OutOfMemoryError is one (a 409: a 5xx would read as a failing node)
                 return 409, _error(f"not enough free GPU memory for {size} bytes: {err}")
-            self._filled = _Filled(plan, data, time.monotonic())
+            self._filled = data
             self._drop_expiry()
             self._expiry = asyncio.get_running_loop().call_later(FORGET_S, self._forget)
         return 200, {"gpu": True, "device": self.device, "seconds": round(time.perf_counter() - started, 3)}
@@ -113,7 +105,7 @@ class GpuProbeHost:
             self._drop_expiry()
             if filled is None:
                 return 409, _error("nothing is filled: a digest follows a fill")
-            digests = await asyncio.to_thread(self._digest_now, filled.data, nonce2)
+            digests = await asyncio.to_thread(self._digest_now, filled, nonce2)
             del filled  # its memory goes back to the GPU's pool
         return 200, {"digests": base64.b64encode(digests).decode("ascii")}
 

@@ -57,7 +57,6 @@ class GpuProber:
         self.fill_share = fill_share
         self.every_s = every_s
         self.in_flight = in_flight  # probes at once: each checks blocks on this gateway's CPU
-        self.block_bytes = probe.BLOCK_BYTES
         self._probing: set[asyncio.Task[str | None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -102,8 +101,8 @@ class GpuProber:
     async def probe(self, due: q.DueProbe) -> tuple[str, dict[str, Any]]:
         node = Node(due.node_id, due.endpoint_url, due.node_key, 1)
         datasheet = probe.bandwidth_for(due.gpu_model)
-        size = fill_size(due.vram_gb, due.gpu_count, self.fill_share, self.block_bytes)
-        plan = probe.Plan(secrets.token_hex(16), size, self.block_bytes)
+        size = fill_size(due.vram_gb, due.gpu_count, self.fill_share)
+        plan = probe.Plan(secrets.token_hex(16), size)
         fill = {"op": "fill", "nonce": plan.nonce, "bytes": plan.size, "block_bytes": plan.block_bytes}
         status, filled = await self._ask(node, fill, FILL_TIMEOUT_S)
         if status == 200 and filled.get("gpu") is False:
