@@ -206,6 +206,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.lease_usable_nodes",
         "private.leased_slots",
         "private.move_lease_slots",
+        "private.lane_turn",
         "private.lane_target",
         "private.renew_lane",
         "public.renew_leases",

@@ -107,8 +107,11 @@ class LeaseBook:
         # wait in line for a slot): demand as much as the leased ones, or a lane's lease would grow
         # by a slot a renewal, and a gateway whose callers wait would want no more than one slot.
         self._unleased: dict[Lane, int] = defaultdict(int)
+        self._waiting: dict[Lane, int] = defaultdict(int)  # of those, the ones waiting in line
+        self._waited: set[Lane] = set()  # lanes where a request waited since the last renewal
         self._peak: dict[Lane, int] = {}  # most in flight (or wanted) at once since the last renewal
         self._wants: dict[Lane, int] = {}  # what the last renewal asked for
+        self._spares: dict[Lane, int] = {}  # of which spare: 1, or 0 where requests waited
         self._at_share: set[Lane] = set()  # lanes where this gateway holds its share, or more
         self._asked_at: dict[Lane, float] = {}
         # Nodes that failed a request here, and when: passed over until a renewal sent after that
@@ -120,9 +123,7 @@ class LeaseBook:
     ) -> Taken | None:
         """A free slot of the lane on the best ranked node serving `route` (None: any) within the
         price cap `max_rate` (hard filters, which leave SQL's order as it is), or None."""
-        now = self.clock()
-        self._asked_at[lane] = now
-        self._peak[lane] = max(self._peak.get(lane, 0), self._in_flight(lane) + 1)
+        now = self.asked(lane)
         if now >= self._usable_until:
             return None
         skip = set(exclude)
@@ -135,8 +136,20 @@ class LeaseBook:
                 continue
             if self._in_use[(lane, lease.node_id)] < lease.slots:
                 self._in_use[(lane, lease.node_id)] += 1
+                self._busier(lane)
                 return Taken(lease)
         return None
+
+    def asked(self, lane: Lane) -> float:
+        """A request asked for the lane (now, returned): it is wanted for IDLE_S from now."""
+        now = self._asked_at[lane] = self.clock()
+        return now
+
+    def _busier(self, lane: Lane) -> None:
+        """One more of the lane's requests in flight: the demand the next renewal reports. Counted
+        only when a request holds or waits for a slot, not when it merely asks: one its key's budget
+        then refuses wants nothing, and would tip the lane's shares towards the gateways it asks."""
+        self._peak[lane] = max(self._peak.get(lane, 0), self._in_flight(lane))
 
     def adopt(self, lease: Lease) -> Taken:
         """A slot of `lease` that a job SQL placed was already using (renew_leases() moved it into
@@ -164,12 +177,19 @@ class LeaseBook:
             and (max_rate is None or (lease.hourly_rate is not None and lease.hourly_rate <= max_rate))
         ]
 
-    def unleased(self, lane: Lane, change: int) -> None:
-        """A request of the lane with no leased slot (placed in SQL, or waiting in line) started
+    def unleased(self, lane: Lane, change: int, waiting: bool = False) -> None:
+        """A request of the lane with no leased slot (placed in SQL, or `waiting` in line) started
         (+1) or ended (-1)."""
         self._unleased[lane] += change
         if self._unleased[lane] <= 0:
             del self._unleased[lane]
+        if waiting:
+            self._waiting[lane] += change
+            self._waited.add(lane)
+            if self._waiting[lane] <= 0:
+                del self._waiting[lane]
+        if change > 0:
+            self._busier(lane)
 
     def _in_flight(self, lane: Lane) -> int:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""
@@ -179,9 +199,11 @@ class LeaseBook:
     def lanes(self) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
         slots it wants (its busiest moment since the last renewal, counting the requests SQL placed
-        and those waiting in line, and one spare; after a busier moment, no less than half what it
-        last asked for, so that a lull of a second or two between bursts does not send the next
-        burst to SQL) and its slots in use per node. Starts the next period's count."""
+        and those waiting in line, and one spare unless requests waited: in a scarce lane the line
+        is the demand, and a spare each would tip the shares towards the gateways with the fewest
+        callers; after a busier moment, no less than half what it last asked for, so that a lull of
+        a second or two between bursts does not send the next burst to SQL) and its slots in use per
+        node. Starts the next period's count."""
         now = self.clock()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
         wanted |= {lane for lane, _ in self._in_use}
@@ -190,13 +212,16 @@ class LeaseBook:
             in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
             busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
             idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
-            want = sum(in_use.values()) if idle else max(busiest + 1, (self._wants.get(lane, 0) + 1) // 2)
-            self._wants[lane] = want
+            spare = 0 if lane in self._waited else 1
+            want = sum(in_use.values()) if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
+            self._wants[lane], self._spares[lane] = want, spare
             report.append({**lane.as_json(), "want": want, "in_use": in_use})
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
+        self._waited = set(self._waiting)
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
             del self._asked_at[lane]
         self._wants = {lane: n for lane, n in self._wants.items() if lane in wanted}
+        self._spares = {lane: n for lane, n in self._spares.items() if lane in wanted}
         return report
 
     def renewed(self, rows: Iterable[q.LeaseRow], sent_at: float, lease_s: float) -> None:
@@ -216,7 +241,7 @@ class LeaseBook:
         self._at_share = {
             lane
             for lane, share in shares.items()
-            if held[lane] >= share and share < self._wants.get(lane, 0) - 1
+            if held[lane] >= share and share < self._wants.get(lane, 0) - self._spares.get(lane, 1)
         }
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)

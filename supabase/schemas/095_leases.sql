@@ -103,14 +103,30 @@ ALTER TABLE ONLY private.slot_leases
 GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE private.slot_leases TO service_role;
 
 
-CREATE FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer) RETURNS integer
+CREATE FUNCTION private.lane_turn() RETURNS numeric
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
-  -- Largest remainders: each live gateway that renewed the lane within lease_s gets the floor of
-  -- its share C x want / W, and the slots that leaves go one each to the largest fractional parts
-  -- (ties: the larger want, then the smaller gateway id). Shares never sum above C; a gateway never
-  -- gets more than it wants (when W <= C every share is at least its want).
+  select mod(extract(epoch from now()) / 10, 1)
+$$;
+
+COMMENT ON FUNCTION private.lane_turn() IS 'Where the rotation of a scarce lane''s left-over slots stands (private.lane_target()): a fraction in [0, 1) of a 10-second sweep, from the transaction''s time.';
+
+REVOKE ALL ON FUNCTION private.lane_turn() FROM PUBLIC;
+GRANT ALL ON FUNCTION private.lane_turn() TO service_role;
+
+
+CREATE FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric DEFAULT private.lane_turn()) RETURNS integer
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  -- Each live gateway that renewed the lane within lease_s gets the floor of its share C x want / W.
+  -- The L slots that leaves (L = C - the floors, the sum of the fractional parts) rotate: lay the
+  -- fractional parts end to end in gateway id order on [0, L); the points p_turn, p_turn + 1, ...,
+  -- p_turn + L - 1 each fall in one part (none is as long as 1, so none holds two), and a gateway
+  -- whose part holds one gets a slot more. As p_turn sweeps [0, 1) a part holds a point for its
+  -- own length of the sweep, and at any turn exactly L parts hold one: the targets sum to C. A
+  -- gateway never gets more than it wants (when W <= C every share is at least its want).
   with demand as (
     select d.gateway_id, d.wanted
     from private.lane_demand d
@@ -119,24 +135,27 @@ CREATE FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text,
     where d.model_id = p_model and d.policy = p_policy and d.region = p_region and d.wanted > 0
       and d.renewed_at >= now() - make_interval(secs => s.lease_s) and private.gateway_is_live(g.seen_at)
   ),
-  shares as (
-    select d.gateway_id, d.wanted, greatest(p_capacity, 0)::numeric * d.wanted / sum(d.wanted) over () as share
+  shares as (  -- share = base + part / W, in whole numbers: the parts add up to L x W exactly
+    select d.gateway_id, d.wanted,
+           (greatest(p_capacity, 0)::bigint * d.wanted) / sum(d.wanted) over () as base,
+           (greatest(p_capacity, 0)::bigint * d.wanted) % sum(d.wanted) over () as part,
+           sum(d.wanted) over () as total
     from demand d
   ),
-  placed as (
-    select s.gateway_id, s.wanted, floor(s.share) as base,
-           greatest(p_capacity, 0) - sum(floor(s.share)) over () as left_over,
-           row_number() over (order by s.share - floor(s.share) desc, s.wanted desc, s.gateway_id) as place
+  laid as (
+    select s.gateway_id, s.wanted, s.base, s.part, s.total,
+           sum(s.part) over (order by s.gateway_id) as ends_at
     from shares s
   )
-  select coalesce((select least(p.wanted, p.base + case when p.place <= p.left_over then 1 else 0 end)::integer
-                   from placed p where p.gateway_id = p_gateway), 0)
+  select coalesce((select least(l.wanted, l.base + ceil((l.ends_at - p_turn * l.total) / l.total)
+                                               - ceil((l.ends_at - l.part - p_turn * l.total) / l.total))::integer
+                   from laid l where l.gateway_id = p_gateway), 0)
 $$;
 
-COMMENT ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer) IS 'How many of a lane''s p_capacity slots gateway p_gateway may lease: its share in proportion to what each live gateway that renewed the lane within platform_settings.lease_s wants (private.lane_demand), never more than it wants, rounded by largest remainders (the left-over slots to the largest fractional parts; ties to the larger want, then the smaller gateway id) so that the shares never sum above p_capacity.';
+COMMENT ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) IS 'How many of a lane''s p_capacity slots gateway p_gateway may lease: its share in proportion to what each live gateway that renewed the lane within platform_settings.lease_s wants (private.lane_demand), never more than it wants. The floors of the shares first; the slots left rotate among the fractional parts as p_turn sweeps [0, 1) (private.lane_turn(), once every 10 seconds), each gateway holding its extra slot for its fractional part of the sweep, so that the shares never sum above p_capacity at any turn and are exact over a sweep.';
 
-REVOKE ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer) TO service_role;
+REVOKE ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) TO service_role;
 
 
 CREATE FUNCTION private.lease_usable_nodes(p_model text, p_node_ids uuid[]) RETURNS SETOF uuid

@@ -6,6 +6,7 @@ or a gateway that died, held."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -113,31 +114,56 @@ def test_three_gateways_share_a_lane_in_proportion_to_what_they_want(conn: psyco
     assert got == {A: 4, B: 2, C: 2}
     assert sum(inflight(conn)[node] for node in nodes) == 8
     assert_slots_add_up(conn)
-    # One of them wants less: the others' shares grow (within two rounds again) and add up to 8.
-    wants[A] = 1
+    # One of them wants less: the others' shares grow (within two rounds again) to what they want.
+    wants.update({A: 1, B: 4, C: 3})
     for _ in range(2):
         got = {
             gateway: sum(held(renew(conn, gateway, lane(want))).values()) for gateway, want in wants.items()
         }
-    assert got[A] == 1 and got[B] + got[C] == 7 and abs(got[B] - got[C]) <= 1
+    assert got == wants
     assert_slots_add_up(conn)
 
 
 @pytest.mark.parametrize(
-    ("capacity", "wants", "shares"),
-    [(2, (1, 1, 1), (1, 1, 0)), (7, (6, 3, 3), (3, 2, 2)), (8, (8, 4, 4), (4, 2, 2))],
+    ("capacity", "wants"),
+    [(2, (1, 1, 1)), (7, (6, 3, 3)), (16, (5, 9, 13, 19)), (16, (4, 8, 12, 18)), (5, (9, 1))],
 )
-def test_shares_are_rounded_by_largest_remainders(
-    conn: psycopg.Connection, capacity: int, wants: tuple[int, ...], shares: tuple[int, ...]
+def test_left_over_slots_rotate_so_that_shares_are_exact_over_a_sweep(
+    conn: psycopg.Connection, capacity: int, wants: tuple[int, ...]
 ) -> None:
-    """Never more than the lane holds: the floors, then one slot each to the largest remainders
-    (ties to the larger want, then the smaller gateway id)."""
+    """The floors of the shares C x want / W, then the slots left rotate as the turn sweeps [0, 1):
+    at every turn the targets add up to the lane's slots exactly (never above), and over a sweep
+    each gateway's is its share (rounded once and for all, the smallest gateway of 4, 8, 12 and 18
+    callers got 2 of 16 slots, 31% above its share of 1.52)."""
+    gateways = [uuid.UUID(int=i + 1) for i in range(len(wants))]
     make_node(conn, max_concurrency=capacity)
-    for _ in range(2):
-        got = tuple(
-            sum(held(renew(conn, g, lane(w))).values()) for g, w in zip((A, B, C), wants, strict=True)
-        )
-    assert got == shares
+    for g, want in zip(gateways, wants, strict=True):
+        renew(conn, g, lane(want))
+    turns = [i / 1000 for i in range(1000)]
+    targets = {
+        g: [
+            conn.execute(
+                "select private.lane_target(%s, %s, 'balanced', '', %s::int, %s::numeric)",
+                (g, LLAMA8, capacity, turn),
+            ).fetchone()[0]  # type: ignore[index]
+            for turn in turns
+        ]
+        for g in gateways
+    }
+    for at in range(len(turns)):
+        assert sum(target[at] for target in targets.values()) == capacity
+    for g, want in zip(gateways, wants, strict=True):
+        share = capacity * want / sum(wants)
+        assert set(targets[g]) <= {math.floor(share), math.ceil(share)}
+        assert sum(targets[g]) / len(turns) == pytest.approx(share, abs=0.002)
+        # One stretch of the sweep each (a slot changes hands once a sweep, not at every renewal).
+        changes = sum(a != b for a, b in zip(targets[g], targets[g][1:] + targets[g][:1], strict=True))
+        assert changes <= 2
+    # Wanting less than the lane holds, everyone gets what it wants, at every turn.
+    renew(conn, gateways[0], lane(1))
+    assert conn.execute(
+        "select private.lane_target(%s, %s, 'balanced', '', 100)", (gateways[0], LLAMA8)
+    ).fetchone() == (1,)
 
 
 def test_a_renewal_gives_back_only_idle_slots_lowest_ranked_first(conn: psycopg.Connection) -> None:
@@ -491,13 +517,13 @@ def test_slots_in_use_above_a_gateways_share_drain_to_the_gateway_that_wants_the
     assert held(renew(conn, A, lane(5))) == {top: 2, low: 2}
     busy = {top: 2, low: 2}
     assert held(renew(conn, B, lane(4))) == {}  # nothing free
-    got = held(renew(conn, A, lane(5, busy)))  # its share now: 4 x 5/9, rounded by remainders
+    got = held(renew(conn, A, lane(4, busy)))  # its share now: 4 x 4/8
     assert got == {top: 2}  # the lowest ranked lease's slots drain first
     assert leases(conn)[(A, low)] == (2, 2)  # still held, in use: counted in inflight
     assert inflight(conn) == {top: 2, low: 2}
     assert_slots_add_up(conn)
     # Their requests end: idle at A's next renewal, given back; B claims them at its own.
-    renew(conn, A, lane(5, {top: 2}))
+    renew(conn, A, lane(4, {top: 2}))
     assert (A, low) not in leases(conn) or leases(conn)[(A, low)][0] == 0
     assert held(renew(conn, B, lane(4))) == {low: 2}
     assert_slots_add_up(conn)

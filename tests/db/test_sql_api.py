@@ -147,6 +147,7 @@ PRIVATE_HELPERS = sorted(
         "release_reservation",
         "kept_last",  # the scarcity rule (issue 43)
         "lane_target",  # a gateway's fair share of a lane's slots (renew_leases(), issue 42)
+        "lane_turn",  # where the rotation of a scarce lane's left-over slots stands (lane_target())
         "lease_usable_nodes",
         "leased_slots",
         "move_lease_slots",

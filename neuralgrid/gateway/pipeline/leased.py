@@ -110,18 +110,19 @@ class LeasedJobs:
     async def dispatch(self, admitted: Admitted, lane: Lane, route: str | None) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
         free slot for it, or the key's escrow cannot cover its hold."""
-        cap = admitted.call.max_hourly_rate
+        call = admitted.call
+        cap = call.max_hourly_rate
+        hold = await self._hold(admitted)
+        # The escrow first (asked for, for the next ones, when it cannot cover this one): a slot
+        # taken and given back would count as the lane's demand a request its budget keeps off it.
+        budgeted = call.key.budget_usd is not None
+        if budgeted and not self.escrows.take(call.key.id, hold):
+            self.book.asked(lane)
+            return None
         taken = self.book.take(lane, route, max_rate=cap)
         if taken is None:
-            if not self.book.holds(lane) and admitted.call.key.budget_usd is not None:
-                # Cold: placed in SQL, the lane leased behind (placed_elsewhere()), and the key's
-                # escrow asked for, for the next ones.
-                self.escrows.want(admitted.call.key.id, await self._hold(admitted))
-            return None
-        call = admitted.call
-        hold = await self._hold(admitted)
-        if call.key.budget_usd is not None and not self.escrows.take(call.key.id, hold):
-            self.book.give_back(taken)
+            if budgeted:
+                self.escrows.give_back(call.key.id, hold)
             return None
         job_id = uuid4()
         self.journal.start(_record(job_id, admitted, taken.node_id, hold))
@@ -171,12 +172,12 @@ class LeasedJobs:
         """While a request waits in line for a slot: its lane wants one more."""
         lane = self.lane(admitted)
         if lane is not None:
-            self.book.unleased(lane, 1)
+            self.book.unleased(lane, 1, waiting=True)
         try:
             yield
         finally:
             if lane is not None:
-                self.book.unleased(lane, -1)
+                self.book.unleased(lane, -1, waiting=True)
 
     def moved_elsewhere(self, job_id: UUID) -> None:
         """SQL moved a job it placed to another node: the job stays SQL's to its end (renew_lane()
