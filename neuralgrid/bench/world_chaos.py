@@ -74,6 +74,20 @@ class Tally:
     jobs: set[str] = field(default_factory=set)  # every job whose answer a client received
     statuses: dict[int, int] = field(default_factory=dict)  # every answer's status (0: none)
     budget_served: int = 0
+    window: tuple[float, float] = (0.0, 0.0)  # time.perf_counter() at its start and end
+
+
+HELD = """
+select g.internal_url,
+       coalesce((select sum(l.slots) from private.slot_leases l where l.gateway_id = g.id), 0),
+       coalesce((select sum(d.share) from private.lane_demand d where d.gateway_id = g.id), 0),
+       coalesce((select sum(d.wanted) from private.lane_demand d where d.gateway_id = g.id), 0),
+       coalesce((select sum(l.in_use) from private.slot_leases l where l.gateway_id = g.id), 0),
+       coalesce((select sum(l.draining) from private.slot_leases l where l.gateway_id = g.id), 0),
+       (select count(*) from public.job_attempts a join public.jobs j on j.id = a.job_id
+        where j.gateway_id = g.id and a.status = 'running' and not a.leased)
+from private.gateways g where g.internal_url is not null
+"""
 
 
 @dataclass
@@ -83,6 +97,10 @@ class Slots:
     over: int = 0  # samples with a node past its slots
     most_inflight: int = 0
     slots: int = 0
+    # Per sample, time.perf_counter() and per gateway (its internal URL) the slots it held (leased,
+    # and those of jobs SQL placed for it, running), its share and what it wanted at its last
+    # renewal: why a gateway's share of the answers is what it is.
+    held: list[tuple[float, dict[str, tuple[int, ...]]]] = field(default_factory=list)
 
     async def sample(self, url: str, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -102,6 +120,9 @@ class Slots:
                         self.over += int(row[0] > 0)
                         self.most_inflight = max(self.most_inflight, int(row[1]))
                         self.slots = int(row[2])
+                        cur = await conn.execute(HELD)
+                        by_gateway = {str(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+                        self.held.append((time.perf_counter(), by_gateway))
                         await asyncio.sleep(SAMPLE_S)
             except (psycopg.Error, OSError):
                 self.errors += 1
@@ -127,7 +148,7 @@ async def _load(
 ) -> None:
     """The callers for `seconds`; each event run (in a thread) at its time into the load."""
     started = time.perf_counter()
-    window = (started + WINDOW[0] * seconds, started + WINDOW[1] * seconds)
+    window = tally.window = (started + WINDOW[0] * seconds, started + WINDOW[1] * seconds)
     plain, small = body(MODEL, False), body(MODEL, False, max_tokens=BUDGET_TOKENS)
 
     async def caller(session: aiohttp.ClientSession, home: int, key: str, data: bytes, counted: bool) -> None:
@@ -191,17 +212,31 @@ def _checks(
     ).fetchone()
     assert running is not None and held is not None and found is not None
     served = sum(tally.in_window.values())
-    shares = {}
+    in_window = [by for at, by in slots.held if tally.window[0] <= at < tally.window[1]]
+    shares: dict[str, dict[str, Any]] = {}
+    worst = 0.0
     for g, n in zip(gws, main, strict=True):
         fair = n / sum(main)
         got = tally.in_window.get(g.name, 0) / served if served else 0.0
+        mine = [by.get(g.url, (0,) * 6) for by in in_window]
         shares[g.name] = {
             "callers": n,
             "served": tally.in_window.get(g.name, 0),
             "share": round(got, 3),
             "fair": round(fair, 3),
+            # On average over the window's samples, as SQL saw it: the slots it leased, its share and
+            # what it wanted at its last renewal, its leased slots in use and draining then, and its
+            # jobs SQL placed (running, their slots not in a lease yet): why its answers are what
+            # they are.
+            **{
+                name: round(sum(m[i] for m in mine) / len(mine), 2) if mine else None
+                for i, name in enumerate(
+                    ("leased", "share_of_slots", "wanted", "in_use", "draining", "placed")
+                )
+            },
         }
-    worst = max((abs(s["share"] / s["fair"] - 1) for s in shares.values() if s["fair"]), default=1.0)
+        if round(fair, 3):
+            worst = max(worst, abs(round(got, 3) / round(fair, 3) - 1))
     return [
         check(
             "no node past its slots",

@@ -192,6 +192,7 @@ def add_gateway(
         **(env or {}),
         "DATABASE_URL": gateway_database_url(db_url, gateway),
         "NEURALGRID_PORT": str(gateway.port),
+        "NEURALGRID_INTERNAL_URL": gateway.url,  # how bench chaos tells the gateways' rows apart
     }
     gateway_env.pop("NEURALGRID_SESSION_DATABASE_URL", None)  # the same link as the rest
     procs.add(gateway.name, [*CLI, "up"], gateway_env, f"{gateway.url}/readyz")

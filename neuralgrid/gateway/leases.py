@@ -119,10 +119,17 @@ class LeaseBook:
         self._failed: dict[UUID, float] = {}
 
     def take(
-        self, lane: Lane, route: str | None, exclude: Iterable[UUID] = (), max_rate: float | None = None
+        self,
+        lane: Lane,
+        route: str | None,
+        exclude: Iterable[UUID] = (),
+        max_rate: float | None = None,
+        counted: bool = True,
     ) -> Taken | None:
         """A free slot of the lane on the best ranked node serving `route` (None: any) within the
-        price cap `max_rate` (hard filters, which leave SQL's order as it is), or None."""
+        price cap `max_rate` (hard filters, which leave SQL's order as it is), or None. Not
+        `counted`: the request is in the lane's demand already (waiting in line, or moving on from a
+        failed node), and is not counted again in the moment before it leaves the line."""
         now = self.asked(lane)
         if now >= self._usable_until:
             return None
@@ -136,7 +143,8 @@ class LeaseBook:
                 continue
             if self._in_use[(lane, lease.node_id)] < lease.slots:
                 self._in_use[(lane, lease.node_id)] += 1
-                self._busier(lane)
+                if counted:
+                    self._busier(lane)
                 return Taken(lease)
         return None
 

@@ -55,15 +55,18 @@ class _Line:
     def __init__(self) -> None:
         self.by_key: dict[UUID, deque[_Ticket]] = {}  # insertion order: the next key first
         self.size = 0
+        self.asking: set[_Ticket] = set()  # those whose ask is under way
 
     def heads(self) -> Iterator[_Ticket]:
         """The requests that ask when a slot frees: in the order they are served in (each key's
-        first, then each key's second, …), those that reach further than all before them."""
+        first, then each key's second, …), those that reach further than all before them. One
+        whose ask is under way is passed over: a far gateway's head asking Postgres (a round trip)
+        would otherwise keep the line from a leased slot freed here meanwhile."""
         queues = list(self.by_key.values())
         furthest = -math.inf
         for i in range(max(map(len, queues), default=0)):
             for tickets in queues:
-                if i < len(tickets) and tickets[i].reach > furthest:
+                if i < len(tickets) and tickets[i] not in self.asking and tickets[i].reach > furthest:
                     yield tickets[i]
                     furthest = tickets[i].reach
                     if furthest == math.inf:
@@ -89,8 +92,10 @@ class _Line:
             self.by_key[ticket.key_id] = tickets
 
     def wake_heads(self) -> None:
-        for head in self.heads():
-            head.turn.set()
+        """The heads ask; and those asking now ask again once their ask is over, in case what freed
+        is theirs to take (no head but them, say)."""
+        for ticket in [*self.heads(), *self.asking]:
+            ticket.turn.set()
 
 
 class WaitingRoom:
@@ -156,7 +161,11 @@ class WaitingRoom:
                 ticket.turn.clear()
                 if ticket not in line.heads():
                     continue
-                answer = await _unless_gone(ask(), hung_up)
+                line.asking.add(ticket)
+                try:
+                    answer = await _unless_gone(ask(), hung_up)
+                finally:
+                    line.asking.discard(ticket)
                 if answer is not None:
                     served = True
                     return answer

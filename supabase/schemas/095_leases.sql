@@ -853,11 +853,13 @@ begin
   planned as (
     select coalesce(w.key, e.api_key_id) as key, w.n, coalesce(e.usd, 0) as had,
            k.budget_usd is not null as budgeted,
-           -- The escrow now: what is wanted, capped by the setting and by what the key has free (its
-           -- escrow here counted as free); none for a key not named, revoked or without a budget.
+           -- The escrow now: what is wanted, capped by the setting and by half what the key has free
+           -- (its escrow here counted as free), so that a small budget is never locked up whole at
+           -- one gateway, refused as spent at every other; none for a key not named, revoked or
+           -- without a budget.
            case when w.key is null or k.budget_usd is null or k.revoked_at is not null then 0::numeric
                 else greatest(trunc(least(w.want, s.escrow_usd,
-                                          k.budget_usd - k.spent_usd - k.reserved_usd + coalesce(e.usd, 0)), 8), 0)
+                                          (k.budget_usd - k.spent_usd - k.reserved_usd + coalesce(e.usd, 0)) / 2), 8), 0)
            end as usd
     from wanted w
     full join (select x.api_key_id, x.usd from private.key_escrows x where x.gateway_id = p_gateway) e
@@ -892,7 +894,7 @@ begin
 end;
 $_$;
 
-COMMENT ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) IS 'A gateway''s escrows for the keys it serves from its leases. p_keys: a JSON array, [{"key": API key id, "want_usd": amount}]. For each key with a budget the escrow becomes what is wanted, at most platform_settings.escrow_usd and what the key has free (its budget less what is spent and held, this escrow counted as free), api_keys.reserved_usd moving by the difference; a revoked key''s escrow is returned, and so is every escrow of the gateway for a key it no longer names. Returns, per key named in order, the escrow now (null for a key without a budget, which needs none) and what the key has free beyond it. Bad input raises invalid_parameter_value (foreign_key_violation for an unknown key) and changes nothing.';
+COMMENT ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) IS 'A gateway''s escrows for the keys it serves from its leases. p_keys: a JSON array, [{"key": API key id, "want_usd": amount}]. For each key with a budget the escrow becomes what is wanted, at most platform_settings.escrow_usd and half what the key has free (its budget less what is spent and held, this escrow counted as free: the rest stays free for the other gateways and for placements in SQL), api_keys.reserved_usd moving by the difference; a revoked key''s escrow is returned, and so is every escrow of the gateway for a key it no longer names. Returns, per key named in order, the escrow now (null for a key without a budget, which needs none) and what the key has free beyond it. Bad input raises invalid_parameter_value (foreign_key_violation for an unknown key) and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) FROM PUBLIC;

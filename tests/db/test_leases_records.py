@@ -323,14 +323,14 @@ def test_escrows_are_capped_returned_and_held_on_their_keys(conn: psycopg.Connec
     rich, poor, free = make_key(conn, budget_usd=100.0), make_key(conn, budget_usd=0.5), make_key(conn)
     conn.execute("update api_keys set spent_usd = 0.1, reserved_usd = 0.15 where id = %s", (poor,))
     got = renew_escrows(conn, (rich, "5"), (poor, "0.4"), (free, "0.4"))
-    # Capped by platform_settings.escrow_usd ($1), by what the key has free (0.5 - 0.1 - 0.15); a key
-    # without a budget needs none.
+    # Capped by platform_settings.escrow_usd ($1), by half what the key has free (0.5 - 0.1 - 0.15);
+    # a key without a budget needs none.
     assert got == [
         q.EscrowRow(rich, Decimal("1.00000000"), Decimal("99.00000000")),
-        q.EscrowRow(poor, Decimal("0.25000000"), Decimal("0E-8")),
+        q.EscrowRow(poor, Decimal("0.12500000"), Decimal("0.12500000")),
         q.EscrowRow(free, None, None),
     ]
-    assert key_money(conn, rich) == (Decimal("1"), 0) and key_money(conn, poor)[0] == Decimal("0.4")
+    assert key_money(conn, rich) == (Decimal("1"), 0) and key_money(conn, poor)[0] == Decimal("0.275")
     assert one(conn, "select count(*) from private.key_escrows") == 2
     # Asked again for less: the difference is returned; a key no longer named gets all of it back.
     assert renew_escrows(conn, (rich, "0.3")) == [
@@ -353,6 +353,34 @@ def test_escrows_are_capped_returned_and_held_on_their_keys(conn: psycopg.Connec
     assert renew_escrows(conn, (rich, "0.3")) == [q.EscrowRow(rich, Decimal("0"), Decimal("99.80000000"))]
     assert one(conn, "select count(*) from private.key_escrows") == 0
     assert_reserved_adds_up(conn, rich)
+
+
+def test_a_small_budget_is_never_escrowed_whole_at_one_gateway(conn: psycopg.Connection) -> None:
+    """An escrow is at most half what the key has free (its own counted): in bench chaos the first
+    gateway to ask took a $0.002 key's last money whole, and the other gateways refused its requests
+    as spent for 15 s while that one served them. Each gateway's escrow leaves the rest free, for the
+    others' escrows and for placements in SQL."""
+    key = make_key(conn, budget_usd=0.002)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    for gateway in (first, second):
+        conn.execute("select gateway_alive(%s, null)", (gateway,))
+    escrow = conn.execute(
+        "select usd, free_usd from renew_escrows(%s, %s::jsonb)",
+        (first, json.dumps([{"key": str(key), "want_usd": "0.01"}])),
+    ).fetchone()
+    assert escrow == (Decimal("0.00100000"), Decimal("0.00100000"))
+    escrow = conn.execute(
+        "select usd, free_usd from renew_escrows(%s, %s::jsonb)",
+        (second, json.dumps([{"key": str(key), "want_usd": "0.01"}])),
+    ).fetchone()
+    assert escrow == (Decimal("0.00050000"), Decimal("0.00050000"))
+    # Renewed again, the first gateway's escrow is half what is free with its own counted.
+    escrow = conn.execute(
+        "select usd, free_usd from renew_escrows(%s, %s::jsonb)",
+        (first, json.dumps([{"key": str(key), "want_usd": "0.01"}])),
+    ).fetchone()
+    assert escrow == (Decimal("0.00075000"), Decimal("0.00075000"))
+    assert key_money(conn, key)[0] == Decimal("0.00125")  # held in escrows; the rest free for SQL
 
 
 def test_bad_escrow_requests_are_refused_and_change_nothing(conn: psycopg.Connection) -> None:

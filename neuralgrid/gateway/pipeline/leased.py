@@ -107,9 +107,12 @@ class LeasedJobs:
         call = admitted.call
         return Lane(call.model, call.policy, call.region or "")
 
-    async def dispatch(self, admitted: Admitted, lane: Lane, route: str | None) -> Dispatched | None:
+    async def dispatch(
+        self, admitted: Admitted, lane: Lane, route: str | None, queued: bool = False
+    ) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
-        free slot for it, or the key's escrow cannot cover its hold."""
+        free slot for it, or the key's escrow cannot cover its hold. `queued`: a request waiting in
+        line (counted as the lane's demand while it waits: not twice when it takes its slot)."""
         call = admitted.call
         cap = call.max_hourly_rate
         hold = await self._hold(admitted)
@@ -119,7 +122,7 @@ class LeasedJobs:
         if budgeted and not self.escrows.take(call.key.id, hold):
             self.book.asked(lane)
             return None
-        taken = self.book.take(lane, route, max_rate=cap)
+        taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
         if taken is None:
             if budgeted:
                 self.escrows.give_back(call.key.id, hold)
@@ -227,7 +230,8 @@ class LeasedJobs:
         if status != MISDIRECTED:  # the node's own failure (not a tunnel no gateway reached)
             self.book.failed(slot.taken.node_id)
         await self.to_database(job_id)
-        nxt = self.book.take(slot.taken.lease.lane, slot.route, exclude=slot.tried, max_rate=slot.max_rate)
+        lane = slot.taken.lease.lane
+        nxt = self.book.take(lane, slot.route, exclude=slot.tried, max_rate=slot.max_rate, counted=False)
         self.book.give_back(slot.taken)
         if nxt is None:
             del self._slots[job_id]

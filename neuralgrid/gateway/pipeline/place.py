@@ -127,11 +127,12 @@ class Placement:
         speeds = dict(zip([match.node_id, *match.fallback_ids], match.tokens_per_s, strict=False))
         return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
 
-    async def _lease(self, admitted: Admitted, route: str | None) -> Dispatched | None:
-        """A slot this gateway leases, with no round trip (leased.py); None: ask SQL."""
+    async def _lease(self, admitted: Admitted, route: str | None, queued: bool = False) -> Dispatched | None:
+        """A slot this gateway leases, with no round trip (leased.py); None: ask SQL. `queued`: the
+        request waits in line, where it is counted as the lane's demand already."""
         if self.leased is None or (lane := self.leased.lane(admitted)) is None:
             return None
-        return await self.leased.dispatch(admitted, lane, route)
+        return await self.leased.dispatch(admitted, lane, route, queued)
 
     async def _at_share(self, admitted: Admitted) -> bool:
         """Holding its share of the lane: the request waits for one of this gateway's leased slots."""
@@ -158,13 +159,18 @@ class Placement:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
 
         async def ask() -> q.Match | Dispatched | None:
-            dispatched = await self._lease(admitted, route)
+            dispatched = await self._lease(admitted, route, queued=True)
             if dispatched is not None or await self._at_share(admitted):
                 return dispatched
             match = await self._match(params)
             return None if match.busy else match
 
-        waiting = self.leased.waiting(admitted) if self.leased is not None else contextlib.nullcontext()
+        # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
+        # here is short): counted, it would grow this gateway's leases by slots it cannot use.
+        counted = self.leased is not None and await self.leased.covered(admitted)
+        waiting = (
+            self.leased.waiting(admitted) if self.leased is not None and counted else contextlib.nullcontext()
+        )
         try:
             with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
                 match: q.Match | Dispatched | None = await self.room.wait(
