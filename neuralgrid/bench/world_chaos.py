@@ -214,7 +214,6 @@ def _checks(
     served = sum(tally.in_window.values())
     in_window = [by for at, by in slots.held if tally.window[0] <= at < tally.window[1]]
     shares: dict[str, dict[str, Any]] = {}
-    worst = 0.0
     for g, n in zip(gws, main, strict=True):
         fair = n / sum(main)
         got = tally.in_window.get(g.name, 0) / served if served else 0.0
@@ -235,8 +234,7 @@ def _checks(
                 )
             },
         }
-        if round(fair, 3):
-            worst = max(worst, abs(round(got, 3) / round(fair, 3) - 1))
+    worst = max((abs(s["share"] / s["fair"] - 1) for s in shares.values() if s["fair"]), default=1.0)
     return [
         check(
             "no node past its slots",

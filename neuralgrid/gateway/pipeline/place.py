@@ -168,9 +168,7 @@ class Placement:
         # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
         # here is short): counted, it would grow this gateway's leases by slots it cannot use.
         counted = self.leased is not None and await self.leased.covered(admitted)
-        waiting = (
-            self.leased.waiting(admitted) if self.leased is not None and counted else contextlib.nullcontext()
-        )
+        waiting = self.leased.waiting(admitted) if counted and self.leased else contextlib.nullcontext()
         try:
             with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
                 match: q.Match | Dispatched | None = await self.room.wait(
