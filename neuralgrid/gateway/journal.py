@@ -287,7 +287,7 @@ class Journal:
             self._wake.clear()
             if not any(r.now for r in self._records.values()):
                 await asyncio.sleep(GATHER_S)  # what comes meanwhile joins the batch
-            await self.flush(whole=False)
+            await self.flush(whole=False, until=stop)
             if self.spool is not None and loop.time() - scanned >= ORPHANS_EVERY_S:
                 scanned = loop.time()
                 with contextlib.suppress(psycopg.Error, DatabaseError, OSError):  # tried again next time
@@ -305,10 +305,10 @@ class Journal:
             whole or record.now or record.end is not None or now - record.queued_at >= START_AFTER_S
         )
 
-    async def flush(self, whole: bool = True) -> None:
-        """Write the queued records, a batch at a time, retrying while the database is away; all of
-        them (`whole`), or those due: ends, starts of jobs that ran START_AFTER_S, and any SQL is to
-        act on."""
+    async def flush(self, whole: bool = True, until: asyncio.Event | None = None) -> None:
+        """Write the queued records, a batch at a time, retrying while the database is away (until
+        `until` is set: shutdown's drain then bounds the last tries); all of them (`whole`), or those
+        due: ends, starts of jobs that ran START_AFTER_S, and any SQL is to act on."""
         while batch := [r for r in self._records.values() if self._ready(r, whole, time.monotonic())][:BATCH]:
             tries = 0
             while True:
@@ -321,7 +321,13 @@ class Journal:
                     if tries == 1:
                         log.warning("could not write %d job records (%s): retrying", len(batch), err)
                     tries += 1
-                    await asyncio.sleep(pause)
+                    if until is None:
+                        await asyncio.sleep(pause)
+                        continue
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(until.wait(), pause)
+                    if until.is_set():
+                        return
                 except (psycopg.Error, DatabaseError):
                     if len(batch) == 1:
                         log.error("job record %s refused; dropped", batch[0].id, exc_info=True)

@@ -46,6 +46,7 @@ WATCH_REFRESH_S = 30.0  # also how often client overflow rows are pruned
 # After (re)connecting to the feed, client events go to every instance until the others have
 # answered our hello with the rooms they hold (they answer within milliseconds).
 PEER_ANSWER_S = 1.0
+BYE_S = 1.0  # on shutdown, how long telling the other gateways this one leaves may take
 ROOMS_PER_NOTIFY_CHARS = 6000  # a `rooms` announcement stays a plain NOTIFY, never an overflow row
 # realtime.feed_notify() parks payloads of 7,900 bytes and more (as jsonb prints them, which is not
 # quite as json.dumps does) in realtime.feed_overflow and keeps them an hour; client events matter
@@ -395,9 +396,13 @@ class Hub:
             await self._listen(stop)
         finally:
             keeper.cancel()
-            with contextlib.suppress(psycopg.Error):
-                await self._notify({"k": "bye"})  # the others stop sending us this instance's rooms
-                await sql.run(self.pool, sql.UNWATCH_ALL, (self.instance,))
+            # Bounded: with the database away, the pool would wait its whole timeout for a connection.
+            with contextlib.suppress(psycopg.Error, TimeoutError):
+                await asyncio.wait_for(self._goodbye(), BYE_S)
+
+    async def _goodbye(self) -> None:
+        await self._notify({"k": "bye"})  # the others stop sending us this instance's rooms
+        await sql.run(self.pool, sql.UNWATCH_ALL, (self.instance,))
 
     async def _listen(self, stop: asyncio.Event) -> None:
         attempt = 0

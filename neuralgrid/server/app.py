@@ -79,6 +79,8 @@ from neuralgrid.web.stats import StatsCache
 
 log = logging.getLogger(__name__)
 
+STOP_S = 2.0  # on shutdown, how long the background loops have to end once told to
+
 
 class Timing:
     """Pure ASGI middleware: stamps arrival time (for the overhead header) and counts responses by
@@ -251,10 +253,15 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             yield
         finally:
             stop.set()
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_S)
+            for task in stuck:  # a loop that does not heed `stop` must not keep the gateway up
+                log.warning("%s still ran %.0f s into shutdown; cancelled", task.get_coro(), STOP_S)
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await pipeline.drain()
-            if leased is not None:  # what is still unwritten stays in the spool for the next gateway
-                await leased.drain()
+            # Side by side: a leased job's ending waits for the journal's write, so the pipeline's
+            # drain would wait its whole bound for the journal's drain if that came after it.
+            # What is still unwritten then stays in the spool for the next gateway.
+            await asyncio.gather(pipeline.drain(), *([leased.drain()] if leased is not None else []))
             limiter.close()
             await nodes.close()
             await peers.close()

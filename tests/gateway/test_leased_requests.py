@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,11 @@ import httpx
 import psycopg
 import pytest
 
-from neuralgrid.server.app import create_app
+from neuralgrid.gateway.pipeline.leased import DRAIN_S
+from neuralgrid.server.app import STOP_S, create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
-from tests.conftest import LLAMA8, wait_for
+from tests.conftest import LLAMA8, free_port, wait_for
 from tests.slots import JOB_SLOTS, metric, written_behind
 
 PLAIN = {"model": LLAMA8, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -209,6 +213,51 @@ def test_a_dead_gateways_spool_is_written_by_the_next(
         wait_for(lambda: not list(folder.glob(f"{dead}.*")), timeout=5)
     assert row == ("succeeded", 7, dead)
     assert conn.execute("select count(*) from jobs where id = %s", (gone["id"],)).fetchone() == (0,)
+
+
+def test_a_gateway_cut_off_from_its_database_still_stops_and_spools_what_it_could_not_write(
+    conn: psycopg.Connection, fake_nodes: Any, pg_server: Any, db_url: str, spool: Path, api_key: str
+) -> None:
+    """Found by `bench world`: a gateway whose database went away (its link cut) served on from its
+    leases, as it should, but on SIGTERM did not stop: its Realtime feed and its journal's writer
+    retried for as long as the database stayed away, and shutdown waited for them (the bench killed
+    it 30 s later). It stops within seconds, and what it could not write waits in the spool for the
+    next gateway on that database."""
+    fake_nodes("leased-cut-off")
+    port = free_port()
+    database = db_url.split("?")[0].rsplit("/", 1)[1]
+    far = pg_server.tcp_url(database).replace(f":{pg_server.port}/", f":{port}/")
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    with link_to_postgres(port, pg_server.port) as link:
+        gateway = ThreadedServer(create_app(settings, far, sweep=False)).start()
+        try:
+            assert ask(gateway.url, api_key).status_code == 200
+            wait_for(lambda: leases_held(conn) > 0, timeout=5)
+            link.kill()
+            served = ask(gateway.url, api_key)  # from the lease: its record cannot be written
+            assert served.status_code == 200, served.text
+            job = served.headers["x-neuralgrid-job"]
+        finally:
+            stopped = time.monotonic()
+            gateway.stop()
+        assert not gateway.thread.is_alive(), "the gateway did not stop within 10 s of being told to"
+        assert time.monotonic() - stopped < DRAIN_S + STOP_S + 2
+    assert conn.execute("select count(*) from jobs where id = %s", (job,)).fetchone() == (0,)
+    with link_to_postgres(port, pg_server.port), ThreadedServer(create_app(settings, far, sweep=False)):
+        wait_for(lambda: conn.execute("select 1 from jobs where id = %s", (job,)).fetchone(), timeout=10)
+    assert conn.execute("select status from jobs where id = %s", (job,)).fetchone() == ("succeeded",)
+
+
+@contextmanager
+def link_to_postgres(port: int, postgres_port: int) -> Iterator[subprocess.Popen[str]]:
+    """A link from `port` to Postgres (`bench world`'s delay proxy, with no delay) in its own process."""
+    args = [sys.executable, "-m", "neuralgrid.bench.delay", f"--link={port}:127.0.0.1:{postgres_port}:0"]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, text=True) as link:
+        try:
+            assert link.stdout is not None and link.stdout.readline().strip() == "ready"
+            yield link
+        finally:
+            link.kill()
 
 
 def _callers(
