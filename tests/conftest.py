@@ -94,6 +94,16 @@ def conn(db_url: str) -> Iterator[psycopg.Connection]:
         yield c
 
 
+@pytest.fixture
+def small_ledger(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The benchmarks' ledger history (finished jobs written before the first request) at 1,000, not
+    50,000: a test checks what a bench does, not its figures; the bench runs in the test's process."""
+    import neuralgrid.bench
+
+    monkeypatch.setattr(neuralgrid.bench, "LEDGER_HISTORY", 1_000)
+    return 1_000
+
+
 # Factories: plain functions, so a test says exactly what it needs.
 
 

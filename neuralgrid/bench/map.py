@@ -61,6 +61,14 @@ SETTLE_S = 11.0  # the feed counts the fleet for 10 s after a change
 WARM_LOADS = 2  # page loads at each size before those measured (the gateway's plans and caches)
 
 
+@dataclass(frozen=True)
+class Rest:
+    """The fleet at rest, watched and not: the base its live figures are measured against."""
+
+    quiet_s: float = QUIET_S
+    settle_s: float = SETTLE_S  # less: the quiet figures count the last changes' summaries too
+
+
 class BenchMapError(RuntimeError):
     """The benchmark cannot run here (no Chromium), or the page did not draw the fleet."""
 
@@ -207,13 +215,13 @@ def _is_summary(frame: str) -> bool:
 
 
 def watch_live(
-    browser: Any, url: str, db_url: str, rate: int, seconds: float, meter: CpuMeter
+    browser: Any, url: str, db_url: str, rate: int, seconds: float, meter: CpuMeter, rest: Rest
 ) -> dict[str, Any]:
     """The page open and live while `rate` node statuses a second change for `seconds`: what its
     Realtime socket received, what it asked, and the CPU of Postgres and the gateway, a second."""
     # Nothing changing and nobody watching: the gateway's own upkeep (its sweep over the fleet), the base.
     base, base_at = meter.read(), time.monotonic()
-    time.sleep(QUIET_S)
+    time.sleep(rest.quiet_s)
     base_s = time.monotonic() - base_at
     unwatched = {name: cpu - base[name] for name, cpu in meter.read().items()}
     context = browser.new_context(viewport={"width": 1280, "height": 860})
@@ -242,10 +250,10 @@ def watch_live(
             if time.monotonic() > deadline:
                 raise BenchMapError("the map did not go live within 30 s")
             time.sleep(0.1)
-        time.sleep(SETTLE_S)  # the fleet at rest as the feed sees it: no change in the last 10 s
+        time.sleep(rest.settle_s)  # the fleet at rest as the feed sees it: no change in the last 10 s
         # Nothing changing, the viewer watching: what its feed costs besides the base.
         quiet, quiet_at = meter.read(), time.monotonic()
-        page.wait_for_timeout(QUIET_S * 1000)
+        page.wait_for_timeout(rest.quiet_s * 1000)
         quiet_s = time.monotonic() - quiet_at
         idle = {name: cpu - quiet[name] for name, cpu in meter.read().items()}
         spawn = multiprocessing.get_context("spawn")
@@ -299,6 +307,7 @@ def run(
     rate: int,
     seconds: float,
     progress: Callable[[str], None] = lambda _: None,
+    rest: Rest = Rest(),
 ) -> list[dict[str, Any]]:
     from playwright.sync_api import sync_playwright
 
@@ -332,7 +341,7 @@ def run(
                     progress(f"{size:,} nodes: {rounds} page loads")
                     loads = [load_page(browser, url) for _ in range(rounds)]
                     progress(f"{size:,} nodes: the page live while {rate} statuses a second change")
-                    live = watch_live(browser, url, db_url, rate, seconds, meter)
+                    live = watch_live(browser, url, db_url, rate, seconds, meter, rest)
                     results.append({"nodes": size, **median_load(loads), "live": live})
             finally:
                 browser.close()

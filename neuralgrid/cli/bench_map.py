@@ -28,6 +28,14 @@ def bench_map(
         int, typer.Option(help="Node status changes a second while the page is live.", min=1)
     ] = 100,
     seconds: Annotated[float, typer.Option(help="Seconds of changes per size.", min=1)] = 10.0,
+    quiet: Annotated[
+        float,
+        typer.Option(
+            help="Seconds the fleet is measured at rest, watched and not, before the changes; the"
+            " settling before it scales with it (11 s at 5: the feed's 10-s window and a second).",
+            min=0.5,
+        ),
+    ] = 5.0,
     out_file: OutFile = Path("bench-results/map.json"),
 ) -> None:
     """The map's first paint (paint timing, and its own map-ready mark: the fleet drawn), JS heap, DOM
@@ -38,7 +46,13 @@ def bench_map(
 
     try:
         results = bench.run(
-            database_url(ctx), integers(sizes, "--sizes"), rounds, rate, seconds, progress=progress
+            database_url(ctx),
+            integers(sizes, "--sizes"),
+            rounds,
+            rate,
+            seconds,
+            progress=progress,
+            rest=bench.Rest(quiet, bench.SETTLE_S * quiet / bench.QUIET_S),
         )
     except bench.BenchMapError as err:
         raise fail(str(err)) from err

@@ -15,7 +15,7 @@ from neuralgrid.cli import app
 
 def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_path: Path) -> None:
     out_file = tmp_path / "heartbeats.json"
-    args = ["--nodes", "40", "--fleet", "120", "--seconds", "2", "--interval", "1", "--out", str(out_file)]
+    args = ["--nodes", "40", "--fleet", "120", "--seconds", "1", "--interval", "0.5", "--out", str(out_file)]
     result = CliRunner().invoke(
         app, ["bench", "heartbeats", *args], env={"DATABASE_URL": db_url, "COLUMNS": "200"}
     )

@@ -17,7 +17,20 @@ def test_bench_map_measures_the_page_at_each_size(db_url: str, tmp_path: Path) -
     if shutil.which("chromium") is None:
         pytest.skip("Debian's chromium is not installed (./dev test installs it with apt)")
     out_file = tmp_path / "map.json"
-    args = ["bench", "map", "--sizes", "100,1000", "--rounds", "2", "--rate", "20", "--seconds", "3"]
+    args = [
+        "bench",
+        "map",
+        "--sizes",
+        "100,1000",
+        "--rounds",
+        "2",
+        "--rate",
+        "20",
+        "--seconds",
+        "3",
+        "--quiet",
+        "1",
+    ]
     result = CliRunner().invoke(
         app, [*args, "--out", str(out_file)], env={"DATABASE_URL": db_url, "COLUMNS": "200"}
     )

@@ -21,6 +21,7 @@ def ratio(ours: float, theirs: float) -> float | None:
     return round(ours / theirs, 3) if theirs > 0 else None
 
 
+@pytest.mark.usefixtures("small_ledger")
 def test_bench_gateway_runs_smg_beside_the_gateway_and_the_relay(db_url: str, tmp_path: Path) -> None:
     """A handful of requests through smg, the bare relay and the gateway: smg's latency added to the
     direct path, requests/s and CPU per request, and the ratios of ours to it, in the table and the JSON
@@ -59,6 +60,7 @@ def test_bench_gateway_runs_smg_beside_the_gateway_and_the_relay(db_url: str, tm
         assert r["gateway_over_smg_cpu"] == cpu
 
 
+@pytest.mark.usefixtures("small_ledger")
 def test_bench_gateway_without_smg_says_so_and_runs_the_rest(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,6 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from neuralgrid.bench import LEDGER_HISTORY
 from neuralgrid.cli import app
 from neuralgrid.db.embedded import EmbeddedPostgres
 from neuralgrid.dev.demo import DEMO_FLEET
@@ -323,7 +322,7 @@ def test_bench_sse_prints_and_writes_the_readers_cost_by_shape(db_url: str, tmp_
 
 
 def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
-    db_url: str, tmp_path: Path
+    db_url: str, tmp_path: Path, small_ledger: int
 ) -> None:
     """A small run of `neuralgrid bench gateway`: a fake node, the relay (alone and holding a slot in
     Postgres), a gateway, a second one with leases off, and a node agent, each a process, at the
@@ -350,7 +349,7 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         # 5 callers: two nodes of the default 4 slots, never one raised to take them all
         assert r["gateway"]["slots"] == r["gateway_placed"]["slots"] == r["gateway_agent"]["slots"] == 8
         # a deployment in service: a ledger of finished jobs, analyzed, before the first request
-        assert r["gateway"]["ledger_jobs"] == r["gateway_agent"]["ledger_jobs"] == LEDGER_HISTORY
+        assert r["gateway"]["ledger_jobs"] == r["gateway_agent"]["ledger_jobs"] == small_ledger
         for target in ("relay_sql", "gateway", "gateway_placed", "gateway_agent"):
             assert r[target]["gateway_cpu_ms_per_request"] > 0
             assert r[target]["postgres_cpu_ms_per_request"] > 0
@@ -406,6 +405,7 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
             assert ("data: [DONE]" in resp.text) == stream
 
 
+@pytest.mark.usefixtures("small_ledger")
 def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, tmp_path: Path) -> None:
     """A small run of `neuralgrid bench sql`: jobs placed and ended, and jobs recorded as a leased
     gateway writes them (start, then end), in groups on a scratch database, and on a second one with
@@ -476,6 +476,7 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
     assert code == 1 and "--paths" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.usefixtures("small_ledger")
 def test_bench_capacity_reports_refusals_queue_wait_and_cpu(db_url: str, tmp_path: Path) -> None:
     """A small run of `neuralgrid bench capacity`: two default nodes (8 slots), 16 callers wait their turn."""
     out_file = tmp_path / "capacity.json"
