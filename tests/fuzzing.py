@@ -9,7 +9,8 @@ from typing import cast
 
 from hypothesis import HealthCheck, Phase, settings
 
-EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "100"))
+# Examples per test: 60 in the suite (its time is a limit: tests/conftest.py); a deep run sets more.
+EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "60"))
 # For fuzzing a live server (the tunnel, Realtime): every example costs real requests, so no
 # explain phase (a failure already says what was sent, with note(), and what the server logged).
 LIVE_SERVER = settings(

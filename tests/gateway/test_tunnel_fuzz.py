@@ -16,7 +16,7 @@ text that is no JSON, binary frames, and frames before any request. For every ex
 
 What the frames should make is worked out with the protocol's own parser (agent_frame), frame by
 frame, as the gateway reads them. A server exception fails an example as `Server<ExceptionName>`, so
-Hypothesis reports each kind apart. NEURALGRID_FUZZ_EXAMPLES sets the examples per test (default 100).
+Hypothesis reports each kind apart. NEURALGRID_FUZZ_EXAMPLES sets the examples per test (default 60).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Some tests check more: a broadcast comes back as sent; the size limits count the
 handshake is refused with a 403, not a 500; a token signed with garbage claims is refused.
 
 A server exception fails the example as `Server<ExceptionName>`, so Hypothesis reports distinct bugs
-apart. NEURALGRID_FUZZ_EXAMPLES sets the examples per test (default 100).
+apart. NEURALGRID_FUZZ_EXAMPLES sets the examples per test (default 60).
 """
 
 from __future__ import annotations
