@@ -323,11 +323,11 @@ class Journal:
                     tries += 1
                     if until is None:
                         await asyncio.sleep(pause)
-                        continue
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(until.wait(), pause)
-                    if until.is_set():
-                        return
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(until.wait(), pause)
+                        if until.is_set():
+                            return
                 except (psycopg.Error, DatabaseError):
                     if len(batch) == 1:
                         log.error("job record %s refused; dropped", batch[0].id, exc_info=True)

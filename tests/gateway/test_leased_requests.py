@@ -225,8 +225,7 @@ def test_a_gateway_cut_off_from_its_database_still_stops_and_spools_what_it_coul
     next gateway on that database."""
     fake_nodes("leased-cut-off")
     port = free_port()
-    database = db_url.split("?")[0].rsplit("/", 1)[1]
-    far = pg_server.tcp_url(database).replace(f":{pg_server.port}/", f":{port}/")
+    far = psycopg.conninfo.make_conninfo(db_url, host="127.0.0.1", port=port)  # through the link
     settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
     with link_to_postgres(port, pg_server.port) as link:
         gateway = ThreadedServer(create_app(settings, far, sweep=False)).start()
