@@ -261,6 +261,10 @@ class LeaseBook:
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
 
+    def leases(self, lane: Lane) -> bool:
+        """Whether this gateway holds a slot of the lane (not only its fallbacks, which have none)."""
+        return self.holds(lane) and any(lease.slots > 0 for lease in self._ranked[lane])
+
     def at_share(self, lane: Lane) -> bool:
         """The lane is scarce (SQL gave this gateway less than it wanted, its spare aside) and this
         gateway holds its share, or more (the rest drains): its requests wait for its own slots
@@ -288,6 +292,7 @@ class Renewals:
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._lanes: set[Lane] = set()  # those the renewal under way asks for
         self._answered: dict[Lane, float] = {}  # when a renewal that asked for each came back
+        self._empty: set[Lane] = set()  # lanes the last renewal that asked for them gave no slot
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
 
     async def renew(self) -> None:
@@ -307,7 +312,10 @@ class Renewals:
     def soon(self, lane: Lane) -> None:
         """A renewal that asks for `lane`, behind the request that wanted it (SQL places that one):
         none when one under way asks for it already, or one that did came back within
-        RENEW_EVERY_S (a lane SQL gave nothing is placed in SQL until the periodic renewal)."""
+        RENEW_EVERY_S. Except once, after a renewal that gave the lane no slot: a renewal skips the
+        rows other transactions hold (a job's end being written, a placement) rather than wait, and
+        SQL placing the request says a slot was there. Given nothing twice in a row, the lane is
+        placed in SQL until the periodic renewal."""
         if self.book.clock() - self._answered.get(lane, float("-inf")) < RENEW_EVERY_S:
             return
         if self._under_way is not None and lane in self._lanes:
@@ -329,8 +337,15 @@ class Renewals:
                 for job_id in row.absorbed:
                     self.absorbed(job_id, lease)
         now = self.book.clock()
-        for lane in lanes:
-            self._answered[Lane(str(lane["model"]), str(lane["policy"]), str(lane["region"] or ""))] = now
+        given = {lease.lane for row in rows if row.slots > 0 and (lease := Lease.of(row)) is not None}
+        for asked in lanes:
+            lane = Lane(str(asked["model"]), str(asked["policy"]), str(asked["region"] or ""))
+            if lane in given or lane in self._empty:
+                self._answered[lane] = now
+                self._empty.discard(lane)
+            else:  # given nothing: the next request SQL places asks once more (soon())
+                self._answered.pop(lane, None)
+                self._empty.add(lane)
         if sent > self._applied:  # a later renewal's answer is never undone by an earlier one's
             self._applied = sent
             self.book.renewed(rows, sent_at, self.book.lease_s)

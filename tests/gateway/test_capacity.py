@@ -14,6 +14,7 @@ import httpx
 import psycopg
 import pytest
 
+from neuralgrid.gateway import leases
 from tests.conftest import LLAMA8, stream_chat
 from tests.slots import JOB_SLOTS, written_behind
 
@@ -78,6 +79,42 @@ def test_with_leases_the_next_request_takes_the_slot_in_the_lease(
     assert waited[1] < 250, waited  # at most the renewal under way (the periodic one: 500 ms)
     written_behind(gateway)
     assert _inflight(conn) == 0
+
+
+def test_a_lane_whose_first_renewal_leased_nothing_is_leased_by_the_next(
+    conn: psycopg.Connection,
+    db_url: str,
+    fake_nodes: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    api_key: str,
+) -> None:
+    """A cold lane's renewal can lease nothing: it skips the rows another transaction holds (a job's
+    end being written, a placement), never waiting for them. The next request is then placed in
+    SQL, and that placement asks for the lane again: the renewal it starts leases the slot, and the
+    caller's requests after it wait for nothing. Before, the lane stayed in SQL until the periodic
+    renewal, each request waiting for the end of the one before it to be written."""
+    node = fake_nodes(max_concurrency=1)
+    send = leases.Renewals._send
+    held: list[bool] = []
+
+    async def send_while_held(self: leases.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
+        if not lanes or held:
+            return await send(self, lanes, *args)
+        held.append(True)  # the lane's first renewal: its node's and jobs' rows locked elsewhere
+        async with await psycopg.AsyncConnection.connect(db_url) as other:
+            await other.execute("select from nodes where id = %s for no key update", (node.node_id,))
+            await other.execute("select from jobs for no key update")
+            await other.execute("select from job_attempts for no key update")
+            await send(self, lanes, *args)
+
+    monkeypatch.setattr(leases.Renewals, "_send", send_while_held)
+    gateway: str = request.getfixturevalue("gateway")
+    with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
+        answers = [http.post("/v1/chat/completions", json=BODY) for _ in range(10)]
+    assert [r.status_code for r in answers] == [200] * 10
+    waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
+    assert held and waited[3:] == [0.0] * 7, waited
 
 
 @pytest.mark.parametrize("callers", [4, 8])
