@@ -15,6 +15,7 @@ the standard library, numpy and llama_cpp (when a Reference is made).
 
 from __future__ import annotations
 
+import codecs
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -114,6 +115,8 @@ class Reference:
         answer = self.tokenize_answer(answer_text)
         self._evaluate(prompt, answer)
         answer = self._align(prompt, answer, answer_text.encode(), stopped)
+        if not stopped:
+            answer = self._held_back(prompt, answer)
         return self._scored(prompt, answer, stopped, started)
 
     def score_ids(self, prompt_text: str, answer_ids: Sequence[int], stopped: bool) -> Scored:
@@ -176,6 +179,22 @@ class Reference:
             i += 1
         return answer
 
+    def _held_back(self, prompt: list[int], answer: list[int]) -> list[int]:
+        """The answer with its last token taken as the reference's own choice where that choice
+        spells the last token's text and then only the start of a character.
+
+        An answer cut by max_tokens can end on a token that spells a character's first bytes (" " and
+        the first byte of "¥", say): the server holds those bytes back, since they are no text yet,
+        and sends the rest (" "). Tokenized back, the text ends on a token the node did not emit.
+        Only bytes that cannot be text are filled in, so a wrong answer stays wrong."""
+        if not answer:
+            return answer
+        best = int(np.argmax(self._llm.scores[len(prompt) + len(answer) - 2]))
+        sent, spelled = self._piece(answer[-1]), self._piece(best)
+        if best != answer[-1] and spelled.startswith(sent) and _a_character_begun(spelled[len(sent) :]):
+            return [*answer[:-1], best]
+        return answer
+
     def _evaluate_from(self, position: int, tokens: list[int]) -> None:
         self._llm.n_tokens = position  # what comes before stays evaluated; the rest is forgotten
         self._llm.eval(tokens)
@@ -211,3 +230,12 @@ class Reference:
             answer_tokens=len(answer),
             cpu_s=time.process_time() - started,
         )
+
+
+def _a_character_begun(data: bytes) -> bool:
+    """Whether the bytes are the start of one UTF-8 character and no more (not yet text)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        return bool(data) and decoder.decode(data, final=False) == ""
+    except UnicodeDecodeError:
+        return False

@@ -51,6 +51,13 @@ TWO_NEWLINES_AT_THE_CUT = [
     {"role": "user", "content": "Write a short email to Aiko Kim confirming that order #705043 has shipped."},
 ]
 
+# A prompt whose greedy answer, cut at 27 tokens, ends in the first byte of "¥" (after "Rupee:", the
+# model's last token is a space and that byte): llama-server sends the space alone (measured on this build).
+CUT_INSIDE_A_CHARACTER = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "List currency symbols: euro, pound, yen, rupee."},
+]
+
 
 def referee_python() -> Path:
     return built() / "venv" / "bin" / "python"
@@ -188,6 +195,23 @@ def test_an_answer_cut_between_two_newlines_scores_as_the_server_emitted_it(
         pytest.skip(f"SmolLM2 answered otherwise on this CPU: {choice['message']['content']!r}")
     scored = score(referee, TWO_NEWLINES_AT_THE_CUT, choice["message"]["content"], "length")
     assert scored["answer_tokens"] == len(ids) == answer["usage"]["completion_tokens"]
+    assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
+
+
+def test_an_answer_cut_inside_a_character_scores_as_the_server_emitted_it(
+    llama_server: RealServer, referee: str
+) -> None:
+    """max_tokens cut the answer after a token that spells a space and the first byte of a character:
+    the server holds that byte back (it is no text yet) and sends the space. Tokenized back, the
+    text ends in a lone space, which the model ranked far below the token it did emit. The reference
+    takes its own greedy token where it spells the text's end and then only part of a character."""
+    answer = greedy(llama_server, CUT_INSIDE_A_CHARACTER, max_tokens=27)
+    choice = answer["choices"][0]
+    text = choice["message"]["content"]
+    if not (choice["finish_reason"] == "length" and text.endswith("Rupee: ")):
+        pytest.skip(f"SmolLM2 answered otherwise on this CPU: {text!r}")
+    scored = score(referee, CUT_INSIDE_A_CHARACTER, text, "length")
+    assert scored["answer_tokens"] == answer["usage"]["completion_tokens"]
     assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
 
 
