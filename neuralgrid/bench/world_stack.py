@@ -84,12 +84,14 @@ class Processes:
 
     def __init__(self) -> None:
         self._procs: dict[str, _Proc] = {}
+        self._waves: list[list[str]] = []  # the names of each start(), in order
 
     def add(self, name: str, args: list[str], env: Mapping[str, str], ready: str) -> None:
         self._procs[name] = _Proc(list(args), dict(env), ready)
 
     def start(self, *names: str) -> None:
         """Starts them together, and returns once every one is ready (or raises with its log)."""
+        self._waves.append(list(names))
         for name in names:
             p = self._procs[name]
             if p.log is not None:  # started before: its last log goes
@@ -136,21 +138,30 @@ class Processes:
         proc.wait(timeout=30)
 
     def stop(self) -> None:
-        running = [p for p in self._procs.values() if p.proc is not None and p.proc.poll() is None]
-        for p in running:
-            assert p.proc is not None
-            p.proc.terminate()
-        for p in self._procs.values():
-            if p.proc is not None:
-                try:
-                    p.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.proc.kill()
-                    p.proc.wait(timeout=30)
-                if p.proc.stdout is not None:
-                    p.proc.stdout.close()
-            if p.log is not None:
-                p.log.close()
+        """Stops them a start() at a time, the last started first: a gateway stops while the proxy
+        to its database still carries its goodbye (cut off, it would wait out its bounds)."""
+        stopped: set[str] = set()
+        for wave in [*reversed(self._waves), list(self._procs)]:
+            procs = [self._procs[name] for name in wave if name not in stopped]
+            stopped.update(wave)
+            for p in procs:
+                if p.proc is not None and p.proc.poll() is None:
+                    p.proc.terminate()
+            for p in procs:
+                self._reap(p)
+
+    @staticmethod
+    def _reap(p: _Proc) -> None:
+        if p.proc is not None:
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=30)
+            if p.proc.stdout is not None:
+                p.proc.stdout.close()
+        if p.log is not None:
+            p.log.close()
 
 
 @contextlib.contextmanager
