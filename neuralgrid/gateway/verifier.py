@@ -248,7 +248,7 @@ class Verifier:
             return None
         if isinstance(answer, Verdict):
             return Outcome(due, job_id, answer, {"long": asked.long})
-        return await self._judge(due, job_id, asked.messages, answer, {"long": asked.long})
+        return await self._judge(due, job_id, asked.messages, answer, {"long": asked.long}, evidence=True)
 
     async def cross_check(self, due: q.DueCrossCheck) -> None:
         """A challenge whose artifact the referee does not hold: the node's answer against its
@@ -340,7 +340,11 @@ class Verifier:
         messages: list[dict[str, str]],
         answered: Answered,
         detail: dict[str, Any],
+        evidence: bool = False,
     ) -> Outcome | None:
+        """The referee's verdict on an answer. `evidence`: a failure keeps the messages, the answer
+        and its gaps (for a challenge, whose prompt is the platform's: never for audited traffic),
+        for the owner to see and anyone to score again."""
         assert self.referee is not None  # only what the referee holds is judged here
         try:
             scores = await self.referee.score(due.sha256, messages, answered.text, answered.finish)
@@ -358,6 +362,9 @@ class Verifier:
             max_tokens=answered.max_tokens,
         )
         detail = {**detail, "prompt_tokens": scores.prompt_tokens, "finish_reason": answered.finish}
+        if evidence and not verdict.passed:
+            gaps = [round(gap, 3) for gap in scores.gaps]
+            detail |= {"messages": messages, "answer": answered.text, "gaps": gaps}
         return Outcome(due, job_id, verdict, detail)
 
     async def _ask(

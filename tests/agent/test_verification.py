@@ -190,6 +190,17 @@ def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(wor
         "not the model's greedy choice" in (reason or "") or "refused" in (reason or "")
         for _, reason in reasons
     )
+    # A failed challenge keeps what it asked, what the node answered and each token's gap, to be
+    # scored again; an audit of a user's request keeps none of the user's text.
+    kept = world.conn.execute(
+        "select c.detail from model_challenges c where not c.passed and c.detail ->> 'finish_reason' is not null"
+    ).fetchall()
+    challenged = [d for (d,) in kept if not d.get("audit")]
+    assert challenged and all(
+        d["messages"][-1]["role"] == "user" and isinstance(d["answer"], str) and max(d["gaps"]) > 1
+        for d in challenged
+    ), challenged
+    assert all("answer" not in d and "messages" not in d for (d,) in kept if d.get("audit"))
 
 
 def test_only_the_verified_node_serves_traffic_and_the_cheats_forfeit_their_held_earnings(
