@@ -256,13 +256,19 @@ def run(
             stop.set()
             earnings = _earnings(conn)
             challenge_tokens = _challenge_tokens(conn)
+            honest_failures = _honest_failures(conn)
         metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
         progress("the honest llama-server's capacity, saturated")
         capacity = _capacity(honest_backend, honest_name)
     cost = _cost(loads, loaded_s, challenge_tokens, capacity)
     for row in results:
         row.update(earnings.get(row["node"], {}))
-    return {"nodes": results, "cost": cost, "referee_cpu_s": _referee_cpu(metrics)}
+    return {
+        "nodes": results,
+        "cost": cost,
+        "referee_cpu_s": _referee_cpu(metrics),
+        "honest_failures": honest_failures,
+    }
 
 
 @contextmanager
@@ -374,6 +380,18 @@ def _watch(
         }
         for name, state, challenges, failures, lo, hi in sorted(rows)
     ]
+
+
+def _honest_failures(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """What each challenge an honest node failed kept as evidence (what was asked, the answer, each
+    token's gap): the cases to score again when honest nodes fail."""
+    honest = [name for name, (_, is_honest) in SERVERS.items() if is_honest]
+    rows = conn.execute(
+        "select n.name, c.detail from public.model_challenges c join public.nodes n on n.id = c.node_id"
+        " where not c.passed and n.name = any(%s) order by c.at",
+        (honest,),
+    ).fetchall()
+    return [{"node": name, **detail} for name, detail in rows]
 
 
 def _earnings(conn: psycopg.Connection[Any]) -> dict[str, dict[str, Any]]:

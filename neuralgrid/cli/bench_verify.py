@@ -77,6 +77,7 @@ def bench_verify(
         cost=cost,
         referee_cpu_s=results["referee_cpu_s"],
         honest_challenges=sum(r["challenges"] for r in results["nodes"] if r["honest"]),
+        honest_failures=results["honest_failures"],  # each with what it asked, the answer, its gaps
         target=TARGET,
     )
     capacity = cost["capacity"]
