@@ -32,6 +32,9 @@ DEFAULT_CTX = 2048
 # At most this many re-splits of an answer's text (see Reference._align): each evaluates the answer's
 # rest again, and an honest answer needs one or two.
 MAX_SPLITS = 8
+# How far down the reference's ranking a token that spells the text may be to split it there: a node
+# took it at a near tie, so it ranks near the top.
+SPELLING_RANKS = 16
 
 
 class ScoreError(ValueError):
@@ -145,39 +148,74 @@ class Reference:
         self._llm.eval(prompt + answer)
 
     def _align(self, prompt: list[int], answer: list[int], text: bytes, stopped: bool) -> list[int]:
-        """The answer's tokens, split again where the reference's own choice spells the text's next bytes.
+        """The answer's tokens, split again where a token the reference ranks higher spells the text's
+        next bytes.
 
         Tokenizing a text gives one of its tokenizations, not always the one the node's model emitted:
         two "\n" tokens come back as one "\n\n", and an answer cut by max_tokens between them scores a
-        gap that no honest node deserves. Where the reference's argmax is a prefix of the text left, the
-        text is split there and the rest tokenized again; the split is kept where it lowers the largest
-        gap from there on (a near-tie the node took the other way is no reason to leave its path). Only
-        tokenizations of the same text are tried, so a wrong answer stays wrong.
+        gap that no honest node deserves; a node that took "iv" at a near tie with "ê" after "arr" wrote
+        "arrivation", which comes back as "arr" "ivation", a token its model ranks far lower; one that
+        wrote "A" "mar" "i" comes back as "Am" "ari". Where a token ranked above the text's own spells
+        the text's next bytes, the text is split after the highest-ranked such token and the rest
+        tokenized again, and so on at the next token while one ranked above spells the text (`_split`);
+        the split is kept where it lowers the largest gap from there on (a near-tie the node took the
+        other way is no reason to leave its path). Only tokenizations of the same text are tried, so a
+        wrong answer stays wrong.
         """
-        n, i, offset, splits = len(prompt), 0, 0, 0
-        while i < len(answer) and splits < MAX_SPLITS:
-            best = int(np.argmax(self._llm.scores[n + i - 1]))
-            piece = self._piece(best)
-            if best != answer[i] and piece and text.startswith(piece, offset):
-                rest = text[offset + len(piece) :]
-                try:
-                    tail = self.tokenize_answer(rest.decode()) if rest else []
-                except UnicodeDecodeError:  # the split falls inside a character: not one to try
-                    tail = None
-                if tail is not None and n + i + 1 + len(tail) <= self.n_ctx:
-                    splits += 1
-                    before = self._largest_gap(prompt, answer, i, stopped)
-                    kept = np.array(self._llm.scores[n + i : n + len(answer)])
-                    split = [*answer[:i], best, *tail]
-                    self._evaluate_from(n + i, split[i:])
-                    if self._largest_gap(prompt, split, i, stopped) < before:
-                        answer = split
-                    else:  # back as it was: the cache evaluated again, the logits as first read
-                        self._evaluate_from(n + i, answer[i:])
-                        self._llm.scores[n + i : n + len(answer)] = kept
+        n, i, offset, tries = len(prompt), 0, 0, 0
+        while i < len(answer) and tries < MAX_SPLITS:
+            if self._best_spelling(self._llm.scores[n + i - 1], answer[i], text, offset) != answer[i]:
+                before = self._largest_gap(prompt, answer, i, stopped)
+                kept = np.array(self._llm.scores[n + i : n + len(answer)])
+                split, tried = self._split(n, answer, i, text, offset, MAX_SPLITS - tries)
+                tries += max(tried, 1)
+                if tried and self._largest_gap(prompt, split, i, stopped) < before:
+                    answer = split
+                elif tried:  # back as it was: the cache evaluated again, the logits as first read
+                    self._evaluate_from(n + i, answer[i:])
+                    self._llm.scores[n + i : n + len(answer)] = kept
             offset += len(self._piece(answer[i]))
             i += 1
         return answer
+
+    def _split(
+        self, n: int, answer: list[int], i: int, text: bytes, offset: int, most: int
+    ) -> tuple[list[int], int]:
+        """The answer split from token i on, at most `most` times, each where a token ranked above the
+        tokenization's own spells the text's next bytes, and evaluated; and how many splits it took."""
+        split, splits = answer, 0
+        while i < len(split) and splits < most:
+            best = self._best_spelling(self._llm.scores[n + i - 1], split[i], text, offset)
+            if best == split[i]:
+                break
+            offset += len(self._piece(best))
+            try:
+                tail = self.tokenize_answer(text[offset:].decode())
+            except UnicodeDecodeError:  # the split falls inside a character: not one to try
+                break
+            if n + i + 1 + len(tail) > self.n_ctx:
+                break
+            split = [*split[:i], best, *tail]
+            self._evaluate_from(n + i, split[i:])
+            splits += 1
+            i += 1
+        return split, splits
+
+    def _best_spelling(self, row: Any, token: int, text: bytes, offset: int) -> int:
+        """Of the tokens the row ranks above `token` (which spells the text's next bytes), the
+        highest-ranked that spells them too, among the top SPELLING_RANKS; else `token`."""
+        best = int(np.argmax(row))
+        if best == token:
+            return token
+        row = np.asarray(row)
+        top = np.argpartition(row, -SPELLING_RANKS)[-SPELLING_RANKS:]
+        for candidate in top[np.argsort(-row[top])]:
+            if row[candidate] <= row[token]:
+                break
+            piece = self._piece(int(candidate))
+            if piece and text.startswith(piece, offset):
+                return int(candidate)
+        return token
 
     def _held_back(self, prompt: list[int], answer: list[int]) -> list[int]:
         """The answer with its last token taken as the reference's own choice where that choice

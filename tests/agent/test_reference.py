@@ -58,6 +58,36 @@ CUT_INSIDE_A_CHARACTER = [
     {"role": "user", "content": "List currency symbols: euro, pound, yen, rupee."},
 ]
 
+# Greedy answers that tokenize back otherwise, each scored 11 to 12 logits off before the reference
+# split them again (measured on this build, from honest challenges that failed):
+# - "l'arr" "iv" "ation": the model nearly chose "ê" over "iv" (0.3 apart in llama-server's logits);
+#   the text comes back as "ivation", which it ranks 11 logits below, and "ê" spells none of the text;
+# - "A" "mar" "i": comes back as "Am" "ari"; split after "A", the rest comes back as "mari", ranked
+#   lower still, so the split must go on to "mar" before it is judged.
+TOKENIZED_BACK_OTHERWISE = [
+    (
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": 'Translate into French: "Your order 393656 will arrive in Lisbon on Friday."',
+            },
+        ],
+        "l'arrivation",
+    ),
+    (
+        [
+            {"role": "system", "content": "You are a concise support agent for an online store."},
+            {
+                "role": "user",
+                "content": "Summarize in one sentence: customer Amira says order 962874, a hiking backpack,"
+                " arrived with a cracked case.",
+            },
+        ],
+        "Amari,",
+    ),
+]
+
 
 def referee_python() -> Path:
     return built() / "venv" / "bin" / "python"
@@ -212,6 +242,24 @@ def test_an_answer_cut_inside_a_character_scores_as_the_server_emitted_it(
         pytest.skip(f"SmolLM2 answered otherwise on this CPU: {text!r}")
     scored = score(referee, CUT_INSIDE_A_CHARACTER, text, "length")
     assert scored["answer_tokens"] == answer["usage"]["completion_tokens"]
+    assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
+
+
+@pytest.mark.parametrize(("messages", "spelled"), TOKENIZED_BACK_OTHERWISE, ids=["a near tie", "two splits"])
+def test_a_greedy_answer_that_tokenizes_back_otherwise_scores_as_the_server_emitted_it(
+    llama_server: RealServer, referee: str, messages: list[dict[str, str]], spelled: str
+) -> None:
+    """The text of a greedy answer tokenizes back as tokens the model ranks far lower than those the
+    node emitted. The reference splits it after the highest-ranked token that spells the text, and
+    on while one ranked above the text's own does, and finds no gap."""
+    answer = greedy(llama_server, messages, max_tokens=64)
+    choice = answer["choices"][0]
+    ids = [token["id"] for token in choice["logprobs"]["content"]]
+    if spelled not in choice["message"]["content"]:
+        pytest.skip(f"SmolLM2 answered otherwise on this CPU: {choice['message']['content']!r}")
+    scored = score(referee, messages, choice["message"]["content"], choice["finish_reason"])
+    assert choice["finish_reason"] == "stop" and ids[-1] == 2  # the end of generation, listed last
+    assert scored["answer_tokens"] == len(ids) - 1
     assert max(scored["gaps"]) < HONEST_GAP, scored["gaps"]
 
 
