@@ -16,8 +16,12 @@ the checks, each passed or failed with its numbers:
 - jobs: none left `running`;
 - slots at rest: every node's inflight back to 0;
 - ledger: every job whose answer a client received (x-neuralgrid-job) is in public.jobs;
-- fairness: in the window before the kill, each gateway's share of the jobs served to the callers
-  with the unlimited key within 10% of its share of those callers.
+- fairness: in the window before the kill, each gateway's share of the answers its callers got
+  within 10% of its share of the demand: the time its callers spent asking (a request sent, its
+  answer or refusal not yet back). A budget caller asks while its key has money; once refused it
+  pauses, and asks for nothing meanwhile. (Before 2026-12-03 the check counted the unlimited key's
+  answers and callers only, while the budget callers' requests waited for slots too: a gateway with
+  few callers, two of them on the budget key, was judged 28% off, and within 3% against all callers.)
 """
 
 from __future__ import annotations
@@ -70,7 +74,11 @@ class Tally:
     """What the callers saw."""
 
     served: dict[str, int] = field(default_factory=dict)  # by gateway, the unlimited key's
-    in_window: dict[str, int] = field(default_factory=dict)  # by gateway, served in the window
+    in_window: dict[str, int] = field(default_factory=dict)  # by gateway, answers (either key) in the window
+    asking_s: dict[str, float] = field(default_factory=dict)  # by gateway, its callers' time asking, in it
+    budget_in_window: dict[str, int] = field(
+        default_factory=dict
+    )  # by gateway, of in_window: the budget key's
     jobs: set[str] = field(default_factory=set)  # every job whose answer a client received
     statuses: dict[int, int] = field(default_factory=dict)  # every answer's status (0: none)
     budget_served: int = 0
@@ -160,12 +168,19 @@ async def _load(
                     break
                 at = (at + 1) % len(gws)
             tally.statuses[answer.status] = tally.statuses.get(answer.status, 0) + 1
+            in_window = at == home and window[0] <= answer.sent < window[1]
+            # The time it asked within the window, answered or not: the fairness check's demand.
+            asked = min(answer.sent + answer.total_s, window[1]) - max(answer.sent, window[0])
+            if at == home and asked > 0:
+                tally.asking_s[gws[at].name] = tally.asking_s.get(gws[at].name, 0.0) + asked
+            if in_window and not counted and answer.status == 200:
+                tally.budget_in_window[gws[at].name] = tally.budget_in_window.get(gws[at].name, 0) + 1
             if answer.status == 200 and answer.job:
                 tally.jobs.add(answer.job)
+                if in_window:
+                    tally.in_window[gws[at].name] = tally.in_window.get(gws[at].name, 0) + 1
                 if counted:
                     tally.served[gws[at].name] = tally.served.get(gws[at].name, 0) + 1
-                    if at == home and window[0] <= answer.sent < window[1]:
-                        tally.in_window[gws[at].name] = tally.in_window.get(gws[at].name, 0) + 1
                 else:
                     tally.budget_served += 1
             elif answer.status != 0:
@@ -212,14 +227,17 @@ def _checks(
     ).fetchone()
     assert running is not None and held is not None and found is not None
     served = sum(tally.in_window.values())
+    asking = sum(tally.asking_s.values())
     in_window = [by for at, by in slots.held if tally.window[0] <= at < tally.window[1]]
     shares: dict[str, dict[str, Any]] = {}
     for g, n in zip(gws, main, strict=True):
-        fair = n / sum(main)
+        fair = tally.asking_s.get(g.name, 0.0) / asking if asking else 0.0
         got = tally.in_window.get(g.name, 0) / served if served else 0.0
         mine = [by.get(g.url, (0,) * 6) for by in in_window]
         shares[g.name] = {
             "callers": n,
+            "asking_s": round(tally.asking_s.get(g.name, 0.0), 2),
+            "budget_served": tally.budget_in_window.get(g.name, 0),
             "served": tally.in_window.get(g.name, 0),
             "share": round(got, 3),
             "fair": round(fair, 3),

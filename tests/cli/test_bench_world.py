@@ -74,4 +74,7 @@ def test_bench_chaos_checks_what_faults_under_load_leave(tmp_path: Path) -> None
     assert checks["every answered job in the ledger"]["answered"] > 0
     shares = checks["demand shares within 10% of fair"]["gateways"]
     assert [s["callers"] for s in shares.values()] == [1, 3]  # 4 unlimited callers, 1:2 rounded
+    # Fair is each gateway's share of the time its callers (either key) spent asking.
+    assert all(s["asking_s"] > 0 for s in shares.values()), shares
+    assert abs(sum(s["fair"] for s in shares.values()) - 1) < 0.01, shares
     assert report["seen"]["statuses"].get("200", 0) > 0
