@@ -18,8 +18,9 @@ the checks, each passed or failed with its numbers:
 - ledger: every job whose answer a client received (x-neuralgrid-job) is in public.jobs;
 - fairness: in the window before the kill, each gateway's share of the answers its callers got
   within 10% of its share of the demand: the time its callers spent asking (a request sent, its
-  answer or refusal not yet back). A budget caller asks while its key has money; once refused it
-  pauses, and asks for nothing meanwhile. (Before 2026-12-03 the check counted the unlimited key's
+  answer, or its refusal for want of a slot, not yet back; a request refused for its key's budget
+  or limits asked for what no slot could give). Answers take the same time at every gateway (the
+  fake nodes' work), so a share of them is a share of the slots' time. (Before 2026-12-03 the check counted the unlimited key's
   answers and callers only, while the budget callers' requests waited for slots too: a gateway with
   few callers, two of them on the budget key, was judged 28% off, and within 3% against all callers.)
 """
@@ -169,9 +170,10 @@ async def _load(
                 at = (at + 1) % len(gws)
             tally.statuses[answer.status] = tally.statuses.get(answer.status, 0) + 1
             in_window = at == home and window[0] <= answer.sent < window[1]
-            # The time it asked within the window, answered or not: the fairness check's demand.
+            # The time it asked within the window, answered or refused for want of a slot (not for
+            # its key's budget or limits: no slot could serve it): the fairness check's demand.
             asked = min(answer.sent + answer.total_s, window[1]) - max(answer.sent, window[0])
-            if at == home and asked > 0:
+            if at == home and asked > 0 and answer.status in (200, 503):
                 tally.asking_s[gws[at].name] = tally.asking_s.get(gws[at].name, 0.0) + asked
             if in_window and not counted and answer.status == 200:
                 tally.budget_in_window[gws[at].name] = tally.budget_in_window.get(gws[at].name, 0) + 1
@@ -230,9 +232,11 @@ def _checks(
     asking = sum(tally.asking_s.values())
     in_window = [by for at, by in slots.held if tally.window[0] <= at < tally.window[1]]
     shares: dict[str, dict[str, Any]] = {}
+    offs: list[tuple[float, float]] = []  # each gateway's share of the answers and its fair share
     for g, n in zip(gws, main, strict=True):
         fair = tally.asking_s.get(g.name, 0.0) / asking if asking else 0.0
         got = tally.in_window.get(g.name, 0) / served if served else 0.0
+        offs.append((got, fair))
         mine = [by.get(g.url, (0,) * 6) for by in in_window]
         shares[g.name] = {
             "callers": n,
@@ -252,7 +256,7 @@ def _checks(
                 )
             },
         }
-    worst = max((abs(s["share"] / s["fair"] - 1) for s in shares.values() if s["fair"]), default=1.0)
+    worst = max((abs(got / fair - 1) for got, fair in offs if fair), default=1.0)
     return [
         check(
             "no node past its slots",

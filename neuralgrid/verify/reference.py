@@ -193,7 +193,9 @@ class Reference:
                 tail = self.tokenize_answer(text[offset:].decode())
             except UnicodeDecodeError:  # the split falls inside a character: not one to try
                 break
-            if n + i + 1 + len(tail) > self.n_ctx:
+            # The same text or nothing: a tokenizer that puts a space before what it is given (a
+            # SentencePiece vocabulary's prefix) would score another text.
+            if n + i + 1 + len(tail) > self.n_ctx or b"".join(map(self._piece, tail)) != text[offset:]:
                 break
             split = [*split[:i], best, *tail]
             self._evaluate_from(n + i, split[i:])
