@@ -18,11 +18,12 @@ the checks, each passed or failed with its numbers:
 - ledger: every job whose answer a client received (x-neuralgrid-job) is in public.jobs;
 - fairness: in the window before the kill, each gateway's share of the answers its callers got
   within 10% of its share of the demand: the time its callers spent asking (a request sent, its
-  answer, or its refusal for want of a slot, not yet back; a request refused for its key's budget
-  or limits asked for what no slot could give). Answers take the same time at every gateway (the
-  fake nodes' work), so a share of them is a share of the slots' time. (Before 2026-12-03 the check counted the unlimited key's
-  answers and callers only, while the budget callers' requests waited for slots too: a gateway with
-  few callers, two of them on the budget key, was judged 28% off, and within 3% against all callers.)
+  answer, or its refusal for want of a slot, not yet back; a request refused for its key's budget or
+  limits asked for what no slot could give). Answers take the same time at every gateway (the fake
+  nodes' work), so a share of them is a share of the slots' time. (Before 2026-12-03 the check
+  counted the unlimited key's answers and callers only, while the budget callers' requests waited
+  for slots too: a gateway with few callers, two of them on the budget key, was judged 28% off, and
+  within 3% against all callers.)
 """
 
 from __future__ import annotations
