@@ -318,7 +318,10 @@ class Journal:
                         await self._write(batch)
                     break
                 except (psycopg.OperationalError, OSError) as err:
-                    pause = RETRY_S[min(tries, len(RETRY_S) - 1)]
+                    # A row another transaction holds (lock_timeout, 55P03) is contention, not an
+                    # outage: tried again soon however often, since a slot's release may wait on it.
+                    contended = isinstance(err, psycopg.errors.LockNotAvailable)
+                    pause = RETRY_S[0] if contended else RETRY_S[min(tries, len(RETRY_S) - 1)]
                     if tries == 1:
                         log.warning("could not write %d job records (%s): retrying", len(batch), err)
                     tries += 1
