@@ -78,9 +78,7 @@ class Tally:
     served: dict[str, int] = field(default_factory=dict)  # by gateway, the unlimited key's
     in_window: dict[str, int] = field(default_factory=dict)  # by gateway, answers (either key) in the window
     asking_s: dict[str, float] = field(default_factory=dict)  # by gateway, its callers' time asking, in it
-    budget_in_window: dict[str, int] = field(
-        default_factory=dict
-    )  # by gateway, of in_window: the budget key's
+    budget_in_window: dict[str, int] = field(default_factory=dict)  # of in_window, the budget key's
     jobs: set[str] = field(default_factory=set)  # every job whose answer a client received
     statuses: dict[int, int] = field(default_factory=dict)  # every answer's status (0: none)
     budget_served: int = 0
