@@ -22,7 +22,6 @@ is measured side by side, with the ratio, before it becomes a migration.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from psycopg.types.json import Jsonb
 
 from neuralgrid.bench import MODEL, CpuMeter, bench_fleet, scratch_database
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.journal import JobRecord
+from neuralgrid.gateway.journal import JobRecord, as_array
 
 SCRATCH_DB = "neuralgrid_bench_sql"
 SLOTS = 64  # 16 default-size nodes: room for the largest group
@@ -137,8 +136,7 @@ class Database:
         return _per_job(start_s, end_s, cpu, done)
 
     def _record(self, records: list[JobRecord]) -> None:
-        batch = json.dumps([record.as_json() for record in records])
-        rows = self.conn.execute(q.RECORD_JOBS.sql, (self.gateway, batch)).fetchall()
+        rows = self.conn.execute(q.RECORD_JOBS.sql, (self.gateway, as_array(records))).fetchall()
         if len(rows) != len(records):
             raise RuntimeError(f"recorded {len(rows)} of {len(records)} jobs: {rows}")
 

@@ -103,6 +103,7 @@ class LeaseBook:
         # In use per (lane, node): kept apart from the leases, since a request goes on on a node
         # that a renewal no longer returns (cooling down, say) and its slot is still reported in use.
         self._in_use: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._held: dict[Lane, int] = defaultdict(int)  # the same, per lane (read each request)
         # This gateway's requests of each lane in flight with no leased slot (SQL placed them, or they
         # wait in line for a slot): demand as much as the leased ones, or a lane's lease would grow
         # by a slot a renewal, and a gateway whose callers wait would want no more than one slot.
@@ -143,6 +144,7 @@ class LeaseBook:
                 continue
             if self._in_use[(lane, lease.node_id)] < lease.slots:
                 self._in_use[(lane, lease.node_id)] += 1
+                self._held[lane] += 1
                 if counted:
                     self._busier(lane)
                 return Taken(lease)
@@ -163,6 +165,7 @@ class LeaseBook:
         """A slot of `lease` that a job SQL placed was already using (renew_leases() moved it into
         the lease): in use here from now on, given back when the job ends."""
         self._in_use[(lease.lane, lease.node_id)] += 1
+        self._held[lease.lane] += 1
         return Taken(lease)
 
     def failed(self, node_id: UUID) -> None:
@@ -174,6 +177,9 @@ class LeaseBook:
         self._in_use[key] -= 1
         if self._in_use[key] <= 0:
             del self._in_use[key]
+        self._held[taken.lease.lane] -= 1
+        if self._held[taken.lease.lane] <= 0:
+            del self._held[taken.lease.lane]
 
     def others(self, lane: Lane, node_id: UUID, max_rate: float | None = None) -> list[UUID]:
         """The lane's other nodes (leased, then the fallbacks), in rank order, within the price cap:
@@ -201,8 +207,7 @@ class LeaseBook:
 
     def _in_flight(self, lane: Lane) -> int:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""
-        leased = sum(n for (held, _), n in self._in_use.items() if held == lane)
-        return leased + self._unleased.get(lane, 0)
+        return self._held.get(lane, 0) + self._unleased.get(lane, 0)
 
     def lanes(self) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from neuralgrid.db.queries import JobOutcome
 from neuralgrid.protocol.sse import Usage
@@ -21,12 +22,15 @@ NODE_STATUSES = ("online", "busy", "draining", "offline")
 # scrape (per-node history of every node is in SQL: nodes.successes, failures, node_status_history).
 MAX_NODE_SERIES = 256
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
 
 class Metrics:
     def __init__(self, max_node_series: int = MAX_NODE_SERIES) -> None:
         self.registry = CollectorRegistry()
         self.max_node_series = max_node_series
         self._named_nodes: set[str] = set()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "neuralgrid_requests_total",
             "Requests by endpoint and status.",
@@ -177,6 +181,16 @@ class Metrics:
             registry=self.registry,
         )
 
+    def child(self, metric: M, *labels: str) -> M:
+        """metric.labels(*labels), looked up once per label set: labels() takes microseconds a call,
+        and a request names up to ten. Every label set is bounded (templated routes, models nodes
+        serve, MAX_NODE_SERIES nodes), and none is ever removed."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def ended(
         self,
         model: str,
@@ -186,14 +200,14 @@ class Metrics:
         timings: tuple[float, float] | None,
     ) -> None:
         """One job's end, for its model: outcome, tokens, cost and (streams) latency per token."""
-        self.jobs.labels(model, outcome).inc()
-        self.tokens.labels(model, "prompt").inc(usage.prompt_tokens)
-        self.tokens.labels(model, "completion").inc(usage.completion_tokens)
+        self.child(self.jobs, model, outcome).inc()
+        self.child(self.tokens, model, "prompt").inc(usage.prompt_tokens)
+        self.child(self.tokens, model, "completion").inc(usage.completion_tokens)
         if cost_usd:
-            self.cost.labels(model).inc(cost_usd)
+            self.child(self.cost, model).inc(cost_usd)
         if timings is not None:
-            self.ttft.labels(model).observe(timings[0])
-            self.tpot.labels(model).observe(timings[1])
+            self.child(self.ttft, model).observe(timings[0])
+            self.child(self.tpot, model).observe(timings[1])
 
     def fleet(self, rows: list[Mapping[str, Any]]) -> None:
         """The fleet gauges from FLEET_GAUGES's rows (one per node status)."""
@@ -213,11 +227,11 @@ class Metrics:
     def count(self, node_id: object, outcome: JobOutcome) -> None:
         """One attempt's outcome, overall and for its node (the first max_node_series nodes by
         name, the others as "other")."""
-        self.attempts.labels(outcome).inc()
+        self.child(self.attempts, outcome).inc()
         node = str(node_id)
         if node not in self._named_nodes:
             if len(self._named_nodes) >= self.max_node_series:
                 node = "other"
             else:
                 self._named_nodes.add(node)
-        self.node_outcomes.labels(node, outcome).inc()
+        self.child(self.node_outcomes, node, outcome).inc()

@@ -31,6 +31,7 @@ SALTS = b"neuralgrid prompt cache salts v1"
 CACHED_KINDS = frozenset({"chat", "completion", "responses"})
 
 SharedCache = Literal["strip", "off"]
+MAX_SALTS = 100_000  # keys' salts kept; past it, made again as their keys come
 
 
 class PromptCaches:
@@ -39,11 +40,17 @@ class PromptCaches:
     def __init__(self, platform_key: bytes, shared: SharedCache = "strip") -> None:
         self.platform_key = platform_key
         self.shared = shared
+        self._salts: dict[UUID, str] = {}  # made once a key: an HMAC a request adds up
 
     def salt(self, key_id: UUID) -> str:
         """The key's salt: 22 URL-safe characters (128 bits), the same at every gateway."""
-        digest = hmac.new(self.platform_key, key_id.bytes, hashlib.sha256).digest()[:16]
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        salt = self._salts.get(key_id)
+        if salt is None:
+            if len(self._salts) >= MAX_SALTS:
+                self._salts.clear()
+            digest = hmac.new(self.platform_key, key_id.bytes, hashlib.sha256).digest()[:16]
+            salt = self._salts[key_id] = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        return salt
 
     def apply(self, kind: str, body: dict[str, Any], key_id: UUID) -> int:
         """Sets the request's cache fields (in place): its key's salt, and with the shared cache off,

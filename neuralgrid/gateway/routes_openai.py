@@ -28,7 +28,7 @@ from neuralgrid.gateway.schema import (
     check_passthrough,
     read_audio_form,
 )
-from neuralgrid.server.deps import ApiKeyDep, ServicesDep
+from neuralgrid.server.deps import ApiKeyDep, ServicesDep, authenticated
 
 _MODEL_ID: TypeAdapter[str] = TypeAdapter(ModelId)
 
@@ -90,54 +90,54 @@ async def retrieve_model(model: str, key: ApiKeyDep, services: ServicesDep) -> d
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
-    return await _proxy(request, key, services, "chat")
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, "chat")
 
 
 @router.post("/completions")
-async def completions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
-    return await _proxy(request, key, services, "completion")
+async def completions(request: Request) -> Response:
+    return await _proxy(request, "completion")
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
-    return await _proxy(request, key, services, "embedding")
+async def embeddings(request: Request) -> Response:
+    return await _proxy(request, "embedding")
 
 
 @router.post("/responses", openapi_extra=_json_body("responses"))
-async def responses(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def responses(request: Request) -> Response:
     """OpenAI's Responses API, streamed (response.* events) or not; stateless (no stored responses)."""
-    return await _proxy(request, key, services, "responses")
+    return await _proxy(request, "responses")
 
 
 @router.post("/rerank", openapi_extra=_json_body("rerank"))
-async def rerank(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def rerank(request: Request) -> Response:
     """vLLM's and llama.cpp's rerank: the documents ordered by relevance to the query."""
-    return await _proxy(request, key, services, "rerank")
+    return await _proxy(request, "rerank")
 
 
 @router.post("/score", openapi_extra=_json_body("score"))
-async def score(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def score(request: Request) -> Response:
     """vLLM's score: a relevance score for each pair of texts."""
-    return await _proxy(request, key, services, "score")
+    return await _proxy(request, "score")
 
 
 @router.post("/audio/transcriptions", openapi_extra=_AUDIO_FORM)
-async def transcriptions(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def transcriptions(request: Request) -> Response:
     """The audio's text (multipart/form-data: `file` and `model`), passed to the node as it came."""
-    return await _upload(request, key, services, "transcription")
+    return await _upload(request, "transcription")
 
 
 @router.post("/audio/translations", openapi_extra=_AUDIO_FORM)
-async def translations(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def translations(request: Request) -> Response:
     """The audio's text in English (multipart/form-data: `file` and `model`)."""
-    return await _upload(request, key, services, "translation")
+    return await _upload(request, "translation")
 
 
 @router.post("/audio/speech", openapi_extra=_json_body("speech"))
-async def speech(request: Request, key: ApiKeyDep, services: ServicesDep) -> Response:
+async def speech(request: Request) -> Response:
     """Text to speech: the node's audio bytes, with its content type."""
-    return await _proxy(request, key, services, "speech")
+    return await _proxy(request, "speech")
 
 
 @router.get("/usage")
@@ -167,7 +167,8 @@ async def usage(
     }
 
 
-async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: str) -> Response:
+async def _proxy(request: Request, kind: str) -> Response:
+    services, key = await authenticated(request)
     settings = services.settings
     body = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
     try:
@@ -180,8 +181,9 @@ async def _proxy(request: Request, key: ApiKeyDep, services: ServicesDep, kind: 
     return await services.pipeline.handle(_call(request, key, kind, body))
 
 
-async def _upload(request: Request, key: ApiKeyDep, services: ServicesDep, kind: str) -> Response:
+async def _upload(request: Request, kind: str) -> Response:
     """An audio upload: validated (a file, a model, the fields' types), then passed on unchanged."""
+    services, key = await authenticated(request)
     settings = services.settings
     raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     content_type = request.headers.get("content-type") or ""

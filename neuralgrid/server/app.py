@@ -8,7 +8,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +20,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from neuralgrid import __version__
 from neuralgrid.db import queries as q
@@ -65,6 +63,7 @@ from neuralgrid.gateway.waiting import WaitingRoom
 from neuralgrid.protocol import signing
 from neuralgrid.realtime import socket as realtime_socket
 from neuralgrid.realtime.hub import Hub
+from neuralgrid.server.asgi import App
 from neuralgrid.server.deps import ServicesDep
 from neuralgrid.server.liveness import check_in, keep_checking_in
 from neuralgrid.server.services import Services
@@ -80,33 +79,6 @@ from neuralgrid.web.stats import StatsCache
 log = logging.getLogger(__name__)
 
 STOP_S = 2.0  # on shutdown, how long the background loops have to end once told to
-
-
-class Timing:
-    """Pure ASGI middleware: stamps arrival time (for the overhead header) and counts responses by
-    route template (`/v1/nodes/{node_id}/heartbeat`), never by raw path: a scanner's paths must not
-    each become a series."""
-
-    def __init__(self, app: ASGIApp, metrics: list[Metrics]) -> None:
-        self.app = app
-        self.metrics = metrics  # filled by the lifespan
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        received = time.perf_counter()
-        scope.setdefault("state", {})["received"] = received
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start" and self.metrics:
-                route = scope.get("route")  # set by the router once a route matched
-                endpoint = getattr(route, "path", None) or "unmatched"
-                self.metrics[0].requests.labels(endpoint, str(message["status"])).inc()
-                self.metrics[0].latency.labels(endpoint).observe(time.perf_counter() - received)
-            await send(message)
-
-        await self.app(scope, receive, counted)
 
 
 def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> FastAPI:
@@ -271,17 +243,20 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
             await jobs_pool.close()
             await pool.close()
 
-    app = FastAPI(
+    app = App(
+        metrics=metrics_holder,
         title="NeuralGrid",
         version=__version__,
         description="OpenAI-compatible inference, routed to the best GPU node by a matcher in Postgres.",
         lifespan=lifespan,
         # `/v1/keys/` is no route, as on OpenAI's API: a 404 in its shape, not a 307 with no body.
         redirect_slashes=False,
+        # FastAPI's own OpenTelemetry hooks look up the global providers on every request (a
+        # twentieth of one's CPU here); the gateway's metrics are Prometheus's (gateway/metrics.py).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
-    app.add_middleware(Timing, metrics=metrics_holder)
-    app.include_router(routes_openai.router)
+    app.serve_directly(routes_openai.router)
     app.include_router(routes_keys.router)
     app.include_router(routes_nodes.router)
     app.include_router(forward.router)

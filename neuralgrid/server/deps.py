@@ -31,6 +31,14 @@ async def api_key(request: Request, services: ServicesDep) -> ApiKey:
     return await services.keys.authenticate(request.headers.get("authorization"))
 
 
+async def authenticated(request: Request) -> tuple[Services, ApiKey]:
+    """The services and the caller's API key, for the routes every inference request takes: the
+    same as the two dependencies above, without FastAPI solving them (a tenth of such a request's
+    CPU in the gateway, measured under load)."""
+    services: Services = request.app.state.services
+    return services, await services.keys.authenticate(request.headers.get("authorization"))
+
+
 ApiKeyDep = Annotated[ApiKey, Depends(api_key)]
 
 

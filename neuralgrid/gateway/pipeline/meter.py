@@ -90,10 +90,27 @@ class Metering:
         self._pending: set[asyncio.Task[None]] = set()
 
     def finish(self, meter: Meter, outcome: JobOutcome, error: str | None) -> asyncio.Future[None]:
-        """End the job in the background; the future is done once its ending is written (its node's
-        slot free again) or could not be."""
+        """End the job, its write in the background; the future is done once its ending is written
+        (its node's slot free again) or could not be. A leased job's slot is free on return: its
+        end is written behind, and the answer does not wait for it."""
+        now = time.perf_counter()
+        usage = meter.usage or Usage()
+        if meter.bounds is not None:
+            usage = meter.bounds.settle(usage)
+        end = JobEnd(
+            meter.job_id,
+            outcome,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            ttft_ms=(meter.first_byte - meter.sent) * 1000,
+            latency_ms=(now - meter.sent) * 1000,
+            error=error,
+        )
+        behind = None if self.leased is None else self.leased.end(end)
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.later(self._finish(meter, outcome, error, written))
+        if behind is not None:
+            written.set_result(None)
+        self.later(self._finish(meter, end, usage, now, behind, written))
         return written
 
     async def end(self, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
@@ -101,8 +118,9 @@ class Metering:
         finds it free: answers are delivered after this. Bounded by RELEASE_WAIT_S (a database that
         is down or overloaded), and a client that leaves meanwhile does not stop the write."""
         written = self.finish(meter, outcome, error)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(written), RELEASE_WAIT_S)
+        if not written.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(written), RELEASE_WAIT_S)
 
     def abandon(self, job_id: UUID) -> None:
         """End a job placed for a client that had left by then (claims.py): nothing was sent."""
@@ -121,27 +139,16 @@ class Metering:
         task.add_done_callback(self._pending.discard)
 
     async def _finish(
-        self, meter: Meter, outcome: JobOutcome, error: str | None, written: asyncio.Future[None]
+        self,
+        meter: Meter,
+        end: JobEnd,
+        usage: Usage,
+        now: float,
+        behind: asyncio.Future[Decimal | None] | None,
+        written: asyncio.Future[None],
     ) -> None:
-        now = time.perf_counter()
-        usage = meter.usage or Usage()
-        if meter.bounds is not None:
-            usage = meter.bounds.settle(usage)
-        end = JobEnd(
-            meter.job_id,
-            outcome,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            ttft_ms=(meter.first_byte - meter.sent) * 1000,
-            latency_ms=(now - meter.sent) * 1000,
-            error=error,
-        )
+        outcome = end.status
         tokens = usage.prompt_tokens + usage.completion_tokens
-        # A leased job's slot is free once given back here: its end is written behind, and the
-        # answer does not wait for it.
-        behind = None if self.leased is None else self.leased.end(end)
-        if behind is not None and not written.done():
-            written.set_result(None)
         try:
             # The key's tpm is settled alongside the write, so both are done when the answer goes.
             recorded, settled = await asyncio.gather(

@@ -140,7 +140,7 @@ class Relay:
         outcome: JobOutcome = "succeeded"
         error: str | None = None
         ended = False
-        gaps = TokenGaps(self.metrics.inter_token.labels(admitted.call.model))
+        gaps = TokenGaps(self.metrics.child(self.metrics.inter_token, admitted.call.model))
         try:
             while True:
                 try:
