@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -78,37 +79,45 @@ class JobRecord:
 
     def line(self) -> str:
         """The record as one JSON object, as record_jobs() and the spool take it: made once for its
-        start and once for its end, though each is written twice (spool, Postgres). Made anew each
-        time, they were a twentieth of a request's CPU in the gateway."""
+        start and once for its end, though each is written twice (spool, Postgres), and written out
+        by hand, its strings escaped by json's own encoder: json.dumps of the two dicts, each time,
+        was a twentieth of a request's CPU in the gateway."""
         if not self._start:
-            self._start = json.dumps(
-                {
-                    "id": str(self.id),
-                    "key": None if self.key is None else str(self.key),
-                    "model": self.model,
-                    "policy": self.policy,
-                    "region": self.region,
-                    "stream": self.stream,
-                    "node": str(self.node),
-                    "started_at": self.started_at.isoformat(),
-                    "hold_usd": str(self.hold_usd),
-                    "end_user": self.end_user,
-                }
-            )[:-1]
-        if self.end is None:
+            self._start = (
+                f'{{"id": "{self.id}", "key": {_uuid(self.key)}, "model": {_text(self.model)},'
+                f' "policy": {_text(self.policy)}, "region": {_text(self.region)},'
+                f' "stream": {"true" if self.stream else "false"}, "node": "{self.node}",'
+                f' "started_at": "{self.started_at.isoformat()}", "hold_usd": "{self.hold_usd}",'
+                f' "end_user": {_text(self.end_user)}'
+            )
+        end = self.end
+        if end is None:
             return self._start + ', "end": null}'
-        if self._ended is not None and self._ended[0] is self.end:
-            return self._ended[1]
-        end = {
-            "status": self.end.status,
-            "prompt_tokens": self.end.prompt_tokens,
-            "completion_tokens": self.end.completion_tokens,
-            "ttft_ms": self.end.ttft_ms,
-            "latency_ms": self.end.latency_ms,
-            "error": self.end.error,
-        }
-        self._ended = (self.end, f'{self._start}, "end": {json.dumps(end)}}}')
+        if self._ended is None or self._ended[0] is not end:
+            self._ended = (
+                end,
+                (
+                    f'{self._start}, "end": {{"status": {_text(end.status)},'
+                    f' "prompt_tokens": {int(end.prompt_tokens)},'
+                    f' "completion_tokens": {int(end.completion_tokens)},'
+                    f' "ttft_ms": {_number(end.ttft_ms)}, "latency_ms": {_number(end.latency_ms)},'
+                    f' "error": {_text(end.error)}}}}}'
+                ),
+            )
         return self._ended[1]
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else encode_basestring_ascii(value)
+
+
+def _uuid(value: UUID | None) -> str:
+    return "null" if value is None else f'"{value}"'
+
+
+def _number(value: float | None) -> str:
+    """A finite number as JSON writes it (a job's timings are never NaN or infinite)."""
+    return "null" if value is None else repr(float(value))
 
 
 def as_array(records: list[JobRecord]) -> str:

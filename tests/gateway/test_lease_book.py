@@ -3,6 +3,7 @@ database (tests/db/test_leases.py holds SQL's side; tests/gateway/test_leased_re
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from uuid import UUID, uuid4
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.escrow import Escrows, budget_hold
-from neuralgrid.gateway.journal import JobRecord, Spool, orphaned_spools, read_spool
+from neuralgrid.gateway.journal import JobRecord, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook
 
 LANE = Lane("m", "balanced")
@@ -189,6 +190,39 @@ def test_budget_hold_prices_as_sql_does() -> None:
 
 def _record(job: UUID) -> JobRecord:
     return JobRecord(job, None, "m", "balanced", None, False, uuid4(), datetime.now(UTC), Decimal(0), None)
+
+
+def test_a_records_line_is_the_json_of_its_fields_whatever_its_strings_hold() -> None:
+    """line() writes the JSON by hand: a client's strings (the end user, the model) and a node's
+    error must come out as json.dumps would have them, quotes, controls and non-ASCII included."""
+    key, node = uuid4(), uuid4()
+    started = datetime.now(UTC)
+    odd = 'a "quoted" \\ back\nslash\x00 é \u2028 😀'
+    record = JobRecord(uuid4(), key, odd, "balanced", None, True, node, started, Decimal("0.00012"), odd)
+    start = {
+        "id": str(record.id),
+        "key": str(key),
+        "model": odd,
+        "policy": "balanced",
+        "region": None,
+        "stream": True,
+        "node": str(node),
+        "started_at": started.isoformat(),
+        "hold_usd": "0.00012",
+        "end_user": odd,
+    }
+    assert json.loads(record.line()) == {**start, "end": None}
+    assert record.line().isascii()
+    record.end = q.JobEnd(record.id, "failed", 3, 4, 1.25, 20, odd)
+    end = {
+        "status": "failed",
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "ttft_ms": 1.25,
+        "latency_ms": 20.0,
+    }
+    assert json.loads(record.line()) == {**start, "end": {**end, "error": odd}}
+    assert json.loads(as_array([record, _record(uuid4())]))[0]["end"]["error"] == odd
 
 
 def test_the_spool_keeps_what_is_not_committed_and_empties_when_all_is(tmp_path: Path) -> None:
