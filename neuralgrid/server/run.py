@@ -19,7 +19,7 @@ from neuralgrid.db.migrate import Progress, Quiet
 from neuralgrid.dev import demo as demo_fleet
 from neuralgrid.server import running, stack
 from neuralgrid.server.app import create_app
-from neuralgrid.server.serving import make_server
+from neuralgrid.server.serving import make_server, tune_collector
 from neuralgrid.server.settings import Settings
 from neuralgrid.web.signin import signin_link
 
@@ -71,6 +71,7 @@ async def serve(
             say(f"note      commands keep talking to the stack of pid {other.pid} ({other.gateway_url})")
         resources.callback(running.forget, settings, me.pid)  # on every way out but kill -9
         progress.step(f"starting the gateway on {settings.host}:{settings.port}")
+        tune_collector()
         tasks.append(asyncio.create_task(gateway.serve(sockets=[listener])))
         gateway_url = stack.public_base_url(settings)
         realtime_url = gateway_url.replace("http", "ws", 1)

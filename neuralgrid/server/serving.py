@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
 import threading
@@ -119,6 +120,22 @@ def run_fast(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+# The cyclic collector's first generation runs after this many container objects are allocated (net).
+# Python's 700 suits a script: a gateway allocates a few hundred per request, so it collected every
+# two or three requests, an eighth of the gateway's CPU per request under load (bench gateway, 16
+# callers, 2026-12-04). At 50,000 a young collection still takes well under a millisecond.
+YOUNG_OBJECTS = 50_000
+
+
+def tune_collector() -> None:
+    """For a long-running server, once it is built: what exists now is kept out of every later
+    collection (gc.freeze()), and young objects are collected YOUNG_OBJECTS at a time."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_OBJECTS, older, oldest)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
