@@ -78,10 +78,6 @@ class Placement:
             max_hourly_rate=call.max_hourly_rate,
             route=matched_route(call.kind, call.body),
         )
-        fallbacks = self.max_attempts - 1
-        hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
-        params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
-        params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
         line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
@@ -97,14 +93,22 @@ class Placement:
         if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
             match = await self._lease(admitted, request.route)
             if match is None and not await self._at_share(admitted):
-                match = await self._match(params)
+                match = await self._match(self._params(admitted, request))
         waited = 0.0
         try:
             if match is None or (isinstance(match, q.Match) and match.busy):
                 queued = time.perf_counter()
                 try:
                     match = await self._wait(
-                        call.model, line, call.key.id, reach, params, seen, call.gone, admitted, request.route
+                        call.model,
+                        line,
+                        call.key.id,
+                        reach,
+                        self._params(admitted, request),
+                        seen,
+                        call.gone,
+                        admitted,
+                        request.route,
                     )
                 finally:
                     waited = time.perf_counter() - queued
@@ -126,6 +130,15 @@ class Placement:
             admitted = admitted.capped(match.max_output_tokens)
         speeds = dict(zip([match.node_id, *match.fallback_ids], match.tokens_per_s, strict=False))
         return Placed(match.job_id, node, match.fallback_ids, admitted, waited, speeds)
+
+    def _params(self, admitted: Admitted, request: q.MatchRequest) -> dict[str, object]:
+        """place_jobs()'s parameters for the call: made only for a request that asks SQL."""
+        call = admitted.call
+        hold = {"prompt_bytes": len(admitted.payload), "max_out": admitted.max_output_tokens}
+        fallbacks = self.max_attempts - 1
+        params = q.match_params(request, call.key.id, admitted.stream, fallbacks, **hold, wait=True)
+        params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
+        return params
 
     async def _lease(self, admitted: Admitted, route: str | None, queued: bool = False) -> Dispatched | None:
         """A slot this gateway leases, with no round trip (leased.py); None: ask SQL. `queued`: the
