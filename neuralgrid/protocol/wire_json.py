@@ -12,17 +12,23 @@ import json
 from typing import Any
 
 
+def _refuse_constant(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+# One decoder for every request: json.loads with a parse_constant builds a new one each call.
+_STANDARD = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def loads(data: str | bytes) -> Any:
     """Parse JSON text; ValueError for what JSON is not: NaN and Infinity (Python reads them, other
     parsers and Postgres choke on them), and nesting too deep to parse (Python's RecursionError)."""
+    if isinstance(data, bytes | bytearray):  # as json.loads reads bytes
+        data = data.decode(json.detect_encoding(data), "surrogatepass")
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        return _STANDARD.decode(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-
-
-def _refuse_constant(constant: str) -> Any:
-    raise ValueError(f"{constant} is not a JSON number")
 
 
 def loads_answer(data: str | bytes) -> Any:

@@ -110,7 +110,10 @@ class Metering:
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if behind is not None:
             written.set_result(None)
-        self.later(self._finish(meter, end, usage, now, behind, written))
+        if behind is not None and meter.tpm_hold is None:  # nothing to settle: no task to wait in
+            behind.add_done_callback(lambda done: self._counted(meter, end, usage, now, _outcome(done), None))
+        else:
+            self.later(self._finish(meter, end, usage, now, behind, written))
         return written
 
     async def end(self, meter: Meter, outcome: JobOutcome, error: str | None) -> None:
@@ -147,7 +150,6 @@ class Metering:
         behind: asyncio.Future[Decimal | None] | None,
         written: asyncio.Future[None],
     ) -> None:
-        outcome = end.status
         tokens = usage.prompt_tokens + usage.completion_tokens
         try:
             # The key's tpm is settled alongside the write, so both are done when the answer goes.
@@ -159,6 +161,13 @@ class Metering:
         finally:
             if not written.done():
                 written.set_result(None)
+        self._counted(meter, end, usage, now, recorded, settled)
+
+    def _counted(
+        self, meter: Meter, end: JobEnd, usage: Usage, now: float, recorded: object, settled: object
+    ) -> None:
+        """The job's end in the metrics, once written (`recorded`: its cost, or what went wrong)."""
+        outcome = end.status
         if recorded is None:
             log.warning("job %s had already ended (swept?) when its completion came", meter.job_id)
         elif isinstance(recorded, (psycopg.Error, DatabaseError)):
@@ -194,3 +203,8 @@ class Metering:
             log.error("%d job endings were still under way %.0f s into shutdown; left", len(stuck), DRAIN_S)
             for task in stuck:
                 task.cancel()
+
+
+def _outcome(done: asyncio.Future[Decimal | None]) -> object:
+    """What a finished write came to: its cost (None: not written), or its error."""
+    return None if done.cancelled() else (done.exception() or done.result())
