@@ -14,7 +14,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 T = TypeVar("T")
 
@@ -42,8 +43,49 @@ class _NoAbortTracebacks(logging.Filter):
 _NO_ABORT_TRACEBACKS = _NoAbortTracebacks()
 
 
+class HeadWithBody:
+    """A connection's transport as its responses write to it: a response's head is held until its
+    body's first bytes, and both leave in one write (one syscall, one TCP segment). uvicorn writes
+    them apart, which cost the gateway a twentieth of its CPU per request under load, and its
+    client a second read. A head whose body does not follow in the same turn of the event loop (a
+    stream waiting for its node) leaves alone at the next."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self.loop = loop
+        self._head: bytes | None = None
+        self._expecting = False
+
+    def expect_head(self) -> None:
+        """A response begins: its first write is its head."""
+        self._expecting = True
+
+    def write(self, data: bytes) -> None:
+        if self._expecting:
+            self._expecting, self._head = False, data
+            self.loop.call_soon(self.flush)
+        elif self._head is not None:
+            head, self._head = self._head, None
+            self.transport.writelines((head, data))
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
 class HeaderDeadlineProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, closing connections whose request headers are late, or too large."""
+    """uvicorn's HTTP protocol, closing connections whose request headers are late, or too large,
+    and writing each response's head with its body (HeadWithBody)."""
 
     header_timeout_s = HEADER_TIMEOUT_S
     _headers_due: asyncio.TimerHandle | None = None
@@ -54,6 +96,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._writes = HeadWithBody(transport, self.loop)
         self._expect_headers()
 
     def on_message_begin(self) -> None:
@@ -87,7 +130,14 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self._cancel_deadline()
         # The body is the app's to bound; the next request's headers (keep-alive) count afresh.
         self._reading_headers, self._header_bytes = False, 0
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a request's cycle (an upgrade makes none)
+            self.cycle.transport = self._writes  # type: ignore[assignment]
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._writes.expect_head()  # this cycle's response is the connection's next
+        super()._start_asgi_task(cycle, app)
 
     def on_message_complete(self) -> None:
         self._reading_headers, self._completed = True, self._completed + 1

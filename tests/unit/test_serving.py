@@ -1,13 +1,21 @@
-"""Our uvicorn server at rest: it sleeps until there is work, and stops as soon as it is told."""
+"""Our uvicorn server: at rest it sleeps until there is work and stops as soon as it is told; its HTTP
+protocol (uvicorn's, subclassed) writes a response's head with its body, one write and one TCP
+segment where uvicorn alone makes two, checked through uvicorn's own request cycle with a transport
+that records what reaches the socket."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
+import uvicorn
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+from uvicorn.server import ServerState
 
-from neuralgrid.server.serving import Server, ThreadedServer, make_server, running
+from neuralgrid.server.serving import HeaderDeadlineProtocol, Server, ThreadedServer, make_server, running
 
 
 async def _hello(scope: dict[str, object], receive: object, send: object) -> None:
@@ -54,3 +62,85 @@ def test_a_server_stops_at_once_when_told_from_another_thread() -> None:
         server.stop()
         assert not server.thread.is_alive()
     assert time.monotonic() - told < 0.5
+
+
+REQUEST = b"GET / HTTP/1.1\r\nhost: gateway\r\n\r\n"
+
+
+class Socket(asyncio.Transport):
+    """What a socket transport is asked to send, a list entry per write (writelines: one entry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.writes.append(b"".join(list_of_data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _connection(app: Any) -> tuple[HeaderDeadlineProtocol, Socket]:
+    config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    config.load()
+    protocol = HeaderDeadlineProtocol(config=config, server_state=ServerState(), app_state={})
+    socket = Socket()
+    protocol.connection_made(socket)
+    return protocol, socket
+
+
+def test_a_whole_answer_leaves_in_one_write() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await Response(b"the answer", media_type="text/plain")(scope, receive, send)
+
+    async def served() -> Socket:
+        protocol, socket = _connection(app)
+        protocol.data_received(REQUEST + REQUEST)  # two on one connection
+        await asyncio.sleep(0.05)
+        protocol.connection_lost(None)
+        return socket
+
+    socket = asyncio.run(served())
+    assert len(socket.writes) == 2, socket.writes
+    for write in socket.writes:
+        assert write.startswith(b"HTTP/1.1 200 OK\r\n") and write.endswith(b"\r\n\r\nthe answer")
+
+
+def test_a_head_whose_body_is_late_leaves_alone_and_at_once() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        )
+        await asyncio.sleep(0.02)  # a stream waiting for its node
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def served() -> tuple[list[bytes], Socket]:
+        protocol, socket = _connection(app)
+        protocol.data_received(REQUEST)
+        await asyncio.sleep(0.01)
+        early = list(socket.writes)
+        await asyncio.sleep(0.05)
+        protocol.connection_lost(None)
+        return early, socket
+
+    early, socket = asyncio.run(served())
+    assert len(early) == 1 and early[0].startswith(b"HTTP/1.1 200 OK\r\n") and early[0].endswith(b"\r\n\r\n")
+    assert b"first" in b"".join(socket.writes[1:])
