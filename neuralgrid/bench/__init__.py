@@ -354,13 +354,15 @@ async def send_load(
     headers: Mapping[str, str] | None = None,
     sign_keys: Mapping[str, bytes] | None = None,
     warmup: int = 0,
+    warmup_s: float = 0.0,
     meter: CpuMeter | None = None,
 ) -> Load:
     """`total` requests (rounded down to a multiple of `callers`) from `callers` clients that each
     send one after another, caller i's j-th to urls[(i + j) % len(urls)], after `warmup` requests
-    that do not count (connections, caches, plans). A request to a URL in `sign_keys` is signed with
-    its key as the gateway signs (before its clock starts). `meter`'s groups' CPU over the part that
-    counts.
+    that do not count (connections, caches, plans), then `warmup_s` seconds of the same load, which
+    do not count either (what adapts to a load, a gateway's leases say, has then seen it). A request
+    to a URL in `sign_keys` is signed with its key as the gateway signs (before its clock starts).
+    `meter`'s groups' CPU over the part that counts.
 
     The client is aiohttp on uvloop (serving.run_fast), the leanest well-kept one: on two shared
     cores the load generator's own CPU is taken from whatever it measures (httpx spent about 1 ms a
@@ -398,6 +400,15 @@ async def send_load(
 
         for i in range(warmup):
             await one(urls[i % len(urls)])
+        warm_until = time.perf_counter() + warmup_s
+
+        async def warming(index: int) -> None:
+            i = 0
+            while time.perf_counter() < warm_until:
+                await one(urls[(index + i) % len(urls)])
+                i += 1
+
+        await asyncio.gather(*(warming(i) for i in range(callers)))
         load.latencies_ms.clear()
         load.waits_ms.clear()
         load.refused = load.failed = 0

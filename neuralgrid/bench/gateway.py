@@ -81,6 +81,9 @@ AGENT_NAME = "bench-agent-{}"
 SCRATCH_DB = "neuralgrid_bench_gateway"
 PATHS = ("direct", "relay", "relay_sql", "agent", "gateway", "gateway_placed", "gateway_agent", "smg")
 WARMUP = 20  # requests before each round counts: connections, caches and plans
+# Then the round's own load for this long, uncounted: a gateway's leases follow its load at each
+# renewal (every 0.5 s), and between its rounds, while the other paths took theirs, they shrank.
+WARMUP_S = 0.6
 ROUNDS = 4  # each case alternates its targets round by round, so that drift spreads over all of them
 # What each path's numbers are reported as, against the direct path: "<prefix>added_p50_ms", ….
 ADDED = {
@@ -315,6 +318,7 @@ def _alternate(
                     headers=t.headers,
                     sign_keys=t.keys,
                     warmup=WARMUP,
+                    warmup_s=WARMUP_S,
                     meter=CpuMeter(t.cpu),
                 )
             )
