@@ -123,9 +123,10 @@ def run(
     progress: Callable[[str], None] = lambda _: None,
     paths: tuple[str, ...] = PATHS,
     smg: str | None = None,
+    warmup_s: float = WARMUP_S,
 ) -> list[dict[str, Any]]:
     """Each case's numbers for the `paths` asked (the direct one always: it is the baseline); `smg`:
-    the command of the peer's path (peer.find_smg())."""
+    the command of the peer's path (peer.find_smg()); `warmup_s`: each round's uncounted load."""
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown paths {sorted(unknown)}: choose from {', '.join(PATHS)}")
@@ -214,7 +215,7 @@ def run(
                     total = requests if n == 1 else requests * 4
                     mode = "stream" if stream else "plain"
                     progress(f"{mode} x{n}: {', '.join(names)}, {ROUNDS} rounds")
-                    runs = _alternate(targets, stream, n, max(n, total // ROUNDS))
+                    runs = _alternate(targets, stream, n, max(n, total // ROUNDS), warmup_s)
                     result: dict[str, Any] = {"stream": stream, "callers": n, "requests": total, **runs}
                     d = runs["direct"]
                     for name, prefix in ADDED.items():
@@ -299,7 +300,7 @@ def _online(
 
 
 def _alternate(
-    targets: dict[str, Target], stream: bool, callers: int, per_round: int
+    targets: dict[str, Target], stream: bool, callers: int, per_round: int, warmup_s: float
 ) -> dict[str, dict[str, Any]]:
     """The same load sent to each target in turn, ROUNDS times, the order reversed every round;
     each target's numbers pooled over its rounds."""
@@ -318,7 +319,7 @@ def _alternate(
                     headers=t.headers,
                     sign_keys=t.keys,
                     warmup=WARMUP,
-                    warmup_s=WARMUP_S,
+                    warmup_s=warmup_s,
                     meter=CpuMeter(t.cpu),
                 )
             )

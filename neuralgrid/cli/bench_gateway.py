@@ -43,6 +43,15 @@ def gateway(
             " gateway_placed (leases off), gateway_agent, smg.",
         ),
     ] = "relay,relay_sql,agent,gateway,gateway_placed,gateway_agent,smg",
+    warmup: Annotated[
+        float | None,
+        typer.Option(
+            envvar="NEURALGRID_BENCH_WARMUP_S",
+            help="Seconds of each round's load before it counts (leases follow a load at each renewal);"
+            " 0.6 unless given.",
+            min=0,
+        ),
+    ] = None,
     out_file: OutFile = Path("bench-results/gateway.json"),
 ) -> None:
     """Added latency, requests/s, refusals, queue wait and CPU per request (gateway, Postgres, node
@@ -67,7 +76,13 @@ def gateway(
         out.print(peer.NOT_INSTALLED, markup=False, highlight=False, soft_wrap=True)
         chosen = tuple(name for name in chosen if name != "smg")
     results = bench.run(
-        database_url(ctx), integers(callers, "--callers"), requests, progress=progress, paths=chosen, smg=smg
+        database_url(ctx),
+        integers(callers, "--callers"),
+        requests,
+        progress=progress,
+        paths=chosen,
+        smg=smg,
+        warmup_s=bench.WARMUP_S if warmup is None else warmup,
     )
     table = Table(
         "mode",

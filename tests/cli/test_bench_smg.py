@@ -27,7 +27,8 @@ def test_bench_gateway_runs_smg_beside_the_gateway_and_the_relay(db_url: str, tm
     direct path, requests/s and CPU per request, and the ratios of ours to it, in the table and the JSON
     (with the commit the run measured)."""
     out_file = tmp_path / "gateway.json"
-    args = ["--callers", "1,4", "--requests", "6", "--paths", "relay,gateway,smg", "--out", str(out_file)]
+    args = ["--callers", "1,4", "--requests", "6", "--paths", "relay,gateway,smg", "--warmup", "0.05"]
+    args += ["--out", str(out_file)]
     code, out, err = run(db_url, "bench", "gateway", *args)
     assert code == 0, out + err
     assert "smg" in out and "gateway/smg" in out
@@ -69,7 +70,18 @@ def test_bench_gateway_without_smg_says_so_and_runs_the_rest(
 
     monkeypatch.setattr(peer, "find_smg", lambda: None)
     out_file = tmp_path / "gateway.json"
-    args = ["--callers", "1", "--requests", "4", "--paths", "relay,smg", "--out", str(out_file)]
+    args = [
+        "--callers",
+        "1",
+        "--requests",
+        "4",
+        "--paths",
+        "relay,smg",
+        "--warmup",
+        "0",
+        "--out",
+        str(out_file),
+    ]
     code, out, err = run(db_url, "bench", "gateway", *args)
     assert code == 0, out + err
     assert (out + err).splitlines().count(peer.NOT_INSTALLED) == 1 and "gateway/smg" not in out

@@ -329,7 +329,17 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
     default node settings; every path's refusals, queue wait and CPU, and leased over placed."""
     out_file = tmp_path / "gateway.json"
     code, out, err = run(
-        db_url, "bench", "gateway", "--callers", "1,5", "--requests", "8", "--out", str(out_file)
+        db_url,
+        "bench",
+        "gateway",
+        "--callers",
+        "1,5",
+        "--requests",
+        "8",
+        "--warmup",
+        "0.05",
+        "--out",
+        str(out_file),
     )
     assert code == 0, out + err
     assert "+p50" in out and "postgres cpu" in out and "gateway_agent" in out and "gateway_placed" in out
