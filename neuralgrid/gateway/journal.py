@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -116,8 +117,8 @@ def _uuid(value: UUID | None) -> str:
 
 
 def _number(value: float | None) -> str:
-    """A finite number as JSON writes it (a job's timings are never NaN or infinite)."""
-    return "null" if value is None else repr(float(value))
+    """A number as JSON writes it; null for none, and for NaN or infinity, which JSON has not."""
+    return "null" if value is None or not math.isfinite(value) else repr(float(value))
 
 
 def as_array(records: list[JobRecord]) -> str:

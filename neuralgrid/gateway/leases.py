@@ -174,6 +174,8 @@ class LeaseBook:
 
     def give_back(self, taken: Taken) -> None:
         key = (taken.lease.lane, taken.node_id)
+        if key not in self._in_use:  # given back already: nothing is in use twice
+            return
         self._in_use[key] -= 1
         if self._in_use[key] <= 0:
             del self._in_use[key]

@@ -12,6 +12,7 @@ Starlette looks them up. They stay FastAPI routes (the OpenAPI document; a GET o
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -53,10 +54,14 @@ class Timing:
 
 
 def direct(route: APIRoute) -> bool:
-    """Whether FastAPI has nothing to do for the route's endpoint but hand it the request."""
+    """Whether FastAPI has nothing to do for the route's endpoint but hand it the request: a
+    coroutine of the request alone, which returns its Response."""
     needs = route.dependant
     solved = needs.dependencies or needs.path_params or needs.query_params or needs.header_params
-    return not (solved or needs.cookie_params or needs.body_params) and needs.request_param_name is not None
+    more = needs.response_param_name or needs.background_tasks_param_name or needs.security_scopes_param_name
+    alone = len(inspect.signature(route.endpoint).parameters) == 1 and needs.request_param_name is not None
+    coroutine = inspect.iscoroutinefunction(route.endpoint)
+    return alone and coroutine and not (solved or more or needs.cookie_params or needs.body_params)
 
 
 class App(FastAPI):
@@ -69,16 +74,22 @@ class App(FastAPI):
         self._timed = Timing(self._serve, metrics)
 
     def serve_directly(self, router: APIRouter) -> None:
-        """Include `router`, and serve its POST routes that take the request alone directly."""
+        """Include `router` (as it is: no dependencies or prefix added), and serve its POST routes
+        that take the request alone directly, while nothing else would wrap them: no dependency of
+        the app's, no middleware but Timing."""
         self.include_router(router)
         for route in router.routes:
             if isinstance(route, APIRoute) and "POST" in (route.methods or ()) and direct(route):
                 self._direct[route.path] = route
 
+    def _plain(self) -> bool:
+        """Nothing the app adds would wrap a route: no dependency of its own, no middleware but Timing."""
+        return not self.router.dependencies and len(self.user_middleware) == 1
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             route = self._direct.get(scope["path"])
-            if route is not None:
+            if route is not None and self._plain():
                 scope["app"], scope["route"] = self, route
                 await self._timed(scope, receive, send)
                 return

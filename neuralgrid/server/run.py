@@ -71,7 +71,6 @@ async def serve(
             say(f"note      commands keep talking to the stack of pid {other.pid} ({other.gateway_url})")
         resources.callback(running.forget, settings, me.pid)  # on every way out but kill -9
         progress.step(f"starting the gateway on {settings.host}:{settings.port}")
-        tune_collector()
         tasks.append(asyncio.create_task(gateway.serve(sockets=[listener])))
         gateway_url = stack.public_base_url(settings)
         realtime_url = gateway_url.replace("http", "ws", 1)
@@ -83,6 +82,9 @@ async def serve(
             say(f"demo      {demo} nodes online, served by a fake OpenAI-compatible node")
         if link := signin_link(settings, gateway_url):  # one use, 10 minutes
             say(f"sign in   {link}")
+        while not gateway.started and not tasks[-1].done():  # its services built (the lifespan)
+            await asyncio.sleep(0.05)
+        tune_collector()
         await tasks[-1]  # returns once a signal sets should_exit and the gateway has drained
         stop.set()
         for task in tasks[:-1]:

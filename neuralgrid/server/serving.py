@@ -43,6 +43,9 @@ class _NoAbortTracebacks(logging.Filter):
 _NO_ABORT_TRACEBACKS = _NoAbortTracebacks()
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # as uvicorn writes it
+
+
 class HeadWithBody:
     """A connection's transport as its responses write to it: a response's head is held until its
     body's first bytes, and both leave in one write (one syscall, one TCP segment). uvicorn writes
@@ -61,7 +64,9 @@ class HeadWithBody:
         self._expecting = True
 
     def write(self, data: bytes) -> None:
-        if self._expecting:
+        if data == CONTINUE:  # before the head, asked for by the client: at once
+            self.transport.write(data)
+        elif self._expecting:
             self._expecting, self._head = False, data
             self.loop.call_soon(self.flush)
         elif self._head is not None:
@@ -116,6 +121,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
                 self.send_400_response("request headers too large")
 
     def send_400_response(self, msg: str) -> None:
+        self._writes.flush()  # a response held for its body goes first
         if not self._too_large:
             return super().send_400_response(msg)
         if not self.transport.is_closing():

@@ -237,7 +237,12 @@ class LeasedJobs:
         if nxt is None:
             del self._slots[job_id]
             return None
-        row = await self.store.one(q.MOVE_TO_LEASE, (job_id, error, status, nxt.node_id))
+        try:
+            row = await self.store.one(q.MOVE_TO_LEASE, (job_id, error, status, nxt.node_id))
+        except BaseException:  # the old slot is free already: neither is this job's any more
+            self.book.give_back(nxt)
+            del self._slots[job_id]
+            raise
         if row is None:  # the job had ended meanwhile (swept)
             self.book.give_back(nxt)
             del self._slots[job_id]

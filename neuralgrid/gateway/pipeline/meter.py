@@ -106,7 +106,12 @@ class Metering:
             latency_ms=(now - meter.sent) * 1000,
             error=error,
         )
-        behind = None if self.leased is None else self.leased.end(end)
+        behind = None
+        if self.leased is not None:
+            try:
+                behind = self.leased.end(end)  # its slot free first, whatever comes of the spool
+            except OSError:  # the spool could not be written (a full disk): SQL's own path ends it
+                log.exception("job %s: its end could not be spooled", meter.job_id)
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if behind is not None:
             written.set_result(None)
