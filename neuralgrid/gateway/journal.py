@@ -135,8 +135,8 @@ class Spool:
         folder.mkdir(parents=True, exist_ok=True)
         self.segment = 0
         self._open: dict[int, int] = {}  # segment -> records in it not yet committed
+        self._size = 0  # the current file's, kept here (set by _begin()): no fstat a line
         self._fd = self._begin(0)
-        self._size = os.fstat(self._fd).st_size  # the current file's, kept here: no fstat a line
 
     def _path(self, segment: int) -> Path:
         return self.folder / f"{self.gateway_id}.{segment}.jsonl"
@@ -145,6 +145,7 @@ class Spool:
         fd = os.open(self._path(segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends, however
         self._open[segment] = 0
+        self._size = os.fstat(fd).st_size
         return fd
 
     def append(self, record: JobRecord) -> None:
@@ -153,7 +154,7 @@ class Spool:
         if self._size > SEGMENT_BYTES:
             old = self._fd
             self.segment += 1
-            self._fd, self._size = self._begin(self.segment), 0
+            self._fd = self._begin(self.segment)
             self._retire(self.segment - 1, old)
         self._size += os.write(self._fd, (record.line() + "\n").encode())
         if record.segment != self.segment:  # its latest line is here now: an older file may go
