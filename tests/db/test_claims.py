@@ -4,6 +4,7 @@ request answered with its own match or its own error, and no slot left held by a
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -96,34 +97,51 @@ async def test_a_client_that_leaves_while_being_placed_holds_no_slot(db_url: str
     """Its request may still get a node: that job is ended at once, not held until the sweep."""
     key = fleet(db_url, 4)
     async with AsyncConnectionPool(db_url, min_size=2, max_size=3, kwargs={"autocommit": True}) as pool:
-        store = Store(pool)
+        store = CountingStore(pool)
         metering = Metering(Completions(store), RateLimiter(), Metrics())
         claims = Claims(store, GATEWAY, abandon=metering.abandon)
         with psycopg.connect(db_url) as blocker:  # holds the node's row: the claim waits for it
             blocker.execute("select id from nodes for update")
             ahead = asyncio.create_task(claims.place(params(key)))
-            leaving = asyncio.create_task(claims.place(params(key)))
-            await asyncio.to_thread(wait_for, lambda: _waiting_on_a_lock(db_url))
+            if gone == "in Postgres":  # in the same group as the first: both tasks start before it
+                leaving = asyncio.create_task(claims.place(params(key)))
+            # The group waits for the row 100 ms at most (place_jobs()): seen within a few, not the
+            # 20 ms polls (each on a new connection) of wait_for, which a busy machine let run past it.
+            await asyncio.to_thread(_until_waiting_on_a_lock, db_url)
             if gone == "in Postgres":  # the group under way: the first request's
                 ahead.cancel()
-            else:  # the next group, waiting its turn
+            else:  # the next group, waiting its turn (found: it had been put in the first group)
+                leaving = asyncio.create_task(claims.place(params(key)))
+                await asyncio.sleep(0)
+                assert store.groups == [1] and len(claims._waiting) == 1
                 leaving.cancel()
             blocker.rollback()
         stayed = await (leaving if gone == "in Postgres" else ahead)
         assert stayed.node_id is not None
-        # Gone in line, it was never placed; gone in Postgres, its job was ended.
-        ended = {"in Postgres": {"cancelled", "running"}, "in line": {"running"}}[gone]
-        await asyncio.to_thread(wait_for, lambda: _statuses(db_url) == ended)
         await metering.drain()
+    # Gone in line, it was never placed; gone in Postgres, its job was ended.
+    assert _statuses(db_url) == {"in Postgres": {"cancelled", "running"}, "in line": {"running"}}[gone]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("select inflight from nodes").fetchone() == (1,)  # the request that stayed
 
 
 def _waiting_on_a_lock(db_url: str) -> bool:
     with psycopg.connect(db_url) as conn:
-        row = conn.execute(
-            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
-        ).fetchone()
+        return _a_backend_waits_on_a_lock(conn)
+
+
+def _until_waiting_on_a_lock(db_url: str, timeout: float = 5.0) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout
+        while not _a_backend_waits_on_a_lock(conn):
+            assert time.monotonic() < deadline, "no backend waited on a lock"
+            time.sleep(0.001)
+
+
+def _a_backend_waits_on_a_lock(conn: psycopg.Connection) -> bool:
+    row = conn.execute(
+        "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
+    ).fetchone()
     return row is not None and row[0] > 0
 
 
