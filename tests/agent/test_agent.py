@@ -444,7 +444,7 @@ def _kill_mid_stream_then_fail_over(
         agents[killed].communicate(timeout=10)
         rest = [line for line in lines if line.startswith("data: ")]
     # The other goes on with the answer: the client sees no error, and the job both nodes.
-    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest
     job = wait_for(
         lambda: conn.execute("select id from jobs where stream and status = 'succeeded'").fetchone()
     )
