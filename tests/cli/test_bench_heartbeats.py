@@ -39,6 +39,7 @@ def test_bench_heartbeats_measures_batched_against_per_beat(db_url: str, tmp_pat
         assert 0 < r["match_pg_p99_ms"] <= r["match_p99_ms"], r
         if r["path"] == "gateway":
             assert r["failed"] == 0 and r["gateway_cpu_us_per_beat"] > 0, r
+            assert r["agents_nice"] == 10, r  # the agents stand for machines of their own
     assert set(report["summary"]) == {
         "batched_over_per_beat_cpu_gateway",
         "batched_over_per_beat_cpu_sql",
