@@ -50,29 +50,35 @@ CREATE FUNCTION private.record_earning() RETURNS trigger
     SET search_path TO ''
     AS $$
 begin
-  -- One primary-key lookup (the node's owner) and the one-row settings table; a second ending of the
-  -- same job (it cannot happen through complete_jobs(), which ends running jobs only) writes nothing.
-  -- A job of a (node, model) that has failed verification (ended after the failure: in flight then,
-  -- or dispatched on a lease before its renewal) is forfeited as it is written.
+  -- One insert for the statement's paid endings: each job's node owner (a primary-key lookup) and
+  -- the one-row settings. A second ending of the same job (it cannot happen through complete_jobs(),
+  -- which ends running jobs only) writes nothing. A job of a (node, model) that has failed
+  -- verification (ended after the failure: in flight then, or dispatched on a lease before its
+  -- renewal) is forfeited as it is written.
   insert into public.earnings (job_id, node_id, owner_id, model_id, gross_usd, fee_rate, fee_usd, net_usd,
                                earned_at, settles_at, forfeited_at)
-  select new.id, new.node_id, n.owner_id, new.model_id, new.cost_usd, s.platform_fee_rate, f.fee,
-         new.cost_usd - f.fee, new.finished_at,
-         new.finished_at + make_interval(secs => s.earnings_hold_s),
+  select e.id, e.node_id, n.owner_id, e.model_id, e.cost_usd, s.platform_fee_rate, f.fee,
+         e.cost_usd - f.fee, e.finished_at,
+         e.finished_at + make_interval(secs => s.earnings_hold_s),
          case when exists (select 1 from public.model_checks c
-                           where c.node_id = new.node_id and c.model_id = new.model_id and c.state = 'failed')
+                           where c.node_id = e.node_id and c.model_id = e.model_id and c.state = 'failed')
               then now() end
-  from public.platform_settings s
-  cross join lateral (select round(new.cost_usd * s.platform_fee_rate, 8) as fee) f
-  left join public.nodes n on n.id = new.node_id
+  from ended_now e
+  join ended_before b on b.id = e.id
+  cross join public.platform_settings s
+  cross join lateral (select round(e.cost_usd * s.platform_fee_rate, 8) as fee) f
+  left join public.nodes n on n.id = e.node_id
+  where b.status = 'running' and e.api_key_id is not null
+    and (e.status = 'succeeded' or (e.status = 'cancelled' and e.cost_usd > 0))
+  order by e.id
   on conflict (job_id) do nothing;
   return null;
 end;
 $$;
 
-COMMENT ON FUNCTION private.record_earning() IS 'Trigger: writes the earnings ledger row of a job that has just ended paid for (succeeded, or cancelled by its client after the node had worked): gross = its charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after its end (forfeited at once when its (node, model) has failed verification); at most once per job.';
+COMMENT ON FUNCTION private.record_earning() IS 'Trigger, once per statement that updates jobs: writes the earnings ledger rows of the jobs it ended paid for (left running, succeeded, or cancelled by its client after the node had worked): gross = the charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after the end (forfeited at once when its (node, model) has failed verification); at most once per job.';
 
-CREATE TRIGGER jobs_record_earning AFTER UPDATE OF status ON public.jobs FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.api_key_id IS NOT NULL) AND ((new.status = 'succeeded'::text) OR ((new.status = 'cancelled'::text) AND (new.cost_usd > (0)::numeric))))) EXECUTE FUNCTION private.record_earning();
+CREATE TRIGGER jobs_record_earning AFTER UPDATE ON public.jobs REFERENCING OLD TABLE AS ended_before NEW TABLE AS ended_now FOR EACH STATEMENT EXECUTE FUNCTION private.record_earning();
 
 REVOKE ALL ON FUNCTION private.record_earning() FROM PUBLIC;
 

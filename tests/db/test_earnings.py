@@ -156,10 +156,16 @@ def test_a_batch_earns_per_job_and_the_owner_of_each_node(
     ids = [row[0] for row in jobs if row]
     statuses = ["succeeded", "failed", "succeeded", "succeeded", "cancelled", "succeeded"]
     before = spent(conn, owners["key"])
-    conn.execute(
-        "select complete_jobs(%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
-        (ids, statuses, [1000] * 6, [90] * 6, [None] * 6, [100.0] * 6, [None] * 6),
-    )
+    with conn.transaction():
+        conn.execute("set local track_functions = 'pl'")
+        conn.execute(
+            "select complete_jobs(%s::uuid[], %s::text[], %s::int[], %s::int[], %s::real[], %s::real[], %s::text[])",
+            (ids, statuses, [1000] * 6, [90] * 6, [None] * 6, [100.0] * 6, [None] * 6),
+        )
+        calls = conn.execute(
+            "select pg_stat_get_xact_function_calls('private.record_earning'::regproc)"
+        ).fetchone()
+    assert calls == (1,)  # one insert for the batch (a call a job was 12% of a leased job's CPU)
     charged_succeeded = conn.execute(  # and the one its client left, after the node's work
         "select sum(cost_usd) from jobs where id = any(%s) and status <> 'failed'", (ids,)
     ).fetchone()
