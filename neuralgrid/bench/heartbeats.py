@@ -22,8 +22,9 @@ side in one run:
    beating here: parts 1 and 2 say how many nodes it can.)
 
 Each part then runs `match_job()` (50 a second, each ended at once, untimed; its caller a process of
-its own, committing as the gateway's request path does, without waiting for the WAL flush) for twice the window while its beats are turned on and off in turns of a heartbeat interval
-(every node stays fresh): its p99 under beats against without them, as seen and in Postgres alone.
+its own, committing as the gateway's request path does, without waiting for the WAL flush) for twice
+the window while its beats are turned on and off in turns of a heartbeat interval (every node stays
+fresh): its p99 under beats against without them, as seen and in Postgres alone.
 
 Postgres's CPU is its whole process tree's (backends, the gateway's sweeper, autovacuum, the WAL
 writer), read from /proc around each window as the other benchmarks read it; WAL is the distance
