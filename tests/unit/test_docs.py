@@ -798,8 +798,9 @@ def heartbeats_block() -> str:
         f" {said['batched_over_before_cpu_sql']:.4f}{TIMES} the code before issue 41's; beats the batching"
         f" gateway delivered over those offered: {said['delivered_over_offered']:.3f}; `match_job` p99 under"
         f" batched beats over quiet: {said['match_p99_under_beats_over_quiet_sql']:.2f}{TIMES} in SQL alone,"
-        f" {said['match_p99_under_beats_over_quiet_gateway']:.2f}{TIMES} through the gateway (the agents'"
-        f" HTTP on the same two cores), {said['match_p99_under_beats_over_quiet_at_scale']:.2f}{TIMES} at"
+        f" {said['match_p99_under_beats_over_quiet_gateway']:.2f}{TIMES} through the gateway (whose HTTP"
+        f" shares the two cores; in Postgres alone {said['match_pg_p99_under_beats_over_quiet_gateway']:.2f}"
+        f"{TIMES}), {said['match_p99_under_beats_over_quiet_at_scale']:.2f}{TIMES} at"
         f" {max(r['nodes'] for r in report['results']):,} nodes."
     )
     return table(head, rows, right=2) + "\n" + summary + " " + run_line("heartbeats")
