@@ -10,9 +10,8 @@ side in one run:
    agent's connection each: the gateway writing each beat at once (NEURALGRID_HEARTBEAT_FLUSH_S=0,
    `agent_heartbeat()` a beat) against batching (the default), in alternating rounds: beats/s
    delivered against those offered, Postgres's and the gateway's CPU per beat, WAL bytes per beat,
-   the beat's latency. The agents beat from a thread of this process at nice 10: they stand for
-   machines of their own, and on this machine's two cores their HTTP clients took CPU from the
-   database and the gateway that a real fleet does not.
+   the beat's latency. The agents (beating_agents.py) beat from a thread of this process at nice
+   10, as machines of their own.
 2. **In SQL alone**, the same fleet and offered rate, without the gateway's and this process's HTTP
    on the machine: `agent_heartbeat()` a beat from 4 connections (as a gateway's pool sends them)
    against `node_heartbeats()` once a second; and the per-beat path of the code before issue 41, on a
@@ -45,16 +44,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psycopg
 from psycopg import sql
 
 from neuralgrid.bench import CpuMeter, percentiles, postmaster_pid, scratch_database, served
+from neuralgrid.bench.beating_agents import Beats, beating_elsewhere, secret
 from neuralgrid.db import migrate
 from neuralgrid.server.serving import free_port, run_fast
 
@@ -67,9 +66,6 @@ ISSUE_41 = "20261204000100"
 CHUNK = 5_000  # beats per node_heartbeats() statement, as the gateway sends them
 MATCH_EVERY_S = 0.02  # the matcher's caller: 50 placements a second, each ended at once (untimed)
 PER_BEAT_CONNECTIONS = 4  # a gateway's request pool
-# The simulated agents' thread yields the cores to the rest: their HTTP clients stand for machines of
-# their own, whose CPU a real fleet does not take from the database's or the gateway's.
-AGENTS_NICE = 10
 
 # A synthetic fleet in one statement (as `bench matching` makes one), each node with a secret of its
 # own ('bench-node-<i>', kept as its SHA-256) and the benchmark's model warm.
@@ -91,10 +87,6 @@ with gpu(k, model, vram, tflops, rate) as (values
 )
 insert into public.node_models (node_id, model_id, state) select id, %(model)s, 'loaded' from ins
 """
-
-
-def secret(i: int) -> str:
-    return f"bench-node-{i}"
 
 
 @dataclass
@@ -272,88 +264,6 @@ def _per_beat(used: dict[str, float], beats: int, interval_s: float) -> dict[str
 # 1. Through a gateway --------------------------------------------------------------------------------
 
 
-@dataclass
-class Beats:
-    """What the simulated agents saw: each beat's end (perf_counter) and latency, by outcome."""
-
-    ok: list[tuple[float, float]] = field(default_factory=list)
-    failed: list[float] = field(default_factory=list)
-    nice: int | None = None  # their thread's, as read from it
-
-    def between(self, start: float, end: float) -> tuple[int, list[float], int]:
-        done = [ms for at, ms in self.ok if start <= at < end]
-        return len(done), done, len([at for at in self.failed if start <= at < end])
-
-
-async def _agents(
-    gateway: str, fleet: Fleet, interval_s: float, beats: Beats, stop: asyncio.Event, toggle: Toggle
-) -> None:
-    """Every node beats, staggered over an interval, `interval_s` after its last beat ended (a beat
-    whose time falls while the toggle is off is skipped: no burst when it turns on again)."""
-    connector = aiohttp.TCPConnector(limit=len(fleet.ids))  # a connection an agent, as agents have
-    timeout = aiohttp.ClientTimeout(total=30)
-    body = f'{{"models": ["{MODEL}"]}}'.encode()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-
-        async def agent(i: int) -> None:
-            url = f"{gateway}/v1/nodes/{fleet.ids[i - 1]}/heartbeat"
-            headers = {"authorization": f"Bearer {secret(i)}", "content-type": "application/json"}
-            with suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s * i / len(fleet.ids))
-            while not stop.is_set():
-                if not toggle.on:
-                    with suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), interval_s)
-                    continue
-                started = time.perf_counter()
-                try:
-                    async with http.post(url, data=body, headers=headers) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
-                ended = time.perf_counter()
-                if ok:
-                    beats.ok.append((ended, (ended - started) * 1000))
-                else:
-                    beats.failed.append(ended)
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval_s)
-
-        await asyncio.gather(*(agent(i) for i in range(1, len(fleet.ids) + 1)))
-
-
-def _agents_elsewhere(
-    gateway: str, fleet: Fleet, interval_s: float, beats: Beats, toggle: Toggle
-) -> Callable[[], None]:
-    """The agents, beating from a thread of their own at AGENTS_NICE (its own event loop); returns
-    the call that stops them and waits for their last beats."""
-    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-    ready = threading.Event()
-
-    async def beat() -> None:
-        stop = asyncio.Event()
-        running.append((asyncio.get_running_loop(), stop))
-        ready.set()
-        await _agents(gateway, fleet, interval_s, beats, stop, toggle)
-
-    def main() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), AGENTS_NICE)  # this thread only
-        beats.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        run_fast(beat())
-
-    thread = threading.Thread(target=main, name="agents", daemon=True)
-    thread.start()
-    ready.wait(30)
-
-    def halt() -> None:
-        loop, stop = running[0]
-        loop.call_soon_threadsafe(stop.set)
-        thread.join()
-
-    return halt
-
-
 def _through_gateway(
     fleet: Fleet, code: str, seconds: float, interval_s: float, progress: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -375,7 +285,7 @@ def _through_gateway(
         toggle = Toggle()
 
         async def run() -> tuple[dict[str, float], list[Sample]]:
-            halt = _agents_elsewhere(gateway, fleet, interval_s, beats, toggle)
+            halt = beating_elsewhere(gateway, fleet.ids, MODEL, interval_s, beats, toggle)
             progress(f"through a gateway, {code}: {len(fleet.ids):,} nodes, their first beats")
             await asyncio.sleep(interval_s + 1)  # every node's first beat, outside the windows
             progress(f"through a gateway, {code}: beats alone for {seconds:.0f} s")

@@ -50,6 +50,10 @@ class CompareFailed(Exception):
     """The SQL to compare with failed on the scratch database."""
 
 
+class RoundFailed(Exception):
+    """A round's calls did not place or record every job they were given."""
+
+
 class Database:
     """One scratch database's connection, with what a round needs to place and end jobs."""
 
@@ -84,8 +88,9 @@ class Database:
             ).fetchall()
             placed = time.perf_counter()
             ids = [row[1] for row in rows if row[2] is not None]  # (ord, job_id, node_id, …)
-            if len(ids) != group:
-                raise RuntimeError(f"placed {len(ids)} of {group} jobs: {rows}")
+            if len(ids) != group:  # a request's failure is its row's last column
+                failure = next((row[-1] for row in rows if row[-1]), rows)
+                raise RoundFailed(f"placed {len(ids)} of {group} jobs: {failure}")
             # 20 tokens in 4 to 5 ms after the first: a stream measures a speed a little different
             # each time, as real ones do (the node's speed moves with every stream's end).
             ends = [
@@ -138,7 +143,7 @@ class Database:
     def _record(self, records: list[JobRecord]) -> None:
         rows = self.conn.execute(q.RECORD_JOBS.sql, (self.gateway, as_array(records))).fetchall()
         if len(rows) != len(records):
-            raise RuntimeError(f"recorded {len(rows)} of {len(records)} jobs: {rows}")
+            raise RoundFailed(f"recorded {len(rows)} of {len(records)} jobs: {rows}")
 
 
 def _per_job(first_s: float, second_s: float, cpu_s: float, jobs: int) -> dict[str, float]:
@@ -169,9 +174,9 @@ def run(
         if patch is not None:
             compared = _database(admin_url, f"{SCRATCH_DB}_compare", patch, stream)
             databases["compare"] = stack.enter_context(compared)
-        for database in databases.values():
+        for name in databases:
             for path in paths:
-                database.round(path, 1, WARMUP_JOBS)
+                _round(databases, name, path, 1, WARMUP_JOBS)
         cases = [(name, path) for path in paths for name in databases]
         results = []
         for group in groups:
@@ -179,7 +184,7 @@ def run(
             measured: dict[tuple[str, str], list[dict[str, float]]] = {case: [] for case in cases}
             for turn in range(rounds):
                 for name, path in cases if turn % 2 == 0 else list(reversed(cases)):
-                    measured[(name, path)].append(databases[name].round(path, group, jobs))
+                    measured[(name, path)].append(_round(databases, name, path, group, jobs))
             medians = {
                 case: {field: round(statistics.median(r[field] for r in runs), 4) for field in runs[0]}
                 for case, runs in measured.items()
@@ -200,6 +205,16 @@ def run(
                     result["leased_over_placed"] = _ratio(result["base"], medians[("base", "placed")])
                 results.append(result)
     return results
+
+
+def _round(databases: dict[str, Database], name: str, path: str, group: int, jobs: int) -> dict[str, float]:
+    """One round on one database; the compared SQL's failure there is the user's, said in a line."""
+    try:
+        return databases[name].round(path, group, jobs)
+    except (psycopg.Error, RoundFailed) as err:
+        if name != "compare":
+            raise
+        raise CompareFailed(f"the compared SQL failed when run: {str(err).strip().splitlines()[0]}") from err
 
 
 def _ratio(over: dict[str, float], under: dict[str, float]) -> dict[str, float]:

@@ -480,6 +480,10 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
     change.write_text("create index on public.no_such_table (x);")
     code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
     assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1
+    # SQL that applies but fails once jobs are written (found: a traceback of the bench's own code)
+    change.write_text("alter table public.jobs add constraint no_more_jobs check (false) not valid;")
+    code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
+    assert code == 1 and "the compared SQL failed when run" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run(db_url, "bench", "sql", "--groups", "17")
     assert code == 1 and "from 1 to 16" in err
     code, _, err = run(db_url, "bench", "sql", "--paths", "placed,teleported")
