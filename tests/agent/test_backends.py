@@ -17,7 +17,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -916,13 +915,27 @@ def test_a_server_busy_with_its_owners_own_work_is_passed_over(
         assert first is not None
         favoured, other = (s.server, twin_id) if first[0] == s.node_id else (twin, s.node_id)
         slots = s.node("max_concurrency")[0]
-        owners = {"model": favoured.served, "messages": STORY, "max_tokens": 400, "temperature": 0}
+        # The owner's streams run until closed (a run to the stop token could end before the platform's
+        # request on a fast machine, and at 400 tokens did, after the waits below: found in CI).
+        owners = {
+            "model": favoured.served,
+            "messages": STORY,
+            "max_tokens": 1800,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         outside = "select outside_load from nodes where id = %s"
-        with ThreadPoolExecutor(slots) as pool:
+        with ExitStack() as streams:
             busy = [
-                pool.submit(httpx.post, favoured.url + "/v1/chat/completions", json=owners, timeout=120)
+                streams.enter_context(
+                    httpx.stream("POST", favoured.url + "/v1/chat/completions", json=owners, timeout=120)
+                ).iter_lines()
                 for _ in range(slots)
             ]
+            assert all(
+                next(line for line in lines if line).startswith("data: ") for lines in busy
+            )  # generating
             wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (slots,), timeout=30)
             # The twin serves meanwhile (on 2 busy cores its health check can be late enough for its
             # agent to take it out for a beat: then it is not this test's case).
@@ -942,7 +955,9 @@ def test_a_server_busy_with_its_owners_own_work_is_passed_over(
                 (raw.headers["x-neuralgrid-job"],),
             ).fetchall()
             assert raw.headers["x-neuralgrid-node"] == str(other), seen
-            assert all(f.result().status_code == 200 for f in busy)
+            assert all(
+                next(line for line in lines if line).startswith("data: ") for lines in busy
+            )  # still generating
         wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (0,), timeout=10)
 
 
