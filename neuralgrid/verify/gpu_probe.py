@@ -109,13 +109,39 @@ def _mix(xp: ModuleType, x: Any) -> Any:
     return x
 
 
+_FUSED: dict[tuple[str, str], Any] = {}  # (kernel, array module) -> CuPy kernel
+
+
 def blocks(xp: ModuleType, fill_seed: int, first: int, count: int, words: int) -> Any:
     """Blocks first..first+count-1 of a fill, as a (count, words) uint64 array."""
+    kernel = _fused_make(xp)
+    if kernel is not None:
+        made = kernel(xp.uint64(first * words), xp.uint64(fill_seed), size=count * words)
+        return made.reshape(count, words)
     x = xp.arange(first * words, (first + count) * words, dtype=xp.uint64).reshape(count, words)
     x ^= xp.uint64(fill_seed)
     for _ in range(ROUNDS):
         _mix(xp, x)
     return x
+
+
+def _fused_make(xp: ModuleType) -> Any:
+    """CuPy's kernel for blocks(): each word's rounds in registers, written once (as NumPy's steps
+    would, each round reads and writes the whole chunk six times). It is also what a node that
+    makes blocks again instead of holding them would run: the cost docs/security.md weighs."""
+    make = getattr(xp, "ElementwiseKernel", None)
+    if make is None:
+        return None
+    if ("make", xp.__name__) not in _FUSED:
+        mix = f"v += {_GOLDEN}ULL; v ^= v >> 30; v *= {_M1}ULL; v ^= v >> 27; v *= {_M2}ULL; v ^= v >> 31;"
+        _FUSED["make", xp.__name__] = make(
+            "uint64 start, uint64 seed",
+            "uint64 x",
+            f"unsigned long long v = (start + i) ^ seed;"
+            f" for (int r = 0; r < {ROUNDS}; ++r) {{ {mix} }} x = v;",
+            "ng_probe_make",
+        )
+    return _FUSED["make", xp.__name__]
 
 
 def fill(xp: ModuleType, plan: Plan) -> Any:
@@ -153,16 +179,13 @@ def _macs(xp: ModuleType, rows: Any, salts: Any, key: Any) -> Any:
     return ((rows ^ salts[:, None]) * key).sum(axis=1, dtype=xp.uint64)
 
 
-_FUSED: dict[str, Any] = {}
-
-
 def _fused_mac(xp: ModuleType) -> Any:
     """CuPy's reduction kernel for _macs(), made once; None for an array module without them."""
     make = getattr(xp, "ReductionKernel", None)
     if make is None:
         return None
-    if xp.__name__ not in _FUSED:  # unsigned arithmetic wraps in C as in NumPy: the same digests
-        _FUSED[xp.__name__] = make(
+    if ("mac", xp.__name__) not in _FUSED:  # unsigned arithmetic wraps in C as in NumPy: the same digests
+        _FUSED["mac", xp.__name__] = make(
             "uint64 x, uint64 salt, uint64 k",
             "uint64 h",
             "(x ^ salt) * k",
@@ -171,7 +194,7 @@ def _fused_mac(xp: ModuleType) -> Any:
             "0",
             "ng_probe_mac",
         )
-    return _FUSED[xp.__name__]
+    return _FUSED["mac", xp.__name__]
 
 
 def digests(xp: ModuleType, data: Any, digest_seed: int, passes: int = PASSES) -> Any:
@@ -245,6 +268,7 @@ def run_here(xp: ModuleType, plan: Plan, synchronize: Any) -> dict[str, Any]:
         "bytes": plan.size,
         "fill_s": round(filled, 4),
         "digest_s": round(seconds, 4),
+        "make_gbps": round(plan.size / filled / 1e9, 3),  # blocks made a second, as bytes
         "gbps": round(PASSES * plan.size / seconds / 1e9, 3),
         "checked": len(picks),
         "wrong": len(wrong),
