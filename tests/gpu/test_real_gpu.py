@@ -60,6 +60,11 @@ def test_cupys_kernels_make_the_fill_and_digests_numpy_checks(monkeypatch: pytes
     )
     answered = [int(d) for d in probe.digests(cupy, on_gpu, digest_seed).get()]
     assert probe.wrong_digests(plan, "m" * 32, answered, range(plan.blocks)) == []
+    big = probe.Plan("b" * 32, 5 * probe.BLOCK_BYTES)  # a block's row split among thread blocks
+    on_gpu, on_cpu = probe.fill(cupy, big), probe.fill(np, big)
+    assert np.array_equal(
+        probe.digests(cupy, on_gpu, digest_seed).get(), probe.digests(np, on_cpu, digest_seed)
+    )
 
 
 def test_the_agent_answers_a_probe_out_of_gpu_memory() -> None:
