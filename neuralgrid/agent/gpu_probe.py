@@ -93,6 +93,7 @@ class GpuProbeHost:
 
     def _fill_now(self, plan: probe.Plan) -> Any:
         data = probe.fill(self._xp(), plan)
+        probe.ready_digests(self._xp(), plan.words)
         self._synchronize()
         return data
 
