@@ -290,9 +290,10 @@ def run_here(xp: ModuleType, plan: Plan, synchronize: Any) -> dict[str, Any]:
 
     started = time.perf_counter()
     data = fill(xp, plan)
-    ready_digests(xp, plan.words)
     synchronize()
     filled = time.perf_counter() - started
+    ready_digests(xp, plan.words)
+    synchronize()
     nonce2 = secrets.token_hex(16)
     started = time.perf_counter()
     h = digests(xp, data, seed(nonce2, b"digest"))
