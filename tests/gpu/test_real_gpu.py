@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -96,3 +97,35 @@ def test_an_honest_gpu_reaches_its_datasheets_threshold() -> None:
     datasheet = probe.bandwidth_for(_name())
     if datasheet is not None:
         assert figures["gbps"] >= probe.MIN_SHARE * datasheet
+
+
+def test_a_gpu_holding_half_the_fill_is_too_slow() -> None:
+    """The cheapest lie about memory: hold half the fill and make the other half again in every
+    pass, with the honest fill's own fused kernel. Its digests check out; its time does not."""
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    plan = probe.Plan("c" * 32, int(free * 0.25) // probe.BLOCK_BYTES * probe.BLOCK_BYTES)
+    n, words, half = plan.blocks, plan.words, plan.blocks // 2
+    held = probe.fill(cupy, probe.Plan(plan.nonce, half * plan.block_bytes))  # blocks 0 .. half - 1
+    fill_seed, digest_seed = probe.seed(plan.nonce, b"fill"), probe.seed("e" * 32, b"digest")
+    key, macs = probe._key(cupy, digest_seed, words), probe._gpu_macs(cupy)
+    step = (1 << 30) // plan.block_bytes
+    probe.ready_digests(cupy, words)
+    cupy.cuda.Stream.null.synchronize()
+    started = time.perf_counter()
+    h = cupy.zeros(n, dtype=cupy.uint64)
+    for offset in probe.offsets(digest_seed, n, probe.PASSES):
+        salts = cupy.roll(h, -offset)
+        parts = [macs(held, salts[:half], key)]
+        for first in range(half, n, step):
+            count = min(step, n - first)
+            made = probe.blocks(cupy, fill_seed, first, count, words)
+            parts.append(macs(made, salts[first : first + count], key))
+        h = cupy.concatenate(parts)
+    cupy.cuda.Stream.null.synchronize()
+    seconds = time.perf_counter() - started
+    answered = [int(d) for d in h.get()]
+    assert probe.wrong_digests(plan, "e" * 32, answered, random.sample(range(n), probe.CHECKS)) == []
+    datasheet = probe.bandwidth_for(_name())
+    print(_name(), "holding half:", round(probe.PASSES * plan.size / seconds / 1e9), "GB/s")
+    if datasheet is not None:
+        assert not probe.judge(plan.size, seconds, 0.0, datasheet).passed
