@@ -853,6 +853,32 @@ def sse_block() -> str:
     return table(["stream", "CPU ms", "ms per MiB"], rows, right=1) + "\n" + ratio + " " + run_line("sse")
 
 
+
+def gpu_probe_block() -> str:
+    """The GPU probe on a real GPU, idle and beside another process's load (scripts/gpu_calibration.sh)."""
+    report = load("gpu-probe")
+    rows = [
+        [
+            "nothing" if r["beside"] == "none" else f"a {r['beside']}-bound load",
+            f"{r['bytes'] / 2**30:.1f} GiB",
+            f"{r['make_gbps']:,.0f} GB/s",
+            f"{r['digest_s'] * 1000:,.0f} ms",
+            f"{r['gbps']:,.0f} GB/s",
+            f"{r['share_of_datasheet']:.0%}",
+        ]
+        for r in report["results"]
+    ]
+    half = report["holding_half"]["gbps"]
+    datasheet = report["results"][0]["datasheet_gbps"]
+    head = ["beside the probe", "filled", "blocks made", "4 passes of digests", "bandwidth", "of datasheet"]
+    return (
+        f"{report['device']}, datasheet {datasheet:,.0f} GB/s:\n\n"
+        + table(head, rows, right=1)
+        + f"\nHolding half the fill and making the rest again in every pass: {half:,} GB/s"
+        f" ({half / datasheet:.0%}).\n\n"
+        + run_line("gpu-probe")
+    )
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "readme": readme_block,
     "gateway": gateway_block,
@@ -866,6 +892,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "sse": sse_block,
     "verification": verification_block,
     "cross_checks": functools.partial(verification_block, "cross_checks"),
+    "gpu-probe": gpu_probe_block,
 }
 # The heartbeats' and Realtime's figures stand beside their design, the map's beside its page
 # (docs/benchmarks.md points to each); the others are in docs/benchmarks.md.
@@ -876,6 +903,7 @@ WHERE = {
     "map": DOCS / "web.md",
     "verification": DOCS / "security.md",
     "cross_checks": DOCS / "security.md",
+    "gpu-probe": DOCS / "security.md",
 }
 
 
