@@ -853,7 +853,6 @@ def sse_block() -> str:
     return table(["stream", "CPU ms", "ms per MiB"], rows, right=1) + "\n" + ratio + " " + run_line("sse")
 
 
-
 def gpu_probe_block() -> str:
     """The GPU probe on a real GPU, idle and beside another process's load (scripts/gpu_calibration.sh)."""
     report = load("gpu-probe")
@@ -875,9 +874,9 @@ def gpu_probe_block() -> str:
         f"{report['device']}, datasheet {datasheet:,.0f} GB/s:\n\n"
         + table(head, rows, right=1)
         + f"\nHolding half the fill and making the rest again in every pass: {half:,} GB/s"
-        f" ({half / datasheet:.0%}).\n\n"
-        + run_line("gpu-probe")
+        f" ({half / datasheet:.0%}).\n\n" + run_line("gpu-probe")
     )
+
 
 BLOCKS: dict[str, Callable[[], str]] = {
     "readme": readme_block,
