@@ -21,6 +21,7 @@ import httpx
 import psycopg
 import pytest
 
+from neuralgrid.gateway import leases
 from neuralgrid.gateway.pipeline.leased import DRAIN_S
 from neuralgrid.server.app import STOP_S, create_app
 from neuralgrid.server.serving import ThreadedServer
@@ -373,3 +374,33 @@ def test_at_full_load_requests_sql_placed_move_into_the_lease(
         for thread in callers:
             thread.join(timeout=30)
     assert failures == []
+
+
+def test_a_lease_that_runs_out_grows_at_once_not_at_the_next_renewal(
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str, monkeypatch: Any
+) -> None:
+    """A burst past what a lane's lease holds is placed in SQL (a round trip, and four times the
+    Postgres CPU) until a renewal grows the lease. The first such request asks for that renewal
+    (bench gateway's rounds began with half a second of it: the periodic renewal's wait)."""
+    monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
+    node = fake_nodes("leased-grows", latency_s=0.02)  # 4 slots
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    stop = threading.Event()
+    served: list[str] = []
+    with ThreadedServer(create_app(settings, db_url, sweep=False)) as gateway:
+        assert ask(gateway.url, api_key).status_code == 200  # cold: a renewal leases the lane
+        wait_for(lambda: leases_held(conn, node.node_id) > 0, timeout=10)
+        small = leases_held(conn, node.node_id)
+        assert small < 4  # one request's worth, and a spare
+        threads = _callers(gateway.url, api_key, 4, stop, served)
+        try:
+            wait_for(lambda: leases_held(conn, node.node_id) == 4, timeout=10)  # grown, no periodic renewal
+            time.sleep(0.5)  # the renewal's answer applied, the jobs SQL placed meanwhile ended
+            matched = metric(gateway.url, "neuralgrid_matcher_seconds_count")
+            time.sleep(1.0)
+            assert metric(gateway.url, "neuralgrid_matcher_seconds_count") == matched  # none placed in SQL
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+    assert "" not in served

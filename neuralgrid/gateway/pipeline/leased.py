@@ -164,11 +164,11 @@ class LeasedJobs:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
         self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
-        if lane is not None and not self.book.leases(lane):
-            # Cold (or the last renewal gave the lane nothing): a renewal asks for the lane now, its
-            # demand counting this job, which it moves into the lease it gets (_absorbed). Asked
-            # before the job was placed, it could lease the very slot SQL was about to give the
-            # job, leaving the job to wait in line.
+        if lane is not None:
+            # Cold, given nothing by the last renewal, or its leased slots all in use: a renewal asks
+            # for the lane now, its demand counting this job, which it moves into the lease it gets
+            # (_absorbed). Asked before the job was placed, it could lease the very slot SQL was
+            # about to give the job, leaving the job to wait in line.
             self.renewals.soon(lane)
 
     @contextlib.contextmanager
