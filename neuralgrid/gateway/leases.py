@@ -32,9 +32,9 @@ from neuralgrid.db.store import Store
 log = logging.getLogger(__name__)
 
 RENEW_EVERY_S = 0.5  # a node's failure, seen by one gateway, reaches the others within this and a round trip
-# A lane whose leased slots are all in use asks for more at most this often, not only every
-# RENEW_EVERY_S: meanwhile each request of a burst is placed in SQL (a round trip, and some four
-# times the Postgres CPU of a leased one).
+# A lane whose demand outgrew its lease (LeaseBook.outgrown()) asks for more at most this often, not
+# only every RENEW_EVERY_S: meanwhile each request of the burst is placed in SQL (a round trip, and
+# some four times the Postgres CPU of a leased one).
 GROW_EVERY_S = 0.1
 MARGIN_S = 0.5  # a lease is not used in its last half second, by this gateway's clock
 IDLE_S = 10.0  # a lane nobody asked for in this long is no longer wanted: its slots go back
@@ -210,6 +210,12 @@ class LeaseBook:
                 del self._waiting[lane]
         if change > 0:
             self._busier(lane)
+
+    def outgrown(self, lane: Lane) -> bool:
+        """As many of the lane's requests in flight here without a leased slot as with one: its
+        demand has outgrown its lease (a burst), not merely found it a slot or two short (a renewal
+        skips the node rows other transactions hold)."""
+        return self._unleased.get(lane, 0) >= max(self._held.get(lane, 0), 1)
 
     def _in_flight(self, lane: Lane) -> int:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""

@@ -113,6 +113,22 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
     assert wants == [9, 5, 3, 2, 1, 1]
 
 
+def test_a_lane_has_outgrown_its_lease_once_as_many_requests_are_in_sql_as_on_it() -> None:
+    """A slot or two short (a renewal skipped a node another transaction held) waits for the
+    periodic renewal; a burst past the lease asks for one at once (leased.py placed_elsewhere())."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    book.renewed([row(uuid4(), 4, 1)], clock(), 5.0)
+    for _ in range(4):
+        assert book.take(LANE, None) is not None
+    book.unleased(LANE, 1)
+    assert not book.outgrown(LANE)
+    for _ in range(3):
+        book.unleased(LANE, 1)
+    assert book.outgrown(LANE)
+    assert not book.outgrown(Lane("other", "balanced"))  # nothing in flight
+
+
 def test_a_scarce_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None:
     clock = Clock()
     book = LeaseBook(clock)
