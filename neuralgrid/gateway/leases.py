@@ -329,11 +329,11 @@ class Renewals:
     def soon(self, lane: Lane) -> None:
         """A renewal that asks for `lane`, behind the request that wanted it (SQL places that one):
         none when one under way asks for it already, or one that did came back within
-        RENEW_EVERY_S (GROW_EVERY_S for a lane that holds slots, all in use). Except once, after a
-        renewal that gave the lane no slot: a renewal skips the rows other transactions hold (a
-        job's end being written, a placement) rather than wait, and SQL placing the request says a
-        slot was there. Given nothing twice in a row, the lane is placed in SQL until the periodic
-        renewal."""
+        RENEW_EVERY_S (GROW_EVERY_S for a lane that holds slots: its demand outgrew them). Except
+        once, after a renewal that gave the lane no slot: a renewal skips the rows other
+        transactions hold (a job's end being written, a placement) rather than wait, and SQL
+        placing the request says a slot was there. Given nothing twice in a row, the lane is placed
+        in SQL until the periodic renewal."""
         every = GROW_EVERY_S if self.book.leases(lane) else RENEW_EVERY_S
         if self.book.clock() - self._answered.get(lane, float("-inf")) < every:
             return

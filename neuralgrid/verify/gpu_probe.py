@@ -33,8 +33,8 @@ MAX_BLOCK_BYTES = 64 << 20
 CHUNK_BYTES = 256 << 20  # what the agent works on at once: its temporaries are this size
 MAX_BYTES = 1 << 41  # 2 TiB: more than any one GPU holds
 # The share of the datasheet bandwidth a probe must reach. On an H200 (2026-12-04, docs/security.md)
-# an idle GPU showed 84%, one shared with another process's full load 38%, one holding half the
-# fill and making the rest again 10% or less; a CPU shows tens of GB/s against hundreds.
+# an idle GPU showed 85%, one shared with another process's full load 38%, one holding half the
+# fill and making the rest again 8%; a CPU shows tens of GB/s against hundreds.
 MIN_SHARE = 0.2
 
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

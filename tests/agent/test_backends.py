@@ -926,6 +926,11 @@ def test_a_server_busy_with_its_owners_own_work_is_passed_over(
             "stream": True,
         }
         outside = "select outside_load from nodes where id = %s"
+
+        def generating(lines: Iterator[str]) -> bool:
+            """The stream's next event is a token, not its end."""
+            return next(line for line in lines if line).startswith("data: ")
+
         with ExitStack() as streams:
             busy = [
                 streams.enter_context(
@@ -933,9 +938,7 @@ def test_a_server_busy_with_its_owners_own_work_is_passed_over(
                 ).iter_lines()
                 for _ in range(slots)
             ]
-            assert all(
-                next(line for line in lines if line).startswith("data: ") for lines in busy
-            )  # generating
+            assert all(generating(lines) for lines in busy)
             wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (slots,), timeout=30)
             # The twin serves meanwhile (on 2 busy cores its health check can be late enough for its
             # agent to take it out for a beat: then it is not this test's case).
@@ -955,9 +958,7 @@ def test_a_server_busy_with_its_owners_own_work_is_passed_over(
                 (raw.headers["x-neuralgrid-job"],),
             ).fetchall()
             assert raw.headers["x-neuralgrid-node"] == str(other), seen
-            assert all(
-                next(line for line in lines if line).startswith("data: ") for lines in busy
-            )  # still generating
+            assert all(generating(lines) for lines in busy)  # still
         wait_for(lambda: s.conn.execute(outside, (first[0],)).fetchone() == (0,), timeout=10)
 
 

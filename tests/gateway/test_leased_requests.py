@@ -380,8 +380,9 @@ def test_a_lease_that_runs_out_grows_at_once_not_at_the_next_renewal(
     conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str, monkeypatch: Any
 ) -> None:
     """A burst past what a lane's lease holds is placed in SQL (a round trip, and four times the
-    Postgres CPU) until a renewal grows the lease. The first such request asks for that renewal
-    (bench gateway's rounds began with half a second of it: the periodic renewal's wait)."""
+    Postgres CPU) until a renewal grows the lease. Once as many are in SQL as on the lease, the next
+    asks for that renewal (bench gateway's rounds began with half a second of it: the periodic
+    renewal's wait)."""
     monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
     node = fake_nodes("leased-grows", latency_s=0.02)  # 4 slots
     settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
