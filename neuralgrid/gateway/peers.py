@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.tunnel import TunnelClosed, TunnelUnreachable
-from neuralgrid.gateway.upstream import NodeError, NodeTimeout
+from neuralgrid.gateway.upstream import NodeError, NodeTimeout, Timing
 from neuralgrid.protocol import signing
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class ForwardedResponse:
         self.timeout_s = timeout_s
         self.status = 0
         self.content_type = "application/json"
+        self.timing: Timing | None = None  # the node's own time is not told apart from the way there
         self.finished = False
 
     async def _frame(self) -> tuple[bytes, bytes]:

@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout
+from neuralgrid.gateway.upstream import NodeError, NodeResponse, NodeTimeout, Timing
 from neuralgrid.protocol.tunnel import (
     MAX_DATA,
     UNWINDOWED_CAP,
@@ -163,6 +163,7 @@ class TunnelResponse:
         self.taken = 0  # characters of data taken and not yet acknowledged to the agent
         self.status = 0
         self.content_type = "application/json"
+        self.timing: Timing | None = None  # the node's own time is not told apart from the way there
         self.finished = False
         self.timeout = 30.0  # between two frames of the body, as between two reads from an HTTP node
 

@@ -9,7 +9,10 @@ adds to a request.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 import aiohttp
@@ -25,11 +28,23 @@ class NodeTimeout(NodeError):
     """A node did not connect, or did not send its next byte, in time."""
 
 
+@dataclass(slots=True)
+class Timing:
+    """When the node had the whole request, and when its whole answer was in if that came with its
+    status and headers (else 0), as the HTTP client saw them (time.perf_counter()): between the two
+    the node works; writing the request and parsing the answer are the gateway's own time."""
+
+    asked: float = 0.0
+    answered: float = 0.0
+
+
 class NodeResponse(Protocol):
-    """A node's answer once its status is known; the body is read once, whole or in chunks."""
+    """A node's answer once its status is known; the body is read once, whole or in chunks.
+    `timing`: None where the way to the node does not tell it (tunnels)."""
 
     status: int
     content_type: str
+    timing: Timing | None
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -65,10 +80,11 @@ def _translate(err: Exception) -> NodeError:
 class HttpResponse:
     """An aiohttp response as a NodeResponse."""
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, timing: Timing) -> None:
         self._resp = resp
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "application/json")
+        self.timing: Timing | None = timing
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -86,6 +102,24 @@ class HttpResponse:
     async def close(self) -> None:
         # A body read to its end gives the connection back to the pool; a half-read one closes it.
         self._resp.release()
+
+
+async def _asked(_: aiohttp.ClientSession, ctx: SimpleNamespace, __: object) -> None:
+    ctx.trace_request_ctx.asked = time.perf_counter()  # each chunk of the body: the last one counts
+
+
+async def _answered(
+    _: aiohttp.ClientSession, ctx: SimpleNamespace, end: aiohttp.TraceRequestEndParams
+) -> None:
+    if end.response.content.is_eof():  # the body came with the headers: the node is done
+        ctx.trace_request_ctx.answered = time.perf_counter()
+
+
+def _timed() -> aiohttp.TraceConfig:
+    timed = aiohttp.TraceConfig()
+    timed.on_request_chunk_sent.append(_asked)
+    timed.on_request_end.append(_answered)
+    return timed
 
 
 class HttpNodes:
@@ -108,7 +142,9 @@ class HttpNodes:
         self.public_only = public_only
         resolver = PublicResolver() if public_only else None
         connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, resolver=resolver)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=self.timeout, trace_configs=[_timed()]
+        )
 
     async def post(
         self, url: str, payload: bytes, headers: dict[str, str], first_byte_timeout_s: float | None = None
@@ -130,12 +166,18 @@ class HttpNodes:
                     sock_connect=timeout.sock_connect,
                     sock_read=first_byte_timeout_s,
                 )
+            timing = Timing()
             resp = await self.session.post(
-                url, data=payload, headers=headers, allow_redirects=False, timeout=timeout
+                url,
+                data=payload,
+                headers=headers,
+                allow_redirects=False,
+                timeout=timeout,
+                trace_request_ctx=timing,
             )
         except (aiohttp.ClientError, TimeoutError) as err:
             raise _translate(err) from err
-        return HttpResponse(resp)
+        return HttpResponse(resp, timing)
 
     async def close(self) -> None:
         await self.session.close()

@@ -128,11 +128,10 @@ class Pipeline:
             raise
 
         meter.first_byte = time.perf_counter()
-        # The gateway's overhead is everything from arrival to answering but the node's own time
-        # (sending to it until its first byte; a whole answer's first byte comes with its end) and the
-        # time spent waiting for a slot or on nodes that failed. A whole answer is timed once it is
-        # metered, just before it leaves; a stream when its first event does.
-        not_ours = meter.first_byte - meter.sent + delivery.waited + placed.waited
+        # The gateway's overhead is everything from arrival to answering but the node's own time and
+        # the time spent waiting for a slot or on nodes that failed. A whole answer is timed once it
+        # is metered, just before it leaves; a stream when its first event does.
+        not_ours = _node_time(meter, delivery, admitted.stream) + delivery.waited + placed.waited
         headers = {
             **admitted.limit_headers,
             "x-neuralgrid-node": str(meter.node_id),
@@ -182,3 +181,14 @@ class Pipeline:
 
     async def drain(self) -> None:
         await self.metering.drain()
+
+
+def _node_time(meter: Meter, delivery: Delivery, stream: bool) -> float:
+    """The node's own time on the request that it answered: from when it had the whole request to
+    a stream's first event, or to a whole answer's end (when it came with its headers, as servers
+    send one, the time they were in; else once read). Where the way there does not tell when the
+    request was written (tunnels), from sending it."""
+    timing = delivery.response.timing
+    if timing is None or not timing.asked:
+        return meter.first_byte - meter.sent
+    return (meter.first_byte if stream or not timing.answered else timing.answered) - timing.asked
