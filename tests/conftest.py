@@ -5,15 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,10 +81,53 @@ def clone_database(server: EmbeddedPostgres, template: str) -> str:
     return name
 
 
+class Clones:
+    """Clones of the template made AHEAD at a time, by a thread, while the tests before them run: a
+    clone takes 0.05 to 0.4 s (a checkpoint, then a copy), which over a thousand tests was minutes
+    of the suite spent waiting, on a machine whose two cores the tests leave idle half the time."""
+
+    AHEAD = 2
+
+    def __init__(self, server: EmbeddedPostgres, template: str) -> None:
+        self.server, self.template = server, template
+        self.ready: queue.Queue[str] = queue.Queue(self.AHEAD)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._make, name="database-clones", daemon=True)
+        self.thread.start()
+
+    def _make(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                name = clone_database(self.server, self.template)
+            except psycopg.Error:
+                return  # the server is going away: take() clones for itself
+            while not self.stopping.is_set():
+                with suppress(queue.Full):
+                    self.ready.put(name, timeout=0.5)
+                    break
+
+    def take(self) -> str:
+        try:
+            return self.ready.get(timeout=30 if self.thread.is_alive() else 0)
+        except queue.Empty:
+            return clone_database(self.server, self.template)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def clones(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[Clones]:
+    made = Clones(pg_server, template_db)
+    yield made
+    made.stop()
+
+
 @pytest.fixture
-def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+def db_url(pg_server: EmbeddedPostgres, clones: Clones) -> Iterator[str]:
     """A fresh, fully migrated database for one test."""
-    name = clone_database(pg_server, template_db)
+    name = clones.take()
     yield pg_server.url(name)
     with psycopg.connect(pg_server.url(), autocommit=True) as conn:
         conn.execute(f"drop database {name} with (force)")
