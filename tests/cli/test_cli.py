@@ -419,11 +419,11 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
 def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, tmp_path: Path) -> None:
     """A small run of `neuralgrid bench sql`: jobs placed and ended, and jobs recorded as a leased
     gateway writes them (start, then end), in groups on a scratch database, and on a second one with
-    a change applied (here: every ending 5 ms slower), side by side."""
+    a change applied (here: every ending 10 ms slower), side by side."""
     change = tmp_path / "slower_endings.sql"
     change.write_text(
         "create function public.slow() returns trigger language plpgsql as"
-        " $$ begin perform pg_sleep(0.005); return null; end $$;"
+        " $$ begin perform pg_sleep(0.01); return null; end $$;"
         " create trigger slow after update on public.job_attempts for each row execute function public.slow();"
     )
     out_file = tmp_path / "sql.json"
@@ -452,8 +452,10 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
     for r in report["results"]:
         assert all(value > 0 for value in r["base"].values()) and r["base"]["postgres_cpu_ms"] < 50
         # The ending is the second call on both paths: complete_jobs(), or record_jobs() of the ends.
-        assert r["compare"]["second_ms"] > r["base"]["second_ms"] + 4  # 5 ms of sleep per job
-        assert r["compare"]["first_ms"] < r["base"]["first_ms"] + 4
+        # 10 ms of sleep per job, against half that: a run's noise here reached 2 ms (a clean clone
+        # at 7c5259b saw 5 ms of sleep add 3.3).
+        assert r["compare"]["second_ms"] > r["base"]["second_ms"] + 5
+        assert r["compare"]["first_ms"] < r["base"]["first_ms"] + 5
         assert r["ratio"]["second_ms"] == pytest.approx(
             r["compare"]["second_ms"] / r["base"]["second_ms"], 0.01
         )
@@ -464,7 +466,7 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
     # --stream: the jobs are streams (here the change slows only those); --paths: one path.
     change.write_text(
         "create function public.slow() returns trigger language plpgsql as"
-        " $$ begin perform pg_sleep(0.005); return null; end $$;"
+        " $$ begin perform pg_sleep(0.01); return null; end $$;"
         " create trigger slow after update on public.jobs for each row when (new.stream)"
         " execute function public.slow();"
     )
@@ -476,7 +478,7 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
         assert code == 0, out + err
         (result,) = json.loads(out_file.read_text())["results"]
         assert result["stream"] is stream and result["path"] == path
-        assert (result["compare"]["second_ms"] > result["base"]["second_ms"] + 4) is stream, result
+        assert (result["compare"]["second_ms"] > result["base"]["second_ms"] + 5) is stream, result
     change.write_text("create index on public.no_such_table (x);")
     code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
     assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1
