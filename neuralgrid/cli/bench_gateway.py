@@ -233,7 +233,8 @@ def sql(
         str,
         typer.Option(
             envvar="NEURALGRID_BENCH_PATHS",
-            help="placed (place_jobs() and complete_jobs()), leased (record_jobs(): start, then end).",
+            help="placed (place_jobs() and complete_jobs()), leased (record_jobs(): start, then end),"
+            " once (record_jobs(): start and end in one call).",
         ),
     ] = "placed,leased",
     out_file: OutFile = Path("bench-results/sql.json"),
@@ -264,7 +265,8 @@ def sql(
         "total",
         "postgres cpu",
         caption="ms per job: the client's wall time in each call (placed: place_jobs(), complete_jobs();"
-        " leased: record_jobs() of the starts, of the ends), the backend's CPU; medians over rounds",
+        " leased: record_jobs() of the starts, of the ends; once: none, then record_jobs() of both),"
+        " the backend's CPU; medians over rounds",
     )
     for r in results:
         for name in ("base", "compare", "ratio", "leased_over_placed"):
@@ -274,8 +276,11 @@ def sql(
                 table.add_row(
                     str(r["group"]),
                     r["path"],
-                    "leased/placed" if name == "leased_over_placed" else name,
-                    *(fmt.format(f[k]) for k in ("first_ms", "second_ms", "total_ms", "postgres_cpu_ms")),
+                    f"{r['path']}/placed" if name == "leased_over_placed" else name,
+                    *(
+                        fmt.format(f[k]) if k in f else "-"
+                        for k in ("first_ms", "second_ms", "total_ms", "postgres_cpu_ms")
+                    ),
                 )
     report(
         table,

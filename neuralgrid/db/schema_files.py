@@ -109,6 +109,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.place",
         "public.place_job",
         "public.place_jobs",
+        "private.end_jobs",
         "public.complete_job",
         "public.complete_jobs",
         "public.failover_job",
@@ -119,6 +120,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
     "070_earnings": (
         "Earnings: the owners' ledger, written as paid jobs end.",
         "public.earnings",
+        "private.write_earnings",
         "private.record_earning",
         "public.my_earnings",
         "public.my_earnings_totals",

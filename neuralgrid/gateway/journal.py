@@ -42,14 +42,17 @@ BATCH = 500  # records per record_jobs() call
 SEGMENT_BYTES = 4 << 20  # a spool file is closed and a new one begun past this size
 RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is unavailable
 # Records are written in batches, one write in flight (what comes meanwhile joins the next), each
-# GATHER_S after the record that woke it (the answer that queued it goes out first). A start may
-# wait START_AFTER_S (0: no wait), so that a job that ends sooner is written once; the ledger's
-# running jobs (owners' pages, the sweep, the tests) want it at once. Measured side by side (bench
-# gateway, 2026-12-02), windows of 50 ms and 0.5 s changed Postgres's CPU per request by no more
-# than the machine's noise; so did a 20 ms gather with starts held 100 ms (2026-12-03, 16 callers:
-# 0.33 to 0.43 ms a request against 0.31 to 0.41): a leased job costs the rows it writes.
+# GATHER_S after the record that woke it (the answer that queued it goes out first). A start waits
+# START_AFTER_S, so that a job that ends sooner is written once, ended (record_jobs() then inserts
+# its job and attempt ended rather than inserting them running and updating both): the ledger shows
+# a running leased job that much later (the sweep has the spool; failover and hand-over write at
+# once). Side by side (bench gateway, 16 callers, 2026-12-04, alternating runs): with no wait and the
+# new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48 streaming; with the
+# wait, 0.28 to 0.35 and 0.36 to 0.39; before both, 0.41 to 0.46 and 0.42 to 0.49 (a wait alone
+# had changed nothing: a leased job cost the rows it wrote). A job longer than the wait is written
+# twice, as before.
 GATHER_S = 0.002
-START_AFTER_S = 0.0
+START_AFTER_S = 0.1
 ORPHANS_EVERY_S = 1.0  # how often a live gateway looks for dead ones' spools (one folder listing)
 
 

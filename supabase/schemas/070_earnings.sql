@@ -50,11 +50,26 @@ CREATE FUNCTION private.record_earning() RETURNS trigger
     SET search_path TO ''
     AS $$
 begin
-  -- One insert for the statement's paid endings: each job's node owner (a primary-key lookup) and
-  -- the one-row settings. A second ending of the same job (it cannot happen through complete_jobs(),
-  -- which ends running jobs only) writes nothing. A job of a (node, model) that has failed
-  -- verification (ended after the failure: in flight then, or dispatched on a lease before its
-  -- renewal) is forfeited as it is written.
+  -- The statement's jobs that left 'running'. A second ending of the same job (it cannot happen
+  -- through complete_jobs(), which ends running jobs only) writes nothing.
+  perform private.write_earnings(array(
+    select e.id from ended_now e join ended_before b on b.id = e.id where b.status = 'running'));
+  return null;
+end;
+$$;
+
+COMMENT ON FUNCTION private.record_earning() IS 'Trigger, once per statement that updates jobs: the earnings (private.write_earnings()) of the jobs it ended.';
+
+CREATE TRIGGER jobs_record_earning AFTER UPDATE ON public.jobs REFERENCING OLD TABLE AS ended_before NEW TABLE AS ended_now FOR EACH STATEMENT EXECUTE FUNCTION private.record_earning();
+
+REVOKE ALL ON FUNCTION private.record_earning() FROM PUBLIC;
+
+
+CREATE FUNCTION private.write_earnings(p_job_ids uuid[]) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+begin
   insert into public.earnings (job_id, node_id, owner_id, model_id, gross_usd, fee_rate, fee_usd, net_usd,
                                earned_at, settles_at, forfeited_at)
   select e.id, e.node_id, n.owner_id, e.model_id, e.cost_usd, s.platform_fee_rate, f.fee,
@@ -63,24 +78,21 @@ begin
          case when exists (select 1 from public.model_checks c
                            where c.node_id = e.node_id and c.model_id = e.model_id and c.state = 'failed')
               then now() end
-  from ended_now e
-  join ended_before b on b.id = e.id
+  from public.jobs e
   cross join public.platform_settings s
   cross join lateral (select round(e.cost_usd * s.platform_fee_rate, 8) as fee) f
   left join public.nodes n on n.id = e.node_id
-  where b.status = 'running' and e.api_key_id is not null
+  where e.id = any (p_job_ids) and e.api_key_id is not null
     and (e.status = 'succeeded' or (e.status = 'cancelled' and e.cost_usd > 0))
   order by e.id
   on conflict (job_id) do nothing;
-  return null;
 end;
 $$;
 
-COMMENT ON FUNCTION private.record_earning() IS 'Trigger, once per statement that updates jobs: writes the earnings ledger rows of the jobs it ended paid for (left running, succeeded, or cancelled by its client after the node had worked): gross = the charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after the end (forfeited at once when its (node, model) has failed verification); at most once per job.';
+COMMENT ON FUNCTION private.write_earnings(p_job_ids uuid[]) IS 'Writes the earnings ledger rows of the ended jobs named that were paid for (succeeded, or cancelled by their client after the node had worked): gross = the charge, the platform''s fee at platform_settings.platform_fee_rate, the owner''s net, held until earnings_hold_s after the end (forfeited at once when its (node, model) has failed verification); at most once per job.';
 
-CREATE TRIGGER jobs_record_earning AFTER UPDATE ON public.jobs REFERENCING OLD TABLE AS ended_before NEW TABLE AS ended_now FOR EACH STATEMENT EXECUTE FUNCTION private.record_earning();
-
-REVOKE ALL ON FUNCTION private.record_earning() FROM PUBLIC;
+REVOKE ALL ON FUNCTION private.write_earnings(p_job_ids uuid[]) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.write_earnings(p_job_ids uuid[]) TO service_role;
 
 
 CREATE FUNCTION public.my_earnings(p_since timestamp with time zone) RETURNS TABLE(day date, node_id uuid, node_name text, model_id text, jobs bigint, gross_usd numeric, fee_usd numeric, net_usd numeric)

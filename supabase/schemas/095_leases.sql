@@ -566,6 +566,7 @@ declare
   v_users text[];
   v_ends jsonb[];
   v_new uuid[];  -- the jobs this call records
+  v_fresh uuid[];  -- those of them it records ended (start and end together)
   v_ending uuid[];  -- the jobs whose end this call writes
   v_costs jsonb;  -- {job id: cost} of the jobs it ended
   v_end_ids uuid[];  -- the ends to write, by job id, as complete_jobs() takes them
@@ -690,13 +691,17 @@ begin
     raise exception 'job record % (%): %', v_bad.n, v_bad.id, v_bad.bad_lane using errcode = 'invalid_parameter_value';
   end if;
 
-  -- The new jobs, as place() records a placed one, each with its leased first attempt.
+  -- The new jobs: those still running recorded as place() records a placed one, each with its
+  -- leased first attempt; those that have ended are written ended, by end_jobs() below.
+  v_fresh := array(select u.id from unnest(v_ids, v_ends) u (id, e)
+                   where u.e is not null and not exists (select from public.jobs j where j.id = u.id)
+                   order by u.id);
   with input as (
     select u.*, k.budget_usd is not null as budgeted, k.owner_id
-    from unnest(v_ids, v_keys, v_models, v_policies, v_regions, v_streams, v_nodes, v_starts, v_holds, v_users)
-      with ordinality as u (id, key, model, policy, region, stream, node, started_at, hold, end_user, n)
+    from unnest(v_ids, v_keys, v_models, v_policies, v_regions, v_streams, v_nodes, v_starts, v_holds, v_users, v_ends)
+      with ordinality as u (id, key, model, policy, region, stream, node, started_at, hold, end_user, e, n)
     left join public.api_keys k on k.id = u.key
-    where not exists (select from public.jobs j where j.id = u.id)
+    where u.e is null and not exists (select from public.jobs j where j.id = u.id)
   ),
   recorded as (
     insert into public.jobs as j (id, api_key_id, owner_id, model_id, policy, status, node_id, attempts, stream,
@@ -713,27 +718,30 @@ begin
     insert into public.job_attempts (job_id, attempt, node_id, leased, started_at)
     select r.id, 1, r.node_id, true, r.created_at from recorded r
   )
-  select array_agg(r.id order by r.id) into v_new from recorded r;
+  select coalesce(array_agg(r.id), '{}') || v_fresh into v_new from recorded r;
 
-  -- Its end's nodes and keys, in complete_jobs()'s order: nodes by id, then keys by id.
+  -- The nodes and keys of what it ends, in complete_jobs()'s order: nodes by id, then keys by id.
   v_ending := array(
     select u.id from unnest(v_ids, v_ends) as u (id, e)
     join public.jobs j on j.id = u.id
     where u.e is not null and j.status = 'running');
   perform from public.nodes n
   where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_ending) and a.status = 'running')
+     or n.id in (select u.node from unnest(v_ids, v_nodes) u (id, node) where u.id = any (v_fresh))
   order by n.id for no key update;
   perform from public.api_keys k
   where k.id in (select j.api_key_id from public.jobs j where j.id = any (v_new || v_ending))
+     or k.id in (select u.key from unnest(v_ids, v_keys) u (id, key) where u.id = any (v_fresh))
   order by k.id for no key update;
 
   -- The new jobs' holds leave the gateway's escrows for their keys (what an escrow lacks is held on
   -- the key anew).
   with held as (
-    select j.api_key_id, sum(j.reserved_usd) as usd
-    from public.jobs j
-    where j.id = any (v_new) and j.reserved_usd > 0
-    group by j.api_key_id
+    select u.key as api_key_id, sum(u.hold) as usd
+    from unnest(v_ids, v_keys, v_holds) u (id, key, hold)
+    join public.api_keys k on k.id = u.key and k.budget_usd is not null
+    where u.id = any (v_new) and u.hold > 0
+    group by u.key
   ),
   escrowed as (
     select h.api_key_id, h.usd, least(h.usd, coalesce(e.usd, 0)) as taken
@@ -749,7 +757,7 @@ begin
   from escrowed x
   where k.id = x.api_key_id and x.usd > x.taken;
 
-  -- The ends, written as every ending is, a slice at a time (complete_jobs() grows faster than its
+  -- The ends, written as every ending is, a slice at a time (the statement grows faster than its
   -- batch past about a hundred jobs; the locks are all held already).
   select array_agg(u.id order by u.id), array_agg(u.e ->> 'status' order by u.id),
          array_agg(coalesce((u.e ->> 'prompt_tokens')::integer, 0) order by u.id),
@@ -758,13 +766,16 @@ begin
          array_agg(u.e ->> 'error' order by u.id)
     into v_end_ids, v_statuses, v_prompts, v_completions, v_ttfts, v_latencies, v_errors
   from unnest(v_ids, v_ends) as u (id, e)
-  where u.id = any (v_ending);
+  where u.id = any (v_ending) or u.id = any (v_fresh);
   v_costs := '{}';
   for v_at in 1 .. coalesce(cardinality(v_end_ids), 0) by 64 loop
     select v_costs || coalesce(jsonb_object_agg(c.job_id, c.cost_usd), '{}') into v_costs
-    from public.complete_jobs(v_end_ids[v_at:v_at + 63], v_statuses[v_at:v_at + 63], v_prompts[v_at:v_at + 63],
-                              v_completions[v_at:v_at + 63], v_ttfts[v_at:v_at + 63], v_latencies[v_at:v_at + 63],
-                              v_errors[v_at:v_at + 63]) c;
+    from private.end_jobs(v_end_ids[v_at:v_at + 63], v_statuses[v_at:v_at + 63], v_prompts[v_at:v_at + 63],
+                          v_completions[v_at:v_at + 63], v_ttfts[v_at:v_at + 63], v_latencies[v_at:v_at + 63],
+                          v_errors[v_at:v_at + 63], p_gateway,
+                          (select jsonb_agg(j.e) from jsonb_array_elements(p_jobs) j (e)
+                           where (j.e ->> 'id')::uuid = any (v_fresh)
+                             and (j.e ->> 'id')::uuid = any (v_end_ids[v_at:v_at + 63]))) c;
   end loop;
 
   return query
@@ -781,7 +792,7 @@ begin
 end;
 $_$;
 
-COMMENT ON FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) IS 'A gateway''s leased jobs, written behind, idempotently. p_jobs: a JSON array (at most 1000) of records, {"id": the job''s id (made at the gateway), "key": API key id or null, "model", "policy", "region": text or null, "stream": bool, "node": node id, "started_at": ISO 8601 time, "hold_usd": the budget hold, "end_user": text or null, "end": null or {"status": succeeded|failed|cancelled, "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "error"}}. A job not yet recorded is recorded running on its node as p_gateway''s, its first attempt leased, its hold moved from the gateway''s escrow for the key (private.key_escrows) to the job; an end is written by complete_jobs() (price, charge, earnings, reputation, moving averages; no slot freed for a leased attempt) unless the job has ended already. Returns a row per record, in order: the job''s cost once ended, and what was done (started, ended, started+ended, already). A batch with a record at fault changes nothing: invalid_parameter_value (foreign_key_violation for a node or key that does not exist) naming the record.';
+COMMENT ON FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) IS 'A gateway''s leased jobs, written behind, idempotently. p_jobs: a JSON array (at most 1000) of records, {"id": the job''s id (made at the gateway), "key": API key id or null, "model", "policy", "region": text or null, "stream": bool, "node": node id, "started_at": ISO 8601 time, "hold_usd": the budget hold, "end_user": text or null, "end": null or {"status": succeeded|failed|cancelled, "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "error"}}. A job not yet recorded is recorded as p_gateway''s, its first attempt leased, its hold moved from the gateway''s escrow for the key (private.key_escrows) to the job: running, or, when its record carries its end, ended at once (one insert each of the job and its attempt); an end is written by private.end_jobs() as complete_jobs() writes one (price, charge, earnings, reputation, moving averages; no slot freed for a leased attempt) unless the job has ended already. Returns a row per record, in order: the job''s cost once ended, and what was done (started, ended, started+ended, already). A batch with a record at fault changes nothing: invalid_parameter_value (foreign_key_violation for a node or key that does not exist) naming the record.';
 
 REVOKE ALL ON FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) FROM PUBLIC;

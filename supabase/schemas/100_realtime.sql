@@ -51,6 +51,8 @@ COMMENT ON FUNCTION private.broadcast_job_change() IS 'Trigger: a developer''s j
 
 CREATE TRIGGER jobs_broadcast_finish AFTER UPDATE OF status ON public.jobs FOR EACH ROW WHEN (((old.status = 'running'::text) AND (new.status <> 'running'::text))) EXECUTE FUNCTION private.broadcast_job_change();
 
+CREATE TRIGGER jobs_broadcast_recorded_ended AFTER INSERT ON public.jobs FOR EACH ROW WHEN ((new.status <> 'running'::text)) EXECUTE FUNCTION private.broadcast_job_change();
+
 REVOKE ALL ON FUNCTION private.broadcast_job_change() FROM PUBLIC;
 
 

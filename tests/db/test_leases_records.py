@@ -16,7 +16,7 @@ import pytest
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
-from tests.conftest import LLAMA8, make_key, make_node
+from tests.conftest import LLAMA8, make_key, make_node, make_user
 
 GATEWAY = uuid.UUID("00000000-0000-4000-8000-0000000000a1")
 
@@ -168,6 +168,59 @@ def test_a_leased_job_costs_and_earns_what_a_placed_one_does(conn: psycopg.Conne
     )
     assert one(conn, figures, job) == one(conn, figures, placed)
     assert one(conn, "select inflight from nodes where id = %s", leased_node) == 1  # the lease's
+
+
+def test_a_job_recorded_with_its_end_is_written_once_as_a_start_and_an_end_would_leave_it(
+    conn: psycopg.Connection,
+) -> None:
+    """A job that ended before its gateway wrote it is inserted ended: neither its job nor its
+    attempt is updated (each was inserted running, then updated, in the same call), and what it
+    leaves (the rows, the charge, the escrow, the earning, the developer's broadcast) is what a
+    start and a later end leave."""
+    dev, owner = make_user(conn), make_user(conn)
+    node = make_node(conn, owner_id=owner, max_concurrency=4)
+    key = make_key(conn, owner=dev, budget_usd=5.0)
+    escrow(conn, key, "1.0")
+    lease(conn, 2)
+    later, once = uuid.uuid4(), uuid.uuid4()
+    started = datetime.now(UTC) - timedelta(seconds=2)
+    write(conn, record(later, node, key, hold="0.3", started_at=started.isoformat()))
+    write(conn, record(later, node, key, end=ENDED, hold="0.3", started_at=started.isoformat()))
+    # The session's counts of rows inserted and updated (its earlier transactions' too, until
+    # they are flushed to the shared statistics): what the call adds to them.
+    counts = (
+        "select relname, n_tup_ins, n_tup_upd from pg_stat_xact_user_tables"
+        " where relname in ('jobs', 'job_attempts') order by relname"
+    )
+    with conn.transaction():
+        before = conn.execute(counts).fetchall()
+        recorded = write(conn, record(once, node, key, end=ENDED, hold="0.3", started_at=started.isoformat()))
+        after = conn.execute(counts).fetchall()
+    assert recorded == [q.RecordedJob(once, Decimal("0.00005900"), "started+ended")]
+    written = [
+        (name, ins - ins0, upd - upd0)
+        for (name, ins, upd), (_, ins0, upd0) in zip(after, before, strict=True)
+    ]
+    assert written == [("job_attempts", 1, 0), ("jobs", 1, 0)]
+
+    job = (
+        "select j.api_key_id, j.owner_id, j.model_id, j.policy, j.status, j.node_id, j.attempts, j.stream,"
+        " j.region, j.min_vram_gb, j.prompt_tokens, j.completion_tokens, j.cost_usd, j.ttft_ms, j.latency_ms,"
+        " j.error, j.reserved_usd, j.created_at, j.gateway_id, j.end_user, j.cold_start, j.finished_at > j.created_at,"
+        " a.attempt, a.node_id, a.leased, a.status, a.ttft_ms, a.latency_ms, a.error, a.started_at,"
+        " a.ended_at > a.started_at, e.node_id, e.owner_id, e.gross_usd, e.fee_usd, e.net_usd,"
+        " e.settles_at - e.earned_at, e.forfeited_at"
+        " from jobs j join job_attempts a on a.job_id = j.id join earnings e on e.job_id = j.id where j.id = %s"
+    )
+    assert one(conn, job, once) == one(conn, job, later)
+    assert one(conn, "select successes, inflight from nodes") == (2, 2)
+    assert key_money(conn, key) == (Decimal("0.4"), Decimal("0.00011800"))  # the escrow's 1.0 less two holds
+    assert_reserved_adds_up(conn, key)
+    jobs = conn.execute(
+        "select event, payload -> 'job' ->> 'id' from realtime.messages where topic = %s order by inserted_at",
+        (f"jobs:{dev}",),
+    ).fetchall()
+    assert jobs == [("job_succeeded", str(later)), ("job_succeeded", str(once))]
 
 
 def test_a_recorded_leased_job_fails_over_as_a_placed_one_and_frees_no_leased_slot(

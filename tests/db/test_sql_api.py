@@ -105,6 +105,7 @@ PRIVATE_HELPERS = sorted(
         "copy_node_endpoint",
         "cooldown_until",
         "end_attempt",
+        "end_jobs",  # complete_jobs()'s one statement; record_jobs() writes jobs ended at once with it
         "endpoint_is_private",
         "gateway_is_live",
         "json_changes",  # what changed between two summaries of the map
@@ -135,6 +136,7 @@ PRIVATE_HELPERS = sorted(
         "place",
         "prewarm_for",
         "record_earning",
+        "write_earnings",  # the earnings rule (the trigger on jobs' updates, end_jobs())
         "record_node_status",
         "proximity_component",
         "ranking_limit",  # how many nodes a placement ranks (place(), place_jobs())
@@ -271,8 +273,9 @@ def spent(conn: psycopg.Connection, key: uuid.UUID) -> Decimal:
 
 
 def assert_each_ending_rule_is_written_once(conn: psycopg.Connection) -> None:
-    """The cooldown, the moving average and the price each live in one function's body, and
-    complete_job() is complete_jobs() with a batch of one."""
+    """The cooldown, the moving average and the price each live in one function's body (the
+    price in end_jobs(), which complete_jobs() and record_jobs() call), and complete_job() is
+    complete_jobs() with a batch of one."""
     src = bodies(conn)
 
     def holders(pattern: str) -> list[str]:
@@ -280,8 +283,9 @@ def assert_each_ending_rule_is_written_once(conn: psycopg.Connection) -> None:
 
     assert holders(r"power\(2") == ["private.cooldown_until"]
     assert holders(r"0\.8 \*") == ["private.ewma_fold"]
-    assert holders(r"tokens_per_s_per_tflop") == ["complete_jobs"]
-    assert holders(r"public\.complete_jobs\(") == ["complete_job", "record_jobs"]
+    assert holders(r"tokens_per_s_per_tflop") == ["private.end_jobs"]
+    assert holders(r"private\.end_jobs\(") == ["complete_jobs", "record_jobs"]
+    assert holders(r"public\.complete_jobs\(") == ["complete_job"]
 
 
 @pytest.mark.parametrize(("status", "error"), [("succeeded", None), ("failed", "the node broke")])

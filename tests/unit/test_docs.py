@@ -665,6 +665,7 @@ def sql_block() -> str:
                     ms(r[name].get(k), 3) + (TIMES if ratio else "")
                     for k in ("first_ms", "second_ms", "postgres_cpu_ms")
                 ]
+                said = f"{r['path']} / placed" if name == "leased_over_placed" else said
                 rows.append([str(r["group"]), r["path"], said, *cells])
     head = ["group", "path", "", "first call ms", "second call ms", "Postgres CPU ms"]
     return table(head, rows, right=3) + "\n" + run_line("sql")
