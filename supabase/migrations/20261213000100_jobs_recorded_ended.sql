@@ -100,8 +100,8 @@ begin
     return;
   end if;
   perform from public.nodes n
-  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_running) and a.status = 'running')
-     or n.id in (select (x.e ->> 'node')::uuid from jsonb_array_elements(p_new) x (e))
+  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_running) and a.status = 'running'
+                 union select (x.e ->> 'node')::uuid from jsonb_array_elements(p_new) x (e))
   order by n.id for no key update;
   perform from public.api_keys k where k.id = any (v_keys) order by k.id for no key update;
 
@@ -114,7 +114,8 @@ begin
   ),
   fresh as (
     -- Jobs whose start and end are written together (record_jobs()): the start, as it recorded one.
-    select f.*, k.owner_id, case when k.budget_usd is not null then f.hold_usd else 0 end as reserved_usd
+    select f.id, f.key, f.model, f.policy, f.region, coalesce(f.stream, false) as stream, f.node, f.started_at,
+           f.end_user, k.owner_id, case when k.budget_usd is not null then round(f.hold_usd, 8) else 0 end as reserved_usd
     from jsonb_to_recordset(p_new) as f (id uuid, key uuid, model text, policy text, region text, stream boolean,
                                           node uuid, started_at timestamptz, hold_usd numeric, end_user text)
     left join public.api_keys k on k.id = f.key
@@ -335,6 +336,7 @@ declare
   v_ends jsonb[];
   v_new uuid[];  -- the jobs this call records
   v_fresh uuid[];  -- those of them it records ended (start and end together)
+  v_stale uuid[];  -- jobs it found new that a call beside it recorded first
   v_ending uuid[];  -- the jobs whose end this call writes
   v_costs jsonb;  -- {job id: cost} of the jobs it ended
   v_end_ids uuid[];  -- the ends to write, by job id, as complete_jobs() takes them
@@ -494,18 +496,28 @@ begin
     join public.jobs j on j.id = u.id
     where u.e is not null and j.status = 'running');
   perform from public.nodes n
-  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_ending) and a.status = 'running')
-     or n.id in (select u.node from unnest(v_ids, v_nodes) u (id, node) where u.id = any (v_fresh))
+  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_ending) and a.status = 'running'
+                 union select u.node from unnest(v_ids, v_nodes) u (id, node) where u.id = any (v_fresh))
   order by n.id for no key update;
   perform from public.api_keys k
-  where k.id in (select j.api_key_id from public.jobs j where j.id = any (v_new || v_ending))
-     or k.id in (select u.key from unnest(v_ids, v_keys) u (id, key) where u.id = any (v_fresh))
+  where k.id in (select j.api_key_id from public.jobs j where j.id = any (v_new || v_ending)
+                 union select u.key from unnest(v_ids, v_keys) u (id, key) where u.id = any (v_fresh))
   order by k.id for no key update;
+  -- A call beside this one may have recorded one of the jobs it found new (a retried batch, a spool
+  -- written twice): it held their nodes until it committed, so the ledger now says which are.
+  if v_fresh <> '{}' then
+    v_stale := array(select f from unnest(v_fresh) f where exists (select from public.jobs j where j.id = f));
+    if v_stale <> '{}' then
+      v_fresh := array(select f from unnest(v_fresh) f where not f = any (v_stale));
+      v_new := array(select f from unnest(v_new) f where not f = any (v_stale));
+      v_ending := v_ending || array(select j.id from public.jobs j where j.id = any (v_stale) and j.status = 'running');
+    end if;
+  end if;
 
   -- The new jobs' holds leave the gateway's escrows for their keys (what an escrow lacks is held on
   -- the key anew).
   with held as (
-    select u.key as api_key_id, sum(u.hold) as usd
+    select u.key as api_key_id, sum(round(u.hold, 8)) as usd
     from unnest(v_ids, v_keys, v_holds) u (id, key, hold)
     join public.api_keys k on k.id = u.key and k.budget_usd is not null
     where u.id = any (v_new) and u.hold > 0

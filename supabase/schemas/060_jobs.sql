@@ -303,8 +303,8 @@ begin
     return;
   end if;
   perform from public.nodes n
-  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_running) and a.status = 'running')
-     or n.id in (select (x.e ->> 'node')::uuid from jsonb_array_elements(p_new) x (e))
+  where n.id in (select a.node_id from public.job_attempts a where a.job_id = any (v_running) and a.status = 'running'
+                 union select (x.e ->> 'node')::uuid from jsonb_array_elements(p_new) x (e))
   order by n.id for no key update;
   perform from public.api_keys k where k.id = any (v_keys) order by k.id for no key update;
 
@@ -317,7 +317,8 @@ begin
   ),
   fresh as (
     -- Jobs whose start and end are written together (record_jobs()): the start, as it recorded one.
-    select f.*, k.owner_id, case when k.budget_usd is not null then f.hold_usd else 0 end as reserved_usd
+    select f.id, f.key, f.model, f.policy, f.region, coalesce(f.stream, false) as stream, f.node, f.started_at,
+           f.end_user, k.owner_id, case when k.budget_usd is not null then round(f.hold_usd, 8) else 0 end as reserved_usd
     from jsonb_to_recordset(p_new) as f (id uuid, key uuid, model text, policy text, region text, stream boolean,
                                           node uuid, started_at timestamptz, hold_usd numeric, end_user text)
     left join public.api_keys k on k.id = f.key

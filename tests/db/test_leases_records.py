@@ -6,7 +6,9 @@ to the job; failover, hand-over, rejection and the sweep work on it as on a plac
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -221,6 +223,44 @@ def test_a_job_recorded_with_its_end_is_written_once_as_a_start_and_an_end_would
         (f"jobs:{dev}",),
     ).fetchall()
     assert jobs == [("job_succeeded", str(later)), ("job_succeeded", str(once))]
+
+
+def test_a_job_recorded_ended_without_saying_stream_is_not_a_stream(conn: psycopg.Connection) -> None:
+    """ "stream" may be left out, as for a running record (found in review: the ended insert wrote
+    null into a column that takes none, and the journal dropped the record)."""
+    node = make_node(conn, max_concurrency=4)
+    lease(conn, 1)
+    job = uuid.uuid4()
+    bare = {k: v for k, v in record(job, node, end=ENDED).items() if k != "stream"}
+    assert [r.recorded for r in write(conn, bare)] == ["started+ended"]
+    assert one(conn, "select stream, status from jobs where id = %s", job) == (False, "succeeded")
+
+
+def test_a_job_two_calls_record_at_once_is_recorded_once(conn: psycopg.Connection, db_url: str) -> None:
+    """Two calls carry the same ended job (a batch retried while its first try still runs, a spool
+    written twice): the second waits for the first's locks and finds the job recorded, rather than
+    failing on its id (found in review) or taking its hold from the escrow twice."""
+    node = make_node(conn, max_concurrency=4)
+    key = make_key(conn, budget_usd=5.0)
+    escrow(conn, key, "1.0")
+    lease(conn, 1)
+    job = uuid.uuid4()
+    with (
+        psycopg.connect(db_url, autocommit=True) as first,
+        psycopg.connect(db_url, autocommit=True) as second,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        with first.transaction():
+            written = write(first, record(job, node, key, end=ENDED, hold="0.3"))
+            assert [r.recorded for r in written] == ["started+ended"]
+            later = pool.submit(write, second, record(job, node, key, end=ENDED, hold="0.3"))
+            time.sleep(0.3)  # the second call waits on the node the first holds
+            assert not later.done()
+        assert [r.recorded for r in later.result(timeout=10)] == ["already"]
+    assert one(conn, "select count(*) from jobs") == 1
+    assert one(conn, "select usd from private.key_escrows") == Decimal("0.7")
+    assert key_money(conn, key) == (Decimal("0.7"), Decimal("0.00005900"))
+    assert_reserved_adds_up(conn, key)
 
 
 def test_a_recorded_leased_job_fails_over_as_a_placed_one_and_frees_no_leased_slot(
