@@ -6,11 +6,11 @@
 -- and inserts the job and its attempt ended, priced and charged by the same expressions, so that the
 -- price, the charge, the node's averages and the earning stay computed in one place; complete_jobs()
 -- keeps its arguments and its checks, and end_jobs() trusts its callers'.
--- Measured side by side (`neuralgrid bench sql --compare`, 2026-12-04, two runs): a job written
--- start and end together cost Postgres 0.83x and 0.88x the CPU it did in groups of 14, 0.95x alone;
--- a start and a later end 1.05x and 1.06x, and a placement and its end 1.03x (1.06x and 1.10x
--- alone: the extra call and checks of the wrapper). In the gateway, with starts held back 0.1 s
--- (gateway/journal.py), Postgres CPU a leased request fell from 0.41 to 0.46 ms to 0.29 to 0.30.
+-- Measured side by side (`neuralgrid bench sql --compare`, 2026-12-04, three runs): a job written
+-- start and end together cost Postgres 0.78x to 0.88x the CPU it did in groups of 14, 0.91x to
+-- 1.03x alone; a start and a later end 1.02x to 1.10x; a placement and its end 0.98x to 1.04x (an
+-- empty change measured 0.93x to 1.08x). In the gateway at 16 callers, with starts held back 0.1 s
+-- (gateway/journal.py), Postgres CPU a leased request fell from 0.41 to 0.46 ms to 0.28 to 0.35.
 
 -- The earnings rule, in one place: the trigger on jobs' updates and end_jobs()'s inserts call it.
 create function private.write_earnings(p_job_ids uuid[])
