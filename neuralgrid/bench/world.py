@@ -9,7 +9,8 @@ database". Everything each gateway adds over the reference is what its distance 
 
 - steady state: sequential requests (after warm-up ones), whole answers and streams in turn, the
   gateways in alternating rounds; the median whole answer and the median stream's first byte (its
-  first body bytes), less the reference gateway's, in ms and in RTTs;
+  first body bytes), less the reference gateway's, in ms and in RTTs (the link's, as measured: the
+  proxy's own cost, a millisecond or two, is part of every round trip over it);
 - cold: the first request for a model the gateway has not served (models of their own, one whole
   answer and one stream each, every gateway asking each once), less the reference's, likewise;
 - revocation: a key every gateway has served (and cached) is revoked in SQL; each gateway is asked
@@ -283,7 +284,7 @@ def run(
     rtts_ms: Sequence[float] = RTTS_MS,
     requests: int = 30,
     warmup: int = 5,
-    cold_requests: int = 5,
+    cold_requests: int = 10,
     timeout_s: float = 10.0,
     history: int = LEDGER_HISTORY,
     progress: Callable[[str], None] = lambda _: None,
@@ -350,7 +351,7 @@ def _rows(
                 added = round(mine - theirs, 3) if mine is not None and theirs is not None else None
                 row[f"{prefix}{name}_added_ms"] = added
                 row[f"{prefix}{name}_added_rtt"] = (
-                    round(added / g.rtt_ms, 2) if added is not None and g.rtt_ms else None
+                    round(added / links[g.name], 2) if added is not None and g.rtt_ms else None
                 )
         rows.append({**row, **revoked[g.name], **death[g.name]})
     return rows

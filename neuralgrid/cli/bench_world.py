@@ -49,7 +49,7 @@ def bench_world(
     ] = 5,
     cold: Annotated[
         int, typer.Option(help="Cold whole answers (and streams) per gateway, a model each.", min=1)
-    ] = 5,
+    ] = 10,
     timeout_s: Annotated[
         float,
         typer.Option(help="How long a revocation or a node's death may take to reach a gateway.", min=1),

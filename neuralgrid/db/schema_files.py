@@ -208,6 +208,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.lease_usable_nodes",
         "private.leased_slots",
         "private.move_lease_slots",
+        "private.return_lent_slot",
         "private.lane_turn",
         "private.lane_target",
         "private.renew_lane",

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from uuid import UUID
 
 import psycopg
@@ -39,6 +39,9 @@ GROW_EVERY_S = 0.1
 MARGIN_S = 0.5  # a lease is not used in its last half second, by this gateway's clock
 IDLE_S = 10.0  # a lane nobody asked for in this long is no longer wanted: its slots go back
 DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwise
+# A request placed in SQL lends an idle slot of this gateway's leases on at most this many nodes
+# (LeaseBook.lend()): where every node that could take it is full, SQL takes the best of them.
+LEND_AT_MOST = 4
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,17 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Lent:
+    """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
+    out of use here until its answer says which, if any, SQL took (LeaseBook.settle())."""
+
+    slots: tuple[tuple[Lane, UUID], ...] = ()
+
+    def as_json(self) -> list[dict[str, str | None]]:
+        return [{"node": str(node), **lane.as_json()} for lane, node in self.slots]
+
+
+@dataclass(frozen=True)
 class Taken:
     """One leased slot in use by one request."""
 
@@ -122,6 +136,10 @@ class LeaseBook:
         # Nodes that failed a request here, and when: passed over until a renewal sent after that
         # comes back (SQL has the failure by then, and cools the node down for every gateway).
         self._failed: dict[UUID, float] = {}
+        self._lent: dict[tuple[Lane, UUID], int] = defaultdict(int)  # lent to placements under way
+        # Lent slots SQL took (each lease one smaller), and when this gateway knew: a renewal sent
+        # before then may not show it, and is read one smaller there too.
+        self._returned: list[tuple[tuple[Lane, UUID], float]] = []
 
     def take(
         self,
@@ -146,8 +164,9 @@ class LeaseBook:
                 continue
             if max_rate is not None and (lease.hourly_rate is None or lease.hourly_rate > max_rate):
                 continue
-            if self._in_use[(lane, lease.node_id)] < lease.slots:
-                self._in_use[(lane, lease.node_id)] += 1
+            key = (lane, lease.node_id)
+            if self._in_use[key] + self._lent.get(key, 0) < lease.slots:
+                self._in_use[key] += 1
                 self._held[lane] += 1
                 if counted:
                     self._busier(lane)
@@ -175,6 +194,44 @@ class LeaseBook:
     def failed(self, node_id: UUID) -> None:
         """A node failed a request: none is sent it from here until the next renewal."""
         self._failed[node_id] = self.clock()
+
+    def lend(self) -> Lent:
+        """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane, for
+        a request placed in SQL: where every node that could take the request is full, SQL may give
+        it one of them (private.return_lent_slot()). Out of use here until settle()."""
+        if self.clock() >= self._usable_until:
+            return Lent()
+        chosen: dict[UUID, tuple[Lane, UUID]] = {}
+        for lane, leases in self._ranked.items():
+            for lease in leases:
+                key = (lane, lease.node_id)
+                if (
+                    lease.node_id not in chosen
+                    and lease.node_id not in self._failed
+                    and self._in_use.get(key, 0) + self._lent.get(key, 0) < lease.slots
+                ):
+                    chosen[lease.node_id] = key
+                    if len(chosen) == LEND_AT_MOST:
+                        break
+            if len(chosen) == LEND_AT_MOST:
+                break
+        for key in chosen.values():
+            self._lent[key] += 1
+        return Lent(tuple(chosen.values()))
+
+    def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
+        """The placement's answer came: the lent slots are usable again here, but the one SQL took
+        (on node `taken_on`), which has left its lease. Not `known` (no answer: the database went
+        away, or the request was cancelled), any of them may have been taken: each leaves its lease
+        here until a renewal sent after now says what the lease holds."""
+        now = self.clock()
+        for key in lent.slots:
+            self._lent[key] -= 1
+            if self._lent[key] <= 0:
+                del self._lent[key]
+            if not known or key[1] == taken_on:
+                self._ranked = _shrunk(self._ranked, key)
+                self._returned.append((key, now))
 
     def give_back(self, taken: Taken) -> None:
         key = (taken.lease.lane, taken.node_id)
@@ -235,6 +292,9 @@ class LeaseBook:
         report: list[dict[str, object]] = []
         for lane in sorted(wanted, key=lambda held: (held.model, held.policy, held.region)):
             in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
+            for (held, node), n in self._lent.items():  # lent: in use until SQL says otherwise
+                if held == lane:
+                    in_use[str(node)] = in_use.get(str(node), 0) + n
             busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
             idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
             spare = 0 if lane in self._waited else 1
@@ -270,6 +330,9 @@ class LeaseBook:
         }
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
+        self._returned = [(key, at) for key, at in self._returned if at > sent_at]
+        for key, _ in self._returned:  # sent before SQL took the slot: perhaps still counted there
+            ranked = _shrunk(ranked, key)
         self.lease_s = lease_s
         self._failed = {node: at for node, at in self._failed.items() if at >= sent_at}
         self._ranked = dict(ranked)
@@ -290,6 +353,18 @@ class LeaseBook:
         in SQL (below its share the next renewal would claim it anyway; with no scarcity nobody
         else wants it)."""
         return lane in self._at_share and self.holds(lane)
+
+
+def _shrunk(ranked: dict[Lane, list[Lease]], key: tuple[Lane, UUID]) -> dict[Lane, list[Lease]]:
+    """The leases, the one of `key` (lane, node) a slot smaller."""
+    lane, node = key
+    if lane not in ranked:
+        return ranked
+    leases = [
+        replace(lease, slots=max(lease.slots - 1, 0)) if lease.node_id == node else lease
+        for lease in ranked[lane]
+    ]
+    return {**ranked, lane: leases}
 
 
 class Renewals:

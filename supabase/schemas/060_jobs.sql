@@ -915,13 +915,15 @@ REVOKE ALL ON FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_polic
 GRANT ALL ON FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_prompt_bytes integer, p_max_output_tokens integer, p_wait boolean, p_route text) TO service_role;
 
 
-CREATE FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) RETURNS TABLE(ord integer, job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer, busy boolean, tokens_per_s real[], refusal text, failure_state text, failure text)
+CREATE FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) RETURNS TABLE(ord integer, job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer, busy boolean, tokens_per_s real[], refusal text, failure_state text, failure text, lent boolean)
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
 declare
   r record;
   v_placed record;
+  v_lent uuid;  -- the node of a slot the gateway lent this request from its leases
+  v_borrowed record;
   v_cap integer;
   v_holding boolean := false;  -- whether an earlier request of the group may hold row locks
   -- The ranking the next request may start from, and what it was ranked for.
@@ -955,9 +957,9 @@ begin
     select * from rows from (jsonb_to_recordset(p_requests) as (
       model text, key uuid, policy text, min_vram real, region text, lat float8, lon float8,
       max_rate numeric, stream boolean, fallbacks integer, prompt_bytes integer, max_out integer,
-      wait boolean, route text, end_user text))
+      wait boolean, route text, end_user text, lend jsonb))
     with ordinality as x (model, key, policy, min_vram, region, lat, lon, max_rate, stream, fallbacks,
-                          prompt_bytes, max_out, wait, route, end_user, n)
+                          prompt_bytes, max_out, wait, route, end_user, lend, n)
   loop
     begin
       perform set_config('neuralgrid.end_user', coalesce(r.end_user, ''), true),
@@ -984,6 +986,30 @@ begin
                          coalesce(r.stream, false), coalesce(r.fallbacks, 0),
                          private.budget_hold(r.model, r.prompt_bytes, v_cap), coalesce(r.wait, false), r.route,
                          coalesce(v_ids, '{}')) p;
+      v_lent := null;
+      if v_placed.busy and jsonb_typeof(r.lend) = 'array' then
+        -- Every capable node is full, and the gateway lends slots it leases idle (kept out of use
+        -- until it has this answer): the best one that could serve the request goes back to its
+        -- node, and the request claims it. One round trip for a request new to the gateway, where
+        -- its other lanes lease every slot of the nodes it could take.
+        begin
+          v_lent := private.return_lent_slot(nullif(p_gateway, '')::uuid, r.model, r.policy, r.min_vram,
+                                             r.max_rate, r.route, r.lend);
+          if v_lent is not null then
+            select * into v_borrowed
+            from private.place(r.model, r.key, r.policy, r.min_vram, r.region, r.lat, r.lon, r.max_rate,
+                               coalesce(r.stream, false), coalesce(r.fallbacks, 0),
+                               private.budget_hold(r.model, r.prompt_bytes, v_cap), coalesce(r.wait, false),
+                               r.route, array[v_lent]) p;
+            if v_borrowed.node_id is distinct from v_lent then  -- kept for bigger jobs, say: not lent
+              raise exception using errcode = 'NG409';
+            end if;
+            v_placed := v_borrowed;
+          end if;
+        exception when sqlstate 'NG409' then
+          v_lent := null;  -- the slot stays leased: the answer is still busy
+        end;
+      end if;
       v_holding := true;  -- its claim may have locked rows, even one that claimed nothing
       v_at := array_position(v_ids, v_placed.node_id);
       if r.n = v_final then
@@ -1014,18 +1040,18 @@ begin
       return query
       select r.n::integer, v_placed.job_id, v_placed.node_id, v_placed.endpoint_url, v_placed.node_key,
         v_placed.attempt, v_placed.fallback_ids, v_placed.error, v_cap, v_placed.busy,
-        v_placed.tokens_per_s, v_placed.refusal, null::text, null::text;
+        v_placed.tokens_per_s, v_placed.refusal, null::text, null::text, v_lent is not null;
     exception when others then
       v_for := null;  -- what it claimed is undone: its ranking's move with it
       return query
       select r.n::integer, null::uuid, null::uuid, null::text, null::bytea, 0, '{}'::uuid[], null::text,
-        null::integer, false, '{}'::real[], null::text, sqlstate, sqlerrm;
+        null::integer, false, '{}'::real[], null::text, sqlstate, sqlerrm, false;
     end;
   end loop;
 end;
 $$;
 
-COMMENT ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) IS 'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 16), in order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: it waited for a row lock longer than a group may, 100 ms for the first, 10 ms for the others: ask again).';
+COMMENT ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) IS 'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 16), in order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: it waited for a row lock longer than a group may, 100 ms for the first, 10 ms for the others: ask again). A request may carry "lend": idle slots of the gateway''s leases (private.return_lent_slot()); when every capable node is full the best of them that could serve it is claimed, and lent says so (the gateway''s lease is one slot smaller).';
 
 REVOKE ALL ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) FROM PUBLIC;

@@ -505,6 +505,50 @@ REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
 
 
+CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) RETURNS uuid
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+declare
+  v_lease record;
+begin
+  select l.node_id, l.model_id, l.policy, l.region into v_lease
+  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text)
+  join private.slot_leases l
+    on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model
+       and l.policy = coalesce(o.policy, 'balanced') and l.region = coalesce(o.region, '')
+  join public.nodes n on n.id = l.node_id
+  left join public.node_scores s on s.node_id = n.id and s.model_id = p_model and s.policy = p_policy
+  where l.slots > 0 and l.expires_at > now()
+    and n.id in (select private.lease_usable_nodes(p_model, array(
+                   select (x ->> 'node')::uuid from jsonb_array_elements(p_offered) x)))
+    and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
+    and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
+    and (p_route is null or p_route = any (n.routes))
+  order by s.base_score desc nulls last, n.id
+  limit 1
+  for no key update of l;
+  if v_lease.node_id is null then
+    return null;
+  end if;
+  update private.slot_leases l
+  set slots = l.slots - 1, in_use = least(l.in_use, l.slots - 1), draining = least(l.draining, l.slots - 1)
+  where l.gateway_id = p_gateway and l.node_id = v_lease.node_id and l.model_id = v_lease.model_id
+    and l.policy = v_lease.policy and l.region = v_lease.region;
+  update public.nodes n
+  set inflight = n.inflight - 1,
+      status = case when n.status = 'busy' then 'online' else n.status end
+  where n.id = v_lease.node_id;
+  return v_lease.node_id;
+end;
+$$;
+
+COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
+
+REVOKE ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) TO service_role;
+
+
 CREATE FUNCTION public.move_to_lease(p_job_id uuid, p_error text, p_http_status integer, p_node_id uuid) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, attempt integer)
     LANGUAGE plpgsql
     SET search_path TO ''

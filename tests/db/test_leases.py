@@ -527,3 +527,54 @@ def test_slots_in_use_above_a_gateways_share_drain_to_the_gateway_that_wants_the
     assert (A, low) not in leases(conn) or leases(conn)[(A, low)][0] == 0
     assert held(renew(conn, B, lane(4))) == {low: 2}
     assert_slots_add_up(conn)
+
+
+def place(conn: psycopg.Connection, gateway: uuid.UUID, request: dict[str, Any]) -> q.GroupedMatch:
+    (row,) = SyncStore(conn).all(q.PLACE_JOBS, (str(gateway), json.dumps([request])))
+    assert row.failure_state is None, row.failure
+    return row
+
+
+def test_a_request_every_node_is_full_for_takes_an_idle_slot_its_gateway_lends_from_a_lease(
+    conn: psycopg.Connection,
+) -> None:
+    """Measured (bench world, 2026-12-05): a request new to its gateway waited in line 27 ms to 5.3 s
+    next to the database, every slot of its node leased, idle, to the gateways' other lanes. Its
+    gateway now lends idle slots of its leases with it; SQL takes the best that could serve it."""
+    other = "acme/other-7b"
+    node = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded", other: "loaded"})
+    elsewhere = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded"})  # not serving `other`
+    renew(conn, A, lane(4))
+    conn.execute("delete from private.lane_demand")  # nothing presses for slots back
+    assert leases(conn) == {(A, node): (2, 0), (A, elsewhere): (2, 0)}
+    request = {
+        "model": other,
+        "key": str(make_key(conn)),
+        "policy": "balanced",
+        "stream": False,
+        "fallbacks": 1,
+        "prompt_bytes": 10,
+        "max_out": 4,
+        "wait": True,
+    }
+
+    def lending(*nodes: uuid.UUID) -> dict[str, Any]:
+        return {**request, "lend": [{"node": str(n), "model": LLAMA8, "policy": "balanced"} for n in nodes]}
+
+    assert place(conn, A, request).busy  # nothing lent: it waits
+    assert place(conn, A, lending(elsewhere)).busy  # lent where the model is not served
+    assert place(conn, B, lending(node)).busy  # a slot another gateway leases is not B's to lend
+    assert leases(conn) == {(A, node): (2, 0), (A, elsewhere): (2, 0)}
+    assert inflight(conn) == {node: 2, elsewhere: 2}
+
+    got = place(conn, A, lending(elsewhere, node))
+    assert (got.busy, got.lent, got.node_id) == (False, True, node)
+    assert leases(conn) == {(A, node): (1, 0), (A, elsewhere): (2, 0)}  # the lease one smaller
+    assert inflight(conn) == {node: 2, elsewhere: 2}  # the job's slot now: counted once
+    assert_slots_add_up(conn)
+    # A free slot needs no lending: claimed as any is, the leases untouched.
+    conn.execute("select complete_job(%s, 'succeeded', 1, 1, 1, 1)", (got.job_id,))
+    again = place(conn, A, lending(node))
+    assert (again.node_id, again.lent) == (node, False)
+    assert leases(conn) == {(A, node): (1, 0), (A, elsewhere): (2, 0)}
+    assert_slots_add_up(conn)

@@ -153,6 +153,7 @@ PRIVATE_HELPERS = sorted(
         "lease_usable_nodes",
         "leased_slots",
         "move_lease_slots",
+        "return_lent_slot",  # an idle leased slot a gateway lends a placement (place_jobs())
         "renew_lane",
         "kept_level",
         "required_vram_gb",

@@ -49,6 +49,52 @@ def test_takes_the_best_ranked_free_slot_and_never_more_than_leased() -> None:
     assert again is not None and again.node_id == a
 
 
+def test_lent_slots_are_out_of_use_until_settled_and_the_one_sql_took_leaves_its_lease() -> None:
+    """A request placed in SQL lends an idle slot of each of a few leased nodes (place_jobs()
+    "lend"): none is taken here meanwhile, each is reported in use, and the one SQL took leaves
+    its lease, also in a renewal sent before the answer came (which may still count it)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(a, 2, 1), row(b, 1, 2)], clock(), 5.0)
+    busy = book.take(LANE, None)
+    assert busy is not None and busy.node_id == a
+    lent = book.lend()
+    assert sorted(lent.slots, key=str) == sorted([(LANE, a), (LANE, b)], key=str)  # one idle slot a node
+    assert book.take(LANE, None) is None  # all in use or lent
+    assert book.lanes()[0]["in_use"] == {str(a): 2, str(b): 1}
+    assert book.lend().slots == ()  # nothing left to lend twice
+    sent_before = clock()
+    clock.now += 0.1
+    book.settle(lent, a)
+    taken = book.take(LANE, None)
+    assert taken is not None and taken.node_id == b and book.take(LANE, None) is None  # a: one slot, in use
+    book.give_back(taken)
+    book.renewed([row(a, 2, 1), row(b, 1, 2)], sent_before, 5.0)  # sent before SQL took it
+    assert [t.node_id if t else None for t in (book.take(LANE, None), book.take(LANE, None))] == [b, None]
+    book.renewed([row(a, 1, 1), row(b, 1, 2)], clock(), 5.0)  # sent after: as SQL says
+    assert book.take(LANE, None) is None  # b in use; a's one slot in use
+
+
+def test_lent_slots_whose_answer_never_came_all_leave_their_leases_until_the_next_renewal() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(a, 1, 1), row(b, 1, 2)], clock(), 5.0)
+    lent = book.lend()
+    clock.now += 0.1
+    book.settle(lent, None, known=False)  # any of them may have been taken
+    assert book.take(LANE, None) is None
+    book.renewed([row(a, 1, 1), row(b, 0, 2)], clock(), 5.0)  # SQL took b's
+    taken = book.take(LANE, None)
+    assert taken is not None and taken.node_id == a
+    # A placement SQL answered without taking any: each lent slot is usable again.
+    book.give_back(taken)
+    lent = book.lend()
+    book.settle(lent, None)
+    assert book.take(LANE, None) is not None
+
+
 def test_a_route_the_lease_does_not_serve_is_not_taken_there() -> None:
     clock = Clock()
     book = LeaseBook(clock)

@@ -133,6 +133,8 @@ class Match:
     # PLACE_JOB, when no node was claimed: none (no capable node online), route (capable nodes online,
     # none serving the request's route), busy or cooling
     refusal: str | None = None
+    # PLACE_JOBS: the slot claimed is one the gateway lent from its leases (its lease one smaller now)
+    lent: bool = False
 
 
 @dataclass(frozen=True)

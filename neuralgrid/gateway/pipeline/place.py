@@ -13,9 +13,11 @@ from typing import NamedTuple
 from uuid import UUID
 
 from neuralgrid.db import queries as q
+from neuralgrid.db.errors import BudgetExhausted, ConflictError, Forbidden, InvalidRequest, NotFound
 from neuralgrid.db.store import Store
 from neuralgrid.gateway import errors
 from neuralgrid.gateway.claims import Claims
+from neuralgrid.gateway.leases import Lent
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
@@ -23,6 +25,8 @@ from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
 from neuralgrid.gateway.waiting import PLACED_IN_SQL, ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
+# Errors place_jobs() answers for one request (its row's SQLSTATE): what it did is undone.
+ANSWERED = (BudgetExhausted, ConflictError, Forbidden, InvalidRequest, NotFound)
 QUEUE_MS = "x-neuralgrid-queue-ms"  # how long a request waited for a slot, on its answer or refusal
 
 
@@ -205,8 +209,23 @@ class Placement:
         return match
 
     async def _match(self, params: dict[str, object]) -> q.Match:
+        """Placed in SQL, lending idle slots of this gateway's leases (taken where every node that
+        could serve the request is full: a request new to the gateway is one round trip even where
+        its other lanes lease every slot)."""
+        lent = self.leased.book.lend() if self.leased is not None else Lent()
+        if lent.slots:
+            params = {**params, "lend": lent.as_json()}
         started = time.perf_counter()
-        match = await self.claims.place(params)  # its domain errors: the app's one handler
+        known, taken_on = False, None  # whether SQL answered, and on which node it took a lent slot
+        try:
+            match = await self.claims.place(params)  # its domain errors: the app's one handler
+            known, taken_on = True, match.node_id if match.lent else None
+        except ANSWERED:  # refused by SQL: all it did for the request is undone
+            known = True
+            raise
+        finally:
+            if self.leased is not None and lent.slots:
+                self.leased.book.settle(lent, taken_on, known)
         self.metrics.matcher.observe(time.perf_counter() - started)
         return match
 
