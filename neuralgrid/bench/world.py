@@ -17,10 +17,10 @@ database". Everything each gateway adds over the reference is what its distance 
   every 20 ms until it refuses; per gateway, how long after the revocation the first request sent
   was refused (none admitted after it) and when that refusal arrived;
 - node death: a model on two nodes, the cheaper one (the one the matcher prefers) on a fake node
-  process of its own, which is killed (SIGKILL); each gateway is asked in turn until three answers
-  in a row come from the other node at the first attempt (x-neuralgrid-node, x-neuralgrid-attempts);
-  per gateway, how long after the kill the first of them was sent, and how many requests failed
-  over (or failed) meanwhile.
+  process of its own, which is killed (SIGKILL); each gateway is asked every 20 ms, without
+  waiting for the answers, until three answers in a row (in the order sent) come from the other
+  node at the first attempt (x-neuralgrid-node, x-neuralgrid-attempts); per gateway, how long after
+  the kill the first of them was sent, and how many requests failed over (or failed) meanwhile.
 
 The fake nodes answer at once, so an answer's time is the gateways' own and their links'. A proxy
 delays bytes, not the TCP handshake: pools keep their connections open.
@@ -29,6 +29,7 @@ delays bytes, not the TCP handshake: pools keep their connections open.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -59,7 +60,7 @@ RTTS_MS = (5.0, 80.0, 200.0)
 DEATH_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"  # two nodes; the preferred one dies
 COLD_MODEL = "world/cold-{}"  # a model per cold request, in the catalog, on the main node
 ROUNDS = 4  # the gateways take turns, the order reversed every round, so drift falls on all alike
-POLL_S = 0.02  # how often each gateway is asked while a revocation spreads
+POLL_S = 0.02  # how often each gateway is asked while a revocation or a node's death spreads
 IN_A_ROW = 3  # answers from the surviving node, first attempt, that say the dead one is avoided
 TARGET = (
     "steady state: whole answer and stream's first byte each add at most 0.1 RTT over the gateway next"
@@ -152,12 +153,14 @@ async def steady(gws: Sequence[Gateway], key: str, requests: int, warmup: int) -
 
 async def cold(gws: Sequence[Gateway], key: str, count: int) -> dict[str, Samples]:
     """Each gateway's first request for a model: `count` whole answers and `count` streams, a model
-    each (COLD_MODEL numbered from 0), every gateway asking each model once, in turn."""
+    each (COLD_MODEL numbered from 0), every gateway asking each model once, in turn. Who asks
+    first rotates (a model's first job on the node costs Postgres more: its cold start is marked)."""
     found = {g.name: Samples([], []) for g in gws}
     async with client() as session:
         for i in range(2 * count):
             stream = i % 2 == 1
-            for g in gws if (i // 2) % 2 == 0 else gws[::-1]:
+            first = (i // 2) % len(gws)
+            for g in [*gws[first:], *gws[:first]]:
                 _record(
                     found[g.name], await ask(session, g.chat, body(COLD_MODEL.format(i), stream), key), stream
                 )
@@ -227,29 +230,33 @@ async def node_death(
     gws: Sequence[Gateway], key: str, kill: Callable[[], None], dying: str, survivor: str, timeout_s: float
 ) -> dict[str, dict[str, Any]]:
     """Requests for DEATH_MODEL through every gateway, then the preferred node's process killed and
-    each gateway asked in turn until IN_A_ROW answers come from the survivor at the first attempt."""
+    each gateway asked every POLL_S (not waiting for the answers: a request failing over is not the
+    gateway's other traffic) until IN_A_ROW answers in a row, in the order sent, come from the
+    survivor at the first attempt."""
     data = body(DEATH_MODEL, False, max_tokens=1)
     async with client() as session:
         before = {g.name: [await ask(session, g.chat, data, key) for _ in range(IN_A_ROW)] for g in gws}
         kill()
         killed = time.perf_counter()
 
-        async def poll(g: Gateway) -> list[Answer]:
-            answers: list[Answer] = []
+        async def poll(g: Gateway) -> tuple[list[Answer], list[Answer]]:
+            asked: list[asyncio.Task[Answer]] = []
+            seen: list[Answer] = []  # the answers come so far, in the order sent
             while time.perf_counter() - killed < timeout_s:
-                answers.append(await ask(session, g.chat, data, key))
-                if len(answers) >= IN_A_ROW and all(_avoided(a, survivor) for a in answers[-IN_A_ROW:]):
+                asked.append(asyncio.ensure_future(ask(session, g.chat, data, key)))
+                await asyncio.sleep(POLL_S)
+                seen = [t.result() for t in itertools.takewhile(lambda t: t.done(), asked)]
+                if len(seen) >= IN_A_ROW and all(_avoided(a, survivor) for a in seen[-IN_A_ROW:]):
                     break
-                await asyncio.sleep(0.01)
-            return answers
+            return seen, list(await asyncio.gather(*asked))
 
         polled = await asyncio.gather(*(poll(g) for g in gws))
     found = {}
-    for g, answers in zip(gws, polled, strict=True):
-        run = len(answers)
-        while run > 0 and _avoided(answers[run - 1], survivor):
+    for g, (seen, answers) in zip(gws, polled, strict=True):
+        run = len(seen)
+        while run > 0 and _avoided(seen[run - 1], survivor):
             run -= 1
-        avoided = answers[run] if len(answers) - run >= IN_A_ROW else None
+        avoided = seen[run] if len(seen) - run >= IN_A_ROW else None
         found[g.name] = {
             "dead_node_share_before": round(sum(a.node == dying for a in before[g.name]) / IN_A_ROW, 2),
             "dead_node_avoided_ms": round((avoided.sent - killed) * 1000, 1) if avoided else None,
