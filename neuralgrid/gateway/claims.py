@@ -68,6 +68,11 @@ class Claims:
                 self._let_go(future.result())
             raise
 
+    async def quiet(self) -> None:
+        """Until no group is in Postgres: the one under way and those queued behind it, placed."""
+        while (placer := self._placer) is not None:
+            await asyncio.wait({placer})
+
     async def _place_all(self) -> None:
         try:
             while self._waiting:

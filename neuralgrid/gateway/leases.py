@@ -91,12 +91,18 @@ class Lease:
 @dataclass(frozen=True)
 class Lent:
     """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
-    out of use here until its answer says which, if any, SQL took (LeaseBook.settle())."""
+    out of use here until its answer says which, if any, SQL took (LeaseBook.settle()). `busy`:
+    each lease's slots in use here when lent; SQL lends none from a lease that holds no more (a
+    renewal under way may have given idle slots back)."""
 
     slots: tuple[tuple[Lane, UUID], ...] = ()
+    busy: tuple[int, ...] = ()
 
-    def as_json(self) -> list[dict[str, str | None]]:
-        return [{"node": str(node), **lane.as_json()} for lane, node in self.slots]
+    def as_json(self) -> list[dict[str, str | int | None]]:
+        return [
+            {"node": str(node), **lane.as_json(), "busy": busy}
+            for (lane, node), busy in zip(self.slots, self.busy, strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -217,13 +223,14 @@ class LeaseBook:
                 break
         for key in chosen.values():
             self._lent[key] += 1
-        return Lent(tuple(chosen.values()))
+        return Lent(tuple(chosen.values()), tuple(self._in_use.get(key, 0) for key in chosen.values()))
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
         """The placement's answer came: the lent slots are usable again here, but the one SQL took
-        (on node `taken_on`), which has left its lease. Not `known` (no answer: the database went
-        away, or the request was cancelled), any of them may have been taken: each leaves its lease
-        here until a renewal sent after now says what the lease holds."""
+        (on node `taken_on`), which has left its lease. Not `known` (no answer: the connection
+        broke, or the request was cancelled; settled once the placement can do nothing more), any
+        of them may have been taken: each leaves its lease here until a renewal sent after now says
+        what the lease holds."""
         now = self.clock()
         for key in lent.slots:
             self._lent[key] -= 1

@@ -18,29 +18,36 @@ as $$
 declare
   v_lease record;
 begin
-  select l.node_id, l.model_id, l.policy, l.region into v_lease
-  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text)
+  -- The best offered lease that could serve the request and holds more slots than the gateway has
+  -- in use on it ("busy": a renewal under way may have given idle slots back meanwhile).
+  select l.node_id, l.model_id, l.policy, l.region, o.busy into v_lease
+  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text, busy integer)
   join private.slot_leases l
     on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model
        and l.policy = coalesce(o.policy, 'balanced') and l.region = coalesce(o.region, '')
   join public.nodes n on n.id = l.node_id
   left join public.node_scores s on s.node_id = n.id and s.model_id = p_model and s.policy = p_policy
-  where l.slots > 0 and l.expires_at > now()
+  where l.slots > coalesce(o.busy, 0) and l.expires_at > now()
     and n.id in (select private.lease_usable_nodes(p_model, array(
                    select (x ->> 'node')::uuid from jsonb_array_elements(p_offered) x)))
     and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
     and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
     and (p_route is null or p_route = any (n.routes))
   order by s.base_score desc nulls last, n.id
-  limit 1
-  for no key update of l;
+  limit 1;
   if v_lease.node_id is null then
     return null;
   end if;
+  -- The node first, then the lease, as renewals lock them (private.move_lease_slots()).
+  perform from public.nodes n where n.id = v_lease.node_id for no key update;
   update private.slot_leases l
   set slots = l.slots - 1, in_use = least(l.in_use, l.slots - 1), draining = least(l.draining, l.slots - 1)
   where l.gateway_id = p_gateway and l.node_id = v_lease.node_id and l.model_id = v_lease.model_id
-    and l.policy = v_lease.policy and l.region = v_lease.region;
+    and l.policy = v_lease.policy and l.region = v_lease.region
+    and l.slots > coalesce(v_lease.busy, 0) and l.expires_at > now();
+  if not found then  -- changed while the node was locked: nothing lent
+    return null;
+  end if;
   update public.nodes n
   set inflight = n.inflight - 1,
       status = case when n.status = 'busy' then 'online' else n.status end
@@ -50,7 +57,7 @@ end;
 $$;
 
 comment on function private.return_lent_slot(uuid, text, text, real, numeric, text, jsonb) is
-  'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
+  'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer, and how many of the lease''s slots it has in use; a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
 
 revoke all on function private.return_lent_slot(uuid, text, text, real, numeric, text, jsonb) from public;
 grant execute on function private.return_lent_slot(uuid, text, text, real, numeric, text, jsonb) to service_role;
@@ -90,9 +97,10 @@ begin
   if jsonb_typeof(p_requests) is distinct from 'array' then
     raise exception 'place_jobs takes a JSON array of requests' using errcode = 'invalid_parameter_value';
   end if;
-  -- Each request runs in a subtransaction of its own (so that it can fail alone), and a claim that
-  -- fills a node runs up to two more (realtime.send(), for the map and the owner); past 64 in one
-  -- transaction Postgres's per-backend cache of them overflows and every snapshot reads pg_subtrans.
+  -- Each request runs in a subtransaction of its own (so that it can fail alone), one that takes a
+  -- lent slot one more, and a claim that fills a node up to two more (realtime.send(), for the map
+  -- and the owner): 64 at most in a group of 16; past 64 in one transaction Postgres's per-backend
+  -- cache of them overflows and every snapshot reads pg_subtrans.
   if jsonb_array_length(p_requests) > 16 then
     raise exception 'place_jobs takes at most 16 requests, not %', jsonb_array_length(p_requests)
       using errcode = 'invalid_parameter_value';
@@ -197,7 +205,6 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) IS 'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 16), in order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: it waited for a row lock longer than a group may, 100 ms for the first, 10 ms for the others: ask again).';
 
 comment on function public.place_jobs(p_gateway text, p_requests jsonb) is
   'The gateway''s placements, grouped: place_job() for each request in the JSON array (at most 16), in order, as p_gateway; a request that fails gives its SQLSTATE and message and fails alone (55P03: it waited for a row lock longer than a group may, 100 ms for the first, 10 ms for the others: ask again). A request may carry "lend": idle slots of the gateway''s leases (private.return_lent_slot()); when every capable node is full the best of them that could serve it is claimed, and lent says so (the gateway''s lease is one slot smaller).';

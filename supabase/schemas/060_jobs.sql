@@ -944,9 +944,10 @@ begin
   if jsonb_typeof(p_requests) is distinct from 'array' then
     raise exception 'place_jobs takes a JSON array of requests' using errcode = 'invalid_parameter_value';
   end if;
-  -- Each request runs in a subtransaction of its own (so that it can fail alone), and a claim that
-  -- fills a node runs up to two more (realtime.send(), for the map and the owner); past 64 in one
-  -- transaction Postgres's per-backend cache of them overflows and every snapshot reads pg_subtrans.
+  -- Each request runs in a subtransaction of its own (so that it can fail alone), one that takes a
+  -- lent slot one more, and a claim that fills a node up to two more (realtime.send(), for the map
+  -- and the owner): 64 at most in a group of 16; past 64 in one transaction Postgres's per-backend
+  -- cache of them overflows and every snapshot reads pg_subtrans.
   if jsonb_array_length(p_requests) > 16 then
     raise exception 'place_jobs takes at most 16 requests, not %', jsonb_array_length(p_requests)
       using errcode = 'invalid_parameter_value';

@@ -512,29 +512,36 @@ CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy 
 declare
   v_lease record;
 begin
-  select l.node_id, l.model_id, l.policy, l.region into v_lease
-  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text)
+  -- The best offered lease that could serve the request and holds more slots than the gateway has
+  -- in use on it ("busy": a renewal under way may have given idle slots back meanwhile).
+  select l.node_id, l.model_id, l.policy, l.region, o.busy into v_lease
+  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text, busy integer)
   join private.slot_leases l
     on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model
        and l.policy = coalesce(o.policy, 'balanced') and l.region = coalesce(o.region, '')
   join public.nodes n on n.id = l.node_id
   left join public.node_scores s on s.node_id = n.id and s.model_id = p_model and s.policy = p_policy
-  where l.slots > 0 and l.expires_at > now()
+  where l.slots > coalesce(o.busy, 0) and l.expires_at > now()
     and n.id in (select private.lease_usable_nodes(p_model, array(
                    select (x ->> 'node')::uuid from jsonb_array_elements(p_offered) x)))
     and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
     and (p_max_hourly_rate is null or n.hourly_rate <= p_max_hourly_rate)
     and (p_route is null or p_route = any (n.routes))
   order by s.base_score desc nulls last, n.id
-  limit 1
-  for no key update of l;
+  limit 1;
   if v_lease.node_id is null then
     return null;
   end if;
+  -- The node first, then the lease, as renewals lock them (private.move_lease_slots()).
+  perform from public.nodes n where n.id = v_lease.node_id for no key update;
   update private.slot_leases l
   set slots = l.slots - 1, in_use = least(l.in_use, l.slots - 1), draining = least(l.draining, l.slots - 1)
   where l.gateway_id = p_gateway and l.node_id = v_lease.node_id and l.model_id = v_lease.model_id
-    and l.policy = v_lease.policy and l.region = v_lease.region;
+    and l.policy = v_lease.policy and l.region = v_lease.region
+    and l.slots > coalesce(v_lease.busy, 0) and l.expires_at > now();
+  if not found then  -- changed while the node was locked: nothing lent
+    return null;
+  end if;
   update public.nodes n
   set inflight = n.inflight - 1,
       status = case when n.status = 'busy' then 'online' else n.status end
@@ -543,7 +550,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
+COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer, and how many of the lease''s slots it has in use; a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
 
 REVOKE ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) TO service_role;

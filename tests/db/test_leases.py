@@ -558,12 +558,15 @@ def test_a_request_every_node_is_full_for_takes_an_idle_slot_its_gateway_lends_f
         "wait": True,
     }
 
-    def lending(*nodes: uuid.UUID) -> dict[str, Any]:
-        return {**request, "lend": [{"node": str(n), "model": LLAMA8, "policy": "balanced"} for n in nodes]}
+    def lending(*nodes: uuid.UUID, busy: int = 0) -> dict[str, Any]:
+        lend = [{"node": str(n), "model": LLAMA8, "policy": "balanced", "busy": busy} for n in nodes]
+        return {**request, "lend": lend}
 
     assert place(conn, A, request).busy  # nothing lent: it waits
     assert place(conn, A, lending(elsewhere)).busy  # lent where the model is not served
     assert place(conn, B, lending(node)).busy  # a slot another gateway leases is not B's to lend
+    # The gateway has both in use (a renewal under way gave a third back, say): none is idle.
+    assert place(conn, A, lending(node, busy=2)).busy
     assert leases(conn) == {(A, node): (2, 0), (A, elsewhere): (2, 0)}
     assert inflight(conn) == {node: 2, elsewhere: 2}
 

@@ -27,6 +27,9 @@ from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
 # Errors place_jobs() answers for one request (its row's SQLSTATE): what it did is undone.
 ANSWERED = (BudgetExhausted, ConflictError, Forbidden, InvalidRequest, NotFound)
+# How long lent slots of a placement that got no answer wait for its group to leave Postgres
+# (place_jobs() waits 100 ms at most for a row) before they are settled as taken anyway.
+SETTLE_WAIT_S = 10.0
 QUEUE_MS = "x-neuralgrid-queue-ms"  # how long a request waited for a slot, on its answer or refusal
 
 
@@ -70,6 +73,7 @@ class Placement:
         self.max_attempts = max_attempts
         self.room = room
         self.queue_timeout_s = queue_timeout_s
+        self._settling: set[asyncio.Task[None]] = set()  # lent slots of placements with no answer
 
     async def place(self, admitted: Admitted) -> Placed:
         """Claim a node serving the call's route; when every capable node is busy, wait in the
@@ -97,7 +101,7 @@ class Placement:
         if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
             match = await self._lease(admitted, request.route)
             if match is None and not await self._at_share(admitted):
-                match = await self._match(self._params(admitted, request))
+                match = await self._match(self._params(admitted, request), lend=True)
         waited = 0.0
         try:
             if match is None or (isinstance(match, q.Match) and match.busy):
@@ -208,11 +212,13 @@ class Placement:
                 raise errors.NoCapacity(match.error or f"no node for {model}", retry_after=1)
         return match
 
-    async def _match(self, params: dict[str, object]) -> q.Match:
-        """Placed in SQL, lending idle slots of this gateway's leases (taken where every node that
-        could serve the request is full: a request new to the gateway is one round trip even where
-        its other lanes lease every slot)."""
-        lent = self.leased.book.lend() if self.leased is not None else Lent()
+    async def _match(self, params: dict[str, object], lend: bool = False) -> q.Match:
+        """Placed in SQL. `lend`: with idle slots of this gateway's leases, which SQL takes where
+        every node that could serve the request is full (a request new to the gateway is one round
+        trip even where its other lanes lease every slot); a request's first ask only, not each of
+        its asks while it waits in line, which would keep them out of use round trip after round
+        trip."""
+        lent = self.leased.book.lend() if self.leased is not None and lend else Lent()
         if lent.slots:
             params = {**params, "lend": lent.as_json()}
         started = time.perf_counter()
@@ -225,9 +231,22 @@ class Placement:
             raise
         finally:
             if self.leased is not None and lent.slots:
-                self.leased.book.settle(lent, taken_on, known)
+                if known:
+                    self.leased.book.settle(lent, taken_on)
+                else:  # its group may still be in Postgres: the slots stay lent until it is done
+                    self._settle_later(self.leased, lent)
         self.metrics.matcher.observe(time.perf_counter() - started)
         return match
+
+    def _settle_later(self, leased: LeasedJobs, lent: Lent) -> None:
+        async def once_placed() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.claims.quiet(), SETTLE_WAIT_S)
+            leased.book.settle(lent, None, known=False)
+
+        task = asyncio.get_running_loop().create_task(once_placed())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     def node_failed(self, node_id: UUID) -> None:
         """A node failed a request here (its own failure): this gateway's leases pass it over until a
