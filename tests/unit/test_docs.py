@@ -406,7 +406,8 @@ def readme_block() -> str:
     rows.append(
         [
             "gateways " + " / ".join(f"{r['rtt_ms']:g}" for r in far) + " ms from Postgres",
-            "added over one next to it: whole answer and first byte; cold (a new model), the farthest",
+            "added over one next to it: whole answer and first byte; cold (a new model), the farthest"
+            " (varies run to run: [scaling.md](docs/scaling.md#measured-gateways-far-from-the-database))",
             f"≤ {steady if steady > 0 else 0.0:.2f} RTT; cold {cold[worst['gateway']][0]:.2f} / {cold[worst['gateway']][1]:.2f} RTT",
             f"a revoked key refused, a dead node avoided, everywhere: within {ms(fastest, 0)} ms",
             verdict("≤ 0.1 RTT", steady <= 0.1)
