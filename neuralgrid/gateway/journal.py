@@ -242,6 +242,7 @@ class Journal:
         self.gateway_id = gateway_id
         self.spool = spool
         self._records: dict[UUID, JobRecord] = {}
+        self._writing: set[UUID] = set()  # the batch in Postgres now
         self._wake = asyncio.Event()
         self._flushed = asyncio.Condition()
         self.lock = asyncio.Lock()  # one write at a time, renewals included (escrow.py)
@@ -381,11 +382,13 @@ class Journal:
         sent = {r.id: (r.end is not None) for r in batch}
         for record in batch:
             record.dirty = False
+        self._writing = {r.id for r in batch}
         try:
             rows = await self.store.all(q.RECORD_JOBS, (self.gateway_id, as_array(batch)))
         except BaseException:
             for record in batch:
                 record.dirty = True
+            self._writing = set()
             raise
         costs = {row.job_id: row.cost_usd for row in rows}
         for record in batch:
@@ -395,6 +398,7 @@ class Journal:
                 told(record, first)
             if sent[record.id] and not record.dirty:
                 self._done(record, costs.get(record.id))
+        self._writing = set()  # committed, and each one's waiters told
         async with self._flushed:
             self._flushed.notify_all()
 
@@ -408,7 +412,9 @@ class Journal:
             record.written.set_result(None if refused else cost)
 
     def pending(self) -> int:
-        return sum(1 for r in self._records.values() if r.dirty)
+        """Records not yet committed: queued, or in the batch being written (what came while it
+        was in Postgres is queued again, dirty)."""
+        return len(self._writing | {r.id for r in self._records.values() if r.dirty})
 
     def close(self) -> None:
         if self.spool is not None:
