@@ -171,7 +171,7 @@ class LeaseBook:
             if max_rate is not None and (lease.hourly_rate is None or lease.hourly_rate > max_rate):
                 continue
             key = (lane, lease.node_id)
-            if self._in_use[key] + self._lent.get(key, 0) < lease.slots:
+            if self._idle(key, lease):
                 self._in_use[key] += 1
                 self._held[lane] += 1
                 if counted:
@@ -201,6 +201,10 @@ class LeaseBook:
         """A node failed a request: none is sent it from here until the next renewal."""
         self._failed[node_id] = self.clock()
 
+    def _idle(self, key: tuple[Lane, UUID], lease: Lease) -> bool:
+        """Whether the lease has a slot neither in use here nor lent."""
+        return self._in_use.get(key, 0) + self._lent.get(key, 0) < lease.slots
+
     def lend(self) -> Lent:
         """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane, for
         a request placed in SQL: where every node that could take the request is full, SQL may give
@@ -214,7 +218,7 @@ class LeaseBook:
                 if (
                     lease.node_id not in chosen
                     and lease.node_id not in self._failed
-                    and self._in_use.get(key, 0) + self._lent.get(key, 0) < lease.slots
+                    and self._idle(key, lease)
                 ):
                     chosen[lease.node_id] = key
                     if len(chosen) == LEND_AT_MOST:
