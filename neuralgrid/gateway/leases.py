@@ -381,80 +381,89 @@ def _shrunk(ranked: dict[Lane, list[Lease]], key: tuple[Lane, UUID]) -> dict[Lan
 class Renewals:
     """Renewals of this gateway's leases: one round trip each. A request for a lane this gateway
     holds nothing for is placed in SQL (the cold path: one round trip) and starts one that asks for
-    the lane, shared with every request that comes for it meanwhile; the next ones are leased."""
+    the lane, shared with every request that comes for it meanwhile; the next ones are leased.
 
-    def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook) -> None:
+    One at a time, and never while this gateway's journal writes (`lock`): the two meet on the
+    rows of this gateway's own jobs (a job SQL placed, its end being written), which a renewal
+    skips rather than wait for, and a cold lane's renewal would lease nothing (CI at 751a219: a
+    caller's requests each waited for the one before it to be written, up to the periodic
+    renewal)."""
+
+    def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook, lock: asyncio.Lock) -> None:
         self.store = store
         self.gateway_id = gateway_id
         self.book = book
-        self._sent = 0
-        self._applied = 0
-        self._under_way: asyncio.Task[None] | None = None
+        self.lock = lock
         # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
-        self._lanes: set[Lane] = set()  # those the renewal under way asks for
-        self._answered: dict[Lane, float] = {}  # when a renewal that asked for each came back
-        self._empty: set[Lane] = set()  # lanes the last renewal that asked for them gave no slot
+        self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
+        self._asked_at: dict[Lane, float] = {}  # when the last renewal soon() asked for was sent
+        # Renewals in a row that soon() asked for and that gave the lane no slot.
+        self._empty: dict[Lane, int] = defaultdict(int)
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
 
     async def renew(self) -> None:
-        """One renewal of every lane this gateway wants or uses."""
-        lanes = self.book.lanes()
-        self._sent += 1
-        sent, sent_at = self._sent, self.book.clock()
-        task = asyncio.get_running_loop().create_task(self._send(lanes, sent, sent_at))
-        self._under_way = task
-        self._lanes = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
-        try:
-            await asyncio.shield(task)
-        finally:
-            if self._under_way is task:
-                self._under_way = None
+        """One renewal of every lane this gateway wants or uses (shielded: a caller that goes away
+        leaves it to finish, its answer applied)."""
+        await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal()))
+
+    async def _renewal(self, asked_for: Lane | None = None) -> None:
+        async with self.lock:
+            if asked_for is not None and asked_for not in self._asking:
+                return  # a renewal sent since soon() asked for the lane (the periodic one)
+            lanes = self.book.lanes()
+            sent_at = self.book.clock()
+            reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
+            asking = reported & self._asking
+            self._asking -= asking
+            self._asked_at = {lane: at for lane, at in self._asked_at.items() if lane in reported}
+            self._asked_at.update(dict.fromkeys(asking, sent_at))
+            await self._send(lanes, sent_at, asking)
 
     def soon(self, lane: Lane) -> None:
-        """A renewal that asks for `lane`, behind the request that wanted it (SQL places that one):
-        none when one under way asks for it already, or one that did came back within
-        RENEW_EVERY_S (GROW_EVERY_S for a lane that holds slots: its demand outgrew them). Except
-        once, after a renewal that gave the lane no slot: a renewal skips the rows other
-        transactions hold (a job's end being written, a placement) rather than wait, and SQL
-        placing the request says a slot was there. Given nothing twice in a row, the lane is placed
-        in SQL until the periodic renewal."""
-        every = GROW_EVERY_S if self.book.leases(lane) else RENEW_EVERY_S
-        if self.book.clock() - self._answered.get(lane, float("-inf")) < every:
+        """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
+        renewal sent before could not see (SQL placing it says a slot was there, and the renewal
+        moves the job's slot into the lease). None when one is to be sent already, or when one that
+        soon() asked for was sent within GROW_EVERY_S for a lane that holds slots (its demand
+        outgrew them: a burst), or within RENEW_EVERY_S for a lane two such renewals in a row gave
+        nothing (the periodic renewal asks for it then)."""
+        if lane in self._asking:
             return
-        if self._under_way is not None and lane in self._lanes:
+        if self.book.leases(lane):
+            every = GROW_EVERY_S
+        elif self._empty.get(lane, 0) >= 2:
+            every = RENEW_EVERY_S
+        else:
+            every = 0.0
+        if self.book.clock() - self._asked_at.get(lane, float("-inf")) < every:
             return
-        task = asyncio.get_running_loop().create_task(self._renew_behind())
+        self._asking.add(lane)
+        task = asyncio.get_running_loop().create_task(self._renew_behind(lane))
         self._behind.add(task)
         task.add_done_callback(self._behind.discard)
 
-    async def _renew_behind(self) -> None:
+    async def _renew_behind(self, lane: Lane) -> None:
         try:
-            await self.renew()
+            await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal(lane)))
         except (psycopg.Error, DatabaseError, OSError) as err:  # the periodic renewal tries again
             log.warning("gateway %s could not renew its leases for a new lane: %s", self.gateway_id, err)
+        finally:
+            self._asking.discard(lane)
 
-    async def _send(self, lanes: list[dict[str, object]], sent: int, sent_at: float) -> None:
+    async def _send(self, lanes: list[dict[str, object]], sent_at: float, asking: set[Lane]) -> None:
         rows = await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))
         for row in rows:  # done in SQL whatever the order the answers come in
             if row.absorbed and (lease := Lease.of(row)) is not None:
                 for job_id in row.absorbed:
                     self.absorbed(job_id, lease)
-        now = self.book.clock()
         given = {lease.lane for row in rows if row.slots > 0 and (lease := Lease.of(row)) is not None}
-        for asked in lanes:
-            lane = Lane(str(asked["model"]), str(asked["policy"]), str(asked["region"] or ""))
-            if lane in given or lane in self._empty:
-                self._answered[lane] = now
-                self._empty.discard(lane)
-            else:  # given nothing: the next request SQL places asks once more (soon())
-                self._answered.pop(lane, None)
-                self._empty.add(lane)
-        if sent > self._applied:  # a later renewal's answer is never undone by an earlier one's
-            self._applied = sent
-            self.book.renewed(rows, sent_at, self.book.lease_s)
-            self.renewed()
+        for lane in given | (set(self._empty) - set(self._asked_at)):  # leased, or no longer wanted
+            self._empty.pop(lane, None)
+        for lane in asking - given:
+            self._empty[lane] += 1
+        self.book.renewed(rows, sent_at, self.book.lease_s)
+        self.renewed()
 
 
 async def keep_renewing(
