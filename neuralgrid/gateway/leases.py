@@ -398,14 +398,14 @@ class Renewals:
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
-        self._asked_at: dict[Lane, float] = {}  # when the last renewal soon() asked for was sent
+        self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
         # Renewals in a row that soon() asked for and that gave the lane no slot.
         self._empty: dict[Lane, int] = defaultdict(int)
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
 
     async def renew(self) -> None:
         """One renewal of every lane this gateway wants or uses (shielded: a caller that goes away
-        leaves it to finish, its answer applied)."""
+        leaves it to finish, its answer applied). Never awaited holding the journal's lock."""
         await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal()))
 
     async def _renewal(self, asked_for: Lane | None = None) -> None:
@@ -416,18 +416,19 @@ class Renewals:
             sent_at = self.book.clock()
             reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
             asking = reported & self._asking
-            self._asking -= asking
-            self._asked_at = {lane: at for lane, at in self._asked_at.items() if lane in reported}
-            self._asked_at.update(dict.fromkeys(asking, sent_at))
+            self._asking -= asking  # a request SQL places from now on asks for the next one
+            if asked_for is not None:
+                self._asking.discard(asked_for)
+            self._sent_at = dict.fromkeys(reported, sent_at)
             await self._send(lanes, sent_at, asking)
 
     def soon(self, lane: Lane) -> None:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
         moves the job's slot into the lease). None when one is to be sent already, or when one that
-        soon() asked for was sent within GROW_EVERY_S for a lane that holds slots (its demand
-        outgrew them: a burst), or within RENEW_EVERY_S for a lane two such renewals in a row gave
-        nothing (the periodic renewal asks for it then)."""
+        asked for the lane was sent within GROW_EVERY_S for a lane that holds slots (its demand
+        outgrew them: a burst), or within RENEW_EVERY_S for a lane that two renewals in a row sent
+        after a placement gave nothing (the periodic renewal asks for it then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):
@@ -436,7 +437,7 @@ class Renewals:
             every = RENEW_EVERY_S
         else:
             every = 0.0
-        if self.book.clock() - self._asked_at.get(lane, float("-inf")) < every:
+        if self.book.clock() - self._sent_at.get(lane, float("-inf")) < every:
             return
         self._asking.add(lane)
         task = asyncio.get_running_loop().create_task(self._renew_behind(lane))
@@ -448,8 +449,12 @@ class Renewals:
             await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal(lane)))
         except (psycopg.Error, DatabaseError, OSError) as err:  # the periodic renewal tries again
             log.warning("gateway %s could not renew its leases for a new lane: %s", self.gateway_id, err)
-        finally:
-            self._asking.discard(lane)
+
+    async def settled(self) -> None:
+        """Until the renewals requests asked for are done (on shutdown, before the journal's last
+        writes, which they would hold up)."""
+        while self._behind:
+            await asyncio.wait(set(self._behind))
 
     async def _send(self, lanes: list[dict[str, object]], sent_at: float, asking: set[Lane]) -> None:
         rows = await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))
@@ -458,7 +463,7 @@ class Renewals:
                 for job_id in row.absorbed:
                     self.absorbed(job_id, lease)
         given = {lease.lane for row in rows if row.slots > 0 and (lease := Lease.of(row)) is not None}
-        for lane in given | (set(self._empty) - set(self._asked_at)):  # leased, or no longer wanted
+        for lane in given | (set(self._empty) - set(self._sent_at)):  # leased, or no longer wanted
             self._empty.pop(lane, None)
         for lane in asking - given:
             self._empty[lane] += 1

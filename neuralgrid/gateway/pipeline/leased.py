@@ -97,8 +97,13 @@ class LeasedJobs:
 
     async def drain(self) -> None:
         """On shutdown: write what is queued, for a bounded time; what is left stays spooled."""
+
+        async def last_writes() -> None:
+            await self.renewals.settled()
+            await self.journal.flush()
+
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.journal.flush(), DRAIN_S)
+            await asyncio.wait_for(last_writes(), DRAIN_S)
         self.journal.close()
 
     @staticmethod
