@@ -62,6 +62,15 @@ def test_the_slot_is_free_when_the_answer_arrives(
             assert _inflight(conn) == 0  # at once, not after a later batch write
 
 
+def _one_after_another(gateway: str, api_key: str, count: int = 10) -> list[float]:
+    """A caller's `count` requests, each sent once the one before is answered: how long each waited
+    for a slot, in ms."""
+    with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
+        answers = [http.post("/v1/chat/completions", json=BODY) for _ in range(count)]
+    assert [r.status_code for r in answers] == [200] * count
+    return [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
+
+
 def _renewals_made(monkeypatch: pytest.MonkeyPatch) -> list[leases.Renewals]:
     """Each gateway's renewals, as the gateways started from now on make them."""
     made: list[leases.Renewals] = []
@@ -131,11 +140,7 @@ def test_a_lane_whose_first_renewal_leased_nothing_is_leased_by_the_next(
         await _holding_rows(db_url, node.node_id, lambda: send(self, lanes, *args))
 
     monkeypatch.setattr(leases.Renewals, "_send", send_while_held)
-    gateway: str = request.getfixturevalue("gateway")
-    with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
-        answers = [http.post("/v1/chat/completions", json=BODY) for _ in range(10)]
-    assert [r.status_code for r in answers] == [200] * 10
-    waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
+    waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert held and sum(w > 0 for w in waited[3:]) <= 1 and waited[5:] == [0.0] * 5, waited
 
 
@@ -228,11 +233,7 @@ def test_a_request_placed_in_sql_asks_for_a_renewal_sent_after_it(
     monkeypatch.setattr(claims.Claims, "place", place_as_a_renewal_answers)
     monkeypatch.setattr(leases.Renewals, "_send", send_held)
     monkeypatch.setattr(leases.Renewals, "soon", soon_noted)
-    gateway: str = request.getfixturevalue("gateway")
-    with httpx.Client(base_url=gateway, headers={"authorization": f"Bearer {api_key}"}) as http:
-        answers = [http.post("/v1/chat/completions", json=BODY) for _ in range(10)]
-    assert [r.status_code for r in answers] == [200] * 10
-    waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
+    waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert sent == [1, 1] and waited[3:] == [0.0] * 7, (sent, waited)
 
 
