@@ -403,12 +403,13 @@ class Renewals:
         self._empty: dict[Lane, int] = defaultdict(int)
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
 
-    async def renew(self) -> None:
+    async def renew(self, asked_for: Lane | None = None) -> None:
         """One renewal of every lane this gateway wants or uses (shielded: a caller that goes away
-        leaves it to finish, its answer applied). Never awaited holding the journal's lock."""
-        await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal()))
+        leaves it to finish, its answer applied); for a lane soon() `asked_for`, none if one was
+        sent since. Never awaited holding the journal's lock."""
+        await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal(asked_for)))
 
-    async def _renewal(self, asked_for: Lane | None = None) -> None:
+    async def _renewal(self, asked_for: Lane | None) -> None:
         async with self.lock:
             if asked_for is not None and asked_for not in self._asking:
                 return  # a renewal sent since soon() asked for the lane (the periodic one)
@@ -446,7 +447,7 @@ class Renewals:
 
     async def _renew_behind(self, lane: Lane) -> None:
         try:
-            await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal(lane)))
+            await self.renew(lane)
         except (psycopg.Error, DatabaseError, OSError) as err:  # the periodic renewal tries again
             log.warning("gateway %s could not renew its leases for a new lane: %s", self.gateway_id, err)
 
