@@ -351,6 +351,9 @@ def _rows(
             row[f"{prefix}first_byte_p50_ms"] = first_byte
             row[f"{prefix}samples"] = len(found[g.name].whole_ms) + len(found[g.name].first_byte_ms)
             row[f"{prefix}failed"] = found[g.name].failed
+            if prefix == "cold_":  # few, and spread widely: each one, in the order asked
+                row["cold_whole_each_ms"] = [round(ms, 1) for ms in found[g.name].whole_ms]
+                row["cold_first_byte_each_ms"] = [round(ms, 1) for ms in found[g.name].first_byte_ms]
             for name, mine, theirs in (
                 ("whole", whole, ref_whole),
                 ("first_byte", first_byte, ref_first_byte),

@@ -295,7 +295,9 @@ class LeaseBook:
         and those waiting in line, and one spare unless requests waited: in a scarce lane the line
         is the demand, and a spare each would tip the shares towards the gateways with the fewest
         callers; after a busier moment, no less than half what it last asked for, so that a lull of
-        a second or two between bursts does not send the next burst to SQL) and its slots in use per
+        a second or two between bursts does not send the next burst to SQL); how many of them it
+        needs (that busiest moment alone: SQL claims the rest, the spares, only where a node keeps a
+        slot free, and gives idle ones back from a full node others need); and its slots in use per
         node. Starts the next period's count."""
         now = self.clock()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
@@ -309,9 +311,10 @@ class LeaseBook:
             busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
             idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
             spare = 0 if lane in self._waited else 1
-            want = sum(in_use.values()) if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
+            need = sum(in_use.values()) if idle else busiest
+            want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
             self._wants[lane], self._spares[lane] = want, spare
-            report.append({**lane.as_json(), "want": want, "in_use": in_use})
+            report.append({**lane.as_json(), "want": want, "need": need, "in_use": in_use})
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._waited = set(self._waiting)
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:

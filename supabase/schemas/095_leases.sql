@@ -39,16 +39,20 @@ CREATE TABLE private.lane_demand (
     wanted integer NOT NULL,
     renewed_at timestamp with time zone DEFAULT now() NOT NULL,
     share integer,
+    needed integer,
+    CONSTRAINT "needed must be between 0 and wanted" CHECK (((needed >= 0) AND (needed <= wanted))),
     CONSTRAINT "wanted must not be negative" CHECK ((wanted >= 0))
 );
 
 COMMENT ON TABLE private.lane_demand IS 'How many slots each gateway wanted of each lane (model, policy, region; region '''' for none) at its last renewal: the shares renew_leases() splits a lane''s slots by, among the live gateways that renewed it within platform_settings.lease_s.';
 
-COMMENT ON COLUMN private.lane_demand.wanted IS 'Slots wanted at the last renewal: the gateway''s requests in flight and waiting for the lane, and a spare.';
+COMMENT ON COLUMN private.lane_demand.wanted IS 'Slots wanted at the last renewal: the gateway''s requests in flight and waiting for the lane at its busiest, a spare, and after a burst no less than half what it wanted before.';
 
 COMMENT ON COLUMN private.lane_demand.renewed_at IS 'When the gateway last renewed the lane.';
 
 COMMENT ON COLUMN private.lane_demand.share IS 'The gateway''s share of the lane''s slots at its last renewal (private.lane_target()): a gateway holding it places none of the lane''s requests in SQL, where the gateway nearest the database would win the slots the others'' shares free.';
+
+COMMENT ON COLUMN private.lane_demand.needed IS 'Of the slots wanted, those the gateway needs: its requests in flight and waiting at its busiest since the last renewal. The shares are of the needs (private.lane_target()); the rest it wants are spares (null: a gateway that says no need needs all it wants).';
 
 ALTER TABLE ONLY private.lane_demand
     ADD CONSTRAINT lane_demand_pkey PRIMARY KEY (gateway_id, model_id, policy, region);
@@ -120,19 +124,20 @@ CREATE FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text,
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
-  -- Each live gateway that renewed the lane within lease_s gets the floor of its share C x want / W.
+  -- Each live gateway that renewed the lane within lease_s gets the floor of its share C x need / W
+  -- (its need: what it wants less its spares; all it wants, for a gateway that says no need).
   -- The L slots that leaves (L = C - the floors, the sum of the fractional parts) rotate: lay the
   -- fractional parts end to end in gateway id order on [0, L); the points p_turn, p_turn + 1, ...,
   -- p_turn + L - 1 each fall in one part (none is as long as 1, so none holds two), and a gateway
   -- whose part holds one gets a slot more. As p_turn sweeps [0, 1) a part holds a point for its
   -- own length of the sweep, and at any turn exactly L parts hold one: the targets sum to C. A
-  -- gateway never gets more than it wants (when W <= C every share is at least its want).
+  -- gateway never gets more than it needs (when W <= C every share is at least its need).
   with demand as (
-    select d.gateway_id, d.wanted
+    select d.gateway_id, coalesce(d.needed, d.wanted) as wanted
     from private.lane_demand d
     join private.gateways g on g.id = d.gateway_id
     cross join public.platform_settings s
-    where d.model_id = p_model and d.policy = p_policy and d.region = p_region and d.wanted > 0
+    where d.model_id = p_model and d.policy = p_policy and d.region = p_region and coalesce(d.needed, d.wanted) > 0
       and d.renewed_at >= now() - make_interval(secs => s.lease_s) and private.gateway_is_live(g.seen_at)
   ),
   shares as (  -- share = base + part / W, in whole numbers: the parts add up to L x W exactly
@@ -152,7 +157,7 @@ CREATE FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text,
                    from laid l where l.gateway_id = p_gateway), 0)
 $$;
 
-COMMENT ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) IS 'How many of a lane''s p_capacity slots gateway p_gateway may lease: its share in proportion to what each live gateway that renewed the lane within platform_settings.lease_s wants (private.lane_demand), never more than it wants. The floors of the shares first; the slots left rotate among the fractional parts as p_turn sweeps [0, 1) (private.lane_turn(), once every 10 seconds), each gateway holding its extra slot for its fractional part of the sweep, so that the shares never sum above p_capacity at any turn and are exact over a sweep.';
+COMMENT ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) IS 'How many of a lane''s p_capacity slots gateway p_gateway may lease toward what it needs: its share in proportion to what each live gateway that renewed the lane within platform_settings.lease_s needs (private.lane_demand: needed, or wanted where the gateway says no need), never more than it needs. The floors of the shares first; the slots left rotate among the fractional parts as p_turn sweeps [0, 1) (private.lane_turn(), once every 10 seconds), each gateway holding its extra slot for its fractional part of the sweep, so that the shares never sum above p_capacity at any turn and are exact over a sweep.';
 
 REVOKE ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.lane_target(p_gateway uuid, p_model text, p_policy text, p_region text, p_capacity integer, p_turn numeric) TO service_role;
@@ -268,7 +273,7 @@ REVOKE ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_
 GRANT ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) TO service_role;
 
 
-CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
+CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -282,19 +287,11 @@ declare
   v_capacity integer;
   v_target integer;
   v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
+  v_needed_here uuid[];  -- full nodes another lane of this gateway needs more of than it holds could be served on
+  v_spares integer;  -- how many idle slots it may hold above its target: what it wants beyond its need
   v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
   v_absorbed uuid[];  -- of them, those whose slots join its lease
 begin
-  -- What the gateway wants, for the shares (a lane it no longer reports wants nothing).
-  if p_reported then
-    insert into private.lane_demand as d (gateway_id, model_id, policy, region, wanted, renewed_at)
-    values (p_gateway, p_model, p_policy, p_region, p_want, now())
-    on conflict on constraint lane_demand_pkey do update set wanted = excluded.wanted, renewed_at = excluded.renewed_at;
-  else
-    delete from private.lane_demand d
-    where d.gateway_id = p_gateway and d.model_id = p_model and d.policy = p_policy and d.region = p_region;
-  end if;
-
   -- A count above what the lease holds: the slots are taken back where the node has them free.
   select array_agg(u.id order by u.id), array_agg(u.used - coalesce(l.slots, 0) order by u.id) into v_ids, v_deltas
   from (select r.key::uuid as id, r.value::integer as used from jsonb_each_text(p_in_use) r) u
@@ -375,10 +372,12 @@ begin
     where l.node_id = n.id and l.model_id = p_model and l.policy = p_policy and l.region = p_region
   ) h on true
   where n.id = any (v_usable);
-  -- The lane's nodes that hold the model of another live lane that wants slots and holds none:
+  -- The lane's nodes that hold the model of another live lane that needs slots and holds none, of
+  -- a gateway holding no idle slot on the node (one that does lends it to the lane's first request):
   -- once full, they keep no idle slot for this lane, and it claims no more on them, so that the
   -- starved lane (a model asked for the first time, on nodes leased for others) gets slots at its
-  -- next renewal. Slots in use stay.
+  -- next renewal. Slots in use stay. (Yielding to any lane holding none, in `bench world` every
+  -- gateway's first request for a model took the idle slots the other gateways would have lent.)
   v_wanted_elsewhere := array(
     select distinct nm.node_id
     from private.lane_demand d
@@ -386,21 +385,45 @@ begin
     join public.node_models nm on nm.model_id = d.model_id
     cross join public.platform_settings s
     where (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
-      and d.wanted > 0 and d.renewed_at >= now() - make_interval(secs => s.lease_s)
+      and coalesce(d.needed, d.wanted) > 0 and d.renewed_at >= now() - make_interval(secs => s.lease_s)
       and private.gateway_is_live(g.seen_at)
       and nm.node_id in (select l.node_id from private.slot_leases l
                          where l.model_id = p_model and l.policy = p_policy and l.region = p_region)
       and not exists (select from private.slot_leases x
                       where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
-                        and x.region = d.region and x.slots > 0));
+                        and x.region = d.region and x.slots > 0)
+      and not exists (select from private.slot_leases y
+                      where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use));
+  -- The lane's full nodes that hold the model of another lane of this gateway that needs more than
+  -- it holds (its request waits in line, having found nothing to lend): this lane keeps no idle
+  -- spare there, and the other lane takes it.
+  v_needed_here := array(
+    select distinct nm.node_id
+    from private.lane_demand d
+    join public.node_models nm on nm.model_id = d.model_id
+    join public.nodes n on n.id = nm.node_id
+    where d.gateway_id = p_gateway and (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
+      and coalesce(d.needed, d.wanted) > (select coalesce(sum(x.slots), 0) from private.slot_leases x
+                                          where x.gateway_id = p_gateway and x.model_id = d.model_id
+                                            and x.policy = d.policy and x.region = d.region)
+      and n.inflight >= n.max_concurrency
+      and nm.node_id in (select l.node_id from private.slot_leases l
+                         where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
+                           and l.region = p_region));
   v_target := case when p_reported then private.lane_target(p_gateway, p_model, p_policy, p_region, v_capacity) else 0 end;
+  -- Spares only once all it needs is its share: a gateway short of its need holds none idle.
+  v_spares := case when p_reported and v_target >= p_need then p_want - p_need else 0 end;
   update private.lane_demand d set share = v_target
   where d.gateway_id = p_gateway and d.model_id = p_model and d.policy = p_policy and d.region = p_region
     and d.share is distinct from v_target;
 
   -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
-  -- server's slots went down); then idle slots above the target from the lowest ranked lease up.
-  -- Claimed: free slots toward the target from the best ranked node down.
+  -- server's slots went down); then idle slots above the target from the lowest ranked lease up, but for the spares it keeps:
+  -- one idle slot a node where it holds none idle in another lane, as many as it wants beyond its need.
+  -- Claimed: free slots toward the target (its need's share) from the best ranked node down; then
+  -- spares, one a node, only where the node keeps a slot free (for the requests SQL places: a
+  -- gateway's first for a model, a failed job's next node) and the gateway holds no idle slot
+  -- already (in any lane: a request SQL places lends it), so that spares spread over the gateways.
   with own as (
     select l.node_id, l.slots, l.in_use, n.inflight, n.max_concurrency,
            l.node_id = any (v_usable) as usable,
@@ -426,28 +449,62 @@ begin
     from forced f
     where f.usable
   ),
+  left_over as (
+    select s.node_id, s.slots, s.in_use, s.score, s.held,
+           -- a spare kept here: one idle slot, where the gateway holds none idle in another lane
+           case when s.slots > s.in_use and s.node_id <> all (v_needed_here)
+                     and not exists (select from private.slot_leases x
+                                     where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
+                                       and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
+                then 1 else 0 end as keepable
+    from kept s
+  ),
+  spares as (  -- the spares kept, best ranked first, as many as it wants beyond its need
+    select l.node_id, l.slots, l.in_use, l.score, l.held,
+           least(l.keepable, greatest(v_spares - coalesce(sum(l.keepable) over (order by l.score desc, l.node_id
+                                                                                rows between unbounded preceding and 1 preceding), 0),
+                                      0)) as spare
+    from left_over l
+  ),
   shrunk as (
     select k.node_id,
-           least(k.slots - k.in_use,
-                 greatest(k.held - v_target
-                          - coalesce(sum(k.slots - k.in_use) over (order by k.score, k.node_id desc
-                                                                   rows between unbounded preceding and 1 preceding), 0),
+           least(k.slots - k.in_use - k.spare,
+                 greatest(k.held - v_target - sum(k.spare) over ()
+                          - coalesce(sum(k.slots - k.in_use - k.spare) over (order by k.score, k.node_id desc
+                                                                             rows between unbounded preceding and 1 preceding), 0),
                           0)) as k
-    from kept k
+    from spares k
   ),
   room as (
-    select r.id, r.ord, greatest(n.max_concurrency - n.inflight, 0) as free
+    select r.id, r.ord, greatest(n.max_concurrency - n.inflight, 0) as free,
+           exists (select from private.slot_leases x
+                   where x.gateway_id = p_gateway and x.node_id = r.id and x.slots > x.in_use) as idle_here
     from unnest(v_ranked) with ordinality as r (id, ord)
     join public.nodes n on n.id = r.id
     where r.id = any (v_usable) and r.id <> all (v_wanted_elsewhere)
   ),
+  claim as (  -- toward the target, then the spares
+    select greatest(v_target - h.held, 0) as needed,
+           greatest(v_target + v_spares - greatest(h.held, v_target), 0) as spares
+    from (select coalesce(max(k.held), 0) as held from left_over k) h
+  ),
+  for_need as (
+    select f.id, f.ord, f.free, f.idle_here,
+           least(f.free,
+                 greatest(c.needed - coalesce(sum(f.free) over (order by f.ord rows between unbounded preceding and 1 preceding), 0),
+                          0)) as k
+    from room f cross join claim c
+  ),
+  for_spares as (
+    select f.id, f.ord, f.k, case when f.idle_here then 0 else least(greatest(f.free - f.k - 1, 0), 1) end as room
+    from for_need f
+  ),
   grown as (
     select f.id as node_id,
-           least(f.free,
-                 greatest(v_target - coalesce((select max(k.held) from kept k), 0)
-                          - coalesce(sum(f.free) over (order by f.ord rows between unbounded preceding and 1 preceding), 0),
-                          0)) as k
-    from room f
+           f.k + least(f.room,
+                       greatest(c.spares - coalesce(sum(f.room) over (order by f.ord rows between unbounded preceding and 1 preceding), 0),
+                                0)) as k
+    from for_spares f cross join claim c
   ),
   moves as (
     select f.node_id, -f.k as delta from forced f where f.k > 0
@@ -461,21 +518,21 @@ begin
     perform private.move_lease_slots(p_gateway, p_model, p_policy, p_region, v_ids, v_deltas, p_expires_at);
   end if;
 
-  -- What stays above the target on usable nodes is in use (the idle slots above it went back): the
-  -- lowest ranked leases' slots drain, not taken again, so that a gateway that keeps its slots busy
-  -- cannot keep more than its share from the gateways that want them (whose requests wait
-  -- meanwhile). A lease on a node no longer usable is not returned at all.
+  -- What stays above the target on usable nodes, but for the idle spares, is in use (the idle slots
+  -- above it went back): the lowest ranked leases' slots in use drain, not taken again, so that a
+  -- gateway that keeps its slots busy cannot keep more than its share from the gateways that need
+  -- them (whose requests wait meanwhile). A lease on a node no longer usable is not returned at all.
   with held as (
-    select l.node_id, l.slots, l.node_id = any (v_usable) as usable,
-           sum(l.slots) filter (where l.node_id = any (v_usable)) over () - v_target as excess,
-           coalesce(sum(l.slots) filter (where l.node_id = any (v_usable))
+    select l.node_id, l.in_use, l.node_id = any (v_usable) as usable,
+           sum(l.in_use) filter (where l.node_id = any (v_usable)) over () - v_target as excess,
+           coalesce(sum(l.in_use) filter (where l.node_id = any (v_usable))
                       over (order by l.score nulls first, l.node_id desc
                             rows between unbounded preceding and 1 preceding), 0) as below
     from private.slot_leases l
     where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
   ),
   draining as (
-    select h.node_id, case when h.usable then least(h.slots, greatest(h.excess - h.below, 0)) else 0 end as n
+    select h.node_id, case when h.usable then least(h.in_use, greatest(h.excess - h.below, 0)) else 0 end as n
     from held h
   )
   update private.slot_leases l
@@ -499,10 +556,10 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway: records its demand (p_reported false: a lane it no longer reports, wanting nothing), sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
-REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
+REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
 
 
 CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) RETURNS uuid
@@ -985,6 +1042,7 @@ declare
   v_policy text;
   v_region text;
   v_want numeric;
+  v_need numeric;
   v_in_use jsonb;
   v_used record;
   v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, in_use}]
@@ -1034,6 +1092,14 @@ begin
       raise exception 'lane %: "want" must be a whole number of slots from 0 to 1000000, not %', v_n, v_want
         using errcode = 'invalid_parameter_value';
     end if;
+    if coalesce(jsonb_typeof(v_lane -> 'need'), 'null') not in ('null', 'number') then
+      raise exception 'lane %: "need" must be a number of slots', v_n using errcode = 'invalid_parameter_value';
+    end if;
+    v_need := coalesce((v_lane -> 'need')::numeric, v_want);  -- a gateway that says no need needs all it wants
+    if v_need < 0 or v_need <> trunc(v_need) or v_need > v_want then
+      raise exception 'lane %: "need" must be a whole number of slots from 0 to "want" (%), not %', v_n, v_want, v_need
+        using errcode = 'invalid_parameter_value';
+    end if;
     v_in_use := coalesce(nullif(v_lane -> 'in_use', 'null'), '{}');
     if jsonb_typeof(v_in_use) <> 'object' then
       raise exception 'lane %: "in_use" must be an object of counts by node id', v_n using errcode = 'invalid_parameter_value';
@@ -1057,7 +1123,8 @@ begin
         using errcode = 'invalid_parameter_value';
     end if;
     v_lanes := v_lanes || jsonb_build_object('model', v_model, 'policy', v_policy, 'region', v_region,
-                                             'want', v_want::integer, 'in_use', v_in_use, 'reported', true);
+                                             'want', v_want::integer, 'need', v_need::integer, 'in_use', v_in_use,
+                                             'reported', true);
   end loop;
 
   -- A renewal is a check-in.
@@ -1066,7 +1133,7 @@ begin
 
   -- The lanes it no longer reports but still holds or wanted: nothing wanted, nothing in use.
   select v_lanes || coalesce(jsonb_agg(jsonb_build_object('model', o.model_id, 'policy', o.policy,
-                                                          'region', o.region, 'want', 0, 'in_use', '{}'::jsonb,
+                                                          'region', o.region, 'want', 0, 'need', 0, 'in_use', '{}'::jsonb,
                                                           'reported', false)), '[]')
     into v_lanes
   from (select l.model_id, l.policy, l.region from private.slot_leases l where l.gateway_id = p_gateway
@@ -1087,14 +1154,30 @@ begin
   perform from private.slot_leases l where l.gateway_id = p_gateway
   order by l.node_id, l.model_id, l.policy, l.region for no key update;
 
+  -- What it wants and needs of each lane, for the shares, before any lane is renewed: a lane sees
+  -- what the gateway's other lanes need now (a lane it no longer reports wants nothing).
+  insert into private.lane_demand as d (gateway_id, model_id, policy, region, wanted, needed, renewed_at)
+  select p_gateway, x ->> 'model', x ->> 'policy', x ->> 'region', (x ->> 'want')::integer, (x ->> 'need')::integer, now()
+  from jsonb_array_elements(v_lanes) x
+  where (x ->> 'reported')::boolean
+  on conflict on constraint lane_demand_pkey
+  do update set wanted = excluded.wanted, needed = excluded.needed, renewed_at = excluded.renewed_at;
+  delete from private.lane_demand d
+  where d.gateway_id = p_gateway
+    and exists (select from jsonb_array_elements(v_lanes) x
+                where not (x ->> 'reported')::boolean and x ->> 'model' = d.model_id and x ->> 'policy' = d.policy
+                  and x ->> 'region' = d.region);
+
+  -- The lanes that need least first: a spare one gives back, a lane that needs more claims.
   for r in
     select x ->> 'model' as model, x ->> 'policy' as policy, x ->> 'region' as region,
-           (x ->> 'want')::integer as want, x -> 'in_use' as in_use, (x ->> 'reported')::boolean as reported
+           (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use, (x ->> 'reported')::boolean as reported
     from jsonb_array_elements(v_lanes) x
-    order by 1, 2, 3
+    order by 5, 1, 2, 3
   loop
     v_absorbed := v_absorbed
-                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.in_use, r.reported, v_expires_at);
+                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.need, r.in_use, r.reported,
+                                        v_expires_at);
   end loop;
 
   -- Every lease it may dispatch on, ranked per lane: by the node's score now, or for a node the
@@ -1147,7 +1230,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency); a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

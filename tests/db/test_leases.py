@@ -20,7 +20,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node
 
-A, B, C = (uuid.UUID(f"00000000-0000-4000-8000-00000000000{i}") for i in (1, 2, 3))
+A, B, C, D = (uuid.UUID(f"00000000-0000-4000-8000-00000000000{i}") for i in (1, 2, 3, 4))
 
 
 def lane(want: int, in_use: dict[uuid.UUID, int] | None = None, **extra: Any) -> dict[str, Any]:
@@ -246,6 +246,9 @@ BAD_LANES: list[tuple[Any, str]] = [
     ([{"model": LLAMA8}], '"want" must be a number'),
     ([{"model": LLAMA8, "want": -1}], '"want" must be a whole number'),
     ([{"model": LLAMA8, "want": 1.5}], '"want" must be a whole number'),
+    ([{"model": LLAMA8, "want": 1, "need": "1"}], '"need" must be a number'),
+    ([{"model": LLAMA8, "want": 1, "need": 2}], '"need" must be a whole number of slots from 0 to "want"'),
+    ([{"model": LLAMA8, "want": 1, "need": -1}], '"need" must be a whole number of slots from 0 to "want"'),
     ([{"model": LLAMA8, "want": 1, "in_use": [1]}], '"in_use" must be an object'),
     ([{"model": LLAMA8, "want": 1, "in_use": {"node-1": 1}}], 'names "node-1", which is not a node id'),
     ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): -1}}], "must be a whole number from 0"),
@@ -435,6 +438,55 @@ def test_a_lane_holding_nothing_gets_the_idle_slots_other_lanes_lease_on_its_nod
     # Fed, the other lane no longer presses: A takes the slot left free again.
     assert held(renew(conn, A, lane(4, {node: 1}))) == {node: 2}
     assert inflight(conn) == {node: 4}
+    assert_slots_add_up(conn)
+
+
+def test_spare_slots_never_take_a_nodes_last_free_slot(conn: psycopg.Connection) -> None:
+    """Four gateways each wanting one spare slot (needing none) of a node of four leave one free: a
+    request SQL places (a lane's first, a failed job's next node) finds it. A need takes it."""
+    node = make_node(conn, max_concurrency=4)
+    for _ in range(2):
+        spares = {
+            gateway: sum(held(renew(conn, gateway, lane(1, need=0))).values()) for gateway in (A, B, C, D)
+        }
+    assert spares == {A: 1, B: 1, C: 1, D: 0}
+    assert inflight(conn) == {node: 3}
+    assert held(renew(conn, D, lane(1, need=1))) == {node: 1}
+    assert inflight(conn) == {node: 4}
+    assert_slots_add_up(conn)
+
+
+def test_a_gateway_keeps_one_idle_spare_a_node(conn: psycopg.Connection) -> None:
+    """What a lane wants beyond its need is spares: one idle slot a node, held or claimed, and none
+    where the gateway holds an idle slot already in another lane (a request SQL places lends it)."""
+    other = "acme/other-7b"
+    node = make_node(conn, max_concurrency=8, models={LLAMA8: "loaded", other: "loaded"})
+    idle_other = {**lane(1, need=0), "model": other}
+
+    def leased(*lanes: dict[str, Any]) -> dict[str, int]:
+        return {row.model_id: row.slots for row in renew(conn, A, *lanes) if row.slots}
+
+    assert leased(lane(4)) == {LLAMA8: 4}  # a gateway that says no need needs all it wants
+    assert leased(lane(4, need=0), idle_other) == {LLAMA8: 1}  # idle after a burst: one spare kept
+    assert leased(lane(4, {node: 1}, need=1), idle_other) == {LLAMA8: 2}  # in use, and a spare beside it
+    assert leased(lane(4, {node: 2}, need=2), idle_other) == {LLAMA8: 3}  # both in use: another
+    assert inflight(conn) == {node: 3}
+    assert_slots_add_up(conn)
+
+
+def test_a_lane_holding_nothing_takes_no_idle_slot_its_gateway_could_lend(conn: psycopg.Connection) -> None:
+    """A gateway's new lane, where it holds a slot of another lane on a full node, lends that one to
+    its first request: the other gateways keep the idle slots they would lend to theirs."""
+    other = "acme/other-7b"
+    node = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded", other: "loaded"})
+    renew(conn, A, lane(1, need=0))
+    renew(conn, B, lane(1, need=1))
+    assert inflight(conn) == {node: 2}
+    got = renew(conn, B, lane(1, need=1), {**lane(1), "model": other})
+    assert {row.model_id: row.slots for row in got if row.slots} == {
+        LLAMA8: 1
+    }  # full: the new lane holds none
+    assert held(renew(conn, A, lane(1, need=0))) == {node: 1}  # A's idle spare stays
     assert_slots_add_up(conn)
 
 

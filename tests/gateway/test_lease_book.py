@@ -115,6 +115,7 @@ def test_a_lease_is_not_used_past_the_senders_reckoning_of_its_end() -> None:
 
 
 def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_spare() -> None:
+    """It needs its busiest moment since the last renewal; it wants a spare besides."""
     clock = Clock()
     book = LeaseBook(clock)
     a = uuid4()
@@ -124,12 +125,19 @@ def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_s
     book.unleased(LANE, 1)
     book.unleased(LANE, -1)
     [report] = book.lanes()
-    assert report == {"model": "m", "policy": "balanced", "region": None, "want": 4, "in_use": {str(a): 2}}
+    assert report == {
+        "model": "m",
+        "policy": "balanced",
+        "region": None,
+        "want": 4,
+        "need": 3,
+        "in_use": {str(a): 2},
+    }
     for taken in held:
         assert taken is not None
         book.give_back(taken)
     [report] = book.lanes()  # since the last renewal nobody asked: what was in use then, and a spare
-    assert report["want"] == 3 and report["in_use"] == {}
+    assert (report["want"], report["need"], report["in_use"]) == (3, 2, {})
     clock.now += 60
     assert book.lanes() == []  # nobody asked for a while: the lane is given back
 
@@ -147,7 +155,7 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
         assert book.take(LANE, None) is None
         book.unleased(LANE, 1)
     [report] = book.lanes()
-    assert report["want"] == 17 and report["in_use"] == {str(a): 2}
+    assert (report["want"], report["need"], report["in_use"]) == (17, 16, {str(a): 2})
     for _ in range(14):
         book.unleased(LANE, -1)
     for taken in held:
@@ -155,8 +163,15 @@ def test_requests_sql_placed_count_as_the_lanes_demand() -> None:
         book.give_back(taken)
     [report] = book.lanes()  # the busiest moment since: 16 were in flight when the period began
     assert report["want"] == 17
-    wants = [book.lanes()[0]["want"] for _ in range(6)]  # then nothing: half as many each time
-    assert wants == [9, 5, 3, 2, 1, 1]
+    reports = [book.lanes()[0] for _ in range(6)]  # then nothing: half as many each time, all spare
+    assert [(report["want"], report["need"]) for report in reports] == [
+        (9, 0),
+        (5, 0),
+        (3, 0),
+        (2, 0),
+        (1, 0),
+        (1, 0),
+    ]
 
 
 def test_a_lane_has_outgrown_its_lease_once_as_many_requests_are_in_sql_as_on_it() -> None:
@@ -201,7 +216,9 @@ def test_a_lane_asked_for_without_a_lease_is_reported_wanted() -> None:
     lane = Lane("x", "fast", "eu")
     assert book.take(lane, None) is None
     book.unleased(lane, 1)  # placed in SQL: the cold path
-    assert book.lanes() == [{"model": "x", "policy": "fast", "region": "eu", "want": 2, "in_use": {}}]
+    assert book.lanes() == [
+        {"model": "x", "policy": "fast", "region": "eu", "want": 2, "need": 1, "in_use": {}}
+    ]
 
 
 def test_demand_is_what_holds_or_waits_for_a_slot_and_a_line_wants_no_spare() -> None:

@@ -180,10 +180,14 @@ class LeasedJobs:
 
     @contextlib.contextmanager
     def waiting(self, admitted: Admitted) -> Iterator[None]:
-        """While a request waits in line for a slot: its lane wants one more."""
+        """While a request waits in line for a slot: its lane wants one more. A lane this gateway
+        holds no slot of asks for it at once: the renewal says what it needs (where the gateway
+        holds an idle slot of another lane on a full node, SQL moves it to this lane)."""
         lane = self.lane(admitted)
         if lane is not None:
             self.book.unleased(lane, 1, waiting=True)
+            if not self.book.leases(lane):
+                self.renewals.soon(lane)
         try:
             yield
         finally:
