@@ -136,7 +136,7 @@ class LeaseBook:
         self._waited: set[Lane] = set()  # lanes where a request waited since the last renewal
         self._peak: dict[Lane, int] = {}  # most in flight (or wanted) at once since the last renewal
         self._wants: dict[Lane, int] = {}  # what the last renewal asked for
-        self._spares: dict[Lane, int] = {}  # of which spare: 1, or 0 where requests waited
+        self._needs: dict[Lane, int] = {}  # of which it needed (SQL shares the needs)
         self._at_share: set[Lane] = set()  # lanes where this gateway holds its share, or more
         self._asked_at: dict[Lane, float] = {}
         # Nodes that failed a request here, and when: passed over until a renewal sent after that
@@ -313,14 +313,14 @@ class LeaseBook:
             spare = 0 if lane in self._waited else 1
             need = sum(in_use.values()) if idle else busiest
             want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
-            self._wants[lane], self._spares[lane] = want, spare
+            self._wants[lane], self._needs[lane] = want, need
             report.append({**lane.as_json(), "want": want, "need": need, "in_use": in_use})
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._waited = set(self._waiting)
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
             del self._asked_at[lane]
         self._wants = {lane: n for lane, n in self._wants.items() if lane in wanted}
-        self._spares = {lane: n for lane, n in self._spares.items() if lane in wanted}
+        self._needs = {lane: n for lane, n in self._needs.items() if lane in wanted}
         return report
 
     def renewed(self, rows: Iterable[q.LeaseRow], sent_at: float, lease_s: float) -> None:
@@ -335,12 +335,11 @@ class LeaseBook:
                 held[lease.lane] += row.slots + row.draining
                 if row.share is not None:
                     shares[lease.lane] = row.share
-        # Scarce: SQL gave less than this gateway wanted, its spare aside (a lane exactly full of one
-        # gateway's requests is not short of anything another gateway wants).
+        # Scarce: SQL's share is less than this gateway needed (a lane exactly full of one gateway's
+        # requests is not short of anything another gateway wants; a lane idle after a burst, needing
+        # nothing, holds only spares).
         self._at_share = {
-            lane
-            for lane, share in shares.items()
-            if held[lane] >= share and share < self._wants.get(lane, 0) - self._spares.get(lane, 1)
+            lane for lane, share in shares.items() if held[lane] >= share and share < self._needs.get(lane, 0)
         }
         for leases in ranked.values():
             leases.sort(key=lambda lease: lease.rank)
@@ -360,7 +359,7 @@ class LeaseBook:
         return self.holds(lane) and any(lease.slots > 0 for lease in self._ranked[lane])
 
     def at_share(self, lane: Lane) -> bool:
-        """The lane is scarce (SQL gave this gateway less than it wanted, its spare aside) and this
+        """The lane is scarce (SQL's share for this gateway is less than it needed) and this
         gateway holds its share, or more (the rest drains): its requests wait for its own slots
         rather than claim free ones in SQL, where the gateway nearest the database would win every
         slot the others' shares free. Otherwise a request that finds no free leased slot is placed

@@ -211,6 +211,25 @@ def test_a_scarce_lane_held_at_its_share_or_above_is_not_placed_in_sql() -> None
     assert not book.at_share(LANE)
 
 
+def test_a_lane_needing_nothing_is_not_scarce_whatever_it_wants() -> None:
+    """After a burst a lane wants slots it does not need (spares); SQL shares the needs, so a share
+    of 0 for a lane that needs none is no scarcity: its next request may be placed in SQL."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 4, 1)], clock(), 5.0)
+    held = [book.take(LANE, None) for _ in range(4)]
+    book.lanes()
+    for taken in held:
+        assert taken is not None
+        book.give_back(taken)
+    book.lanes()
+    [report] = book.lanes()
+    assert (report["want"], report["need"]) == (3, 0)
+    book.renewed([replace(row(a, 1, 1), share=0)], clock(), 5.0)
+    assert not book.at_share(LANE)
+
+
 def test_a_lane_asked_for_without_a_lease_is_reported_wanted() -> None:
     book = LeaseBook(Clock())
     lane = Lane("x", "fast", "eu")
