@@ -9,11 +9,14 @@
 -- in flight and waiting); the shares are of the needs, and the rest it wants are spares: claimed
 -- one a node, only where the node keeps a slot free and the gateway holds no idle slot already (a
 -- request SQL places lends it), and kept idle one a node where the gateway holds none idle in
--- another lane, unless another lane of the gateway needs more on that full node. A lane holding
--- nothing takes the idle slots of other lanes on its full nodes only from a gateway that holds
--- none idle there (one that does lends it). A gateway renews every lane's demand before any lane,
--- the lanes that need least first. A gateway that sends no need needs all it wants, as before
--- (renew_lane() takes the need: dropped, created).
+-- another lane, and none on a full node where another lane holds less than it is owed (another
+-- of the gateway's lanes less than it needs, another gateway's less than its share, with no idle
+-- slot there of its own to lend). A lane that
+-- holds nothing, of a gateway with no idle slot on a full node to lend, has the other lanes there
+-- give back their idle slots, as before; a gateway with one lends it (a lane holding nothing at
+-- that gateway lends with each ask while it waits). A gateway's demand and slots in use are
+-- written for every lane before any lane is renewed, the lanes that need least first. A gateway
+-- that sends no need needs all it wants, as before (renew_lane() takes the need: dropped, created).
 
 alter table private.lane_demand
   add column needed integer,
@@ -76,7 +79,7 @@ declare
   v_capacity integer;
   v_target integer;
   v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
-  v_needed_here uuid[];  -- full nodes another lane of this gateway needs more of than it holds could be served on
+  v_spares_wanted uuid[];  -- full nodes where another lane holds less than it is owed: no idle spare kept there
   v_spares integer;  -- how many idle slots it may hold above its target: what it wants beyond its need
   v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
   v_absorbed uuid[];  -- of them, those whose slots join its lease
@@ -183,19 +186,27 @@ begin
                         and x.region = d.region and x.slots > 0)
       and not exists (select from private.slot_leases y
                       where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use));
-  -- The lane's full nodes that hold the model of another lane of this gateway that needs more than
-  -- it holds (its request waits in line, having found nothing to lend): this lane keeps no idle
-  -- spare there, and the other lane takes it.
-  v_needed_here := array(
+  -- The lane's full nodes that hold the model of another lane that holds less than it is owed:
+  -- another lane of this gateway that needs more than it holds (its request waits in line), or a
+  -- lane of another gateway below its share (of this lane, or of another) with no idle slot there
+  -- to lend. This lane keeps no idle spare there: a spare never stands in the way of a need.
+  v_spares_wanted := array(
     select distinct nm.node_id
     from private.lane_demand d
+    join private.gateways g on g.id = d.gateway_id
     join public.node_models nm on nm.model_id = d.model_id
     join public.nodes n on n.id = nm.node_id
-    where d.gateway_id = p_gateway and (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
-      and coalesce(d.needed, d.wanted) > (select coalesce(sum(x.slots), 0) from private.slot_leases x
-                                          where x.gateway_id = p_gateway and x.model_id = d.model_id
-                                            and x.policy = d.policy and x.region = d.region)
+    cross join public.platform_settings s
+    where (d.gateway_id, d.model_id, d.policy, d.region) is distinct from (p_gateway, p_model, p_policy, p_region)
+      and d.renewed_at >= now() - make_interval(secs => s.lease_s) and private.gateway_is_live(g.seen_at)
+      and case when d.gateway_id = p_gateway then coalesce(d.needed, d.wanted) else coalesce(d.share, 0) end
+          > (select coalesce(sum(x.slots), 0) from private.slot_leases x
+             where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
+               and x.region = d.region)
       and n.inflight >= n.max_concurrency
+      and (d.gateway_id = p_gateway
+           or not exists (select from private.slot_leases y
+                          where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use))
       and nm.node_id in (select l.node_id from private.slot_leases l
                          where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
                            and l.region = p_region));
@@ -241,7 +252,7 @@ begin
   left_over as (
     select s.node_id, s.slots, s.in_use, s.score, s.held,
            -- a spare kept here: one idle slot, where the gateway holds none idle in another lane
-           case when s.slots > s.in_use and s.node_id <> all (v_needed_here)
+           case when s.slots > s.in_use and s.node_id <> all (v_spares_wanted)
                      and not exists (select from private.slot_leases x
                                      where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
                                        and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
@@ -487,7 +498,17 @@ begin
                 where not (x ->> 'reported')::boolean and x ->> 'model' = d.model_id and x ->> 'policy' = d.policy
                   and x ->> 'region' = d.region);
 
-  -- The lanes that need least first: a spare one gives back, a lane that needs more claims.
+  -- What is in use on every lease of it, before any lane is renewed: a lane's spares are judged by
+  -- what the gateway's other lanes use now, not at its last renewal.
+  update private.slot_leases l
+  set in_use = least(coalesce((x -> 'in_use' ->> l.node_id::text)::integer, 0), l.slots)
+  from jsonb_array_elements(v_lanes) x
+  where l.gateway_id = p_gateway and l.model_id = x ->> 'model' and l.policy = x ->> 'policy'
+    and l.region = x ->> 'region'
+    and l.in_use is distinct from least(coalesce((x -> 'in_use' ->> l.node_id::text)::integer, 0), l.slots);
+
+  -- The lanes that need least first: what one gives back, a lane renewed after it may claim in the
+  -- same call (one renewed before it claims at the next).
   for r in
     select x ->> 'model' as model, x ->> 'policy' as policy, x ->> 'region' as region,
            (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use, (x ->> 'reported')::boolean as reported

@@ -287,7 +287,7 @@ declare
   v_capacity integer;
   v_target integer;
   v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
-  v_needed_here uuid[];  -- full nodes another lane of this gateway needs more of than it holds could be served on
+  v_spares_wanted uuid[];  -- full nodes where another lane holds less than it is owed: no idle spare kept there
   v_spares integer;  -- how many idle slots it may hold above its target: what it wants beyond its need
   v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
   v_absorbed uuid[];  -- of them, those whose slots join its lease
@@ -394,19 +394,27 @@ begin
                         and x.region = d.region and x.slots > 0)
       and not exists (select from private.slot_leases y
                       where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use));
-  -- The lane's full nodes that hold the model of another lane of this gateway that needs more than
-  -- it holds (its request waits in line, having found nothing to lend): this lane keeps no idle
-  -- spare there, and the other lane takes it.
-  v_needed_here := array(
+  -- The lane's full nodes that hold the model of another lane that holds less than it is owed:
+  -- another lane of this gateway that needs more than it holds (its request waits in line), or a
+  -- lane of another gateway below its share (of this lane, or of another) with no idle slot there
+  -- to lend. This lane keeps no idle spare there: a spare never stands in the way of a need.
+  v_spares_wanted := array(
     select distinct nm.node_id
     from private.lane_demand d
+    join private.gateways g on g.id = d.gateway_id
     join public.node_models nm on nm.model_id = d.model_id
     join public.nodes n on n.id = nm.node_id
-    where d.gateway_id = p_gateway and (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
-      and coalesce(d.needed, d.wanted) > (select coalesce(sum(x.slots), 0) from private.slot_leases x
-                                          where x.gateway_id = p_gateway and x.model_id = d.model_id
-                                            and x.policy = d.policy and x.region = d.region)
+    cross join public.platform_settings s
+    where (d.gateway_id, d.model_id, d.policy, d.region) is distinct from (p_gateway, p_model, p_policy, p_region)
+      and d.renewed_at >= now() - make_interval(secs => s.lease_s) and private.gateway_is_live(g.seen_at)
+      and case when d.gateway_id = p_gateway then coalesce(d.needed, d.wanted) else coalesce(d.share, 0) end
+          > (select coalesce(sum(x.slots), 0) from private.slot_leases x
+             where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
+               and x.region = d.region)
       and n.inflight >= n.max_concurrency
+      and (d.gateway_id = p_gateway
+           or not exists (select from private.slot_leases y
+                          where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use))
       and nm.node_id in (select l.node_id from private.slot_leases l
                          where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
                            and l.region = p_region));
@@ -452,7 +460,7 @@ begin
   left_over as (
     select s.node_id, s.slots, s.in_use, s.score, s.held,
            -- a spare kept here: one idle slot, where the gateway holds none idle in another lane
-           case when s.slots > s.in_use and s.node_id <> all (v_needed_here)
+           case when s.slots > s.in_use and s.node_id <> all (v_spares_wanted)
                      and not exists (select from private.slot_leases x
                                      where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
                                        and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
@@ -1168,7 +1176,17 @@ begin
                 where not (x ->> 'reported')::boolean and x ->> 'model' = d.model_id and x ->> 'policy' = d.policy
                   and x ->> 'region' = d.region);
 
-  -- The lanes that need least first: a spare one gives back, a lane that needs more claims.
+  -- What is in use on every lease of it, before any lane is renewed: a lane's spares are judged by
+  -- what the gateway's other lanes use now, not at its last renewal.
+  update private.slot_leases l
+  set in_use = least(coalesce((x -> 'in_use' ->> l.node_id::text)::integer, 0), l.slots)
+  from jsonb_array_elements(v_lanes) x
+  where l.gateway_id = p_gateway and l.model_id = x ->> 'model' and l.policy = x ->> 'policy'
+    and l.region = x ->> 'region'
+    and l.in_use is distinct from least(coalesce((x -> 'in_use' ->> l.node_id::text)::integer, 0), l.slots);
+
+  -- The lanes that need least first: what one gives back, a lane renewed after it may claim in the
+  -- same call (one renewed before it claims at the next).
   for r in
     select x ->> 'model' as model, x ->> 'policy' as policy, x ->> 'region' as region,
            (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use, (x ->> 'reported')::boolean as reported

@@ -155,6 +155,11 @@ class Placement:
             return None
         return await self.leased.dispatch(admitted, lane, route, queued)
 
+    def _holds_nothing(self, admitted: Admitted) -> bool:
+        """This gateway leases no slot of the request's lane."""
+        lane = self.leased.lane(admitted) if self.leased is not None else None
+        return lane is not None and self.leased is not None and not self.leased.book.leases(lane)
+
     async def _at_share(self, admitted: Admitted) -> bool:
         """Holding its share of the lane: the request waits for one of this gateway's leased slots."""
         return self.leased is not None and await self.leased.at_share(admitted)
@@ -183,7 +188,7 @@ class Placement:
             dispatched = await self._lease(admitted, route, queued=True)
             if dispatched is not None or await self._at_share(admitted):
                 return dispatched
-            match = await self._match(params)
+            match = await self._match(params, lend=self._holds_nothing(admitted))
             return None if match.busy else match
 
         # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
@@ -215,9 +220,10 @@ class Placement:
     async def _match(self, params: dict[str, object], lend: bool = False) -> q.Match:
         """Placed in SQL. `lend`: with idle slots of this gateway's leases, which SQL takes where
         every node that could serve the request is full (a request new to the gateway is one round
-        trip even where its other lanes lease every slot); a request's first ask only, not each of
-        its asks while it waits in line, which would keep them out of use round trip after round
-        trip."""
+        trip even where its other lanes lease every slot). A request's first ask; of its asks while
+        it waits in line, only those of a lane this gateway holds no slot of (other gateways give
+        such a lane no slot of a full node where this one holds an idle slot to lend), not each ask
+        of every line, which would keep the slots out of use round trip after round trip."""
         lent = self.leased.book.lend() if self.leased is not None and lend else Lent()
         if lent.slots:
             params = {**params, "lend": lent.as_json()}
