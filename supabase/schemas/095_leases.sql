@@ -292,7 +292,8 @@ declare
   v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
   v_absorbed uuid[];  -- of them, those whose slots join its lease
 begin
-  -- A count above what the lease holds: the slots are taken back where the node has them free.
+  -- A count above what the lease holds: the slots are taken back where the node has them free, in
+  -- use (renew_leases() wrote every lane's count in use, up to what each lease held).
   select array_agg(u.id order by u.id), array_agg(u.used - coalesce(l.slots, 0) order by u.id) into v_ids, v_deltas
   from (select r.key::uuid as id, r.value::integer as used from jsonb_each_text(p_in_use) r) u
   join public.nodes n on n.id = u.id
@@ -302,11 +303,11 @@ begin
   where u.used > coalesce(l.slots, 0);
   if v_ids is not null then
     perform private.move_lease_slots(p_gateway, p_model, p_policy, p_region, v_ids, v_deltas, p_expires_at);
+    update private.slot_leases l
+    set in_use = least((p_in_use ->> l.node_id::text)::integer, l.slots)
+    where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+      and l.node_id = any (v_ids);
   end if;
-  update private.slot_leases l
-  set in_use = least(coalesce((p_in_use ->> l.node_id::text)::integer, 0), l.slots)
-  where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
-    and l.in_use is distinct from least(coalesce((p_in_use ->> l.node_id::text)::integer, 0), l.slots);
 
   -- The gateway's jobs of the lane that SQL placed (no slot it leased was free), still running on a
   -- node the lane may lease: their slots join its lease, in use, and their attempts become leased
@@ -426,8 +427,9 @@ begin
     and d.share is distinct from v_target;
 
   -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
-  -- server's slots went down); then idle slots above the target from the lowest ranked lease up, but for the spares it keeps:
-  -- one idle slot a node where it holds none idle in another lane, as many as it wants beyond its need.
+  -- server's slots went down); then idle slots above the target from the lowest ranked lease up,
+  -- but for the spares it keeps: one idle slot a node where it holds none idle in another lane and
+  -- no other lane is owed one, as many as it wants beyond its need.
   -- Claimed: free slots toward the target (its need's share) from the best ranked node down; then
   -- spares, one a node, only where the node keeps a slot free (for the requests SQL places: a
   -- gateway's first for a model, a failed job's next node) and the gateway holds no idle slot
@@ -564,7 +566,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots still above the target as draining (lowest ranked first: in use, not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
 REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;

@@ -178,6 +178,11 @@ class LeasedJobs:
             # request in bench gateway, 2026-12-04.)
             self.renewals.soon(lane)
 
+    def holds_nothing(self, admitted: Admitted) -> bool:
+        """This gateway leases no slot of the request's lane (one leases serve)."""
+        lane = self.lane(admitted)
+        return lane is not None and not self.book.leases(lane)
+
     @contextlib.contextmanager
     def waiting(self, admitted: Admitted) -> Iterator[None]:
         """While a request waits in line for a slot: its lane wants one more. A lane this gateway

@@ -155,11 +155,6 @@ class Placement:
             return None
         return await self.leased.dispatch(admitted, lane, route, queued)
 
-    def _holds_nothing(self, admitted: Admitted) -> bool:
-        """This gateway leases no slot of the request's lane."""
-        lane = self.leased.lane(admitted) if self.leased is not None else None
-        return lane is not None and self.leased is not None and not self.leased.book.leases(lane)
-
     async def _at_share(self, admitted: Admitted) -> bool:
         """Holding its share of the lane: the request waits for one of this gateway's leased slots."""
         return self.leased is not None and await self.leased.at_share(admitted)
@@ -188,7 +183,9 @@ class Placement:
             dispatched = await self._lease(admitted, route, queued=True)
             if dispatched is not None or await self._at_share(admitted):
                 return dispatched
-            match = await self._match(params, lend=self._holds_nothing(admitted))
+            match = await self._match(
+                params, lend=self.leased is not None and self.leased.holds_nothing(admitted)
+            )
             return None if match.busy else match
 
         # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
