@@ -66,6 +66,13 @@ TARGET = (
 )
 SAMPLE_S = 0.05  # how often nodes.inflight is read
 WINDOW = (0.1, 0.35)  # the share of the load's time whose jobs the fairness check counts
+# A scarce lane's left-over slots rotate among its gateways once every SWEEP_S (private.lane_turn()):
+# shares are exact over whole sweeps, so the window holds two and a half of them at the default
+# length. At 40 s it held one, some 90 answers of the smallest gateway, and its worst share moved
+# from 6% to 22% off between runs (five runs of 2026-12-05 all missed the 10%; three of 100 s after
+# them, of the same code, passed at 4.6, 8.0 and 8.8%).
+SWEEP_S = 10.0
+SECONDS = 100.0  # the load's length by default
 KILL_AT, RESTART_PG_AT = 0.35, 0.65  # when the gateway is killed and Postgres crash-restarted
 BUDGET_TOKENS = 200  # the small-budget callers' answers: a few hundredths of a cent each
 REFUSED_PAUSE_S = 0.05  # a caller refused (the budget spent, no slot) asks again after this
@@ -316,7 +323,7 @@ def restart_immediately(server: EmbeddedPostgres) -> None:
 def run(
     rtts_ms: Sequence[float] = RTTS_MS,
     callers: int = 50,
-    seconds: float = 40.0,
+    seconds: float = SECONDS,
     work_ms: float = 200.0,
     nodes: int = 4,
     budget_callers: int = 8,

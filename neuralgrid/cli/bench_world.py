@@ -122,8 +122,11 @@ def bench_chaos(
         int, typer.Option(help="Concurrent callers, spread 1:2:3:… over the gateways.", min=2)
     ] = 50,
     seconds: Annotated[
-        float, typer.Option(help="How long the load lasts (the faults at 35% and 65%).", min=1)
-    ] = 40.0,
+        float,
+        typer.Option(
+            help="How long the load lasts (shares counted from 10% to 35%, faults at 35% and 65%).", min=1
+        ),
+    ] = 100.0,
     work_ms: Annotated[float, typer.Option(help="Each answer's time on its node.", min=0)] = 200.0,
     nodes: Annotated[int, typer.Option(help="Nodes of the default 4 slots, on two fake nodes.", min=1)] = 4,
     budget_callers: Annotated[
