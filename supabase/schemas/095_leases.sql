@@ -450,19 +450,21 @@ begin
     select o.node_id, o.usable, o.score, o.in_use,
            case when not o.usable or o.yields then o.slots - o.in_use
                 else least(o.slots - o.in_use, greatest(o.inflight - o.max_concurrency, 0)) end as k,
-           o.slots
+           o.slots, o.inflight, o.max_concurrency
     from own o
   ),
   kept as (
     select f.node_id, f.slots - f.k as slots, f.in_use, f.score,
-           sum(f.slots - f.k) over () as held
+           sum(f.slots - f.k) over () as held,
+           f.inflight - f.k < f.max_concurrency as room_left
     from forced f
     where f.usable
   ),
   left_over as (
     select s.node_id, s.slots, s.in_use, s.score, s.held,
-           -- a spare kept here: one idle slot, where the gateway holds none idle in another lane
-           case when s.slots > s.in_use and s.node_id <> all (v_spares_wanted)
+           -- a spare kept here: one idle slot, where the node has another free (as a spare is
+           -- claimed: never a node's last free slot) and the gateway holds none idle in another lane
+           case when s.slots > s.in_use and s.room_left and s.node_id <> all (v_spares_wanted)
                      and not exists (select from private.slot_leases x
                                      where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
                                        and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
@@ -566,7 +568,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
 REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;

@@ -476,20 +476,34 @@ def test_a_gateway_keeps_one_idle_spare_a_node(conn: psycopg.Connection) -> None
     assert_slots_add_up(conn)
 
 
+def test_an_idle_spare_never_keeps_a_nodes_last_free_slot(conn: psycopg.Connection) -> None:
+    """A spare is kept, as it is claimed, only where the node has a slot free besides: once the
+    lane's need fills the rest, the spare goes back at the next renewal, and a request SQL places
+    (another gateway's first for a model) finds the node's last slot free. CI at 7216741: a lane
+    that had needed both slots of a node of two kept one idle as its spare, and another gateway's
+    first request waited in line for the renewal after it asked."""
+    node = make_node(conn, max_concurrency=2)
+    assert held(renew(conn, A, lane(3, {node: 2}, need=2))) == {node: 2}  # a burst: the node full
+    assert held(renew(conn, A, lane(2, {node: 1}, need=1))) == {node: 1}  # one in use: no idle spare
+    assert inflight(conn) == {node: 1}
+    assert held(renew(conn, A, lane(2, {node: 1}, need=1))) == {node: 1}  # nor claimed again
+    assert_slots_add_up(conn)
+
+
 def test_an_idle_spare_gives_way_to_another_gateways_share(conn: psycopg.Connection) -> None:
     """Three gateways' spares and one free slot: a fourth needing two takes the free one, and the
-    next renewal of a spare's gateway gives it back for the fourth's share (a review, 2026-12-05:
-    kept, it left the fourth a slot short for as long as the others asked)."""
+    node full, the next renewal of a spare's gateway gives it back for the fourth's share (a review,
+    2026-12-05: kept, it left the fourth a slot short for as long as the others asked). Full again,
+    the next spare goes too, and the node keeps its last slot free."""
     node = make_node(conn, max_concurrency=4)
     for gateway in (A, B, C):
         renew(conn, gateway, lane(1, need=0))
     assert held(renew(conn, D, lane(2, need=2))) == {node: 1}  # its share is 2; one was free
-    # D's slot idle: D lends it to its next request itself, and the spares stay.
-    assert held(renew(conn, A, lane(1, need=0))) == {node: 1}
-    assert held(renew(conn, D, lane(2, {node: 1}, need=2))) == {node: 1}  # in use, a slot short
-    assert held(renew(conn, A, lane(1, need=0))) == {}  # A's idle spare gives way
+    assert held(renew(conn, A, lane(1, need=0))) == {}  # the node full: A's idle spare gives way
     assert held(renew(conn, D, lane(2, {node: 1}, need=2))) == {node: 2}
-    assert held(renew(conn, B, lane(1, need=0))) == {node: 1}  # D holds its share: B's spare stays
+    assert held(renew(conn, B, lane(1, need=0))) == {}  # full again: B's spare goes
+    assert held(renew(conn, C, lane(1, need=0))) == {node: 1}  # a slot free besides: C's stays
+    assert inflight(conn) == {node: 3}
     assert_slots_add_up(conn)
 
 
@@ -498,14 +512,14 @@ def test_a_lane_holding_nothing_takes_no_idle_slot_its_gateway_could_lend(conn: 
     its first request: the other gateways keep the idle slots they would lend to theirs."""
     other = "acme/other-7b"
     node = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded", other: "loaded"})
-    renew(conn, A, lane(1, need=0))
+    renew(conn, A, lane(1, need=1))
     renew(conn, B, lane(1, need=1))
     assert inflight(conn) == {node: 2}
     got = renew(conn, B, lane(1, need=1), {**lane(1), "model": other})
     assert {row.model_id: row.slots for row in got if row.slots} == {
         LLAMA8: 1
     }  # full: the new lane holds none
-    assert held(renew(conn, A, lane(1, need=0))) == {node: 1}  # A's idle spare stays
+    assert held(renew(conn, A, lane(1, need=1))) == {node: 1}  # A's idle slot stays
     assert_slots_add_up(conn)
 
 

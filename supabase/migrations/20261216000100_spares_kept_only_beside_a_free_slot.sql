@@ -1,0 +1,303 @@
+-- A spare is kept only where the node has another slot free, as it is claimed (issue 42: cold, at
+-- most 1 RTT). A lane whose need had filled a node (a burst) kept one of its slots idle as a spare
+-- once the need fell: the node full, another gateway's first request for a model found no slot and
+-- waited in line for the renewal after its own, which told the first gateway to yield (CI at
+-- 7216741: 116 ms in line, with the database next door). Now the next renewal gives that spare
+-- back; a node full of needs keeps no idle spare, and one left free is not claimed again.
+
+CREATE OR REPLACE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+declare
+  v_ids uuid[];
+  v_deltas integer[];
+  v_ranked uuid[];
+  v_scores float8[];
+  v_limit integer;
+  v_usable uuid[];  -- of the ranked nodes and those leased in the lane, the usable ones
+  v_capacity integer;
+  v_target integer;
+  v_wanted_elsewhere uuid[];  -- full nodes a lane that holds nothing could be served on
+  v_spares_wanted uuid[];  -- full nodes where another lane holds less than it is owed: no idle spare kept there
+  v_spares integer;  -- how many idle slots it may hold above its target: what it wants beyond its need
+  v_mine uuid[];  -- the gateway's running jobs of the lane that SQL placed
+  v_absorbed uuid[];  -- of them, those whose slots join its lease
+begin
+  -- A count above what the lease holds: the slots are taken back where the node has them free, in
+  -- use (renew_leases() wrote every lane's count in use, up to what each lease held).
+  select array_agg(u.id order by u.id), array_agg(u.used - coalesce(l.slots, 0) order by u.id) into v_ids, v_deltas
+  from (select r.key::uuid as id, r.value::integer as used from jsonb_each_text(p_in_use) r) u
+  join public.nodes n on n.id = u.id
+  left join private.slot_leases l
+    on l.gateway_id = p_gateway and l.node_id = u.id and l.model_id = p_model and l.policy = p_policy
+       and l.region = p_region
+  where u.used > coalesce(l.slots, 0);
+  if v_ids is not null then
+    perform private.move_lease_slots(p_gateway, p_model, p_policy, p_region, v_ids, v_deltas, p_expires_at);
+    update private.slot_leases l
+    set in_use = least((p_in_use ->> l.node_id::text)::integer, l.slots)
+    where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+      and l.node_id = any (v_ids);
+  end if;
+
+  -- The gateway's jobs of the lane that SQL placed (no slot it leased was free), still running on a
+  -- node the lane may lease: their slots join its lease, in use, and their attempts become leased
+  -- (the node's inflight is unchanged: the claim becomes the lease's; their ends free nothing).
+  -- Else a gateway at full load places some of its requests in SQL for good: the end of each frees
+  -- a slot that its caller's next request claims in SQL again before a renewal could lease it.
+  -- Rows another transaction holds are skipped, never waited for; the next renewal takes them.
+  -- Only jobs on their first attempt: one SQL moved on stays SQL's to its end (the gateway, which
+  -- does not know the nodes it tried, could move it back to one that failed it).
+  if p_reported then
+    v_mine := array(
+      select j.id from public.jobs j
+      where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
+        and j.gateway_id = p_gateway and j.status = 'running' and j.model_id = p_model and j.policy = p_policy
+        and coalesce(j.region, '') = p_region
+      order by j.id
+      for no key update skip locked);
+  end if;
+  if cardinality(v_mine) > 0 then
+    with running as (
+      select a.job_id, a.attempt, a.node_id from public.job_attempts a
+      where a.job_id = any (v_mine) and a.status = 'running' and not a.leased and a.attempt = 1
+        and a.node_id in (select private.lease_usable_nodes(p_model, array(
+                            select r.node_id from public.job_attempts r where r.job_id = any (v_mine) and r.status = 'running')))
+      order by a.job_id, a.attempt
+      for no key update skip locked
+    ),
+    taken as (
+      update public.job_attempts a set leased = true
+      from running r
+      where a.job_id = r.job_id and a.attempt = r.attempt
+      returning a.job_id, a.node_id
+    ),
+    leased as (
+      insert into private.slot_leases as l (gateway_id, node_id, model_id, policy, region, slots, in_use, expires_at)
+      select p_gateway, t.node_id, p_model, p_policy, p_region, count(*), count(*), p_expires_at
+      from taken t
+      group by t.node_id
+      on conflict on constraint slot_leases_pkey
+      do update set slots = l.slots + excluded.slots, in_use = l.in_use + excluded.in_use
+    )
+    select array_agg(t.job_id order by t.job_id) into v_absorbed from taken t;
+  end if;
+
+  -- The lane's nodes as score_nodes() ranks them now (only nodes with a free slot), enough of them
+  -- to hold what every gateway wants.
+  select least(greatest(private.ranking_limit(0), coalesce(sum(d.wanted), 0)), 1000)::integer into v_limit
+  from private.lane_demand d
+  where d.model_id = p_model and d.policy = p_policy and d.region = p_region;
+  select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank) into v_ranked, v_scores
+  from public.score_nodes(p_model, null, p_policy, nullif(p_region, ''), null, null, null, false, v_limit, null) s;
+  v_ranked := coalesce(v_ranked, '{}');
+
+  -- The lane's capacity: free slots on the ranked nodes, and the slots leased in the lane (by any
+  -- gateway) on nodes still usable.
+  v_usable := array(select private.lease_usable_nodes(p_model, v_ranked || array(
+                      select l.node_id from private.slot_leases l
+                      where l.model_id = p_model and l.policy = p_policy and l.region = p_region)));
+  select coalesce(sum(greatest(n.max_concurrency - n.inflight + coalesce(h.slots, 0), 0)), 0)::integer into v_capacity
+  from public.nodes n
+  left join lateral (
+    select sum(l.slots) as slots from private.slot_leases l
+    where l.node_id = n.id and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+  ) h on true
+  where n.id = any (v_usable);
+  -- The lane's nodes that hold the model of another live lane that needs slots and holds none, of
+  -- a gateway holding no idle slot on the node (one that does lends it to the lane's first request):
+  -- once full, they keep no idle slot for this lane, and it claims no more on them, so that the
+  -- starved lane (a model asked for the first time, on nodes leased for others) gets slots at its
+  -- next renewal. Slots in use stay. (Yielding to any lane holding none, in `bench world` every
+  -- gateway's first request for a model took the idle slots the other gateways would have lent.)
+  v_wanted_elsewhere := array(
+    select distinct nm.node_id
+    from private.lane_demand d
+    join private.gateways g on g.id = d.gateway_id
+    join public.node_models nm on nm.model_id = d.model_id
+    cross join public.platform_settings s
+    where (d.model_id, d.policy, d.region) is distinct from (p_model, p_policy, p_region)
+      and coalesce(d.needed, d.wanted) > 0 and d.renewed_at >= now() - make_interval(secs => s.lease_s)
+      and private.gateway_is_live(g.seen_at)
+      and nm.node_id in (select l.node_id from private.slot_leases l
+                         where l.model_id = p_model and l.policy = p_policy and l.region = p_region)
+      and not exists (select from private.slot_leases x
+                      where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
+                        and x.region = d.region and x.slots > 0)
+      and not exists (select from private.slot_leases y
+                      where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use));
+  -- The lane's full nodes that hold the model of another lane that holds less than it is owed:
+  -- another lane of this gateway that needs more than it holds (its request waits in line), or a
+  -- lane of another gateway below its share (of this lane, or of another) with no idle slot there
+  -- to lend. This lane keeps no idle spare there: a spare never stands in the way of a need.
+  v_spares_wanted := array(
+    select distinct nm.node_id
+    from private.lane_demand d
+    join private.gateways g on g.id = d.gateway_id
+    join public.node_models nm on nm.model_id = d.model_id
+    join public.nodes n on n.id = nm.node_id
+    cross join public.platform_settings s
+    where (d.gateway_id, d.model_id, d.policy, d.region) is distinct from (p_gateway, p_model, p_policy, p_region)
+      and d.renewed_at >= now() - make_interval(secs => s.lease_s) and private.gateway_is_live(g.seen_at)
+      and case when d.gateway_id = p_gateway then coalesce(d.needed, d.wanted) else coalesce(d.share, 0) end
+          > (select coalesce(sum(x.slots), 0) from private.slot_leases x
+             where x.gateway_id = d.gateway_id and x.model_id = d.model_id and x.policy = d.policy
+               and x.region = d.region)
+      and n.inflight >= n.max_concurrency
+      and (d.gateway_id = p_gateway
+           or not exists (select from private.slot_leases y
+                          where y.gateway_id = d.gateway_id and y.node_id = nm.node_id and y.slots > y.in_use))
+      and nm.node_id in (select l.node_id from private.slot_leases l
+                         where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
+                           and l.region = p_region));
+  v_target := case when p_reported then private.lane_target(p_gateway, p_model, p_policy, p_region, v_capacity) else 0 end;
+  -- Spares only once all it needs is its share: a gateway short of its need holds none idle.
+  v_spares := case when p_reported and v_target >= p_need then p_want - p_need else 0 end;
+  update private.lane_demand d set share = v_target
+  where d.gateway_id = p_gateway and d.model_id = p_model and d.policy = p_policy and d.region = p_region
+    and d.share is distinct from v_target;
+
+  -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
+  -- server's slots went down); then idle slots above the target from the lowest ranked lease up,
+  -- but for the spares it keeps: one idle slot a node where it holds none idle in another lane and
+  -- no other lane is owed one, as many as it wants beyond its need.
+  -- Claimed: free slots toward the target (its need's share) from the best ranked node down; then
+  -- spares, one a node, only where the node keeps a slot free (for the requests SQL places: a
+  -- gateway's first for a model, a failed job's next node) and the gateway holds no idle slot
+  -- already (in any lane: a request SQL places lends it), so that spares spread over the gateways.
+  with own as (
+    select l.node_id, l.slots, l.in_use, n.inflight, n.max_concurrency,
+           l.node_id = any (v_usable) as usable,
+           n.inflight >= n.max_concurrency and l.node_id = any (v_wanted_elsewhere) as yields,
+           coalesce(r.score, l.score, (select s.base_score from public.node_scores s
+                                       where s.node_id = l.node_id and s.policy = p_policy and s.model_id = p_model),
+                    '-Infinity'::float8) as score
+    from private.slot_leases l
+    join public.nodes n on n.id = l.node_id
+    left join unnest(v_ranked, v_scores) as r (id, score) on r.id = l.node_id
+    where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+  ),
+  forced as (
+    select o.node_id, o.usable, o.score, o.in_use,
+           case when not o.usable or o.yields then o.slots - o.in_use
+                else least(o.slots - o.in_use, greatest(o.inflight - o.max_concurrency, 0)) end as k,
+           o.slots, o.inflight, o.max_concurrency
+    from own o
+  ),
+  kept as (
+    select f.node_id, f.slots - f.k as slots, f.in_use, f.score,
+           sum(f.slots - f.k) over () as held,
+           f.inflight - f.k < f.max_concurrency as room_left
+    from forced f
+    where f.usable
+  ),
+  left_over as (
+    select s.node_id, s.slots, s.in_use, s.score, s.held,
+           -- a spare kept here: one idle slot, where the node has another free (as a spare is
+           -- claimed: never a node's last free slot) and the gateway holds none idle in another lane
+           case when s.slots > s.in_use and s.room_left and s.node_id <> all (v_spares_wanted)
+                     and not exists (select from private.slot_leases x
+                                     where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
+                                       and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
+                then 1 else 0 end as keepable
+    from kept s
+  ),
+  spares as (  -- the spares kept, best ranked first, as many as it wants beyond its need
+    select l.node_id, l.slots, l.in_use, l.score, l.held,
+           least(l.keepable, greatest(v_spares - coalesce(sum(l.keepable) over (order by l.score desc, l.node_id
+                                                                                rows between unbounded preceding and 1 preceding), 0),
+                                      0)) as spare
+    from left_over l
+  ),
+  shrunk as (
+    select k.node_id,
+           least(k.slots - k.in_use - k.spare,
+                 greatest(k.held - v_target - sum(k.spare) over ()
+                          - coalesce(sum(k.slots - k.in_use - k.spare) over (order by k.score, k.node_id desc
+                                                                             rows between unbounded preceding and 1 preceding), 0),
+                          0)) as k
+    from spares k
+  ),
+  room as (
+    select r.id, r.ord, greatest(n.max_concurrency - n.inflight, 0) as free,
+           exists (select from private.slot_leases x
+                   where x.gateway_id = p_gateway and x.node_id = r.id and x.slots > x.in_use) as idle_here
+    from unnest(v_ranked) with ordinality as r (id, ord)
+    join public.nodes n on n.id = r.id
+    where r.id = any (v_usable) and r.id <> all (v_wanted_elsewhere)
+  ),
+  claim as (  -- toward the target, then the spares
+    select greatest(v_target - h.held, 0) as needed,
+           greatest(v_target + v_spares - greatest(h.held, v_target), 0) as spares
+    from (select coalesce(max(k.held), 0) as held from left_over k) h
+  ),
+  for_need as (
+    select f.id, f.ord, f.free, f.idle_here,
+           least(f.free,
+                 greatest(c.needed - coalesce(sum(f.free) over (order by f.ord rows between unbounded preceding and 1 preceding), 0),
+                          0)) as k
+    from room f cross join claim c
+  ),
+  for_spares as (
+    select f.id, f.ord, f.k, case when f.idle_here then 0 else least(greatest(f.free - f.k - 1, 0), 1) end as room
+    from for_need f
+  ),
+  grown as (
+    select f.id as node_id,
+           f.k + least(f.room,
+                       greatest(c.spares - coalesce(sum(f.room) over (order by f.ord rows between unbounded preceding and 1 preceding), 0),
+                                0)) as k
+    from for_spares f cross join claim c
+  ),
+  moves as (
+    select f.node_id, -f.k as delta from forced f where f.k > 0
+    union all
+    select s.node_id, -s.k from shrunk s where s.k > 0
+    union all
+    select g.node_id, g.k from grown g where g.k > 0
+  )
+  select array_agg(m.node_id), array_agg(m.delta) into v_ids, v_deltas from moves m;
+  if v_ids is not null then
+    perform private.move_lease_slots(p_gateway, p_model, p_policy, p_region, v_ids, v_deltas, p_expires_at);
+  end if;
+
+  -- What stays above the target on usable nodes, but for the idle spares, is in use (the idle slots
+  -- above it went back): the lowest ranked leases' slots in use drain, not taken again, so that a
+  -- gateway that keeps its slots busy cannot keep more than its share from the gateways that need
+  -- them (whose requests wait meanwhile). A lease on a node no longer usable is not returned at all.
+  with held as (
+    select l.node_id, l.in_use, l.node_id = any (v_usable) as usable,
+           sum(l.in_use) filter (where l.node_id = any (v_usable)) over () - v_target as excess,
+           coalesce(sum(l.in_use) filter (where l.node_id = any (v_usable))
+                      over (order by l.score nulls first, l.node_id desc
+                            rows between unbounded preceding and 1 preceding), 0) as below
+    from private.slot_leases l
+    where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+  ),
+  draining as (
+    select h.node_id, case when h.usable then least(h.in_use, greatest(h.excess - h.below, 0)) else 0 end as n
+    from held h
+  )
+  update private.slot_leases l
+  set draining = d.n
+  from draining d
+  where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+    and l.node_id = d.node_id and l.draining <> d.n;
+
+  -- Renewed: until the new end, with the score each node ranks by; leases holding nothing are gone.
+  update private.slot_leases l
+  set expires_at = p_expires_at,
+      score = coalesce((select r.score from unnest(v_ranked, v_scores) as r (id, score) where r.id = l.node_id),
+                       l.score,
+                       (select s.base_score from public.node_scores s
+                        where s.node_id = l.node_id and s.policy = p_policy and s.model_id = p_model))
+  where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region;
+  delete from private.slot_leases l
+  where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy and l.region = p_region
+    and l.slots = 0 and l.in_use = 0;
+  return coalesce(v_absorbed, '{}');
+end;
+$$;
+
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
