@@ -428,8 +428,9 @@ begin
 
   -- Given back: idle slots on nodes no longer usable, or holding more than they have slots (their
   -- server's slots went down); then idle slots above the target from the lowest ranked lease up,
-  -- but for the spares it keeps: one idle slot a node where it holds none idle in another lane and
-  -- no other lane is owed one, as many as it wants beyond its need.
+  -- but for the spares it keeps: one of them a node where the node then has another slot free, it
+  -- holds none idle in another lane and no other lane is owed one, as many as it wants beyond its
+  -- need.
   -- Claimed: free slots toward the target (its need's share) from the best ranked node down; then
   -- spares, one a node, only where the node keeps a slot free (for the requests SQL places: a
   -- gateway's first for a model, a failed job's next node) and the gateway holds no idle slot
@@ -454,38 +455,38 @@ begin
     from own o
   ),
   kept as (
-    select f.node_id, f.slots - f.k as slots, f.in_use, f.score,
-           sum(f.slots - f.k) over () as held,
-           f.inflight - f.k < f.max_concurrency as room_left
+    select f.node_id, f.slots - f.k as slots, f.in_use, f.score, f.inflight - f.k as inflight, f.max_concurrency,
+           sum(f.slots - f.k) over () as held
     from forced f
     where f.usable
   ),
+  surplus as (  -- the idle slots above the target, from the lowest ranked lease up
+    select s.node_id, s.score, s.held, s.inflight, s.max_concurrency,
+           least(s.slots - s.in_use,
+                 greatest(s.held - v_target
+                          - coalesce(sum(s.slots - s.in_use) over (order by s.score, s.node_id desc
+                                                                   rows between unbounded preceding and 1 preceding), 0),
+                          0)) as k
+    from kept s
+  ),
   left_over as (
-    select s.node_id, s.slots, s.in_use, s.score, s.held,
-           -- a spare kept here: one idle slot, where the node has another free (as a spare is
-           -- claimed: never a node's last free slot) and the gateway holds none idle in another lane
-           case when s.slots > s.in_use and s.room_left and s.node_id <> all (v_spares_wanted)
+    select s.node_id, s.score, s.held, s.k,
+           -- a spare kept here: one of those slots, where the node has another free once the rest
+           -- are given back (as a spare is claimed: never a node's last free slot) and the gateway
+           -- holds none idle in another lane
+           case when s.k > 0 and s.inflight - s.k + 1 < s.max_concurrency and s.node_id <> all (v_spares_wanted)
                      and not exists (select from private.slot_leases x
                                      where x.gateway_id = p_gateway and x.node_id = s.node_id and x.slots > x.in_use
                                        and (x.model_id, x.policy, x.region) <> (p_model, p_policy, p_region))
                 then 1 else 0 end as keepable
-    from kept s
+    from surplus s
   ),
-  spares as (  -- the spares kept, best ranked first, as many as it wants beyond its need
-    select l.node_id, l.slots, l.in_use, l.score, l.held,
-           least(l.keepable, greatest(v_spares - coalesce(sum(l.keepable) over (order by l.score desc, l.node_id
-                                                                                rows between unbounded preceding and 1 preceding), 0),
-                                      0)) as spare
+  shrunk as (  -- given back: the surplus but for the spares kept, best ranked first, as many as it wants beyond its need
+    select l.node_id,
+           l.k - least(l.keepable, greatest(v_spares - coalesce(sum(l.keepable) over (order by l.score desc, l.node_id
+                                                                                      rows between unbounded preceding and 1 preceding), 0),
+                                            0)) as k
     from left_over l
-  ),
-  shrunk as (
-    select k.node_id,
-           least(k.slots - k.in_use - k.spare,
-                 greatest(k.held - v_target - sum(k.spare) over ()
-                          - coalesce(sum(k.slots - k.in_use - k.spare) over (order by k.score, k.node_id desc
-                                                                             rows between unbounded preceding and 1 preceding), 0),
-                          0)) as k
-    from spares k
   ),
   room as (
     select r.id, r.ord, greatest(n.max_concurrency - n.inflight, 0) as free,

@@ -491,18 +491,28 @@ def test_an_idle_spare_never_keeps_a_nodes_last_free_slot(conn: psycopg.Connecti
 
 
 def test_an_idle_spare_gives_way_to_another_gateways_share(conn: psycopg.Connection) -> None:
-    """Three gateways' spares and one free slot: a fourth needing two takes the free one, and the
-    node full, the next renewal of a spare's gateway gives it back for the fourth's share (a review,
-    2026-12-05: kept, it left the fourth a slot short for as long as the others asked). Full again,
-    the next spare goes too, and the node keeps its last slot free."""
+    """A full node, and a lane's slots above its target that would leave a slot free beside a spare:
+    another gateway's lane there holds less than its share, so no spare is kept, and that share is
+    claimed at once (a review, 2026-12-05: kept, it left the other gateway a slot short for as long
+    as the first asked)."""
     node = make_node(conn, max_concurrency=4)
-    for gateway in (A, B, C):
-        renew(conn, gateway, lane(1, need=0))
-    assert held(renew(conn, D, lane(2, need=2))) == {node: 1}  # its share is 2; one was free
-    assert held(renew(conn, A, lane(1, need=0))) == {}  # the node full: A's idle spare gives way
-    assert held(renew(conn, D, lane(2, {node: 1}, need=2))) == {node: 2}
-    assert held(renew(conn, B, lane(1, need=0))) == {}  # full again: B's spare goes
-    assert held(renew(conn, C, lane(1, need=0))) == {node: 1}  # a slot free besides: C's stays
+    assert held(renew(conn, A, lane(4, {node: 3}, need=3))) == {node: 3}  # no spare: one slot is free
+    assert held(renew(conn, B, lane(1, {node: 1}, need=1))) == {node: 1}  # full
+    assert held(renew(conn, C, lane(2, need=2))) == {}  # nothing free: below its share
+    assert held(renew(conn, A, lane(3, {node: 1}, need=1))) == {node: 1}  # both idle slots go back
+    assert held(renew(conn, C, lane(2, need=2))) == {node: 2}
+    assert_slots_add_up(conn)
+
+
+def test_after_a_burst_one_spare_stays_where_the_slots_given_back_leave_room(
+    conn: psycopg.Connection,
+) -> None:
+    """The idle slots above the target go back but for a spare, kept where the node has a slot free
+    once the others have gone: at once, not given back with them and claimed again at the next
+    renewal (a review, 2026-12-05)."""
+    node = make_node(conn, max_concurrency=4)
+    assert held(renew(conn, A, lane(5, {node: 4}, need=4))) == {node: 4}
+    assert held(renew(conn, A, lane(3, {node: 2}, need=2))) == {node: 3}
     assert inflight(conn) == {node: 3}
     assert_slots_add_up(conn)
 
