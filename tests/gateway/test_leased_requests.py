@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -165,40 +165,30 @@ def test_a_model_new_to_a_gateway_finds_the_slot_another_gateways_spare_left_fre
         "shared", models={LLAMA8: "loaded", mistral: "loaded"}, max_concurrency=2, latency_s=0.05
     )
     settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
-    statuses: list[int] = []
+    served: list[str] = []  # each answer's job id ("" for one not answered 200)
+    steady, burst = threading.Event(), threading.Event()
     with (
         ThreadedServer(create_app(settings, db_url, sweep=False)) as first,
         ThreadedServer(create_app(settings, db_url, sweep=False)) as second,
     ):
-
-        def caller(done: threading.Event) -> None:  # asks the first gateway again once answered
-            while not done.is_set():
-                statuses.append(ask(first.url, api_key).status_code)
-
-        with callers(caller):
-            with callers(caller):  # a burst: the lane needs, and leases, the whole node
-                wait_for(lambda: leases_held(conn, node.node_id) == 2)
+        threads = _callers(first.url, api_key, 1, steady, served)
+        try:
+            threads += _callers(first.url, api_key, 1, burst, served)  # the lane leases the whole node
+            wait_for(lambda: leases_held(conn, node.node_id) == 2)
+            burst.set()
             # The steady caller's own requests leased, two renewals after the burst ended.
             wait_for(lambda: metric(first.url, "neuralgrid_leased_placements_total") > 0)
             time.sleep(1.5)
             answer = ask(second.url, api_key, {**PLAIN, "model": mistral})
+        finally:
+            steady.set()
+            burst.set()
+            for thread in threads:
+                thread.join()
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-neuralgrid-node"] == str(node.node_id)
     assert float(answer.headers["x-neuralgrid-queue-ms"]) == 0  # placed at once, not in line
-    assert statuses and set(statuses) == {200}
-
-
-@contextmanager
-def callers(call: Callable[[threading.Event], None]) -> Iterator[None]:
-    """A thread running call(done) until the block ends."""
-    done = threading.Event()
-    thread = threading.Thread(target=call, args=(done,))
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    assert served and all(served)
 
 
 def test_a_budget_is_spent_from_escrow_and_charged_as_placements_charge(
