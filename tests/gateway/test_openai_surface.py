@@ -181,6 +181,8 @@ def test_every_404_and_405_is_openai_shaped(gateway: str, api_key: str, client: 
     beat = httpx.post(f"{gateway}/v1/nodes/{uuid.uuid4()}/heartbeat", json={"models": []}, headers=auth)
     error = is_openai_error(beat, 404)
     assert (error["param"], error["code"]) == ("node_id", "not_found")
+    garbled = httpx.post(f"{gateway}/v1/nodes/not-a-node/heartbeat", json={}, headers=auth)
+    assert is_openai_error(garbled, 400)["param"] == "path.node_id"  # as a query's are "query.days"
     # The web pages are still pages.
     page = httpx.get(f"{gateway}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
