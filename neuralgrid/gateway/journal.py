@@ -245,7 +245,7 @@ class Journal:
         self._writing: set[UUID] = set()  # the batch in Postgres now
         self._wake = asyncio.Event()
         self._flushed = asyncio.Condition()
-        self.lock = asyncio.Lock()  # one write at a time, renewals included (escrow.py)
+        self.lock = asyncio.Lock()  # one write at a time, and no escrow renewal during one (escrow.py)
         # Told of each record committed, and whether its start is new to Postgres.
         self.on_commit: list[Callable[[JobRecord, bool], None]] = []
 

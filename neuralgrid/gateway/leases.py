@@ -385,17 +385,16 @@ class Renewals:
     holds nothing for is placed in SQL (the cold path: one round trip) and starts one that asks for
     the lane, shared with every request that comes for it meanwhile; the next ones are leased.
 
-    One at a time, and never while this gateway's journal writes (`lock`): the two meet on the
-    rows of this gateway's own jobs (a job SQL placed, its end being written), which a renewal
-    skips rather than wait for, and a cold lane's renewal would lease nothing (CI at 751a219: a
-    caller's requests each waited for the one before it to be written, up to the periodic
-    renewal)."""
+    One at a time. A renewal and a write of this gateway's journal meet on the rows of its own jobs
+    (a job SQL placed, its end being written): Postgres runs them one after the other (each takes
+    the gateway's advisory lock), so both are on their way at once and neither waits here a round
+    trip for the other (a far gateway's job ends had, their slots held that long)."""
 
-    def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook, lock: asyncio.Lock) -> None:
+    def __init__(self, store: Store, gateway_id: UUID, book: LeaseBook) -> None:
         self.store = store
         self.gateway_id = gateway_id
         self.book = book
-        self.lock = lock
+        self.lock = asyncio.Lock()
         # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
@@ -408,7 +407,7 @@ class Renewals:
     async def renew(self, asked_for: Lane | None = None) -> None:
         """One renewal of every lane this gateway wants or uses (shielded: a caller that goes away
         leaves it to finish, its answer applied); for a lane soon() `asked_for`, none if one was
-        sent since. Never awaited holding the journal's lock."""
+        sent since."""
         await asyncio.shield(asyncio.get_running_loop().create_task(self._renewal(asked_for)))
 
     async def _renewal(self, asked_for: Lane | None) -> None:
@@ -455,7 +454,7 @@ class Renewals:
 
     async def settled(self) -> None:
         """Until the renewals requests asked for are done (on shutdown, before the journal's last
-        writes, which they would hold up)."""
+        writes: the jobs they moved into leases are known as leased when their ends are written)."""
         while self._behind:
             await asyncio.wait(set(self._behind))
 

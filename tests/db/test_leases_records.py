@@ -404,6 +404,32 @@ def test_bad_records_are_refused_naming_them_and_nothing_is_written(conn: psycop
     assert key_money(conn, key) == (Decimal("0.00000001"), 0)
 
 
+def test_a_gateways_renewal_and_writes_run_one_after_the_other_in_postgres(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """The gateway sends a renewal and its journal's writes at once (gateway/leases.py: Renewals):
+    they meet on the rows of its own jobs, and Postgres orders them (the gateway's advisory lock,
+    taken first by each); another gateway's are not held up."""
+    node = make_node(conn, max_concurrency=4)
+    other = uuid.UUID("00000000-0000-4000-8000-0000000000a2")
+    with psycopg.connect(db_url) as renewing:  # a renewal, not yet committed
+        lease(renewing, 2)
+        conn.execute("set lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            write(conn, record(uuid.uuid4(), node))
+        assert [r.recorded for r in write(conn, record(uuid.uuid4(), node), gateway=other)] == ["started"]
+        renewing.commit()
+    job = uuid.uuid4()
+    with psycopg.connect(db_url) as writing:  # a write, not yet committed
+        write(writing, record(job, node))
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            lease(conn, 2)
+        writing.commit()
+    held_after = lease(conn, 2)
+    assert one(conn, "select status from jobs where id = %s", job) == "running"
+    assert sum(r.slots for r in held_after) == 2
+
+
 # Escrows ------------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ regression suite runs with leases on too (the default); these tests watch the le
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -21,6 +22,7 @@ import httpx
 import psycopg
 import pytest
 
+from neuralgrid.db import queries as q
 from neuralgrid.gateway import leases
 from neuralgrid.gateway.pipeline.leased import DRAIN_S
 from neuralgrid.server.app import STOP_S, create_app
@@ -482,3 +484,50 @@ def test_a_lease_that_runs_out_grows_at_once_not_at_the_next_renewal(
             for thread in threads:
                 thread.join(timeout=30)
     assert "" not in served
+
+
+def test_a_renewal_on_its_way_holds_up_no_journal_write(
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str
+) -> None:
+    """A gateway's renewals and its journal's writes meet on the rows of its own jobs. They were sent
+    one at a time, and a far gateway's job ends waited behind each renewal a whole round trip, their
+    slots held that long (bench world, 65ee3cd: 243 ms after the answer at 200 ms, median). Now
+    Postgres orders them (renew_leases() and record_jobs() take the gateway's advisory lock): with a
+    renewal held on its way, a leased job's end is written all the same."""
+    fake_nodes("leased-renewal-held")
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    app = create_app(settings, db_url, sweep=False)
+    with ThreadedServer(app) as gateway:
+        assert ask(gateway.url, api_key).status_code == 200  # cold: a renewal leases the lane
+        wait_for(lambda: served_from_a_lease(gateway.url, api_key), timeout=10)
+        renewals = app.state.services.pipeline.placement.leased.renewals
+        on_its_way, let_go = threading.Event(), threading.Event()
+        store = renewals.store
+
+        class Far:
+            """The gateway's store, its renewals' answers held (a round trip as long as we like)."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            async def all(self, query: Any, params: Any = None) -> Any:
+                if query is q.RENEW_LEASES:
+                    on_its_way.set()
+                    await asyncio.to_thread(let_go.wait, 30)
+                return await store.all(query, params)
+
+        renewals.store = Far()
+        try:
+            wait_for(on_its_way.is_set, timeout=5)  # the periodic renewal, held
+            answer = ask(gateway.url, api_key)
+            assert answer.status_code == 200, answer.text
+            job = answer.headers["x-neuralgrid-job"]
+
+            def written() -> bool:
+                row = conn.execute("select status from jobs where id = %s", (job,)).fetchone()
+                return row is not None and row[0] == "succeeded"
+
+            wait_for(written, timeout=5)
+            assert not let_go.is_set()  # written while the renewal was still on its way
+        finally:
+            let_go.set()

@@ -73,7 +73,7 @@ class LeasedJobs:
         self.freed = freed  # told of each slot given back: a request waiting in line may take it
         self.store = store
         self.gateway_id = gateway_id
-        self.renewals = leases.Renewals(store, gateway_id, book, journal.lock)
+        self.renewals = leases.Renewals(store, gateway_id, book)
         self.book = book
         self.escrows = escrows
         self.journal = journal
