@@ -43,6 +43,7 @@ class Escrows:
         self._usd: dict[UUID, Decimal] = {}  # as the last renewal left it, less holds written since
         self._taken: dict[UUID, Decimal] = {}  # holds of jobs whose start is not yet written
         self._wanted: dict[UUID, tuple[float, Decimal]] = {}  # when last asked, the largest hold
+        self._held = False  # Postgres may hold an escrow here (due(), renewed())
 
     def want(self, key_id: UUID, hold: Decimal) -> None:
         """The key is asked for now, with a hold this large: the next renewals keep it an escrow."""
@@ -83,5 +84,16 @@ class Escrows:
             for key_id, (_, largest) in sorted(self._wanted.items(), key=lambda item: str(item[0]))
         ]
 
+    def due(self) -> list[dict[str, object]] | None:
+        """wants(), or None when no renewal is needed: none wanted, and none held since a renewal
+        wanting none came back (a gateway whose keys have no budget sends none: each holds the
+        journal's lock a round trip)."""
+        wants = self.wants()
+        if not wants and not self._held:
+            return None
+        self._held = True  # until its answer comes back: Postgres may hold what it asks for
+        return wants
+
     def renewed(self, rows: Iterable[q.EscrowRow]) -> None:
         self._usd = {row.api_key_id: row.usd for row in rows if row.usd is not None}
+        self._held = bool(self._usd)

@@ -14,7 +14,7 @@ from pathlib import Path
 from uuid import UUID, uuid4
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway.escrow import Escrows, budget_hold
+from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook
 
@@ -278,6 +278,29 @@ def test_escrow_covers_holds_until_spent_and_follows_what_was_written() -> None:
     assert escrows.take(key, Decimal("0.05"))
     escrows.renewed([q.EscrowRow(key, Decimal(0), Decimal(0))])
     assert not escrows.take(key, Decimal(0))  # an empty escrow serves nothing, not even a free model
+
+
+def test_escrows_are_renewed_only_while_one_is_wanted_or_may_be_held() -> None:
+    """A renewal of escrows holds the journal's lock a round trip (escrow.py): a gateway whose keys
+    have no budget, or none lately, sends none, once Postgres has given back what it held."""
+    clock, key = Clock(), uuid4()
+    escrows = Escrows(clock)
+    assert escrows.due() is None  # nothing wanted, nothing held
+    escrows.want(key, Decimal("0.1"))
+    assert escrows.due() == [{"key": str(key), "want_usd": "0.8"}]
+    # Its answer lost on the way (an error): Postgres may hold the escrow all the same.
+    clock.now += IDLE_S
+    assert escrows.due() == []  # no longer wanted: one renewal gives back what may be held
+    escrows.renewed([])
+    assert escrows.due() is None
+    escrows.want(key, Decimal("0.1"))
+    assert escrows.due() is not None
+    escrows.renewed([q.EscrowRow(key, Decimal("0.8"), Decimal("1"))])
+    clock.now += IDLE_S
+    assert escrows.due() == []
+    assert escrows.due() == []  # until a renewal wanting none came back
+    escrows.renewed([])
+    assert escrows.due() is None
 
 
 def test_budget_hold_prices_as_sql_does() -> None:

@@ -229,6 +229,37 @@ def test_a_budget_is_spent_from_escrow_and_charged_as_placements_charge(
     assert reserved == held  # what the key holds: its escrows and its running jobs' holds
 
 
+def test_escrows_are_renewed_only_for_keys_with_a_budget(
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str
+) -> None:
+    """An escrow renewal holds the journal's lock a round trip: a gateway whose keys have no budget
+    sends none (it had, every renewal)."""
+    fake_nodes("leased-no-escrow")
+    app = create_app(Settings(NEURALGRID_SPOOL_DIR=spool), db_url, sweep=False)
+    with ThreadedServer(app) as gateway:
+        leased = app.state.services.pipeline.placement.leased
+        store, renewals = leased.store, []
+
+        class Counted:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            async def all(self, query: Any, params: Any = None) -> Any:
+                if query is q.RENEW_ESCROWS:
+                    renewals.append(params)
+                return await store.all(query, params)
+
+        leased.store = Counted()
+        assert ask(gateway.url, api_key).status_code == 200
+        wait_for(lambda: served_from_a_lease(gateway.url, api_key), timeout=10)
+        time.sleep(4 * leases.RENEW_EVERY_S)
+        assert renewals == []
+        row = conn.execute("select api_key from create_api_key('budgeted', null, null, 0.5)").fetchone()
+        assert row is not None
+        wait_for(lambda: served_from_a_lease(gateway.url, str(row[0])), timeout=10)
+        assert renewals and conn.execute("select count(*) from private.key_escrows").fetchone() == (1,)
+
+
 def test_a_failed_leased_node_hands_its_job_to_another(
     conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
 ) -> None:

@@ -92,8 +92,10 @@ class LeasedJobs:
         self.book.lease_s = await self.store.get(q.LEASE_SECONDS)
         await self.renewals.renew()
         async with self.journal.lock:
-            wants = json.dumps(self.escrows.wants())
-            self.escrows.renewed(await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, wants)))
+            wants = self.escrows.due()
+            if wants is not None:
+                rows = await self.store.all(q.RENEW_ESCROWS, (self.gateway_id, json.dumps(wants)))
+                self.escrows.renewed(rows)
 
     async def drain(self) -> None:
         """On shutdown: write what is queued, for a bounded time; what is left stays spooled."""
