@@ -28,6 +28,10 @@ from neuralgrid.server.serving import CannotListen, make_server, running
 
 log = logging.getLogger(__name__)
 REPROBE_EVERY = 6  # heartbeats between looks at the backend's models
+# An idle connection to the gateway is kept past a heartbeat interval (5 s by default: at httpx's
+# 5 s each beat opened a new one), and let go before the gateway lets go of it (its KEEPALIVE_S),
+# so that no beat is sent on a connection the gateway is closing.
+HEARTBEAT_KEEPALIVE_S = 10.0
 DEFAULT_CONCURRENCY = 4  # when neither the server nor the owner says
 STARTUP_WAIT_S = 300  # how long a server that is starting may take (a big model loads for minutes)
 STARTUP_RETRY_S = 2.0
@@ -126,7 +130,8 @@ class Agent:
         return self.config.public_url or f"http://{self.config.listen_host}:{self.config.listen_port}"
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(timeout=10) as http:
+        limits = httpx.Limits(keepalive_expiry=HEARTBEAT_KEEPALIVE_S)
+        async with httpx.AsyncClient(timeout=10, limits=limits) as http:
             await self._check_gateway(http)  # before a warm-up that may load a model for minutes
             try:
                 models = await self._first_ready(stop)

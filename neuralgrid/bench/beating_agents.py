@@ -20,6 +20,7 @@ from typing import Protocol
 
 import aiohttp
 
+from neuralgrid.agent.run import HEARTBEAT_KEEPALIVE_S
 from neuralgrid.server.serving import run_fast
 
 AGENTS_NICE = 10
@@ -60,14 +61,15 @@ async def beating(
 ) -> None:
     """Every node beats, staggered over an interval, `interval_s` after its last beat ended (a beat
     whose time falls while the toggle is off is skipped: no burst when it turns on again)."""
-    connector = aiohttp.TCPConnector(limit=len(ids))  # a connection an agent, as agents have
     timeout = aiohttp.ClientTimeout(total=30)
     body = f'{{"models": ["{model}"]}}'.encode()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
 
-        async def agent(i: int) -> None:
-            url = f"{gateway}/v1/nodes/{ids[i - 1]}/heartbeat"
-            headers = {"authorization": f"Bearer {secret(i)}", "content-type": "application/json"}
+    async def agent(i: int) -> None:
+        url = f"{gateway}/v1/nodes/{ids[i - 1]}/heartbeat"
+        headers = {"authorization": f"Bearer {secret(i)}", "content-type": "application/json"}
+        # A connection of its own, kept alive as the agent keeps it (not a pool's, shared).
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=HEARTBEAT_KEEPALIVE_S)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s * i / len(ids))
             while not stop.is_set():
@@ -90,7 +92,7 @@ async def beating(
                 with suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval_s)
 
-        await asyncio.gather(*(agent(i) for i in range(1, len(ids) + 1)))
+    await asyncio.gather(*(agent(i) for i in range(1, len(ids) + 1)))
 
 
 def beating_elsewhere(

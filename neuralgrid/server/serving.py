@@ -236,6 +236,13 @@ class Server(uvicorn.Server):
             counter = (counter + 10) % 864000
 
 
+# How long an idle connection stays open: past a node agent's (HEARTBEAT_KEEPALIVE_S in
+# agent/run.py), which beats one heartbeat interval (5 s by default) after its last beat ended. At
+# uvicorn's 5 s, four beats in five came on a new connection (bench heartbeats, 2026-12-06): a TCP
+# handshake each, and a TLS one behind a terminator.
+KEEPALIVE_S = 15.0
+
+
 def make_server(
     app: Any, host: str, port: int, header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any
 ) -> Server:
@@ -246,7 +253,13 @@ def make_server(
 
     http = type("HttpProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
     logging.getLogger("uvicorn.error").addFilter(_NO_ABORT_TRACEBACKS)  # once: filters are a set
-    options = {"http": http, "ws": FanoutWebSocketProtocol, "ws_per_message_deflate": False, **options}
+    options = {
+        "http": http,
+        "ws": FanoutWebSocketProtocol,
+        "ws_per_message_deflate": False,
+        "timeout_keep_alive": KEEPALIVE_S,
+        **options,
+    }
     # No access log: at log level warning it is never written, yet uvicorn would still format each
     # line's arguments (the client's address, the quoted path) for every request.
     config = uvicorn.Config(

@@ -14,8 +14,9 @@ import httpx
 import psycopg
 import pytest
 
+from neuralgrid.agent.run import HEARTBEAT_KEEPALIVE_S
 from neuralgrid.server.app import create_app
-from neuralgrid.server.serving import ThreadedServer
+from neuralgrid.server.serving import KEEPALIVE_S, ThreadedServer
 from neuralgrid.server.settings import Settings
 from tests.conftest import LLAMA8, wait_for
 
@@ -82,7 +83,28 @@ def test_a_keep_alive_connection_still_serves_request_after_request(impatient: T
                 answer += sock.recv(4096) or b"(closed)"
                 assert not answer.endswith(b"(closed)"), answer
             assert answer.startswith(b"HTTP/1.1 200")
-            time.sleep(0.6)  # idle between requests, under uvicorn's keep-alive (5 s)
+            time.sleep(0.6)  # idle between requests, under the gateway's keep-alive (KEEPALIVE_S)
+
+
+def test_an_agents_connection_outlives_its_heartbeat_interval(db_url: str, conn: psycopg.Connection) -> None:
+    """An agent beats one heartbeat interval after its last beat ended: at uvicorn's and httpx's
+    keep-alive (5 s each, the default interval), four beats in five came on a new connection (bench
+    heartbeats, 2026-12-06), a TLS handshake each behind a terminator. The agent keeps its idle
+    connection past an interval, and the gateway keeps it longer than the agent does."""
+    row = conn.execute("select heartbeat_interval_s from platform_settings").fetchone()
+    assert row is not None
+    interval = float(row[0])
+    assert interval < HEARTBEAT_KEEPALIVE_S < KEEPALIVE_S
+    app = create_app(Settings(), db_url, sweep=False)
+    with ThreadedServer(app) as server, socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.settimeout(5)
+        for _ in range(2):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                answer += sock.recv(4096) or b"(closed)"
+                assert not answer.endswith(b"(closed)"), answer
+            time.sleep(interval + 0.5)  # idle as an agent's connection is between two beats
 
 
 def test_a_client_hanging_up_mid_body_is_a_499_not_a_crash(impatient: ThreadedServer, api_key: str) -> None:
