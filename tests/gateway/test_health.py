@@ -23,6 +23,21 @@ def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection)
     assert conn.execute("select count(*) from sweep_stale_nodes()").fetchone() == (0,)  # idempotent
 
 
+def test_the_sweep_waits_for_no_node_row_another_transaction_holds(conn: psycopg.Connection, db_url: str) -> None:
+    """The sweep had updated silent nodes in no set order, and deadlocked with record_jobs(), which
+    locks its nodes in id order (a review's stress run, 1 of 4). Now it takes no row another
+    transaction holds: that node goes offline at the next sweep, a second later."""
+    make_node(conn, "held")
+    make_node(conn, "free")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 hour'")
+    conn.execute("update platform_settings set heartbeat_interval_s = 0.1")  # however new the server
+    with psycopg.connect(db_url) as holder:
+        holder.execute("select from nodes where name = 'held' for no key update")
+        conn.execute("set lock_timeout = '2s'")
+        assert conn.execute("select name from sweep_stale_nodes()").fetchall() == [("free",)]
+    assert conn.execute("select name from sweep_stale_nodes()").fetchall() == [("held",)]
+
+
 def test_operators_can_tighten_the_interval(conn: psycopg.Connection) -> None:
     make_node(conn, "n")
     conn.execute("update nodes set last_heartbeat_at = now() - interval '4 seconds'")
