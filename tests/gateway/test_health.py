@@ -23,7 +23,9 @@ def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection)
     assert conn.execute("select count(*) from sweep_stale_nodes()").fetchone() == (0,)  # idempotent
 
 
-def test_the_sweep_waits_for_no_node_row_another_transaction_holds(conn: psycopg.Connection, db_url: str) -> None:
+def test_the_sweep_waits_for_no_node_row_another_transaction_holds(
+    conn: psycopg.Connection, db_url: str
+) -> None:
     """The sweep had updated silent nodes in no set order, and deadlocked with record_jobs(), which
     locks its nodes in id order (a review's stress run, 1 of 4). Now it takes no row another
     transaction holds: that node goes offline at the next sweep, a second later."""
