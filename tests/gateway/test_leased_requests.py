@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +59,21 @@ def leases_held(conn: psycopg.Connection, node_id: uuid.UUID | None = None) -> i
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+class Intercepted:
+    """A gateway's store, with `before` awaited (in the gateway's loop) ahead of each `query`."""
+
+    def __init__(self, store: Any, query: q.Query[Any], before: Callable[[Any], Awaitable[None]]) -> None:
+        self.store, self.query, self.before = store, query, before
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def all(self, query: Any, params: Any = None) -> Any:
+        if query is self.query:
+            await self.before(params)
+        return await self.store.all(query, params)
 
 
 def served_from_a_lease(gateway: str, key: str) -> bool:
@@ -238,18 +253,12 @@ def test_escrows_are_renewed_only_for_keys_with_a_budget(
     app = create_app(Settings(NEURALGRID_SPOOL_DIR=spool), db_url, sweep=False)
     with ThreadedServer(app) as gateway:
         leased = app.state.services.pipeline.placement.leased
-        store, renewals = leased.store, []
+        renewals: list[Any] = []
 
-        class Counted:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(store, name)
+        async def count(params: Any) -> None:
+            renewals.append(params)
 
-            async def all(self, query: Any, params: Any = None) -> Any:
-                if query is q.RENEW_ESCROWS:
-                    renewals.append(params)
-                return await store.all(query, params)
-
-        leased.store = Counted()
+        leased.store = Intercepted(leased.store, q.RENEW_ESCROWS, count)
         assert ask(gateway.url, api_key).status_code == 200
         wait_for(lambda: served_from_a_lease(gateway.url, api_key), timeout=10)
         time.sleep(4 * leases.RENEW_EVERY_S)
@@ -533,21 +542,12 @@ def test_a_renewal_on_its_way_holds_up_no_journal_write(
         wait_for(lambda: served_from_a_lease(gateway.url, api_key), timeout=10)
         renewals = app.state.services.pipeline.placement.leased.renewals
         on_its_way, let_go = threading.Event(), threading.Event()
-        store = renewals.store
 
-        class Far:
-            """The gateway's store, its renewals' answers held (a round trip as long as we like)."""
+        async def held(_params: Any) -> None:  # a round trip as long as we like
+            on_its_way.set()
+            await asyncio.to_thread(let_go.wait, 30)
 
-            def __getattr__(self, name: str) -> Any:
-                return getattr(store, name)
-
-            async def all(self, query: Any, params: Any = None) -> Any:
-                if query is q.RENEW_LEASES:
-                    on_its_way.set()
-                    await asyncio.to_thread(let_go.wait, 30)
-                return await store.all(query, params)
-
-        renewals.store = Far()
+        renewals.store = Intercepted(renewals.store, q.RENEW_LEASES, held)
         try:
             wait_for(on_its_way.is_set, timeout=5)  # the periodic renewal, held
             answer = ask(gateway.url, api_key)

@@ -51,6 +51,16 @@ def half_a_body(api_key: str) -> bytes:
     ).encode()
 
 
+def healthz(sock: socket.socket) -> bytes:
+    """GET /healthz on a connection kept alive: its answer (failing if the gateway closed it)."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = b""
+    while not answer.endswith(b'{"status":"ok"}'):
+        answer += sock.recv(4096) or b"(closed)"
+        assert not answer.endswith(b"(closed)"), answer
+    return answer
+
+
 @pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"])
 def test_headers_that_do_not_arrive_close_the_connection(impatient: ThreadedServer, sent: bytes) -> None:
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
@@ -77,12 +87,7 @@ def test_a_keep_alive_connection_still_serves_request_after_request(impatient: T
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
         sock.settimeout(5)
         for _ in range(3):
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = b""
-            while not answer.endswith(b'{"status":"ok"}'):
-                answer += sock.recv(4096) or b"(closed)"
-                assert not answer.endswith(b"(closed)"), answer
-            assert answer.startswith(b"HTTP/1.1 200")
+            assert healthz(sock).startswith(b"HTTP/1.1 200")
             time.sleep(0.6)  # idle between requests, under the gateway's keep-alive (KEEPALIVE_S)
 
 
@@ -99,11 +104,7 @@ def test_an_agents_connection_outlives_its_heartbeat_interval(db_url: str, conn:
     with ThreadedServer(app) as server, socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.settimeout(5)
         for _ in range(2):
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = b""
-            while not answer.endswith(b'{"status":"ok"}'):
-                answer += sock.recv(4096) or b"(closed)"
-                assert not answer.endswith(b"(closed)"), answer
+            healthz(sock)
             time.sleep(interval + 0.5)  # idle as an agent's connection is between two beats
 
 
