@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psycopg
@@ -18,6 +18,7 @@ from neuralgrid.gateway import claims, journal, leases
 from tests.conftest import LLAMA8, stream_chat
 from tests.slots import JOB_SLOTS, written_behind
 
+T = TypeVar("T")
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
@@ -71,29 +72,17 @@ def _one_after_another(gateway: str, api_key: str, count: int = 10) -> list[floa
     return [float(r.headers["x-neuralgrid-queue-ms"]) for r in answers]
 
 
-def _renewals_made(monkeypatch: pytest.MonkeyPatch) -> list[leases.Renewals]:
-    """Each gateway's renewals, as the gateways started from now on make them."""
-    made: list[leases.Renewals] = []
-    init = leases.Renewals.__init__
+def _made(monkeypatch: pytest.MonkeyPatch, cls: type[T]) -> list[T]:
+    """Each instance of `cls` (the gateway's renewals, its journal) that the gateways started from
+    now on make."""
+    made: list[T] = []
+    init: Any = cls.__init__
 
-    def noted(self: leases.Renewals, *args: Any) -> None:
+    def noted(self: T, *args: Any) -> None:
         init(self, *args)
         made.append(self)
 
-    monkeypatch.setattr(leases.Renewals, "__init__", noted)
-    return made
-
-
-def _journals_made(monkeypatch: pytest.MonkeyPatch) -> list[journal.Journal]:
-    """Each gateway's journal, as the gateways started from now on make them."""
-    made: list[journal.Journal] = []
-    init = journal.Journal.__init__
-
-    def noted(self: journal.Journal, *args: Any) -> None:
-        init(self, *args)
-        made.append(self)
-
-    monkeypatch.setattr(journal.Journal, "__init__", noted)
+    monkeypatch.setattr(cls, "__init__", noted)
     return made
 
 
@@ -145,7 +134,7 @@ def test_a_lane_whose_first_renewal_leased_nothing_is_leased_by_the_next(
     heartbeat's, say. A renewal under way as SQL placed the request, and this gateway's own journal,
     no longer leave the lane in SQL: the next two tests.)"""
     node = fake_nodes(max_concurrency=1)
-    journals = _journals_made(monkeypatch)
+    journals = _made(monkeypatch, journal.Journal)
     send = leases.Renewals._send
     held: list[bool] = []
 
@@ -169,7 +158,7 @@ def test_a_lease_renewal_sent_while_the_journal_writes_still_leases_the_lane(
     Postgres orders them (the gateway's advisory lock), so that both are on their way at once (a far
     gateway's ends no longer wait a round trip). Here one is asked for as each write begins."""
     fake_nodes(max_concurrency=1)
-    made = _renewals_made(monkeypatch)
+    made = _made(monkeypatch, leases.Renewals)
     writing: list[bool] = []
     met: list[bool] = []  # for each renewal sent, whether the journal was writing
     asked: set[asyncio.Task[None]] = set()
@@ -214,7 +203,7 @@ def test_a_request_placed_in_sql_asks_for_a_renewal_sent_after_it(
     of the one before it to be written (CI at 751a219: [0, 79, 28, 11, 11, 11, ...] ms)."""
     monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
     node = fake_nodes(max_concurrency=1)
-    made, journals = _renewals_made(monkeypatch), _journals_made(monkeypatch)
+    made, journals = _made(monkeypatch, leases.Renewals), _made(monkeypatch, journal.Journal)
     events: dict[str, asyncio.Event] = {}
     early: list[asyncio.Task[None]] = []
     sent: list[int] = []
