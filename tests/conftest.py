@@ -233,6 +233,16 @@ def user(conn: psycopg.Connection) -> uuid.UUID:
     return make_user(conn)
 
 
+def past_the_restart(conn: psycopg.Connection) -> None:
+    """Sleep until the database has been up as long as the sweep's silence (its heartbeat interval
+    times missed_heartbeats_offline, as set now). A restart is no node's silence: the sweep counts
+    from the server's start too, which is moments ago when a test runs alone in a session."""
+    conn.execute(
+        "select pg_sleep(greatest(0, heartbeat_interval_s * missed_heartbeats_offline + 0.1"
+        " - extract(epoch from now() - pg_postmaster_start_time()))) from public.platform_settings"
+    )
+
+
 def wait_for(predicate: Any, timeout: float = 5.0) -> Any:
     """Poll until predicate() is truthy (work the gateway finishes after answering); return it."""
     deadline = time.monotonic() + timeout

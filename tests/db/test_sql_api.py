@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db.queries import JobOutcome, JobStatus, NodeStatus
-from tests.conftest import LLAMA8, make_key, make_node
+from tests.conftest import LLAMA8, make_key, make_node, past_the_restart
 
 # What Python, the web page, the Edge Functions and the node agents call, overloads counted.
 PUBLIC_API = sorted(
@@ -504,12 +504,7 @@ def test_requests_the_budget_pays_for_are_not_capped(conn: psycopg.Connection) -
 
 
 def test_one_sweep_takes_silent_nodes_offline_and_ends_abandoned_jobs(conn: psycopg.Connection) -> None:
-    # A restart is no node's silence: the sweep counts from the database's start too, which is
-    # moments ago when this test runs alone (found so: it passed only after other tests).
-    conn.execute(
-        "select pg_sleep(greatest(0, heartbeat_interval_s * missed_heartbeats_offline + 0.1"
-        " - extract(epoch from now() - pg_postmaster_start_time()))) from platform_settings"
-    )
+    past_the_restart(conn)  # found so: it passed only after other tests
     busy = make_node(conn, "busy")
     key = make_key(conn, budget_usd=1.0)
     job = match(conn, key)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import psycopg
 
 from neuralgrid.server.sweeper import sweep_once
-from tests.conftest import make_node
+from tests.conftest import make_node, past_the_restart
 
 
 def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection) -> None:
+    past_the_restart(conn)  # run alone, the server had been up less than the 15 s of silence
     make_node(conn, "fresh")
     make_node(conn, "late")
     make_node(conn, "silent")
@@ -44,6 +45,7 @@ def test_operators_can_tighten_the_interval(conn: psycopg.Connection) -> None:
     make_node(conn, "n")
     conn.execute("update nodes set last_heartbeat_at = now() - interval '4 seconds'")
     conn.execute("update platform_settings set heartbeat_interval_s = 1")
+    past_the_restart(conn)
     assert conn.execute("select name from sweep_stale_nodes()").fetchall() == [("n",)]
 
 
@@ -61,6 +63,7 @@ def test_heartbeat_brings_a_node_back_and_syncs_warm_models(conn: psycopg.Connec
 
 async def test_sweeper_loop_reports_what_it_swept(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
+        past_the_restart(conn)
         make_node(conn, "gone")
         conn.execute("update nodes set last_heartbeat_at = now() - interval '1 hour'")
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
