@@ -206,6 +206,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.lane_demand",
         "private.key_escrows",
         "private.lease_usable_nodes",
+        "private.lane_can_rank",
         "private.leased_slots",
         "private.move_lease_slots",
         "private.return_lent_slot",

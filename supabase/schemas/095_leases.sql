@@ -107,6 +107,21 @@ ALTER TABLE ONLY private.slot_leases
 GRANT SELECT,INSERT,DELETE,UPDATE ON TABLE private.slot_leases TO service_role;
 
 
+CREATE FUNCTION private.lane_can_rank(p_model text, p_policy text) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  select (exists (select from public.models m where m.id = p_model)
+          or exists (select from public.node_models nm where nm.model_id = p_model))
+     and (p_policy = 'seed' or exists (select from public.matching_policies w where w.name = p_policy))
+$$;
+
+COMMENT ON FUNCTION private.lane_can_rank(p_model text, p_policy text) IS 'Whether score_nodes() can rank a lane: its model is in the catalog or held by some node, and its policy exists (seed, or a row of matching_policies).';
+
+REVOKE ALL ON FUNCTION private.lane_can_rank(p_model text, p_policy text) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.lane_can_rank(p_model text, p_policy text) TO service_role;
+
+
 CREATE FUNCTION private.lane_turn() RETURNS numeric
     LANGUAGE sql STABLE
     SET search_path TO ''
@@ -357,8 +372,12 @@ begin
   select least(greatest(private.ranking_limit(0), coalesce(sum(d.wanted), 0)), 1000)::integer into v_limit
   from private.lane_demand d
   where d.model_id = p_model and d.policy = p_policy and d.region = p_region;
-  select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank) into v_ranked, v_scores
-  from public.score_nodes(p_model, null, p_policy, nullif(p_region, ''), null, null, null, false, v_limit, null) s;
+  -- None where the model or the policy no longer exists (score_nodes() would refuse the lane, and
+  -- with it the gateway's whole renewal): the lane's idle slots go back below.
+  if private.lane_can_rank(p_model, p_policy) then
+    select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank) into v_ranked, v_scores
+    from public.score_nodes(p_model, null, p_policy, nullif(p_region, ''), null, null, null, false, v_limit, null) s;
+  end if;
   v_ranked := coalesce(v_ranked, '{}');
 
   -- The lane's capacity: free slots on the ranked nodes, and the slots leased in the lane (by any
@@ -1064,6 +1083,7 @@ declare
   v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, in_use}]
   v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots joined its leases
   v_lock bigint;
+  v_ranks boolean;  -- whether score_nodes() can rank the lane (private.lane_can_rank())
   v_expires_at timestamptz;
   r record;
   -- A node id: 36 characters of this shape.
@@ -1087,18 +1107,10 @@ begin
       raise exception 'lane %: "model" must be a string', v_n using errcode = 'invalid_parameter_value';
     end if;
     v_model := v_lane ->> 'model';
-    if not exists (select from public.models m where m.id = v_model)
-       and not exists (select from public.node_models nm where nm.model_id = v_model) then
-      raise exception 'lane %: unknown model "%": not in the catalog and held by no node', v_n, v_model
-        using errcode = 'invalid_parameter_value';
-    end if;
     if coalesce(jsonb_typeof(v_lane -> 'policy'), 'null') not in ('null', 'string') then
       raise exception 'lane %: "policy" must be a string', v_n using errcode = 'invalid_parameter_value';
     end if;
     v_policy := coalesce(v_lane ->> 'policy', 'balanced');
-    if v_policy <> 'seed' and not exists (select from public.matching_policies w where w.name = v_policy) then
-      raise exception 'lane %: unknown matching policy "%"', v_n, v_policy using errcode = 'invalid_parameter_value';
-    end if;
     if coalesce(jsonb_typeof(v_lane -> 'region'), 'null') not in ('null', 'string') then
       raise exception 'lane %: "region" must be a string or null', v_n using errcode = 'invalid_parameter_value';
     end if;
@@ -1141,9 +1153,14 @@ begin
       raise exception 'lane %: the lane (%, %, "%") is named twice', v_n, v_model, v_policy, v_region
         using errcode = 'invalid_parameter_value';
     end if;
+    -- A lane of a model or policy that does not exist (a request for one, refused, is wanted a while;
+    -- a model's last node dropped it) gets nothing: renewed as a lane its gateway no longer names,
+    -- but for the slots it says in use, which stay until their jobs end.
+    v_ranks := private.lane_can_rank(v_model, v_policy);
     v_lanes := v_lanes || jsonb_build_object('model', v_model, 'policy', v_policy, 'region', v_region,
-                                             'want', v_want::integer, 'need', v_need::integer, 'in_use', v_in_use,
-                                             'reported', true);
+                                             'want', case when v_ranks then v_want::integer else 0 end,
+                                             'need', case when v_ranks then v_need::integer else 0 end,
+                                             'in_use', v_in_use, 'reported', v_ranks);
   end loop;
 
   -- A renewal is a check-in.
@@ -1259,7 +1276,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use. Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

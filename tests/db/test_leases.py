@@ -240,8 +240,6 @@ BAD_LANES: list[tuple[Any, str]] = [
     ({"model": LLAMA8}, "JSON array of lanes"),
     ([1], "lane 1: a lane is a JSON object"),
     ([{"policy": "balanced", "want": 1}], 'lane 1: "model" must be a string'),
-    ([{"model": "acme/nobody-holds-this", "want": 1}], 'unknown model "acme/nobody-holds-this"'),
-    ([{"model": LLAMA8, "policy": "fastest-ever", "want": 1}], 'unknown matching policy "fastest-ever"'),
     ([{"model": LLAMA8, "region": 3, "want": 1}], '"region" must be a string or null'),
     ([{"model": LLAMA8}], '"want" must be a number'),
     ([{"model": LLAMA8, "want": -1}], '"want" must be a whole number'),
@@ -255,6 +253,51 @@ BAD_LANES: list[tuple[Any, str]] = [
     ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): "2"}}], "must be a whole number from 0"),
     ([{"model": LLAMA8, "want": 1}, {"model": LLAMA8, "region": None, "want": 2}], "lane 2: the lane"),
 ]
+
+
+def test_a_lane_of_a_model_or_policy_that_does_not_exist_gets_nothing_and_stops_no_renewal(
+    conn: psycopg.Connection,
+) -> None:
+    """A gateway wants such a lane a while after a request for it (refused). Its renewals had been
+    refused whole meanwhile, every lease of the gateway lapsing; the lane is renewed as one it no
+    longer names instead."""
+    node = make_node(conn, max_concurrency=4)
+    got = renew(
+        conn,
+        A,
+        lane(2),
+        {"model": "acme/nobody-holds-this", "want": 3},
+        lane(1, policy="fastest-ever"),
+    )
+    assert held(got) == {node: 2} and {row.model_id for row in got} == {LLAMA8}
+    demand = conn.execute("select model_id, policy from private.lane_demand").fetchall()
+    assert demand == [(LLAMA8, "balanced")]
+    assert inflight(conn) == {node: 2}
+
+
+def test_a_lane_whose_model_is_gone_gives_back_its_idle_slots_and_stops_no_renewal(
+    conn: psycopg.Connection,
+) -> None:
+    """A model no catalog row names, held by one node, which drops it: the gateway still wants the
+    lane (its requests are refused now), and holds a slot of it in use. Ranking it had refused every
+    renewal of the gateway from then on, its other lanes' leases lapsing."""
+    own = "acme/homebrew-7b"
+    node = make_node(conn, max_concurrency=4, models={own: "loaded", LLAMA8: "loaded"})
+
+    def by_lane() -> dict[str, tuple[int, int]]:
+        rows = conn.execute("select model_id, slots, in_use from private.slot_leases").fetchall()
+        return {model: (slots, in_use) for model, slots, in_use in rows}
+
+    renew(conn, A, lane(2), lane(2, model=own))
+    renew(conn, A, lane(2), lane(2, {node: 1}, model=own))
+    assert by_lane() == {LLAMA8: (2, 0), own: (2, 1)}
+    conn.execute("delete from node_models where model_id = %s", (own,))
+    got = renew(conn, A, lane(2), lane(2, {node: 1}, model=own))
+    assert held(got) == {node: 2} and {row.model_id for row in got} == {LLAMA8}
+    # Of the gone lane, its slot in use stays until its job ends; its idle one went back.
+    assert by_lane() == {LLAMA8: (2, 0), own: (1, 1)}
+    assert inflight(conn) == {node: 3}
+    assert_slots_add_up(conn)
 
 
 @pytest.mark.parametrize(("lanes", "message"), BAD_LANES)

@@ -562,3 +562,30 @@ def test_a_renewal_on_its_way_holds_up_no_journal_write(
             assert not let_go.is_set()  # written while the renewal was still on its way
         finally:
             let_go.set()
+
+
+def test_a_request_for_a_model_or_policy_that_does_not_exist_stops_no_renewal(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+) -> None:
+    """Such a request is refused, and its lane is wanted meanwhile, as any request's is. Postgres had
+    refused every renewal that named it, IDLE_S long: the gateway's leases lapsed, and a key sending
+    one such request a second kept them from being renewed (a new user's trial found it)."""
+    fake_nodes("leased-a")
+    assert ask(leased_gateway, api_key).status_code == 200
+    wait_for(lambda: leases_held(conn) > 0, timeout=5)
+    no_model = ask(leased_gateway, api_key, {**PLAIN, "model": "nobody/serves-this"})
+    assert no_model.status_code == 404, no_model.text
+    no_policy = httpx.post(
+        f"{leased_gateway}/v1/chat/completions",
+        json=PLAIN,
+        headers={"authorization": f"Bearer {api_key}", "x-neuralgrid-policy": "fastest-ever"},
+        timeout=20,
+    )
+    assert no_policy.status_code == 400, no_policy.text
+
+    def ends() -> Any:
+        return conn.execute("select max(expires_at) from private.slot_leases").fetchone()
+
+    after_both = ends()
+    wait_for(lambda: ends() > after_both, timeout=4 * leases.RENEW_EVERY_S + 1)  # renewed again
+    assert served_from_a_lease(leased_gateway, api_key)
