@@ -233,12 +233,16 @@ def user(conn: psycopg.Connection) -> uuid.UUID:
     return make_user(conn)
 
 
-def past_the_restart(conn: psycopg.Connection) -> None:
-    """Sleep until the database has been up as long as the sweep's silence (its heartbeat interval
-    times missed_heartbeats_offline, as set now). A restart is no node's silence: the sweep counts
-    from the server's start too, which is moments ago when a test runs alone in a session."""
+def past_the_restart(
+    conn: psycopg.Connection, silence: str = "heartbeat_interval_s * missed_heartbeats_offline"
+) -> None:
+    """Sleep until the database has been up as long as the sweep's silence (a node's by default:
+    its heartbeat interval times missed_heartbeats_offline, as set now; a column of
+    platform_settings, e.g. gateway_timeout_s for a gateway's). A restart is no node's or gateway's
+    silence: the sweep counts from the server's start too, which is moments ago when a test runs
+    alone in a session."""
     conn.execute(
-        "select pg_sleep(greatest(0, heartbeat_interval_s * missed_heartbeats_offline + 0.1"
+        f"select pg_sleep(greatest(0, {silence} + 0.1"
         " - extract(epoch from now() - pg_postmaster_start_time()))) from public.platform_settings"
     )
 

@@ -257,6 +257,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "The sweep: silent nodes, orphaned jobs and dead tunnels; pg_cron's schedule where it runs.",
         "private.sweep_orphaned_jobs",
         "private.sweep_dead_tunnels",
+        "private.sweepable_jobs",
         "private.sweep_leases",
         "public.sweep_stale_jobs",
         "public.sweep_stale_nodes",

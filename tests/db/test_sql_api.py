@@ -148,6 +148,7 @@ PRIVATE_HELPERS = sorted(
         "refresh_fleet_activity",
         "release_reservation",
         "kept_last",  # the scarcity rule (issue 43)
+        "lane_can_rank",  # whether score_nodes() can rank a lane: its model and policy exist
         "lane_target",  # a gateway's fair share of a lane's slots (renew_leases(), issue 42)
         "lane_turn",  # where the rotation of a scarce lane's left-over slots stands (lane_target())
         "lease_usable_nodes",
@@ -163,6 +164,7 @@ PRIVATE_HELPERS = sorted(
         "stamp_job_gateway",
         "sweep_dead_tunnels",
         "sweep_leases",  # what leases and escrows hold once nobody renews them (issue 42)
+        "sweepable_jobs",  # the jobs a sweep may end now: their nodes and key locked, none waited for
         "sweep_orphaned_jobs",
         "top_by_base",
         "top_by_total",

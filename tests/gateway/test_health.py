@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
 import psycopg
 
 from neuralgrid.server.sweeper import sweep_once
-from tests.conftest import make_node, past_the_restart
+from tests.conftest import LLAMA8, make_key, make_node, past_the_restart
 
 
 def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection) -> None:
@@ -89,3 +96,97 @@ def test_abandoned_jobs_give_back_their_slot_and_budget_hold(conn: psycopg.Conne
     assert conn.execute("select status from jobs where id = %s", (fresh.job_id,)).fetchone() == ("running",)
     assert conn.execute("select inflight, failures from nodes where id = %s", (node,)).fetchone() == (1, 0)
     assert conn.execute("select reserved_usd::float8 from api_keys").fetchone() == (1.0,)
+
+
+def _job(
+    job: uuid.UUID, node: uuid.UUID, key: uuid.UUID, age_s: float, ended: bool = False
+) -> dict[str, Any]:
+    """A leased job's record, as a gateway's journal writes it (record_jobs())."""
+    end = {"status": "succeeded", "prompt_tokens": 1, "completion_tokens": 1} if ended else None
+    started = (datetime.now(UTC) - timedelta(seconds=age_s)).isoformat()
+    return {
+        "id": str(job),
+        "key": str(key),
+        "model": LLAMA8,
+        "policy": "balanced",
+        "region": None,
+        "stream": False,
+        "node": str(node),
+        "started_at": started,
+        "hold_usd": "0",
+        "end": end,
+    }
+
+
+def test_the_sweep_waits_for_no_row_a_gateways_write_holds(conn: psycopg.Connection, db_url: str) -> None:
+    """One sweep ends a dead gateway's job (its key's row locked) and later frees that gateway's
+    leases (their nodes' rows); a live gateway's record_jobs() locks its nodes, then its keys. The
+    sweep had waited for a node that such a write held while holding the key the write waited for:
+    a deadlock (a review's stress run: 16 in 150 rounds). It takes no row another transaction
+    holds now; what it skips, the next sweep ends."""
+    conn.execute("update platform_settings set gateway_timeout_s = 3, job_deadline_s = 60")
+    past_the_restart(conn, "gateway_timeout_s")
+    nodes = [make_node(conn, max_concurrency=2), make_node(conn, max_concurrency=2)]
+    shared, other = make_key(conn), make_key(conn)
+    dead, live, late = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    lanes = json.dumps([{"model": LLAMA8, "policy": "balanced", "want": 4, "need": 4, "in_use": {}}])
+    leased = conn.execute("select node_id from renew_leases(%s, %s::jsonb) where slots > 0", (dead, lanes))
+    assert sorted(row[0] for row in leased.fetchall()) == sorted(nodes)
+
+    def write(gateway: uuid.UUID, *jobs: dict[str, Any], into: psycopg.Connection = conn) -> None:
+        into.execute("select * from record_jobs(%s, %s::jsonb)", (gateway, json.dumps(list(jobs))))
+
+    orphan, overdue = uuid.uuid4(), uuid.uuid4()
+    write(dead, _job(orphan, nodes[0], shared, 1))  # the dead gateway's job, of the shared key
+    write(late, _job(overdue, nodes[0], other, 120))  # past the job deadline, of the other key
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (dead,))
+    conn.execute(
+        "insert into private.gateways (id) values (%s) on conflict (id) do update set seen_at = now()",
+        (late,),
+    )
+
+    def locked(query: str) -> bool:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like %s",
+            (f"%{query}%",),
+        ).fetchone()
+        return row is not None and row[0] > 0
+
+    failed: dict[str, BaseException] = {}
+
+    def run(name: str, body: Any) -> threading.Thread:
+        def target() -> None:
+            try:
+                with psycopg.connect(db_url, autocommit=True) as own:
+                    body(own)
+            except psycopg.Error as err:
+                failed[name] = err
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    with psycopg.connect(db_url) as holder:  # holds the other key a moment: the sweep's steps stretch
+        holder.execute("select from api_keys where id = %s for no key update", (other,))
+        sweeping = run("sweep", lambda own: own.execute("select * from sweep()").fetchall())
+        deadline = time.monotonic() + 5
+        while sweeping.is_alive() and not locked("sweep()") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writing = run(
+            "write", lambda own: write(live, _job(uuid.uuid4(), nodes[1], shared, 1, True), into=own)
+        )
+        while writing.is_alive() and not locked("record_jobs") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    sweeping.join(10)
+    writing.join(10)
+    assert failed == {}
+    for _ in range(3):  # what it skipped, the next sweeps end
+        conn.execute("select * from sweep()").fetchall()
+    statuses: dict[uuid.UUID, str] = dict(
+        conn.execute("select id, status from jobs where id = any(%s)", ([orphan, overdue],)).fetchall()
+    )
+    assert statuses == {orphan: "failed", overdue: "failed"}
+    assert conn.execute(
+        "select count(*) from private.slot_leases where gateway_id = %s", (dead,)
+    ).fetchone() == (0,)
