@@ -25,13 +25,19 @@ from neuralgrid.cli import (
     users,
 )
 from neuralgrid.cli.bench_world import register as register_bench_world
-from neuralgrid.cli.common import Options
+from neuralgrid.cli.common import OneLineErrors, Options
 
 HELP = (
     "NeuralGrid: route OpenAI-compatible inference to other people's GPUs. `neuralgrid up` runs the"
     " platform on this machine; the other commands talk to it."
 )
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=HELP, pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    cls=OneLineErrors,
+    no_args_is_help=True,
+    add_completion=False,
+    help=HELP,
+    pretty_exceptions_show_locals=False,
+)
 
 
 def _print_version(asked: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Column as RichColumn
 from rich.table import Table
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # typer's click
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     import psycopg
@@ -41,6 +44,30 @@ def fail(message: str) -> typer.Exit:
     """One line on stderr and a non-zero exit, for every error a person can cause."""
     Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
+
+
+class OneLineErrors(TyperGroup):
+    """The CLI's top group: a usage error (an unknown command or option, a value its option refuses)
+    is one line naming the help to read, exit 2, as every other error is one line (fail()).
+    Typer draws it as a box of five or six lines under the usage."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False  # errors come here; an exit's code is returned
+        try:
+            code = super().main(*args, **kwargs)
+        except NoArgsIsHelpError as err:  # its help is printed already
+            sys.exit(err.exit_code)
+        except UsageError as err:
+            command = err.ctx.command_path if err.ctx is not None else self.name
+            fail(f"{err.format_message()} (see `{command} --help`)")
+            sys.exit(err.exit_code)
+        except ClickException as err:
+            fail(err.format_message())
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            fail("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 def progress(message: str) -> None:

@@ -112,3 +112,19 @@ def test_a_setting_refused_by_a_rule_is_said_in_the_rules_words() -> None:
     assert result.exit_code == 1
     [line] = result.output.splitlines()
     assert line.lower() == "error: set neuralgrid_supabase_url and neuralgrid_supabase_anon_key together"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["bogus"], "No such command 'bogus'"),
+        (["keys", "create", "--rpm", "abc"], "Invalid value for '--rpm'"),
+        (["keys", "create", "--no-such-flag"], "No such option: --no-such-flag"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_help_to_read(args: list[str], said: str) -> None:
+    """Typer had drawn a usage error as a box of five or six lines under the usage."""
+    done = subprocess.run([*CLI, *args], env=plain_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: ") and said in line and "--help" in line
