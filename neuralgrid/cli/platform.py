@@ -187,6 +187,8 @@ def watch(
 ) -> None:
     """Print the fleet as it stands, then its live feed (node status and health changes) through
     Supabase Realtime."""
+    from websockets.exceptions import WebSocketException
+
     from neuralgrid.realtime.watch import watch as watch_feed
     from neuralgrid.server import stack
 
@@ -210,7 +212,7 @@ def watch(
         )
     except KeyboardInterrupt:
         pass
-    except (OSError, ConnectionError) as err:
+    except (OSError, ConnectionError, WebSocketException) as err:
         raise fail(f"cannot watch {info['REALTIME_URL']}: {err} (is `neuralgrid up` running?)") from err
 
 
