@@ -251,6 +251,9 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
         lifespan=lifespan,
         # `/v1/keys/` is no route, as on OpenAI's API: a 404 in its shape, not a 307 with no body.
         redirect_slashes=False,
+        # /docs is web/routes.py's, its files served from here; FastAPI's pages load theirs from a CDN.
+        docs_url=None,
+        redoc_url=None,
         # FastAPI's own OpenTelemetry hooks look up the global providers on every request (a
         # twentieth of one's CPU here); the gateway's metrics are Prometheus's (gateway/metrics.py).
         telemetry={"tracing": False, "metrics": False, "logs": False},

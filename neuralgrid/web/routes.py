@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, Field
 
 from neuralgrid.db import queries as q
@@ -38,6 +39,8 @@ VENDOR_FILES = {
     "d3-geo.min.js": "d3-geo/dist/d3-geo.min.js",
     "topojson-client.min.js": "topojson-client/dist/topojson-client.min.js",
     "countries-110m.json": "world-atlas/countries-110m.json",
+    "swagger-ui-bundle.js": "swagger-ui-dist/swagger-ui-bundle.js",
+    "swagger-ui.css": "swagger-ui-dist/swagger-ui.css",
 }
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -105,6 +108,19 @@ async def owner_page(request: Request, services: ServicesDep) -> FileResponse:
 @router.get("/signin", include_in_schema=False)
 async def signin_page(request: Request, services: ServicesDep) -> FileResponse:
     return _page(request, services.settings, "signin.html")
+
+
+@router.get("/docs", include_in_schema=False)
+async def api_docs() -> HTMLResponse:
+    """Swagger UI for the OpenAPI document, its script and styles from this gateway (/vendor), not
+    from a CDN as FastAPI's own page has them: it renders offline."""
+    return get_swagger_ui_html(
+        openapi_url="/openapi.json",
+        title="NeuralGrid API",
+        swagger_js_url="/vendor/swagger-ui-bundle.js",
+        swagger_css_url="/vendor/swagger-ui.css",
+        swagger_favicon_url="/static/favicon.svg",
+    )
 
 
 @router.get("/static/{path:path}", include_in_schema=False)

@@ -792,3 +792,13 @@ def test_api_my_nodes_needs_a_user_and_shows_only_theirs(conn: psycopg.Connectio
     rows = httpx.get(f"{gateway}/api/my/nodes", headers={"authorization": f"Bearer {token}"}).json()["data"]
     assert [r["name"] for r in rows] == ["theirs"]
     assert "endpoint_url" not in rows[0]
+
+
+def test_the_api_docs_render_without_leaving_loopback(gateway: str, open_page: Opener) -> None:
+    """/docs (Swagger UI) loads its script and styles from the gateway, as the map does its
+    libraries: it had asked a CDN for them, and offline it never rendered (a new user's trial)."""
+    page, watch = open_page(f"{gateway}/docs")
+    expect(page.locator(".swagger-ui .opblock-summary-path", has_text="/v1/chat/completions")).to_have_count(
+        1
+    )
+    watch.assert_clean()
