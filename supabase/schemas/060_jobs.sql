@@ -284,8 +284,8 @@ declare
   v_keys uuid[];  -- the keys of the jobs it ends, each once
 begin
   -- Locks in the order claims and completions take them (jobs, then nodes, then keys; each by id)
-  -- so that batches and claims cannot deadlock one another. The sweepers lock in another order; a
-  -- deadlock with one is detected by Postgres, and the gateway then writes the batch job by job.
+  -- so that batches and claims cannot deadlock one another. The sweep waits for no row another
+  -- transaction holds (it skips it: 20261217000400), so it cannot deadlock with one either.
   -- A job already ended (by the sweeper) is left out.
   -- "No key update", the lock an UPDATE takes: new jobs may still reference these nodes and keys.
   select array_agg(r.id order by r.id), array_agg(distinct r.api_key_id) filter (where r.api_key_id is not null)
