@@ -511,12 +511,14 @@ begin
     select x ->> 'model' as model_id, x ->> 'policy' as policy, x ->> 'region' as region, s.node_id,
            n.endpoint_url, n.secret_hash, 0 as slots, 0 as in_use, null::float8 as score,
            n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, null::uuid[] as absorbed, 0 as draining, s.rank
-    from jsonb_array_elements(v_lanes) x
-    cross join lateral public.score_nodes(x ->> 'model', null, x ->> 'policy', nullif(x ->> 'region', ''), null, null,
-                                          null, false, private.ranking_limit(0), null) s
+    -- The lanes reported that can still be ranked (its model's last node may just have gone).
+    from (select l.x from jsonb_array_elements(v_lanes) l (x)
+          where (l.x ->> 'reported')::boolean and private.lane_can_rank(l.x ->> 'model', l.x ->> 'policy')) ranked
+    cross join lateral public.score_nodes(ranked.x ->> 'model', null, ranked.x ->> 'policy',
+                                          nullif(ranked.x ->> 'region', ''), null, null, null, false,
+                                          private.ranking_limit(0), null) s
     join public.nodes n on n.id = s.node_id
-    where (x ->> 'reported')::boolean
-      and not exists (select from held h where h.model_id = x ->> 'model' and h.policy = x ->> 'policy'
+    where not exists (select from held h where h.model_id = x ->> 'model' and h.policy = x ->> 'policy'
                                             and h.region = x ->> 'region' and h.node_id = s.node_id)
   )
   select u.model_id, u.policy, u.region, u.node_id, u.endpoint_url, u.secret_hash, u.slots, u.in_use,

@@ -4,8 +4,11 @@
 -- waited for that key (it locks nodes, then keys): a deadlock (a review's stress run: 16 in 150
 -- rounds of a gateway killed beside three writing). The job sweeps lock each job's nodes and key
 -- (private.sweepable_jobs()), the lease sweep its nodes, keys, escrows and demand, the tunnel sweep
--- its nodes and routes, all skipping what another transaction holds; the next sweep, a second
--- later, takes what one left. (20261217000200 did this for sweep_stale_nodes().)
+-- its nodes and routes, the forgetting of gateways gone a day their rows, all skipping what another
+-- transaction holds; the next sweep, a second later, takes what one left. (20261217000200 did this
+-- for sweep_stale_nodes().) A job whose node was deleted since (no row to lock) is ended as before.
+-- Also: a tunnel node its owner moved to a direct endpoint only loses its stale route, in the tunnel
+-- sweep and in detach_tunnel(): set_tunnel() refused it, and the sweep failed whole every second.
 
 CREATE FUNCTION private.sweepable_jobs(p_jobs uuid[]) RETURNS uuid[]
     LANGUAGE plpgsql
@@ -29,8 +32,9 @@ begin
     select j.id from public.jobs j
     where j.id = any (p_jobs)
       and (j.api_key_id is null or j.api_key_id = any (v_keys))
-      and not exists (select from public.job_attempts a
-                      where a.job_id = j.id and a.status = 'running' and a.node_id <> all (v_nodes))
+      and not exists (select from public.job_attempts a  -- (a node deleted since: no row to lock)
+                      where a.job_id = j.id and a.status = 'running' and a.node_id is not null
+                        and a.node_id <> all (v_nodes))
     order by j.id);
 end;
 $$;
@@ -66,6 +70,9 @@ begin
         for update of x skip locked)
     returning r.node_id
   loop
+    -- A node its owner moved off its tunnel since (a direct endpoint) only loses the stale route:
+    -- set_tunnel() would refuse it, and with it every sweep from then on.
+    continue when not exists (select from public.nodes n where n.id = v_node and n.endpoint_url like 'tunnel:%');
     perform public.set_tunnel(v_node, false);
     return query select n.id, n.name from public.nodes n where n.id = v_node;
   end loop;
@@ -94,8 +101,11 @@ begin
     job_id := v_job;
     return next;
   end loop;
-  -- Gateways gone a day, with nothing left running, are forgotten.
-  delete from private.gateways g where g.seen_at < now() - interval '1 day'
+  -- Gateways gone a day, with nothing left running, are forgotten (but for a row another
+  -- transaction holds: the next sweep's).
+  delete from private.gateways g
+  where g.id in (select x.id from private.gateways x where x.seen_at < now() - interval '1 day'
+                 order by x.id for update skip locked)
     and not exists (select from public.jobs j
                     where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running'))
                       and j.gateway_id = g.id and j.status = 'running');
@@ -224,3 +234,21 @@ end;
 $$;
 
 COMMENT ON FUNCTION private.sweep_leases() IS 'The sweep''s part in leases: a lease past its end by more than platform_settings.gateway_timeout_s gives back its idle slots (those in use at its last renewal stay held; requests dispatched since may still run on the others until then); a gateway silent for gateway_timeout_s loses all its leases (every slot freed), its escrows (returned to their keys'' reserved_usd) and its lane demand. It takes no lease, node, key, escrow or demand row another transaction holds (a renewal''s, a claim''s, a gateway''s write): the next sweep takes what it left.';
+
+CREATE OR REPLACE FUNCTION public.detach_tunnel(p_node_id uuid, p_socket_id uuid) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO ''
+    AS $$
+begin
+  delete from private.tunnel_routes r where r.node_id = p_node_id and r.socket_id = p_socket_id;
+  -- A node its owner moved off its tunnel since (a direct endpoint) only loses the stale route:
+  -- set_tunnel() would refuse it, and keep the route.
+  if found and exists (select from public.nodes n where n.id = p_node_id and n.endpoint_url like 'tunnel:%') then
+    return public.set_tunnel(p_node_id, false);
+  end if;
+  -- A newer socket (on this gateway or another) carries the node now: a late close changes nothing.
+  return (select n.status from public.nodes n where n.id = p_node_id);
+end;
+$$;
+
+COMMENT ON FUNCTION public.detach_tunnel(p_node_id uuid, p_socket_id uuid) IS 'Socket p_socket_id of a tunnel node closed: if it was the node''s newest, the route is forgotten and the node is offline at once (set_tunnel()); if a newer socket replaced it, nothing changes. Returns the node''s status.';

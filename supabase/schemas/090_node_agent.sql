@@ -564,7 +564,9 @@ CREATE FUNCTION public.detach_tunnel(p_node_id uuid, p_socket_id uuid) RETURNS t
     AS $$
 begin
   delete from private.tunnel_routes r where r.node_id = p_node_id and r.socket_id = p_socket_id;
-  if found then
+  -- A node its owner moved off its tunnel since (a direct endpoint) only loses the stale route:
+  -- set_tunnel() would refuse it, and keep the route.
+  if found and exists (select from public.nodes n where n.id = p_node_id and n.endpoint_url like 'tunnel:%') then
     return public.set_tunnel(p_node_id, false);
   end if;
   -- A newer socket (on this gateway or another) carries the node now: a late close changes nothing.

@@ -51,6 +51,9 @@ begin
         for update of x skip locked)
     returning r.node_id
   loop
+    -- A node its owner moved off its tunnel since (a direct endpoint) only loses the stale route:
+    -- set_tunnel() would refuse it, and with it every sweep from then on.
+    continue when not exists (select from public.nodes n where n.id = v_node and n.endpoint_url like 'tunnel:%');
     perform public.set_tunnel(v_node, false);
     return query select n.id, n.name from public.nodes n where n.id = v_node;
   end loop;
@@ -184,8 +187,11 @@ begin
     job_id := v_job;
     return next;
   end loop;
-  -- Gateways gone a day, with nothing left running, are forgotten.
-  delete from private.gateways g where g.seen_at < now() - interval '1 day'
+  -- Gateways gone a day, with nothing left running, are forgotten (but for a row another
+  -- transaction holds: the next sweep's).
+  delete from private.gateways g
+  where g.id in (select x.id from private.gateways x where x.seen_at < now() - interval '1 day'
+                 order by x.id for update skip locked)
     and not exists (select from public.jobs j
                     where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running'))
                       and j.gateway_id = g.id and j.status = 'running');
@@ -220,8 +226,9 @@ begin
     select j.id from public.jobs j
     where j.id = any (p_jobs)
       and (j.api_key_id is null or j.api_key_id = any (v_keys))
-      and not exists (select from public.job_attempts a
-                      where a.job_id = j.id and a.status = 'running' and a.node_id <> all (v_nodes))
+      and not exists (select from public.job_attempts a  -- (a node deleted since: no row to lock)
+                      where a.job_id = j.id and a.status = 'running' and a.node_id is not null
+                        and a.node_id <> all (v_nodes))
     order by j.id);
 end;
 $$;

@@ -111,3 +111,30 @@ def test_a_late_gateway_gets_back_the_tunnels_no_one_else_took(conn: psycopg.Con
     )
     assert routes == {nodes[0]: gateway, nodes[1]: other}
     assert conn.execute("select status from nodes where id = %s", (nodes[0],)).fetchone() == ("online",)
+
+
+def test_a_tunnel_node_moved_to_a_direct_endpoint_loses_its_route_and_stops_no_sweep(
+    conn: psycopg.Connection,
+) -> None:
+    """Its owner gave it a direct endpoint while a gateway held its tunnel. set_tunnel() refuses a
+    node that is no tunnel: detach_tunnel() kept the route, and once that gateway fell silent every
+    sweep failed whole, every second (a review's case). The route goes; the node stays as it is."""
+    live, dead = uuid.uuid4(), uuid.uuid4()
+    store = SyncStore(conn)
+    moved, other = (make_node(conn, name, endpoint_url=f"tunnel:{name}") for name in ("moved", "other"))
+    sockets = {node: uuid.uuid4() for node in (moved, other)}
+    store.one(q.GATEWAY_ALIVE, (live,))
+    store.one(q.GATEWAY_ALIVE, (dead,))
+    conn.execute("select public.attach_tunnel(%s, %s, %s)", (moved, live, sockets[moved]))
+    conn.execute("select public.attach_tunnel(%s, %s, %s)", (other, dead, sockets[other]))
+    conn.execute("update nodes set endpoint_url = 'https://moved.example.com' where id = %s", (moved,))
+    assert conn.execute("select public.detach_tunnel(%s, %s)", (moved, sockets[moved])).fetchone() == (
+        "online",
+    )
+    conn.execute("select public.attach_tunnel(%s, %s, %s)", (other, dead, sockets[other]))
+    conn.execute("update nodes set endpoint_url = 'https://other.example.com' where id = %s", (other,))
+    conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (dead,))
+    swept = conn.execute("select kind, name from sweep()").fetchall()
+    assert ("node_offline", "other") not in swept
+    assert conn.execute("select count(*) from private.tunnel_routes").fetchone() == (0,)
+    assert conn.execute("select status from nodes where id = %s", (other,)).fetchone() == ("online",)

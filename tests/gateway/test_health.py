@@ -190,3 +190,19 @@ def test_the_sweep_waits_for_no_row_a_gateways_write_holds(conn: psycopg.Connect
     assert conn.execute(
         "select count(*) from private.slot_leases where gateway_id = %s", (dead,)
     ).fetchone() == (0,)
+
+
+def test_a_running_job_whose_node_was_deleted_is_still_swept(conn: psycopg.Connection) -> None:
+    """Its attempt's node is null (the owner deleted the node): no node row to lock, and the sweep
+    had left such a job running for good, its key's hold with it (a review's case)."""
+    from neuralgrid.db.matching import MatchRequest, match_job
+
+    node = make_node(conn)
+    key = make_key(conn, budget_usd=1.0)
+    job = match_job(conn, MatchRequest(model=LLAMA8), api_key_id=key, reserve_usd=0.5).job_id
+    conn.execute("update jobs set created_at = now() - interval '2 hours' where id = %s", (job,))
+    conn.execute("delete from nodes where id = %s", (node,))
+    assert conn.execute("select job_id from sweep_stale_jobs('1 hour')").fetchall() == [(job,)]
+    assert conn.execute("select reserved_usd::float8 from api_keys where id = %s", (key,)).fetchone() == (
+        0.0,
+    )
