@@ -184,6 +184,16 @@ class LeaseBook:
         now = self._asked_at[lane] = self.clock()
         return now
 
+    def forget(self, lane: Lane) -> None:
+        """SQL refused a request of the lane as one of a model or policy that does not exist: no
+        longer wanted, unless the lane holds, uses or waits for anything. Else every made-up name
+        a client sends would be named in this gateway's renewals IDLE_S long."""
+        busy = self._held.get(lane) or self._unleased.get(lane) or self._waiting.get(lane)
+        if busy or self._ranked.get(lane) or any(held == lane for held, _ in self._in_use):
+            return
+        for wanted in (self._asked_at, self._peak, self._wants, self._needs):
+            wanted.pop(lane, None)
+
     def _busier(self, lane: Lane) -> None:
         """One more of the lane's requests in flight: the demand the next renewal reports. Counted
         only when a request holds or waits for a slot, not when it merely asks: one its key's budget

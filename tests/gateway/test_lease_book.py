@@ -49,6 +49,22 @@ def test_takes_the_best_ranked_free_slot_and_never_more_than_leased() -> None:
     assert again is not None and again.node_id == a
 
 
+def test_a_lane_sql_refused_as_unknown_is_forgotten_unless_it_holds_or_uses_anything() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    made_up = Lane("nobody/serves-this", "balanced")
+    assert book.take(made_up, None) is None  # asked: wanted from now
+    assert [lane["model"] for lane in book.lanes()] == ["nobody/serves-this"]
+    book.take(made_up, None)
+    book.forget(made_up)
+    assert book.lanes() == []
+    a = uuid4()
+    book.renewed([row(a, 1, 1)], clock(), 5.0)
+    assert book.take(LANE, None) is not None  # in use: a refusal of another request keeps it
+    book.forget(LANE)
+    assert [(lane["model"], lane["in_use"]) for lane in book.lanes()] == [("m", {str(a): 1})]
+
+
 def test_lent_slots_are_out_of_use_until_settled_and_the_one_sql_took_leaves_its_lease() -> None:
     """A request placed in SQL lends an idle slot of each of a few leased nodes (place_jobs()
     "lend"): none is taken here meanwhile, each is reported in use, and the one SQL took leaves

@@ -565,27 +565,42 @@ def test_a_renewal_on_its_way_holds_up_no_journal_write(
 
 
 def test_a_request_for_a_model_or_policy_that_does_not_exist_stops_no_renewal(
-    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str
 ) -> None:
-    """Such a request is refused, and its lane is wanted meanwhile, as any request's is. Postgres had
-    refused every renewal that named it, IDLE_S long: the gateway's leases lapsed, and a key sending
-    one such request a second kept them from being renewed (a new user's trial found it)."""
+    """Such a request is refused. Its lane had been wanted IDLE_S from its ask, and Postgres had
+    refused every renewal that named it: the gateway's leases lapsed, and a key sending one such
+    request a second kept them lapsed (a new user's trial). Postgres now gives such a lane nothing,
+    and the gateway forgets it once SQL refuses its request: made-up names pile up in no renewal."""
     fake_nodes("leased-a")
-    assert ask(leased_gateway, api_key).status_code == 200
-    wait_for(lambda: leases_held(conn) > 0, timeout=5)
-    no_model = ask(leased_gateway, api_key, {**PLAIN, "model": "nobody/serves-this"})
-    assert no_model.status_code == 404, no_model.text
-    no_policy = httpx.post(
-        f"{leased_gateway}/v1/chat/completions",
-        json=PLAIN,
-        headers={"authorization": f"Bearer {api_key}", "x-neuralgrid-policy": "fastest-ever"},
-        timeout=20,
-    )
-    assert no_policy.status_code == 400, no_policy.text
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
+    app = create_app(settings, db_url, sweep=False)
+    with ThreadedServer(app) as gateway:
+        assert ask(gateway.url, api_key).status_code == 200
+        wait_for(lambda: leases_held(conn) > 0, timeout=5)
+        renewals = app.state.services.pipeline.placement.leased.renewals
+        named: list[set[str]] = []
 
-    def ends() -> Any:
-        return conn.execute("select max(expires_at) from private.slot_leases").fetchone()
+        async def noted(params: Any) -> None:
+            named.append({str(lane["model"]) + " " + str(lane["policy"]) for lane in json.loads(params[1])})
 
-    after_both = ends()
-    wait_for(lambda: ends() > after_both, timeout=4 * leases.RENEW_EVERY_S + 1)  # renewed again
-    assert served_from_a_lease(leased_gateway, api_key)
+        renewals.store = Intercepted(renewals.store, q.RENEW_LEASES, noted)
+        for i in range(5):
+            made_up = ask(gateway.url, api_key, {**PLAIN, "model": f"nobody/serves-this-{i}"})
+            assert made_up.status_code == 404, made_up.text
+        no_policy = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json=PLAIN,
+            headers={"authorization": f"Bearer {api_key}", "x-neuralgrid-policy": "fastest-ever"},
+            timeout=20,
+        )
+        assert no_policy.status_code == 400, no_policy.text
+
+        def ends() -> Any:
+            return conn.execute("select max(expires_at) from private.slot_leases").fetchone()
+
+        after_all = ends()
+        wait_for(lambda: ends() > after_all, timeout=4 * leases.RENEW_EVERY_S + 1)  # renewed again
+        seen = len(named)
+        wait_for(lambda: len(named) >= seen + 2, timeout=4 * leases.RENEW_EVERY_S + 1)
+        assert all(lanes == {f"{LLAMA8} balanced"} for lanes in named[seen:]), named
+        assert served_from_a_lease(gateway.url, api_key)

@@ -180,6 +180,12 @@ class LeasedJobs:
             # request in bench gateway, 2026-12-04.)
             self.renewals.soon(lane)
 
+    def refused(self, admitted: Admitted) -> None:
+        """SQL refused the call's model or policy as unknown: its lane is not wanted for it."""
+        lane = self.lane(admitted)
+        if lane is not None:
+            self.book.forget(lane)
+
     def holds_nothing(self, admitted: Admitted) -> bool:
         """This gateway leases no slot of the request's lane (one leases serve)."""
         lane = self.lane(admitted)

@@ -78,6 +78,14 @@ class Placement:
     async def place(self, admitted: Admitted) -> Placed:
         """Claim a node serving the call's route; when every capable node is busy, wait in the
         model's line for a slot, up to the queue's deadline."""
+        try:
+            return await self._place(admitted)
+        except (NotFound, InvalidRequest):  # a model or policy that does not exist, say
+            if self.leased is not None:
+                self.leased.refused(admitted)
+            raise
+
+    async def _place(self, admitted: Admitted) -> Placed:
         call = admitted.call
         request = q.MatchRequest(
             model=call.model,
