@@ -15,10 +15,8 @@ from urllib.parse import urlsplit
 import psycopg
 from typer.testing import CliRunner
 
+from neuralgrid.bench import served
 from neuralgrid.cli import app
-from neuralgrid.server.app import create_app
-from neuralgrid.server.serving import ThreadedServer
-from neuralgrid.server.settings import Settings
 from tests.conftest import free_port, make_node
 
 
@@ -53,7 +51,6 @@ def test_watch_outlives_a_restart_of_the_platform(
     It had stayed silent for good, alive, printing nothing (a new user's trial)."""
     make_node(conn, "restarted-l4", gpu_model="NVIDIA L4")
     port = free_port()
-    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5)
     env = {
         **os.environ,
         "NEURALGRID_HOME": str(tmp_path),
@@ -72,7 +69,8 @@ def test_watch_outlives_a_restart_of_the_platform(
                     return True
         return False
 
-    with ThreadedServer(create_app(settings, db_url, sweep=False), port=port):
+    up = [sys.executable, "-m", "neuralgrid.cli", "up", "--demo", "0"]  # a gateway process of its own
+    with served(up, env, f"http://127.0.0.1:{port}/readyz"):
         watching = subprocess.Popen(
             [sys.executable, "-m", "neuralgrid.cli", "watch", "--timeout", "60"],
             env=env,
@@ -89,14 +87,14 @@ def test_watch_outlives_a_restart_of_the_platform(
         threading.Thread(target=read, daemon=True).start()
         try:
             assert seen("watching node-map", 15)
-            # ThreadedServer's exit stops the gateway; the watch waits out the restart
+            # the block's end stops the gateway (SIGTERM); the watch waits out the restart
         except BaseException:
             watching.kill()
             raise
     try:
         assert seen("lost the feed", 10)
         time.sleep(17)  # past the client's own retries
-        with ThreadedServer(create_app(settings, db_url, sweep=False), port=port):
+        with served(up, env, f"http://127.0.0.1:{port}/readyz"):
             assert seen("watching node-map", 15)
             conn.execute("update nodes set status = 'draining' where name = 'restarted-l4'")
             assert seen("restarted-l4", 10)
