@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,8 +90,9 @@ async def watch(
     finally:
         for task in (following, waiting):
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(following, waiting)
+        # Both done, the client closed (gather would return at the first cancelled one, and the
+        # loop's end would then cut the socket's close short: a socket left open).
+        await asyncio.wait({following, waiting})
     return seen
 
 
