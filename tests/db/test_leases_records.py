@@ -19,6 +19,7 @@ import pytest
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node, make_user
+from tests.slots import ENDED, record
 
 GATEWAY = uuid.UUID("00000000-0000-4000-8000-0000000000a1")
 
@@ -28,41 +29,6 @@ def lease(conn: psycopg.Connection, want: int) -> list[q.LeaseRow]:
         {"model": LLAMA8, "policy": "balanced", "region": None, "want": want, "in_use": {}}
     ]
     return SyncStore(conn).all(q.RENEW_LEASES, (GATEWAY, json.dumps(lanes)))
-
-
-def record(
-    job: uuid.UUID,
-    node: uuid.UUID,
-    key: uuid.UUID | None = None,
-    end: dict[str, Any] | None = None,
-    hold: str = "0",
-    **extra: Any,
-) -> dict[str, Any]:
-    """A record as the gateway's journal writes it (JobRecord.as_json())."""
-    return {
-        "id": str(job),
-        "key": None if key is None else str(key),
-        "model": LLAMA8,
-        "policy": "balanced",
-        "region": None,
-        "stream": True,
-        "node": str(node),
-        "started_at": (datetime.now(UTC) - timedelta(seconds=2)).isoformat(),
-        "hold_usd": hold,
-        "end_user": "end-user-7",
-        "end": end,
-        **extra,
-    }
-
-
-ENDED = {
-    "status": "succeeded",
-    "prompt_tokens": 1000,
-    "completion_tokens": 90,
-    "ttft_ms": 100,
-    "latency_ms": 1000,
-    "error": None,
-}
 
 
 def write(

@@ -6,13 +6,13 @@ import json
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from neuralgrid.server.sweeper import sweep_once
 from tests.conftest import LLAMA8, make_key, make_node, past_the_restart
+from tests.slots import ENDED, record
 
 
 def test_silent_nodes_go_offline_after_three_intervals(conn: psycopg.Connection) -> None:
@@ -98,26 +98,6 @@ def test_abandoned_jobs_give_back_their_slot_and_budget_hold(conn: psycopg.Conne
     assert conn.execute("select reserved_usd::float8 from api_keys").fetchone() == (1.0,)
 
 
-def _job(
-    job: uuid.UUID, node: uuid.UUID, key: uuid.UUID, age_s: float, ended: bool = False
-) -> dict[str, Any]:
-    """A leased job's record, as a gateway's journal writes it (record_jobs())."""
-    end = {"status": "succeeded", "prompt_tokens": 1, "completion_tokens": 1} if ended else None
-    started = (datetime.now(UTC) - timedelta(seconds=age_s)).isoformat()
-    return {
-        "id": str(job),
-        "key": str(key),
-        "model": LLAMA8,
-        "policy": "balanced",
-        "region": None,
-        "stream": False,
-        "node": str(node),
-        "started_at": started,
-        "hold_usd": "0",
-        "end": end,
-    }
-
-
 def test_the_sweep_waits_for_no_row_a_gateways_write_holds(conn: psycopg.Connection, db_url: str) -> None:
     """One sweep ends a dead gateway's job (its key's row locked) and later frees that gateway's
     leases (their nodes' rows); a live gateway's record_jobs() locks its nodes, then its keys. The
@@ -137,8 +117,8 @@ def test_the_sweep_waits_for_no_row_a_gateways_write_holds(conn: psycopg.Connect
         into.execute("select * from record_jobs(%s, %s::jsonb)", (gateway, json.dumps(list(jobs))))
 
     orphan, overdue = uuid.uuid4(), uuid.uuid4()
-    write(dead, _job(orphan, nodes[0], shared, 1))  # the dead gateway's job, of the shared key
-    write(late, _job(overdue, nodes[0], other, 120))  # past the job deadline, of the other key
+    write(dead, record(orphan, nodes[0], shared, age_s=1))  # the dead gateway's job, of the shared key
+    write(late, record(overdue, nodes[0], other, age_s=120))  # past the job deadline, of the other key
     conn.execute("update private.gateways set seen_at = now() - interval '1 minute' where id = %s", (dead,))
     conn.execute(
         "insert into private.gateways (id) values (%s) on conflict (id) do update set seen_at = now()",
@@ -173,7 +153,8 @@ def test_the_sweep_waits_for_no_row_a_gateways_write_holds(conn: psycopg.Connect
         while sweeping.is_alive() and not locked("sweep()") and time.monotonic() < deadline:
             time.sleep(0.01)
         writing = run(
-            "write", lambda own: write(live, _job(uuid.uuid4(), nodes[1], shared, 1, True), into=own)
+            "write",
+            lambda own: write(live, record(uuid.uuid4(), nodes[1], shared, end=ENDED, age_s=1), into=own),
         )
         while writing.is_alive() and not locked("record_jobs") and time.monotonic() < deadline:
             time.sleep(0.01)
