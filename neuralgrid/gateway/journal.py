@@ -248,6 +248,8 @@ class Journal:
         self.lock = asyncio.Lock()  # one write at a time, and no escrow renewal during one (escrow.py)
         # Told of each record committed, and whether its start is new to Postgres.
         self.on_commit: list[Callable[[JobRecord, bool], None]] = []
+        # Told of each record SQL refused, dropped (its start never written: its hold is free).
+        self.on_refused: list[Callable[[JobRecord], None]] = []
 
     def start(self, record: JobRecord) -> None:
         record.queued_at = time.monotonic()
@@ -366,14 +368,17 @@ class Journal:
                         if until.is_set():
                             return
                 except (psycopg.Error, DatabaseError):
-                    if len(batch) == 1:
-                        log.error("job record %s refused; dropped", batch[0].id, exc_info=True)
-                        self._done(batch[0], None, refused=True)
-                        break
-                    for record in batch:  # the one at fault fails alone
-                        with contextlib.suppress(psycopg.Error, DatabaseError):
+                    # The one at fault fails alone, and is dropped: kept, it would come back in every
+                    # batch while jobs end, each batch then written a record at a time.
+                    for record in batch:
+                        try:
                             async with self.lock:
                                 await self._write([record])
+                        except (psycopg.OperationalError, OSError):
+                            break  # the database went away: all of them are tried again
+                        except (psycopg.Error, DatabaseError):
+                            log.error("job record %s refused; dropped", record.id, exc_info=True)
+                            self._done(record, None, refused=True)
                     break
 
     async def _write(self, batch: list[JobRecord]) -> None:
@@ -403,6 +408,9 @@ class Journal:
             self._flushed.notify_all()
 
     def _done(self, record: JobRecord, cost: Decimal | None, refused: bool = False) -> None:
+        if refused and not record.start_written:
+            for told in self.on_refused:
+                told(record)
         record.start_written = True
         record.dirty = False
         self._records.pop(record.id, None)

@@ -224,7 +224,8 @@ class ResponseEvents(SseEvents):
         if payload is PASS_ON:
             return event
         kind = payload.get("type") if isinstance(payload, dict) else None
-        if isinstance(kind, str) and "sequence_number" not in payload:
+        kind = kind if isinstance(kind, str) else None  # a type no event has (a list, say): passed on
+        if kind is not None and "sequence_number" not in payload:
             event = self._placed(kind, payload)
         self.numbered += 1
         if kind == "response.output_text.delta":

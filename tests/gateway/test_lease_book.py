@@ -3,6 +3,7 @@ database (tests/db/test_leases.py holds SQL's side; tests/gateway/test_leased_re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from uuid import UUID, uuid4
 
 from neuralgrid.db import queries as q
+from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook
@@ -427,3 +429,34 @@ def test_a_price_cap_takes_the_best_ranked_lease_within_it() -> None:
     assert book.take(LANE, None, max_rate=0.1) is None
     assert book.others(LANE, cheap, max_rate=1.0) == []
     assert book.others(LANE, cheap) == [dear]
+
+
+def test_a_job_sql_ended_frees_the_slot_a_renewal_moved_into_the_lease_meanwhile() -> None:
+    """A job SQL placed fails; while failover_job() is in Postgres, the renewal sent before the
+    failure comes back having moved the job's slot into the lease. failover_job() finds no node and
+    ends the job: its slot was left in use here for good, reported so at every renewal (a review)."""
+    from neuralgrid.gateway.journal import Journal
+    from neuralgrid.gateway.pipeline.admit import Admitted, Call
+    from neuralgrid.gateway.pipeline.leased import LeasedJobs
+
+    async def main() -> None:
+        clock = Clock()
+        book = LeaseBook(clock)
+        node = uuid4()
+        book.renewed([row(node, 1, 1)], clock(), 5.0)
+        journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]  # nothing is written here
+        jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
+        key = ApiKey(uuid4(), None, "k", None, None, None)
+        call = Call("chat", {"model": "m", "messages": []}, key)
+        job = uuid4()
+        jobs.placed_elsewhere(job, node, Admitted(call, call.body, b"{}", False, 16), "chat/completions")
+        taken = book.take(LANE, "chat/completions")  # the lease, as a renewal would name it
+        assert taken is not None
+        book.give_back(taken)
+        jobs.renewals.absorbed(job, taken.lease)  # the renewal's answer, mid-failover
+        assert jobs.holds(job)
+        jobs.ended_elsewhere(job)  # failover_job() ended it: no node left
+        assert not jobs.holds(job)
+        assert [lane["in_use"] for lane in book.lanes()] == [{}]
+
+    asyncio.run(main())

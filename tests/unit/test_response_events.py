@@ -132,3 +132,13 @@ def test_openais_own_events_pass_as_they_came() -> None:
     event = {"type": "response.output_text.delta", "sequence_number": 7, "item_id": "m", "output_index": 3}
     sent = f"event: response.output_text.delta\ndata: {json.dumps(event)}\n\n".encode()
     assert ResponseEvents().feed(sent) == [sent]
+
+
+@pytest.mark.parametrize("kind", [["response.completed"], {"a": 1}, 7, None])
+def test_an_event_whose_type_is_not_a_string_is_passed_on_as_it_came(kind: Any) -> None:
+    """A node's event whose "type" is a list or an object raised TypeError (unhashable) in the relay:
+    the stream cut with no error event, and its job recorded as if the client had gone (a review)."""
+    reader = ResponseEvents()
+    event = b"data: " + json.dumps({"type": kind, "delta": "x"}).encode()
+    assert reader.feed(event + b"\n\n") == [event + b"\n\n"]
+    assert not reader.done and reader.text == []

@@ -82,6 +82,7 @@ class LeasedJobs:
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
         journal.on_commit.append(self._written)
+        journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
         self.renewals.renewed = freed  # requests waiting in line look at the renewed leases
 
@@ -220,7 +221,9 @@ class LeasedJobs:
             self._elsewhere[job_id] = dataclasses.replace(placed, moved=True)
 
     def ended_elsewhere(self, job_id: UUID) -> None:
-        """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected)."""
+        """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected). A renewal
+        that moved its slot into the lease meanwhile (_absorbed) left the slot in use here: free."""
+        self.release(job_id)
         self._placed.pop(job_id, None)
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
@@ -241,6 +244,11 @@ class LeasedJobs:
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
             self.escrows.written(record.key, record.hold_usd)
+
+    def _refused(self, record: JobRecord) -> None:
+        """SQL refused the job's record before its start was written: its hold never left the escrow."""
+        if record.key is not None and record.hold_usd:
+            self.escrows.give_back(record.key, record.hold_usd)
 
     async def to_database(self, job_id: UUID) -> None:
         """Before SQL acts on a leased job: its start written, and the journal's part in it done."""
