@@ -53,6 +53,7 @@ class OneLineErrors(TyperGroup):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False  # errors come here; an exit's code is returned
+        _reflow_help(self)
         try:
             code = super().main(*args, **kwargs)
         except NoArgsIsHelpError as err:  # its help is printed already
@@ -68,6 +69,22 @@ class OneLineErrors(TyperGroup):
             fail("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _reflow_help(command: Any) -> None:
+    """Each paragraph of a command's docstring as one line for the terminal to wrap: Typer keeps the
+    docstring's own line breaks, which cut `--help` mid-sentence. A list's items keep their lines."""
+    if command.help:
+        command.help = "\n\n".join(_joined(paragraph) for paragraph in command.help.split("\n\n"))
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_help(sub)
+
+
+def _joined(paragraph: str) -> str:
+    lines = paragraph.strip().splitlines()
+    if any(line.lstrip().startswith(("- ", "* ")) for line in lines):
+        return paragraph.strip()
+    return " ".join(line.strip() for line in lines)
 
 
 def progress(message: str) -> None:
@@ -179,12 +196,17 @@ def settings(ctx: typer.Context) -> Settings:
     return options.settings
 
 
-def database_url(ctx: typer.Context) -> str:
+def database_url(ctx: typer.Context, keep_running: bool = False) -> str:
     """The database's URL, the embedded one started and migrated when it is the one; a DATABASE_URL
-    that lacks migrations is one line saying what to run."""
+    that lacks migrations is one line saying what to run. An embedded server this command started
+    stops when the command ends (as `up` stops its own), unless `keep_running`."""
     from neuralgrid.db import connect
 
-    return connect.prepare(settings(ctx), StartupProgress())
+    config = settings(ctx)
+    server = None if config.database_url else connect.embedded_server(config)
+    if server is not None and not server.is_running() and not keep_running:
+        ctx.call_on_close(server.stop)
+    return connect.prepare(config, StartupProgress())
 
 
 @contextmanager

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from neuralgrid.server.settings import Settings
 
-db_app = typer.Typer(no_args_is_help=True, help="The database: migrations and its URL.")
+db_app = typer.Typer(no_args_is_help=True, help="The database: migrations, its URL, stopping it.")
 
 
 def up(
@@ -232,6 +232,8 @@ def _print_fleet(map_url: str) -> None:
         reply.raise_for_status()
         nodes: list[dict[str, Any]] = reply.json()["data"]
         total = int(reply.json().get("total", len(nodes)))
+    except httpx.ConnectError as err:  # nothing listens there: neither will the feed (one line, not two)
+        raise fail(f"cannot reach {map_url}: {err} (is `neuralgrid up` running?)") from err
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:  # the feed may still work: say, go on
         warn = Console(stderr=True, highlight=False, soft_wrap=True)
         warn.print(f"cannot read the fleet from {url}: {err}")
@@ -269,8 +271,29 @@ def db_migrate(ctx: typer.Context) -> None:
 @db_app.command("url")
 @friendly_errors
 def db_url(ctx: typer.Context) -> None:
-    """Print a database URL that psql and the Supabase CLI accept."""
-    print(database_url(ctx))
+    """Print a database URL that psql and the Supabase CLI accept; the embedded database, started
+    for it, keeps running (`neuralgrid db stop` stops it)."""
+    print(database_url(ctx, keep_running=True))
+
+
+@db_app.command("stop")
+@friendly_errors
+def db_stop(ctx: typer.Context) -> None:
+    """Stop the embedded database of this home (one `neuralgrid db url` left running, say)."""
+    from neuralgrid.db import connect
+    from neuralgrid.server import running
+
+    config = settings(ctx)
+    if config.database_url:
+        raise fail("DATABASE_URL names a database of its own: nothing here runs it")
+    if running.find(config) is not None:
+        raise fail("`neuralgrid up` runs on this database: stop it (Ctrl-C), and it stops its own")
+    server = connect.embedded_server(config)
+    if not server.is_running():
+        out.print("the embedded database is not running")
+        return
+    server.stop()
+    out.print("stopped the embedded database")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,10 +14,13 @@ from neuralgrid.server.settings import Settings
 
 def embedded_server(settings: Settings) -> EmbeddedPostgres:
     """The embedded server under home; when it already runs, on the port it really listens on (one
-    cluster runs once, whatever port a later command names)."""
+    cluster runs once, whatever port a later command names); when it does not, on the port it last
+    ran on unless NEURALGRID_DB_PORT names one (a home set up on another port is found again)."""
     server = EmbeddedPostgres(settings.home / "postgres", port=settings.db_port)
-    running = server.running_port()
-    return server if running in (None, server.port) else dataclasses.replace(server, port=running)
+    port = server.running_port()
+    if port is None and "db_port" not in settings.model_fields_set:
+        port = server.last_port()
+    return server if port in (None, server.port) else dataclasses.replace(server, port=port)
 
 
 def database_url(settings: Settings, *, start: bool = True, progress: Progress | None = None) -> str:

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import pwd
+import shlex
 import socket
 import subprocess
 import warnings
@@ -92,6 +93,15 @@ class EmbeddedPostgres:
         """The port the running server listens on (it may differ from `port`), or None."""
         info = pg_utils.PostmasterInfo.read_from_pgdata(self.pgdata)
         return info.port if info is not None and info.is_running() else None
+
+    def last_port(self) -> int | None:
+        """The port the server was last started on (Postgres keeps its command line), or None."""
+        try:
+            args = shlex.split((self.pgdata / "postmaster.opts").read_text())
+        except (OSError, ValueError):
+            return None
+        ports = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "-p"]
+        return int(ports[-1]) if ports and ports[-1].isdigit() else None
 
     def start(self) -> None:
         """Initialise the cluster if new, then start it unless it is already running."""

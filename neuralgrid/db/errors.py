@@ -59,6 +59,9 @@ def translate(err: Exception, subject: str | None = None) -> Exception:
     names (`raise ... using column = 'budget_usd'`), if it names one."""
     diag = getattr(err, "diag", None)
     message = getattr(diag, "message_primary", None) or str(err)
+    rule = getattr(diag, "constraint_name", None) or ""
+    if getattr(err, "sqlstate", None) == "23514" and " " in rule:  # our row rules are named as sentences
+        message = rule
     found = from_sqlstate(getattr(err, "sqlstate", None), message, subject)
     if isinstance(found, InvalidRequest):
         found.param = getattr(diag, "column_name", None)

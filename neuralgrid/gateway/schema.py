@@ -107,9 +107,19 @@ class CompletionRequest(_Generation):
         return best_of
 
 
+# What OpenAI embeds: no empty input, string or list (a node answers an empty one with nothing, billed).
+Text = Annotated[str, Field(min_length=1)]
+SomeTokens = Annotated[Tokens, Field(min_length=1)]
+
+
 class EmbeddingRequest(_Strict):
     model: ModelId
-    input: str | list[str] | Tokens | list[Tokens]
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | SomeTokens
+        | Annotated[list[SomeTokens], Field(min_length=1)]
+    )
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Count | None = None
     user: EndUser | None = None

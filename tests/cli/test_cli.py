@@ -122,6 +122,9 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(db_url: str, tmp_path: Path)
     assert err.count("\n") == 1
     code, _, err = run(db_url, "fake-node", "--port", "99999")
     assert code == 1 and "a TCP port is 1 to 65535" in err
+    # A row rule names itself, not the relation it guards (it read `new row for relation ...`).
+    code, _, err = run(db_url, "keys", "create", "--name", "")
+    assert code == 1 and err == "error: key name must be 1 to 100 characters\n"
 
 
 def test_tables_piped_are_whole(db_url: str) -> None:

@@ -215,3 +215,25 @@ def test_a_stale_state_file_is_recognised_and_ignored(tmp_path: Path) -> None:
     assert f":{port}" not in line  # its port is not the one commands use
     signin = neuralgrid(env, "signin")
     assert signin.stdout.startswith("http://127.0.0.1:8080/signin#token=") and "not running" in signin.stderr
+
+
+def test_a_command_stops_the_database_it_started_and_a_home_keeps_its_port(tmp_path: Path) -> None:
+    """With no `up` running, `keys ls` started the embedded Postgres and left it running: a later
+    `up` then took it for another's and left it running at its end, and a fresh home on that port
+    failed (a new user's trial). A command stops what it started; `db url` keeps it for psql until
+    `db stop`; and a home set up on another port is found there again with only NEURALGRID_HOME."""
+    home = tmp_path / "home"
+    server = EmbeddedPostgres(home / "postgres", port=free_port())
+    first = neuralgrid({**plain_env(home), "NEURALGRID_DB_PORT": str(server.port)}, "keys", "ls")
+    assert first.returncode == 0, first.stderr
+    assert not server.is_running()
+    env = plain_env(home)  # the port never given again
+    url = neuralgrid(env, "db", "url")
+    assert url.returncode == 0 and f":{server.port}/" in url.stdout, url.stdout + url.stderr
+    assert server.is_running()
+    assert neuralgrid(env, "nodes", "ls").returncode == 0 and server.is_running()  # not its own to stop
+    assert neuralgrid(env, "db", "stop").stdout.strip() == "stopped the embedded database"
+    assert not server.is_running()
+    again = neuralgrid(env, "nodes", "ls")
+    assert again.returncode == 0 and f"port {server.port}" in again.stderr, again.stderr
+    assert not server.is_running()

@@ -45,6 +45,13 @@ def test_help_describes_the_cli() -> None:
     assert "assembled here" not in result.stdout  # the module's docstring is for its readers
 
 
+def test_help_wraps_at_the_terminal_not_at_the_docstrings_line_ends() -> None:
+    """Typer kept the docstrings' line breaks: `--help` broke mid-sentence (a new user's trial)."""
+    result = invoke("keys", "create", "--help")
+    assert result.exit_code == 0
+    assert "or you when signed in with `neuralgrid login`): their API keys page lists it" in result.stdout
+
+
 def test_up_on_a_port_in_use_is_one_line_and_starts_nothing(held_port: int, tmp_path: Path) -> None:
     env = plain_env(NEURALGRID_HOME=str(tmp_path / "home"), NEURALGRID_DB_PORT=str(free_port()))
     started = time.monotonic()
@@ -56,6 +63,15 @@ def test_up_on_a_port_in_use_is_one_line_and_starts_nothing(held_port: int, tmp_
     assert f"127.0.0.1:{held_port}" in line and "in use" in line and "--port" in line
     assert "another program" in line and "Traceback" not in up.stdout
     assert not (tmp_path / "home" / "postgres").exists()  # the database was never started
+
+
+def test_watching_a_gateway_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    """It was two: the fleet it could not read, then the feed it could not join (a new user's trial)."""
+    env = plain_env(NEURALGRID_HOME=str(tmp_path / "home"), NEURALGRID_PORT=str(free_port()))
+    watch = subprocess.run([*CLI, "watch"], env=env, capture_output=True, text=True, timeout=60)
+    assert watch.returncode == 1 and watch.stdout == ""
+    [line] = watch.stderr.splitlines()
+    assert "cannot reach" in line and "neuralgrid up" in line
 
 
 def test_an_embedded_postgres_port_in_use_is_one_line(held_port: int, tmp_path: Path) -> None:

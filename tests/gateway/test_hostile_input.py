@@ -97,6 +97,26 @@ def test_hostile_bodies_get_a_4xx_in_openais_shape(
     assert node.requests == 0, case  # no node was troubled with it
 
 
+@pytest.mark.parametrize("given", ["", [], [""], [[]]], ids=["text", "list", "text in a list", "tokens"])
+def test_nothing_to_embed_is_a_400_as_openai_answers_it(
+    gateway: str, api_key: str, fake_nodes: Any, given: Any
+) -> None:
+    """Empty input was passed on: a node answered no embedding, billed a token, and the SDK raised
+    `No embedding data received` (a new user's trial)."""
+    node = fake_nodes()
+    resp = httpx.post(
+        f"{gateway}/v1/embeddings",
+        json={"model": "BAAI/bge-large-en-v1.5", "input": given},
+        headers={"authorization": f"Bearer {api_key}"},
+        timeout=30,
+    )
+    assert resp.status_code == 400, resp.text
+    assert (
+        resp.json()["error"]["type"] == "invalid_request_error" and "input" in resp.json()["error"]["message"]
+    )
+    assert node.requests == 0
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
