@@ -74,6 +74,11 @@ def heartbeat_age(at: datetime | None, now: datetime) -> str:
     return f"{seconds // 86_400} d ago"
 
 
+def _status(r: dict[str, Any]) -> str:
+    """Its status, and whether it fell silent since: no sweep marks it offline while nothing runs."""
+    return f"{r['status']}, silent" if r.get("silent") else r["status"]
+
+
 def _heartbeat(r: dict[str, Any]) -> str:
     return heartbeat_age(r["last_heartbeat_at"], datetime.now(UTC))
 
@@ -109,7 +114,7 @@ def _short_gpu(r: dict[str, Any]) -> str:
 _NODES_NARROW = (
     Column("name", lambda r: r["name"]),
     Column("gpu", _short_gpu, wraps=True),
-    Column("status", lambda r: r["status"]),
+    Column("status", _status),
     Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}"),
     Column("heartbeat", _heartbeat),
     Column("reputation", _reputation),
@@ -121,7 +126,7 @@ _NODES_WIDE = (
     Column("tflops", lambda r: f"{r['tflops']:g}"),
     Column("$/h", lambda r: f"{r['hourly_rate']:.2f}"),
     Column("region", lambda r: r["region"]),
-    Column("status", lambda r: r["status"]),
+    Column("status", _status),
     Column("load", lambda r: f"{r['inflight']}/{r['max_concurrency']}"),
     Column("heartbeat", _heartbeat),
     Column("ok/fail", lambda r: f"{r['successes']}/{r['failures']}"),

@@ -140,6 +140,22 @@ def test_tables_piped_are_whole(db_url: str) -> None:
     assert result.exit_code == 0 and "…" not in result.stdout and "reputation" in result.stdout
 
 
+def test_a_node_silent_past_its_misses_reads_silent_while_nothing_sweeps(
+    conn: psycopg.Connection, db_url: str
+) -> None:
+    """With the platform down no sweep marks a silent node offline: `nodes ls` listed every node of
+    a stopped platform online while `match` found none (a new user's trial)."""
+    make_node(conn, "beating")
+    make_node(conn, "quiet")
+    conn.execute("update nodes set last_heartbeat_at = now() - interval '1 minute' where name = 'quiet'")
+    code, out, _ = run(db_url, "nodes", "ls")
+    assert code == 0
+    lines = {
+        line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["beating"], ["quiet"])
+    }
+    assert "online, silent" in lines["quiet"] and "silent" not in lines["beating"]
+
+
 def test_uncatalogued_cli_match_uses_given_vram(conn: psycopg.Connection, db_url: str) -> None:
     make_node(conn, "box", models={"my/model": "loaded"}, vram_gb=24)
     code, out, _ = run(db_url, "match", "--model", "my/model", "--min-vram", "30", "--json")

@@ -194,6 +194,26 @@ def test_one_request_cannot_spend_more_than_the_budget_left(
     assert float(spent[0]) <= 0.01
 
 
+def test_a_request_the_budget_cannot_hold_is_told_what_was_weighed(
+    conn: psycopg.Connection, gateway: str, fake_nodes: Any
+) -> None:
+    """The refusal had said the budget "cannot pay for this request's prompt and one token of
+    answer" of a prompt it could pay for (a new user's trial): it is the hold that it cannot cover,
+    the prompt reckoned from the request's size, with what requests under way hold apart."""
+    fake_nodes()
+    (secret,) = conn.execute("select api_key from create_api_key('k', null, null, 0.0001)").fetchone() or (
+        "",
+    )
+    body = {**CHAT, "messages": [{"role": "user", "content": "x" * 40_000}]}
+    resp = httpx.post(
+        f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {secret}"}, timeout=30
+    )
+    assert resp.status_code == 429, resp.text
+    message = resp.json()["error"]["message"]
+    assert "$0.000100, with $0.000000 more held for requests under way" in message, message
+    assert "cannot cover this request's hold" in message and "one token per 4 of its" in message
+
+
 def _lying_node() -> Starlette:
     """A node that answers "hi" and bills ten million tokens each way, the most Usage.parse takes."""
 

@@ -155,7 +155,9 @@ def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_s
         assert taken is not None
         book.give_back(taken)
     [report] = book.lanes()  # since the last renewal nobody asked: what was in use then, and a spare
-    assert (report["want"], report["need"], report["in_use"]) == (3, 2, {})
+    assert (report["want"], report["need"], report["in_use"]) == (3, 2, {str(a): 2})  # in use since
+    [report] = book.lanes()
+    assert report["in_use"] == {}
     clock.now += 60
     assert book.lanes() == []  # nobody asked for a while: the lane is given back
 
@@ -457,6 +459,34 @@ def test_a_job_sql_ended_frees_the_slot_a_renewal_moved_into_the_lease_meanwhile
         assert jobs.holds(job)
         jobs.ended_elsewhere(job)  # failover_job() ended it: no node left
         assert not jobs.holds(job)
+        book.lanes()  # it was in use since the last report
         assert [lane["in_use"] for lane in book.lanes()] == [{}]
 
     asyncio.run(main())
+
+
+def test_while_a_renewal_is_on_its_way_no_slot_is_taken_past_what_it_reported_in_use() -> None:
+    """The renewal may give back any idle slot above what it reported in use: a slot taken while it
+    is on its way could be one SQL gave back, which another claim then takes, and the node runs one
+    more than its slots (a review). A lease's most in use since the last report is reported, and
+    that many may be used until the answer comes."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(a, 2, 1), row(b, 2, 2)], clock(), 5.0)
+    first = book.take(LANE, None)
+    assert first is not None
+    book.give_back(first)  # a's most in use since: 1
+    [report] = book.lanes()  # sent: a renewal on its way
+    assert report["in_use"] == {str(a): 1}
+    again = book.take(LANE, None)
+    assert again is not None and again.node_id == a
+    assert book.take(LANE, None) is None  # a's second slot and both of b's: the renewal may give them back
+    book.renewed([row(a, 1, 1), row(b, 2, 2)], clock(), 5.0)  # it gave back one of a's
+    taken = [book.take(LANE, None) for _ in range(3)]
+    assert [t.node_id if t else None for t in taken] == [b, b, None]  # a's one slot is in use
+    clock.now += 1
+    book.lanes()  # on its way again, its answer lost (a connection broke):
+    book.give_back(again)
+    assert book.take(LANE, None) is not None  # a's slot, in use when reported
+    assert book.take(LANE, None) is None  # no more until a renewal's answer comes

@@ -142,8 +142,12 @@ FLEET = Query(
 select m.id, m.name, m.gpu_model, m.gpu_count, m.vram_gb, m.tflops, m.hourly_rate::float8 as hourly_rate,
   m.region, m.latitude, m.longitude, m.status, m.inflight, m.max_concurrency, m.last_heartbeat_at,
   m.successes, m.failures, m.ewma_latency_ms, m.ewma_tokens_per_s, m.cooldown_until,
-  m.warm_models, m.available_models, m.verification, g.state as gpu_proof
+  m.warm_models, m.available_models, m.verification, g.state as gpu_proof,
+  -- past the silence that makes a node offline, with no sweep run since (the platform is down)
+  m.status <> 'offline' and coalesce(m.last_heartbeat_at < now()
+    - make_interval(secs => s.heartbeat_interval_s * s.missed_heartbeats_offline), true) as silent
 from public.node_map m
+cross join public.platform_settings s
 left join public.gpu_proofs g on g.node_id = m.id
 order by m.region, m.name
 """,
