@@ -17,8 +17,10 @@ from uuid import UUID, uuid4
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
-from neuralgrid.gateway.journal import JobRecord, Spool, as_array, orphaned_spools, read_spool
-from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook
+from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
+from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
+from neuralgrid.gateway.pipeline.admit import Admitted, Call
+from neuralgrid.gateway.pipeline.leased import UNCLAIMED_S, LeasedJobs
 
 LANE = Lane("m", "balanced")
 
@@ -437,9 +439,6 @@ def test_a_job_sql_ended_frees_the_slot_a_renewal_moved_into_the_lease_meanwhile
     """A job SQL placed fails; while failover_job() is in Postgres, the renewal sent before the
     failure comes back having moved the job's slot into the lease. failover_job() finds no node and
     ends the job: its slot was left in use here for good, reported so at every renewal (a review)."""
-    from neuralgrid.gateway.journal import Journal
-    from neuralgrid.gateway.pipeline.admit import Admitted, Call
-    from neuralgrid.gateway.pipeline.leased import LeasedJobs
 
     async def main() -> None:
         clock = Clock()
@@ -490,3 +489,38 @@ def test_while_a_renewal_is_on_its_way_no_slot_is_taken_past_what_it_reported_in
     book.give_back(again)
     assert book.take(LANE, None) is not None  # a's slot, in use when reported
     assert book.take(LANE, None) is None  # no more until a renewal's answer comes
+
+
+def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use() -> None:
+    """SQL placed a job; a renewal moved its slot into the lease, and its answer was read before the
+    placement's (a few turns of the event loop apart): the job was unknown then, so the lease had a
+    slot more that looked idle here while the job ran on it, and the next request took it (a
+    review). The slot is held in use from the renewal's answer: the job's when it is known, given
+    back if none claims it (a job that had ended already)."""
+
+    async def main() -> None:
+        clock = Clock()
+        book = LeaseBook(clock)
+        node = uuid4()
+        journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]
+        jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
+        call = Call("chat", {"model": "m", "messages": []}, ApiKey(uuid4(), None, "k", None, None, None))
+        admitted = Admitted(call, call.body, b"{}", False, 16)
+        book.renewed([row(node, 1, 1)], clock(), 5.0)  # the renewal's answer: one slot, the job's
+        [lease] = [t.lease for t in [book.take(LANE, None)] if t is not None]
+        book.give_back(Taken(lease))
+        early, gone = uuid4(), uuid4()
+        jobs.renewals.absorbed(early, lease)
+        assert book.take(LANE, None) is None  # the job runs on it
+        jobs.placed_elsewhere(early, node, admitted, "chat/completions")  # the placement's answer
+        assert jobs.holds(early)
+        jobs.end(q.JobEnd(early, "succeeded", 1, 1))
+        taken = book.take(LANE, None)
+        assert taken is not None
+        book.give_back(taken)
+        jobs.renewals.absorbed(gone, lease)  # a job that had ended here before the answer came
+        assert book.take(LANE, None) is None
+        await asyncio.sleep(UNCLAIMED_S + 0.05)
+        assert book.take(LANE, None) is not None
+
+    asyncio.run(main())

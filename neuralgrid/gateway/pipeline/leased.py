@@ -30,6 +30,7 @@ from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
 from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
+UNCLAIMED_S = 1.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
 @dataclass
@@ -81,6 +82,9 @@ class LeasedJobs:
         self._slots: dict[UUID, Slot] = {}
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
+        # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
+        # still on its way through the event loop): in use until it is, or for UNCLAIMED_S.
+        self._early: dict[UUID, Taken] = {}
         journal.on_commit.append(self._written)
         journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
@@ -168,6 +172,11 @@ class LeasedJobs:
         or until a renewal moves its slot into the lease (_absorbed). Its end is written behind,
         as a leased job's is (end())."""
         lane = self.lane(admitted)
+        early = self._early.pop(job_id, None)
+        if early is not None:  # a renewal moved its slot into the lease first: leased from the start
+            self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
+            self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))
+            return
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
@@ -234,12 +243,24 @@ class LeasedJobs:
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
         before the renewal came back left the lease an idle slot, which the next renewal reports."""
         placed = self._elsewhere.get(job_id)
+        if placed is None and job_id not in self._placed:  # not known yet, or ended here already
+            self._early[job_id] = self.book.adopt(lease)
+            asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
+            return
         if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
         del self._elsewhere[job_id]
         self.book.unleased(placed.lane, -1)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
+
+    def _unclaimed(self, job_id: UUID) -> None:
+        """No placement claimed the slot a renewal moved for it: the job had ended here (its end
+        not yet written when the renewal ran), and its slot is idle."""
+        taken = self._early.pop(job_id, None)
+        if taken is not None:
+            self.book.give_back(taken)
+            self.freed()
 
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
