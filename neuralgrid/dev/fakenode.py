@@ -186,7 +186,10 @@ async def _generate(request: Request, kind: str) -> Response:
 
 
 def _too_long(prompt_tokens: int, context_length: int) -> dict[str, Any]:
-    message = f"request ({prompt_tokens} tokens) exceeds the available context size ({context_length} tokens)"
+    message = (  # llama-server's own words (tools/server, llama-cpp-python 0.3.36's build)
+        f"request ({prompt_tokens} tokens) exceeds the available context size ({context_length} tokens),"
+        " try increasing it"
+    )
     error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
     return {"error": {**error, "n_prompt_tokens": prompt_tokens, "n_ctx": context_length}}
 

@@ -177,6 +177,14 @@ def from_http(status: int, detail: str, headers: Mapping[str, str] | None = None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# Servers' own error types for refusals OpenAI names its own way, which SDKs and clients read: a
+# prompt longer than the context is OpenAI's `context_length_exceeded` (llama-server says
+# `exceed_context_size_error`).
+SERVER_ERRORS: dict[str, tuple[str, str]] = {
+    "exceed_context_size_error": ("invalid_request_error", "context_length_exceeded"),
+}
+
+
 def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping[str, str]) -> Response:
     """A node's refusal passed on: as it is when it has OpenAI's shape, else its message in that shape
     (servers differ: FastAPI's {"detail": ...} for a route they lack, vLLM's older {"object": "error",
@@ -190,6 +198,10 @@ def from_node(status: int, body: bytes, media_type: str | None, headers: Mapping
     error = fields.get("error")
     kind = "invalid_request_error" if status < 500 else "server_error"
     if isinstance(error, dict) and isinstance(error.get("message"), str):
+        if (known := SERVER_ERRORS.get(str(error.get("type")))) is not None:
+            message = error["message"].removesuffix(", try increasing it")[:500]  # the server owner's advice
+            shaped = {"message": message, "type": known[0], "param": None, "code": known[1]}
+            return JSONResponse({"error": shaped}, status, headers)
         if _is_openai_error(error):
             return Response(body, status, headers, media_type=media_type)
         fields, text = error, error["message"][:500] or f"the node answered: HTTP {status}"

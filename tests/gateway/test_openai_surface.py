@@ -215,6 +215,30 @@ def test_a_nodes_404_or_405_reaches_the_client_openai_shaped(
             is_openai_error(resp, 404)
 
 
+def test_a_prompt_past_the_nodes_context_is_openais_context_length_exceeded(
+    fake_nodes: Any, client: openai.OpenAI
+) -> None:
+    """llama-server's refusal reached the client with its own type (`exceed_context_size_error`) and
+    advice for the server's owner ("try increasing it"), a new user's trial found: OpenAI's SDKs
+    and clients read `context_length_exceeded`."""
+    fake_nodes(context_length=64)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=LLAMA8, messages=[{"role": "user", "content": "word " * 500}], max_tokens=4
+        )
+    error = refused.value.response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        None,
+    )
+    assert (
+        error["message"].startswith("request (")
+        and "exceeds the available context size (64 tokens)" in error["message"]
+    )
+    assert "increasing" not in error["message"]
+
+
 # Streams -----------------------------------------------------------------------------------------
 
 
