@@ -175,6 +175,12 @@ class Agent:
         their catalog names. BackendError when it cannot serve at all."""
         info = await self.backend.detect()
         served = await self.backend.models()
+        paths = [m for m in served if m not in self.config.model_aliases and _is_file_path(m)]
+        if paths:  # llama-server names a model by the path it loaded it from, unless given an alias
+            raise BackendError(
+                f"the backend names its model by its file path ({paths[0]}), which every developer would"
+                f" see in /v1/models: give --model-alias {paths[0]}=ORG/MODEL, the catalog's name for it"
+            )
         states = await self.backend.model_states()
         # A server that loads models on demand is warmed up on what it holds (else its first model):
         # warming every model up would load them all.
@@ -540,3 +546,8 @@ def _message(resp: httpx.Response) -> str:
         return str(resp.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return f"HTTP {resp.status_code}"
+
+
+def _is_file_path(name: str) -> bool:
+    """A model name that is where its file lies (llama-server's default), not what the model is."""
+    return name.startswith(("/", "~", "./", "../")) or "\\" in name or name.lower().endswith(".gguf")

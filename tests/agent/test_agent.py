@@ -283,6 +283,26 @@ def test_a_listen_port_in_use_is_one_line_and_a_failed_exit(
     assert "Traceback" not in done.stderr and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
 
 
+def test_a_model_the_server_names_by_its_file_path_is_refused_without_an_alias(
+    platform: str, operator_key: str
+) -> None:
+    """llama-server names its model by the path it loaded it from: without --model-alias the node
+    offered `/root/.cache/.../model.gguf` to every developer as a model id, the owner's disk laid
+    out in /v1/models (a new user's trial). One line says which alias to give, before any warm-up."""
+    path = "/home/owner/models/smollm2.gguf"
+    with ThreadedServer(create_fake_node(FakeNodeConfig(models=(path,)))) as server:
+        flags = "--name pathy --region eu-west --price 0.3 --vram-gb 24 --tflops 165"
+        done = subprocess.run(
+            agent_command(platform, operator_key, server.url, *flags.split()),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert server.app.state.requests == 0  # nothing was warmed up
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"--model-alias {path}=" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_second_agent_of_the_same_name_takes_the_node_and_the_first_stops(
     conn: psycopg.Connection, platform: str, operator_key: str, backend: ThreadedServer
 ) -> None:
