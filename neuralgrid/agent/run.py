@@ -549,5 +549,6 @@ def _message(resp: httpx.Response) -> str:
 
 
 def _is_file_path(name: str) -> bool:
-    """A model name that is where its file lies (llama-server's default), not what the model is."""
-    return name.startswith(("/", "~", "./", "../")) or "\\" in name or name.lower().endswith(".gguf")
+    """A model name that is where its file lies (llama-server's default), not what the model is (a
+    repository's file, `org/X-GGUF/x.Q4_K_M.gguf`, is a name)."""
+    return name.startswith(("/", "~", "./", "../")) or "\\" in name

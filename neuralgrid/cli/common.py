@@ -28,6 +28,7 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     import psycopg
 
+    from neuralgrid.db.embedded import EmbeddedPostgres
     from neuralgrid.server.settings import Settings
 
 # The JSON a benchmark writes (every `neuralgrid bench` command takes it).
@@ -205,8 +206,17 @@ def database_url(ctx: typer.Context, keep_running: bool = False) -> str:
     config = settings(ctx)
     server = None if config.database_url else connect.embedded_server(config)
     if server is not None and not server.is_running() and not keep_running:
-        ctx.call_on_close(server.stop)
+        ctx.call_on_close(lambda: stop_unless_serving(config, server))
     return connect.prepare(config, StartupProgress())
+
+
+def stop_unless_serving(config: Settings, server: EmbeddedPostgres) -> None:
+    """Stop the embedded server a command started, unless `neuralgrid up` began serving on it since
+    (it leaves a server it did not start running, and this one would stop under it)."""
+    from neuralgrid.server import running
+
+    if running.find(config) is None:
+        server.stop()
 
 
 @contextmanager

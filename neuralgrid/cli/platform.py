@@ -18,6 +18,7 @@ from neuralgrid.cli.common import (
     log_to_stderr,
     out,
     settings,
+    stop_unless_serving,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ def up(
     listener = _listen(config)  # first: a taken port fails before the database starts
     progress = StartupProgress()
     server = connect.embedded_server(config) if config.embedded else None
+    if server is not None:  # the port it runs on (or last ran on): the one the stack records
+        config = config.model_copy(update={"db_port": server.port})
     started_here = server is not None and not server.is_running()
     try:
         url = connect.prepare(config, progress)
@@ -254,7 +257,11 @@ def db_migrate(ctx: typer.Context) -> None:
 
     from neuralgrid.db import connect, migrate
 
-    with psycopg.connect(connect.database_url(settings(ctx)), autocommit=True) as conn:
+    config = settings(ctx)
+    server = None if config.database_url else connect.embedded_server(config)
+    if server is not None and not server.is_running():  # started for this command: stopped after it
+        ctx.call_on_close(lambda: stop_unless_serving(config, server))
+    with psycopg.connect(connect.database_url(config), autocommit=True) as conn:
         if migrate.apply_compat_layer(conn):
             out.print("applied the Supabase compatibility layer")
         applied = migrate.migrate(conn)

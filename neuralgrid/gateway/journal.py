@@ -379,6 +379,8 @@ class Journal:
                         except (psycopg.Error, DatabaseError):
                             log.error("job record %s refused; dropped", record.id, exc_info=True)
                             self._done(record, None, refused=True)
+                    async with self._flushed:  # a hand-over waiting on a refused record goes on
+                        self._flushed.notify_all()
                     break
 
     async def _write(self, batch: list[JobRecord]) -> None:

@@ -228,11 +228,13 @@ class LeaseBook:
         return self._in_use.get(key, 0) + self._lent.get(key, 0)
 
     def _used_more(self, key: tuple[Lane, UUID]) -> None:
-        self._most_used[key] = max(self._most_used.get(key, 0), self._used(key))
+        """A slot more in use: the most at once since the last report (lent ones are SQL's to take
+        or not, under its own locks: counted, a lent slot SQL took would be reported in use)."""
+        self._most_used[key] = max(self._most_used.get(key, 0), self._in_use.get(key, 0))
 
     def _promised_more(self, key: tuple[Lane, UUID]) -> bool:
         """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
-        return self._promised is None or self._used(key) < self._promised.get(key, 0)
+        return self._promised is None or self._in_use.get(key, 0) < self._promised.get(key, 0)
 
     def lend(self) -> Lent:
         """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane, for
@@ -256,7 +258,6 @@ class LeaseBook:
                 break
         for key in chosen.values():
             self._lent[key] += 1
-            self._used_more(key)
         return Lent(tuple(chosen.values()), tuple(self._in_use.get(key, 0) for key in chosen.values()))
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
@@ -356,9 +357,7 @@ class LeaseBook:
             report.append({**lane.as_json(), "want": want, "need": need, "in_use": reported})
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._promised = promised
-        self._most_used = {
-            key: self._used(key) for key in set(self._in_use) | set(self._lent) if self._used(key)
-        }
+        self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
             del self._asked_at[lane]

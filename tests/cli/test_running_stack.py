@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from neuralgrid.cli.common import stop_unless_serving
 from neuralgrid.db.embedded import EmbeddedPostgres
+from neuralgrid.server.settings import Settings
 from tests.conftest import LLAMA8, free_port, wait_for
 
 CLI = [sys.executable, "-m", "neuralgrid.cli"]
@@ -237,3 +239,18 @@ def test_a_command_stops_the_database_it_started_and_a_home_keeps_its_port(tmp_p
     again = neuralgrid(env, "nodes", "ls")
     assert again.returncode == 0 and f"port {server.port}" in again.stderr, again.stderr
     assert not server.is_running()
+    assert neuralgrid(env, "db", "migrate").returncode == 0 and not server.is_running()
+    # `up` on that home records the port its server runs on, for the other commands to find.
+    with (home.parent / "up.log").open("w") as sink:
+        up = subprocess.Popen([*CLI, "up", "--port", "0", "--demo", "0"], env=env, stdout=sink, stderr=sink)
+    try:
+        recorded = home / "stack.json"
+        state = wait_for(lambda: recorded.exists() and json.loads(recorded.read_text()), timeout=90)
+        assert state["pid"] == up.pid and state["db_port"] == server.port
+        # A command that started the server before `up` took it over leaves it to `up`.
+        stop_unless_serving(Settings(NEURALGRID_HOME=home), server)
+        assert server.is_running()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=30)
+    assert not server.is_running()  # `up` started it: `up` stopped it

@@ -561,3 +561,36 @@ def test_a_record_sql_refuses_is_dropped_alone_and_the_rest_still_go_in_batches(
     assert bad.written is not None and bad.written.result() is None
     assert one(conn, "select count(*) from jobs where status = 'succeeded'") == 65
     assert sum(asked) == 2, f"the refused record was sent {sum(asked)} times"  # in its batch, then alone
+
+
+def test_a_hand_over_waiting_on_a_record_sql_refuses_goes_on(conn: psycopg.Connection, db_url: str) -> None:
+    """SQL moving a leased job on (a failover, say) first waits for its start to be written; one SQL
+    refused, last of its batch, woke no one: the hand-over waited for some later write (a review)."""
+    from neuralgrid.db.store import Store
+    from neuralgrid.gateway.journal import JobRecord, Journal
+
+    node = make_node(conn, max_concurrency=4)
+
+    def started(journal: Journal, node_id: uuid.UUID) -> uuid.UUID:
+        job = uuid.uuid4()
+        journal.start(
+            JobRecord(
+                job, None, LLAMA8, "balanced", None, False, node_id, datetime.now(UTC), Decimal(0), None
+            )
+        )
+        return job
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            journal = Journal(Store(aconn), GATEWAY, None)
+            good = started(journal, node)
+            bad = started(journal, uuid.uuid4())  # on no node there is: refused, last of the batch
+            stop = asyncio.Event()
+            writer = asyncio.create_task(journal.run(stop))
+            try:
+                await asyncio.wait_for(asyncio.gather(journal.hand_over(good), journal.hand_over(bad)), 5)
+            finally:
+                stop.set()
+                await asyncio.wait_for(writer, 5)
+
+    asyncio.run(main())

@@ -14,13 +14,16 @@ from decimal import Decimal
 from pathlib import Path
 from uuid import UUID, uuid4
 
+import pytest
+
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
+from neuralgrid.gateway.pipeline import leased
 from neuralgrid.gateway.pipeline.admit import Admitted, Call
-from neuralgrid.gateway.pipeline.leased import UNCLAIMED_S, LeasedJobs
+from neuralgrid.gateway.pipeline.leased import LeasedJobs
 
 LANE = Lane("m", "balanced")
 
@@ -491,12 +494,16 @@ def test_while_a_renewal_is_on_its_way_no_slot_is_taken_past_what_it_reported_in
     assert book.take(LANE, None) is None  # no more until a renewal's answer comes
 
 
-def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use() -> None:
+def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """SQL placed a job; a renewal moved its slot into the lease, and its answer was read before the
     placement's (a few turns of the event loop apart): the job was unknown then, so the lease had a
     slot more that looked idle here while the job ran on it, and the next request took it (a
     review). The slot is held in use from the renewal's answer: the job's when it is known, given
     back if none claims it (a job that had ended already)."""
+
+    monkeypatch.setattr(leased, "UNCLAIMED_S", 0.1)
 
     async def main() -> None:
         clock = Clock()
@@ -520,7 +527,41 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         book.give_back(taken)
         jobs.renewals.absorbed(gone, lease)  # a job that had ended here before the answer came
         assert book.take(LANE, None) is None
-        await asyncio.sleep(UNCLAIMED_S + 0.05)
+        await asyncio.sleep(0.15)
         assert book.take(LANE, None) is not None
 
     asyncio.run(main())
+
+
+def test_a_lent_slot_sql_took_is_not_reported_in_use_by_the_next_renewal() -> None:
+    """A lent slot SQL took left the lease; counted among the most in use since the last report, the
+    next renewal reported it in use still, and SQL claimed a free slot of the node to match (a
+    review). What is lent is SQL's to take or not; only what is taken here is reported."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    assert book.take(LANE, None, exclude=[a]) is None  # asked for: a lane the renewals report
+    book.lanes()
+    lent = book.lend()
+    book.settle(lent, a)  # SQL took it for the placement
+    [report] = book.lanes()
+    assert report["in_use"] == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("/root/.cache/models/model.gguf", True),
+        ("~/models/smollm2.gguf", True),
+        ("./model.gguf", True),
+        ("C:\\models\\m.gguf", True),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", False),
+        ("lmstudio-community/Qwen-GGUF/qwen.Q4_K_M.gguf", False),  # a repository's file: a name
+        ("llama3.1:8b", False),
+    ],
+)
+def test_a_model_named_by_where_its_file_lies_is_told_from_a_model_id(name: str, path: bool) -> None:
+    from neuralgrid.agent.run import _is_file_path
+
+    assert _is_file_path(name) is path

@@ -30,7 +30,7 @@ from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
 from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
-UNCLAIMED_S = 1.0  # how long a slot a renewal moved for a job not known here waits for its placement
+UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
 @dataclass
