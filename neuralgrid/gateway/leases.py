@@ -443,6 +443,10 @@ class Renewals:
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
+        # When the last renewal's answer came: a burst's next renewal waits GROW_EVERY_S from then,
+        # so that what that answer leased is taken first (a renewal on its way holds each lease to
+        # what it reported in use: sent at once, a far gateway's would hold every new slot idle).
+        self._answered_at = float("-inf")
         # Renewals in a row that soon() asked for and that gave the lane no slot.
         self._empty: dict[Lane, int] = defaultdict(int)
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
@@ -471,9 +475,10 @@ class Renewals:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
         moves the job's slot into the lease). None when one is to be sent already, or when one that
-        asked for the lane was sent within GROW_EVERY_S for a lane that holds slots (its demand
-        outgrew them: a burst), or within RENEW_EVERY_S for a lane that two renewals in a row sent
-        after a placement gave nothing (the periodic renewal asks for it then)."""
+        asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane that
+        holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane that two
+        renewals in a row sent after a placement gave nothing (the periodic renewal asks for it
+        then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):
@@ -482,7 +487,8 @@ class Renewals:
             every = RENEW_EVERY_S
         else:
             every = 0.0
-        if self.book.clock() - self._sent_at.get(lane, float("-inf")) < every:
+        since = self.book.clock() - max(self._sent_at.get(lane, float("-inf")), self._answered_at)
+        if since < every:
             return
         self._asking.add(lane)
         task = asyncio.get_running_loop().create_task(self._renew_behind(lane))
@@ -513,6 +519,7 @@ class Renewals:
         for lane in asking - given:
             self._empty[lane] += 1
         self.book.renewed(rows, sent_at, self.book.lease_s)
+        self._answered_at = self.book.clock()
         self.renewed()
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
@@ -565,3 +566,39 @@ def test_a_model_named_by_where_its_file_lies_is_told_from_a_model_id(name: str,
     from neuralgrid.agent.run import _is_file_path
 
     assert _is_file_path(name) is path
+
+
+def test_a_bursts_next_renewal_waits_a_moment_after_the_last_answer() -> None:
+    """A renewal on its way holds each lease to what it reported in use. A burst's renewals, each
+    sent GROW_EVERY_S after the one before, went back to back on a gateway whose round trip is longer:
+    every slot an answer leased was held idle by the next renewal, sent as that answer came, and the
+    burst went to SQL (a review). The next one waits GROW_EVERY_S after an answer."""
+    from neuralgrid.gateway.leases import GROW_EVERY_S, Renewals
+
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    sent: list[float] = []
+
+    class FarStore:
+        async def all(self, query: Any, params: Any) -> list[q.LeaseRow]:
+            sent.append(clock())
+            clock.now += 0.2  # the round trip
+            return [row(a, 2, 1)]
+
+    async def main() -> None:
+        renewals = Renewals(FarStore(), uuid4(), book)  # type: ignore[arg-type]
+        book.renewed([row(a, 1, 1)], clock(), 5.0)
+        assert book.take(LANE, None) is not None
+        renewals.soon(LANE)
+        await renewals.settled()
+        clock.now += GROW_EVERY_S / 2
+        renewals.soon(LANE)  # answered a moment ago: the new slot is for the burst to take first
+        await renewals.settled()
+        assert len(sent) == 1
+        clock.now += GROW_EVERY_S
+        renewals.soon(LANE)
+        await renewals.settled()
+        assert len(sent) == 2
+
+    asyncio.run(main())
