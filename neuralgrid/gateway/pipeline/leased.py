@@ -30,6 +30,7 @@ from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
 from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
+ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's answer still to come
 UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
@@ -85,6 +86,9 @@ class LeasedJobs:
         # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
         # still on its way through the event loop): in use until it is, or for UNCLAIMED_S.
         self._early: dict[UUID, Taken] = {}
+        # Jobs SQL placed that ended here lately, oldest first: a renewal that moved the slot of
+        # one of them (its end not yet written when it ran) left the lease an idle slot.
+        self._ended: dict[UUID, None] = {}
         journal.on_commit.append(self._written)
         journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
@@ -233,17 +237,23 @@ class LeasedJobs:
         """A job SQL placed has ended (or SQL ended it: failed over to no node, rejected). A renewal
         that moved its slot into the lease meanwhile (_absorbed) left the slot in use here: free."""
         self.release(job_id)
-        self._placed.pop(job_id, None)
+        record = self._placed.pop(job_id, None)
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
             self.book.unleased(placed.lane, -1)
+        if record is not None or placed is not None:
+            self._ended[job_id] = None
+            if len(self._ended) > ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
 
     def _absorbed(self, job_id: UUID, lease: Lease) -> None:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
         before the renewal came back left the lease an idle slot, which the next renewal reports."""
         placed = self._elsewhere.get(job_id)
-        if placed is None and job_id not in self._placed:  # not known yet, or ended here already
+        if job_id in self._ended:
+            return
+        if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
             self._early[job_id] = self.book.adopt(lease)
             asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
             return
@@ -255,8 +265,8 @@ class LeasedJobs:
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
     def _unclaimed(self, job_id: UUID) -> None:
-        """No placement claimed the slot a renewal moved for it: the job had ended here (its end
-        not yet written when the renewal ran), and its slot is idle."""
+        """No placement claimed the slot a renewal moved for it (its request went away before the
+        placement's answer was read): the slot is idle."""
         taken = self._early.pop(job_id, None)
         if taken is not None:
             self.book.give_back(taken)
