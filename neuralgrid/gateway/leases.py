@@ -146,6 +146,12 @@ class LeaseBook:
         # Lent slots SQL took (each lease one smaller), and when this gateway knew: a renewal sent
         # before then may not show it, and is read one smaller there too.
         self._returned: list[tuple[tuple[Lane, UUID], float]] = []
+        # A renewal on its way may give back any idle slot above what it reported in use: until its
+        # answer (or a later one's) comes, none is taken past that, or a slot SQL gave back could be
+        # in use here while another claim takes it. What it reports is each lease's most in use at
+        # once since the renewal before (None: no report awaits its answer).
+        self._promised: dict[tuple[Lane, UUID], int] | None = None
+        self._most_used: dict[tuple[Lane, UUID], int] = {}
 
     def take(
         self,
@@ -171,9 +177,10 @@ class LeaseBook:
             if max_rate is not None and (lease.hourly_rate is None or lease.hourly_rate > max_rate):
                 continue
             key = (lane, lease.node_id)
-            if self._idle(key, lease):
+            if self._idle(key, lease) and self._promised_more(key):
                 self._in_use[key] += 1
                 self._held[lane] += 1
+                self._used_more(key)
                 if counted:
                     self._busier(lane)
                 return Taken(lease)
@@ -203,8 +210,10 @@ class LeaseBook:
     def adopt(self, lease: Lease) -> Taken:
         """A slot of `lease` that a job SQL placed was already using (renew_leases() moved it into
         the lease): in use here from now on, given back when the job ends."""
-        self._in_use[(lease.lane, lease.node_id)] += 1
+        key = (lease.lane, lease.node_id)
+        self._in_use[key] += 1
         self._held[lease.lane] += 1
+        self._used_more(key)
         return Taken(lease)
 
     def failed(self, node_id: UUID) -> None:
@@ -213,7 +222,19 @@ class LeaseBook:
 
     def _idle(self, key: tuple[Lane, UUID], lease: Lease) -> bool:
         """Whether the lease has a slot neither in use here nor lent."""
-        return self._in_use.get(key, 0) + self._lent.get(key, 0) < lease.slots
+        return self._used(key) < lease.slots
+
+    def _used(self, key: tuple[Lane, UUID]) -> int:
+        return self._in_use.get(key, 0) + self._lent.get(key, 0)
+
+    def _used_more(self, key: tuple[Lane, UUID]) -> None:
+        """A slot more in use: the most at once since the last report (lent ones are SQL's to take
+        or not, under its own locks: counted, a lent slot SQL took would be reported in use)."""
+        self._most_used[key] = max(self._most_used.get(key, 0), self._in_use.get(key, 0))
+
+    def _promised_more(self, key: tuple[Lane, UUID]) -> bool:
+        """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
+        return self._promised is None or self._in_use.get(key, 0) < self._promised.get(key, 0)
 
     def lend(self) -> Lent:
         """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane, for
@@ -313,19 +334,30 @@ class LeaseBook:
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
         wanted |= {lane for lane, _ in self._in_use}
         report: list[dict[str, object]] = []
+        promised: dict[tuple[Lane, UUID], int] = {}
         for lane in sorted(wanted, key=lambda held: (held.model, held.policy, held.region)):
             in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
             for (held, node), n in self._lent.items():  # lent: in use until SQL says otherwise
                 if held == lane:
                     in_use[str(node)] = in_use.get(str(node), 0) + n
+            # Reported: each lease's most in use since the last report, which SQL keeps and this
+            # gateway may use until the answer comes (take()); the need is what is in use now.
+            reported = dict(in_use)
+            for (held, node), n in self._most_used.items():
+                if held == lane and n > reported.get(str(node), 0):
+                    reported[str(node)] = n
+            for held_on, n in reported.items():
+                promised[(lane, UUID(held_on))] = n
             busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
             idle = now - self._asked_at.get(lane, float("-inf")) >= IDLE_S
             spare = 0 if lane in self._waited else 1
             need = sum(in_use.values()) if idle else busiest
             want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
             self._wants[lane], self._needs[lane] = want, need
-            report.append({**lane.as_json(), "want": want, "need": need, "in_use": in_use})
+            report.append({**lane.as_json(), "want": want, "need": need, "in_use": reported})
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
+        self._promised = promised
+        self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)
         for lane in [lane for lane, at in self._asked_at.items() if now - at >= IDLE_S]:
             del self._asked_at[lane]
@@ -360,6 +392,7 @@ class LeaseBook:
         self._failed = {node: at for node, at in self._failed.items() if at >= sent_at}
         self._ranked = dict(ranked)
         self._usable_until = sent_at + lease_s - MARGIN_S
+        self._promised = None  # the report's answer is here: the leases it returned are what holds
 
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))
@@ -410,6 +443,10 @@ class Renewals:
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
+        # When the last renewal's answer came: a burst's next renewal waits GROW_EVERY_S from then,
+        # so that what that answer leased is taken first (a renewal on its way holds each lease to
+        # what it reported in use: sent at once, a far gateway's would hold every new slot idle).
+        self._answered_at = float("-inf")
         # Renewals in a row that soon() asked for and that gave the lane no slot.
         self._empty: dict[Lane, int] = defaultdict(int)
         self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
@@ -438,9 +475,10 @@ class Renewals:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
         moves the job's slot into the lease). None when one is to be sent already, or when one that
-        asked for the lane was sent within GROW_EVERY_S for a lane that holds slots (its demand
-        outgrew them: a burst), or within RENEW_EVERY_S for a lane that two renewals in a row sent
-        after a placement gave nothing (the periodic renewal asks for it then)."""
+        asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane that
+        holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane that two
+        renewals in a row sent after a placement gave nothing (the periodic renewal asks for it
+        then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):
@@ -449,7 +487,8 @@ class Renewals:
             every = RENEW_EVERY_S
         else:
             every = 0.0
-        if self.book.clock() - self._sent_at.get(lane, float("-inf")) < every:
+        since = self.book.clock() - max(self._sent_at.get(lane, float("-inf")), self._answered_at)
+        if since < every:
             return
         self._asking.add(lane)
         task = asyncio.get_running_loop().create_task(self._renew_behind(lane))
@@ -480,6 +519,7 @@ class Renewals:
         for lane in asking - given:
             self._empty[lane] += 1
         self.book.renewed(rows, sent_at, self.book.lease_s)
+        self._answered_at = self.book.clock()
         self.renewed()
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
@@ -160,7 +161,9 @@ def test_the_renewal_reports_what_is_in_use_and_wants_the_busiest_moment_and_a_s
         assert taken is not None
         book.give_back(taken)
     [report] = book.lanes()  # since the last renewal nobody asked: what was in use then, and a spare
-    assert (report["want"], report["need"], report["in_use"]) == (3, 2, {})
+    assert (report["want"], report["need"], report["in_use"]) == (3, 2, {str(a): 2})  # in use since
+    [report] = book.lanes()
+    assert report["in_use"] == {}
     clock.now += 60
     assert book.lanes() == []  # nobody asked for a while: the lane is given back
 
@@ -459,9 +462,37 @@ def test_a_job_sql_ended_frees_the_slot_a_renewal_moved_into_the_lease_meanwhile
         assert jobs.holds(job)
         jobs.ended_elsewhere(job)  # failover_job() ended it: no node left
         assert not jobs.holds(job)
+        book.lanes()  # it was in use since the last report
         assert [lane["in_use"] for lane in book.lanes()] == [{}]
 
     asyncio.run(main())
+
+
+def test_while_a_renewal_is_on_its_way_no_slot_is_taken_past_what_it_reported_in_use() -> None:
+    """The renewal may give back any idle slot above what it reported in use: a slot taken while it
+    is on its way could be one SQL gave back, which another claim then takes, and the node runs one
+    more than its slots (a review). A lease's most in use since the last report is reported, and
+    that many may be used until the answer comes."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b = uuid4(), uuid4()
+    book.renewed([row(a, 2, 1), row(b, 2, 2)], clock(), 5.0)
+    first = book.take(LANE, None)
+    assert first is not None
+    book.give_back(first)  # a's most in use since: 1
+    [report] = book.lanes()  # sent: a renewal on its way
+    assert report["in_use"] == {str(a): 1}
+    again = book.take(LANE, None)
+    assert again is not None and again.node_id == a
+    assert book.take(LANE, None) is None  # a's second slot and both of b's: the renewal may give them back
+    book.renewed([row(a, 1, 1), row(b, 2, 2)], clock(), 5.0)  # it gave back one of a's
+    taken = [book.take(LANE, None) for _ in range(3)]
+    assert [t.node_id if t else None for t in taken] == [b, b, None]  # a's one slot is in use
+    clock.now += 1
+    book.lanes()  # on its way again, its answer lost (a connection broke):
+    book.give_back(again)
+    assert book.take(LANE, None) is not None  # a's slot, in use when reported
+    assert book.take(LANE, None) is None  # no more until a renewal's answer comes
 
 
 def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use(
@@ -511,6 +542,22 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
     asyncio.run(main())
 
 
+def test_a_lent_slot_sql_took_is_not_reported_in_use_by_the_next_renewal() -> None:
+    """A lent slot SQL took left the lease; counted among the most in use since the last report, the
+    next renewal reported it in use still, and SQL claimed a free slot of the node to match (a
+    review). What is lent is SQL's to take or not; only what is taken here is reported."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    assert book.take(LANE, None, exclude=[a]) is None  # asked for: a lane the renewals report
+    book.lanes()
+    lent = book.lend()
+    book.settle(lent, a)  # SQL took it for the placement
+    [report] = book.lanes()
+    assert report["in_use"] == {}
+
+
 @pytest.mark.parametrize(
     ("name", "path"),
     [
@@ -527,3 +574,39 @@ def test_a_model_named_by_where_its_file_lies_is_told_from_a_model_id(name: str,
     from neuralgrid.agent.run import _is_file_path
 
     assert _is_file_path(name) is path
+
+
+def test_a_bursts_next_renewal_waits_a_moment_after_the_last_answer() -> None:
+    """A renewal on its way holds each lease to what it reported in use. A burst's renewals, each
+    sent GROW_EVERY_S after the one before, went back to back on a gateway whose round trip is longer:
+    every slot an answer leased was held idle by the next renewal, sent as that answer came, and the
+    burst went to SQL (a review). The next one waits GROW_EVERY_S after an answer."""
+    from neuralgrid.gateway.leases import GROW_EVERY_S, Renewals
+
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    sent: list[float] = []
+
+    class FarStore:
+        async def all(self, query: Any, params: Any) -> list[q.LeaseRow]:
+            sent.append(clock())
+            clock.now += 0.2  # the round trip
+            return [row(a, 2, 1)]
+
+    async def main() -> None:
+        renewals = Renewals(FarStore(), uuid4(), book)  # type: ignore[arg-type]
+        book.renewed([row(a, 1, 1)], clock(), 5.0)
+        assert book.take(LANE, None) is not None
+        renewals.soon(LANE)
+        await renewals.settled()
+        clock.now += GROW_EVERY_S / 2
+        renewals.soon(LANE)  # answered a moment ago: the new slot is for the burst to take first
+        await renewals.settled()
+        assert len(sent) == 1
+        clock.now += GROW_EVERY_S
+        renewals.soon(LANE)
+        await renewals.settled()
+        assert len(sent) == 2
+
+    asyncio.run(main())
