@@ -425,7 +425,7 @@ def test_a_single_request_can_never_cost_more_than_the_budget_left(conn: psycopg
     (spent,) = conn.execute("select spent_usd from api_keys where id = %s", (key,)).fetchone() or (None,)
     assert spent <= Decimal("0.01")
     # Nothing left to pay for even one token: refused before any node is claimed.
-    with pytest.raises(psycopg.Error, match="cannot pay") as refused:
+    with pytest.raises(psycopg.Error, match="cannot cover") as refused:
         conn.execute(PRICED_MATCH, (LLAMA8, key, 0, 10))
     assert refused.value.sqlstate == "NG402"
     assert conn.execute("select count(*) from jobs where api_key_id = %s", (key,)).fetchone() == (1,)
