@@ -204,10 +204,19 @@ def database_url(ctx: typer.Context, keep_running: bool = False) -> str:
     from neuralgrid.db import connect
 
     config = settings(ctx)
-    server = None if config.database_url else connect.embedded_server(config)
-    if server is not None and not server.is_running() and not keep_running:
-        ctx.call_on_close(lambda: stop_unless_serving(config, server))
+    if not keep_running:
+        stops_with(ctx, config)
     return connect.prepare(config, StartupProgress())
+
+
+def stops_with(ctx: typer.Context, config: Settings) -> None:
+    """The embedded server, when it is not running yet (this command starts it): stopped when the
+    command ends, unless `up` serves on it by then."""
+    from neuralgrid.db import connect
+
+    server = None if config.database_url else connect.embedded_server(config)
+    if server is not None and not server.is_running():
+        ctx.call_on_close(lambda: stop_unless_serving(config, server))
 
 
 def stop_unless_serving(config: Settings, server: EmbeddedPostgres) -> None:

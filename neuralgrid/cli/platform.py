@@ -18,7 +18,7 @@ from neuralgrid.cli.common import (
     log_to_stderr,
     out,
     settings,
-    stop_unless_serving,
+    stops_with,
 )
 
 if TYPE_CHECKING:
@@ -258,9 +258,7 @@ def db_migrate(ctx: typer.Context) -> None:
     from neuralgrid.db import connect, migrate
 
     config = settings(ctx)
-    server = None if config.database_url else connect.embedded_server(config)
-    if server is not None and not server.is_running():  # started for this command: stopped after it
-        ctx.call_on_close(lambda: stop_unless_serving(config, server))
+    stops_with(ctx, config)
     with psycopg.connect(connect.database_url(config), autocommit=True) as conn:
         if migrate.apply_compat_layer(conn):
             out.print("applied the Supabase compatibility layer")

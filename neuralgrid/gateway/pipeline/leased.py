@@ -176,15 +176,14 @@ class LeasedJobs:
         or until a renewal moves its slot into the lease (_absorbed). Its end is written behind,
         as a leased job's is (end())."""
         lane = self.lane(admitted)
+        self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
         early = self._early.pop(job_id, None)
         if early is not None:  # a renewal moved its slot into the lease first: leased from the start
             self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
-            self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))
             return
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
-        self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
         if lane is not None and (not self.book.leases(lane) or self.book.outgrown(lane)):
             # Cold, given nothing by the last renewal, or a burst past its lease: a renewal asks for
             # the lane now, its demand counting this job, which it moves into the lease it gets
@@ -250,9 +249,9 @@ class LeasedJobs:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
         before the renewal came back left the lease an idle slot, which the next renewal reports."""
-        placed = self._elsewhere.get(job_id)
         if job_id in self._ended:
             return
+        placed = self._elsewhere.get(job_id)
         if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
             self._early[job_id] = self.book.adopt(lease)
             asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
