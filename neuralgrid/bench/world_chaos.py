@@ -29,11 +29,12 @@ the checks, each passed or failed with its numbers:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class Tally:
     served: dict[str, int] = field(default_factory=dict)  # by gateway, the unlimited key's
     in_window: dict[str, int] = field(default_factory=dict)  # by gateway, answers (either key) in the window
     asking_s: dict[str, float] = field(default_factory=dict)  # by gateway, its callers' time asking, in it
+    budget_asking_s: dict[str, float] = field(default_factory=dict)  # of asking_s, the budget key's
     budget_in_window: dict[str, int] = field(default_factory=dict)  # of in_window, the budget key's
     jobs: set[str] = field(default_factory=set)  # every job whose answer a client received
     statuses: dict[int, int] = field(default_factory=dict)  # every answer's status (0: none)
@@ -181,6 +183,9 @@ async def _load(
             asked = min(answer.sent + answer.total_s, window[1]) - max(answer.sent, window[0])
             if at == home and asked > 0 and answer.status in (200, 503):
                 tally.asking_s[gws[at].name] = tally.asking_s.get(gws[at].name, 0.0) + asked
+                if not counted:
+                    spent = tally.budget_asking_s.get(gws[at].name, 0.0)
+                    tally.budget_asking_s[gws[at].name] = spent + asked
             if in_window and not counted and answer.status == 200:
                 tally.budget_in_window[gws[at].name] = tally.budget_in_window.get(gws[at].name, 0) + 1
             if answer.status == 200 and answer.job:
@@ -207,6 +212,12 @@ async def _load(
             for _ in range(n)
         ]
         await asyncio.gather(timeline(), *tasks)
+
+
+def _changes(values: Iterable[int]) -> int:
+    """How many times a sampled value differs from the sample before it."""
+    seen = list(values)
+    return sum(a != b for a, b in itertools.pairwise(seen))
 
 
 def _checks(
@@ -247,10 +258,15 @@ def _checks(
         shares[g.name] = {
             "callers": n,
             "asking_s": round(tally.asking_s.get(g.name, 0.0), 2),
+            "budget_asking_s": round(tally.budget_asking_s.get(g.name, 0.0), 2),
             "budget_served": tally.budget_in_window.get(g.name, 0),
             "served": tally.in_window.get(g.name, 0),
             "share": round(got, 3),
             "fair": round(fair, 3),
+            # How often its share and its leased slots changed between samples: each change of
+            # a scarce lane's share moves a slot between gateways, idle while it moves.
+            "share_changes": _changes(m[1] for m in mine),
+            "leased_changes": _changes(m[0] for m in mine),
             # On average over the window's samples, as SQL saw it: the slots it leased, its share and
             # what it wanted at its last renewal, its leased slots in use and draining then, and its
             # jobs SQL placed (running, their slots not in a lease yet): why its answers are what

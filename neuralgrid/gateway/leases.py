@@ -69,6 +69,7 @@ class Lease:
     tokens_per_s: float | None
     routes: frozenset[str]
     hourly_rate: float | None = None
+    draining: int = 0  # slots held above this gateway's share, in use then: not taken again
 
     @classmethod
     def of(cls, row: q.LeaseRow) -> Lease | None:
@@ -85,6 +86,7 @@ class Lease:
             row.tokens_per_s,
             frozenset(row.routes or ()),
             None if row.hourly_rate is None else float(row.hourly_rate),
+            row.draining,
         )
 
 
@@ -286,6 +288,14 @@ class LeaseBook:
         if self._held[taken.lease.lane] <= 0:
             del self._held[taken.lease.lane]
 
+    def drained(self, taken: Taken) -> bool:
+        """Whether the slot just given back was one of its lease's draining ones (those in use past
+        the slots it may take): idle, the next renewal gives it back, to a gateway below its share
+        (which SQL tells at once)."""
+        lane, node = taken.lease.lane, taken.node_id
+        lease = next((held for held in self._ranked.get(lane, ()) if held.node_id == node), None)
+        return lease is not None and lease.slots <= self._used((lane, node)) < lease.slots + lease.draining
+
     def others(self, lane: Lane, node_id: UUID, max_rate: float | None = None) -> list[UUID]:
         """The lane's other nodes (leased, then the fallbacks), in rank order, within the price cap:
         a job's fallbacks."""
@@ -335,17 +345,23 @@ class LeaseBook:
         wanted |= {lane for lane, _ in self._in_use}
         report: list[dict[str, object]] = []
         promised: dict[tuple[Lane, UUID], int] = {}
+        takable = {
+            (lease.lane, lease.node_id): lease.slots for leases in self._ranked.values() for lease in leases
+        }
         for lane in sorted(wanted, key=lambda held: (held.model, held.policy, held.region)):
             in_use = {str(node): n for (held, node), n in self._in_use.items() if held == lane}
             for (held, node), n in self._lent.items():  # lent: in use until SQL says otherwise
                 if held == lane:
                     in_use[str(node)] = in_use.get(str(node), 0) + n
             # Reported: each lease's most in use since the last report, which SQL keeps and this
-            # gateway may use until the answer comes (take()); the need is what is in use now.
+            # gateway may use until the answer comes (take()); the need is what is in use now. No
+            # more than the lease's slots that may be taken: its draining ones are not taken again,
+            # and one whose job has ended goes back now, not a renewal later.
             reported = dict(in_use)
             for (held, node), n in self._most_used.items():
-                if held == lane and n > reported.get(str(node), 0):
-                    reported[str(node)] = n
+                usable = min(n, takable.get((held, node), 0))
+                if held == lane and usable > reported.get(str(node), 0):
+                    reported[str(node)] = usable
             for held_on, n in reported.items():
                 promised[(lane, UUID(held_on))] = n
             busiest = max(self._peak.get(lane, 0), self._in_flight(lane))
@@ -474,11 +490,11 @@ class Renewals:
     def soon(self, lane: Lane) -> None:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
-        moves the job's slot into the lease). None when one is to be sent already, or when one that
-        asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane that
-        holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane that two
-        renewals in a row sent after a placement gave nothing (the periodic renewal asks for it
-        then)."""
+        moves the job's slot into the lease), or a draining slot of it fell idle. None when one is
+        to be sent already, or when one that asked for the lane was sent, or any renewal answered,
+        within GROW_EVERY_S for a lane that holds slots (its demand outgrew them: a burst), or
+        within RENEW_EVERY_S for a lane that two renewals in a row sent after a placement gave
+        nothing (the periodic renewal asks for it then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):
