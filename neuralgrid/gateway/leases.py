@@ -465,7 +465,8 @@ class Renewals:
         self._answered_at = float("-inf")
         # Renewals in a row that soon() asked for and that gave the lane no slot.
         self._empty: dict[Lane, int] = defaultdict(int)
-        self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon())
+        self._behind: set[asyncio.Task[None]] = set()  # renewals asked for by requests (soon(), drained())
+        self._draining = False  # a renewal drained() asked for is under way
 
     async def renew(self, asked_for: Lane | None = None) -> None:
         """One renewal of every lane this gateway wants or uses (shielded: a caller that goes away
@@ -490,11 +491,11 @@ class Renewals:
     def soon(self, lane: Lane) -> None:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
-        moves the job's slot into the lease), or a draining slot of it fell idle. None when one is
-        to be sent already, or when one that asked for the lane was sent, or any renewal answered,
-        within GROW_EVERY_S for a lane that holds slots (its demand outgrew them: a burst), or
-        within RENEW_EVERY_S for a lane that two renewals in a row sent after a placement gave
-        nothing (the periodic renewal asks for it then)."""
+        moves the job's slot into the lease). None when one is to be sent already, or when one
+        that asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane
+        that holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane
+        that two renewals in a row sent after a placement gave nothing (the periodic renewal asks
+        for it then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):
@@ -510,6 +511,27 @@ class Renewals:
         task = asyncio.get_running_loop().create_task(self._renew_behind(lane))
         self._behind.add(task)
         task.add_done_callback(self._behind.discard)
+
+    def drained(self, lane: Lane) -> None:
+        """A draining slot of `lane` fell idle: a renewal now gives it back, to a gateway below its
+        share. None while one is on its way (the next comes within RENEW_EVERY_S; sent on its
+        answer, a far gateway's would hold what that answer leased idle a round trip more), or
+        when one was sent or answered within GROW_EVERY_S."""
+        since = self.book.clock() - max(self._sent_at.get(lane, float("-inf")), self._answered_at)
+        if self.lock.locked() or self._draining or since < GROW_EVERY_S:
+            return
+        self._draining = True
+        task = asyncio.get_running_loop().create_task(self._renew_drained())
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
+
+    async def _renew_drained(self) -> None:
+        try:
+            await self.renew()
+        except (psycopg.Error, DatabaseError, OSError) as err:  # the periodic renewal tries again
+            log.warning("gateway %s could not renew its leases: %s", self.gateway_id, err)
+        finally:
+            self._draining = False
 
     async def _renew_behind(self, lane: Lane) -> None:
         try:

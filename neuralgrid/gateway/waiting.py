@@ -29,6 +29,10 @@ from uuid import UUID
 
 T = TypeVar("T")
 
+# A model's line for the requests no leased slot could serve (pipeline/place.py): its own, so that
+# they never stand in front of requests that could take the slots leases free.
+PLACED_IN_SQL = " (placed in SQL)"
+
 
 class LineFull(Exception):
     """The model's line already holds as many requests as it may."""
@@ -108,11 +112,12 @@ class WaitingRoom:
         return line is not None and line.blocked(reach)
 
     def waiting(self) -> dict[str, int]:
-        """Requests waiting now, per model (a line of a route's own, "MODEL /v1/ROUTE", counts for
-        its model): what each check-in reports, for the sweep to count toward the VRAM pressure."""
+        """Requests waiting now, per model (a line of a route's own, "MODEL /v1/ROUTE", and one of
+        requests placed in SQL count for their model): what each check-in reports, for the sweep to
+        count toward the VRAM pressure."""
         out: dict[str, int] = {}
         for name, line in self.lines.items():
-            model = name.split(" /v1/", 1)[0]
+            model = name.removesuffix(PLACED_IN_SQL).split(" /v1/", 1)[0]
             out[model] = out.get(model, 0) + line.size
         return out
 

@@ -21,7 +21,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
-from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
+from neuralgrid.gateway.leases import GROW_EVERY_S, MARGIN_S, Lane, LeaseBook, Renewals, Taken
 from neuralgrid.gateway.pipeline import leased
 from neuralgrid.gateway.pipeline.admit import Admitted, Call
 from neuralgrid.gateway.pipeline.leased import LeasedJobs
@@ -533,7 +533,7 @@ def test_a_draining_slot_that_falls_idle_asks_for_a_renewal_at_once() -> None:
         journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]  # nothing is written here
         jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
         asked: list[Lane] = []
-        jobs.renewals.soon = asked.append  # type: ignore[method-assign,assignment]
+        jobs.renewals.drained = asked.append  # type: ignore[method-assign,assignment]
         call = Call("chat", {"model": "m", "messages": []}, ApiKey(uuid4(), None, "k", None, None, None))
         admitted = Admitted(call, call.body, b"{}", False, 16)
         one, two, three = [await jobs.dispatch(admitted, LANE, None) for _ in range(3)]
@@ -662,5 +662,40 @@ def test_a_bursts_next_renewal_waits_a_moment_after_the_last_answer() -> None:
         renewals.soon(LANE)
         await renewals.settled()
         assert len(sent) == 2
+
+    asyncio.run(main())
+
+
+def test_a_drained_slot_asks_for_one_renewal_and_none_while_one_is_on_its_way() -> None:
+    """Every draining slot that falls idle asks for a renewal: at most one at a time, none within
+    GROW_EVERY_S of the last sent or answered (a lane whose leases all drain holds no slot, so the
+    burst rule's limit did not apply), and none while one is on its way (sent on its answer, a far
+    gateway's renewal would hold what that answer leased idle a round trip more)."""
+
+    async def main() -> None:
+        clock = Clock()
+        renewals = Renewals(None, uuid4(), LeaseBook(clock))  # type: ignore[arg-type]
+        sent: list[float] = []
+        answer = asyncio.Event()
+
+        async def renewal(asked_for: Lane | None = None) -> None:
+            sent.append(clock())
+            await answer.wait()
+            renewals._answered_at = clock()
+
+        renewals.renew = renewal  # type: ignore[method-assign]
+        renewals.drained(LANE)
+        renewals.drained(LANE)
+        await asyncio.sleep(0)
+        assert sent == [100.0]  # one
+        answer.set()
+        await renewals.settled()
+        renewals.drained(LANE)
+        await asyncio.sleep(0)
+        assert sent == [100.0]  # answered just now
+        clock.now += 2 * GROW_EVERY_S
+        renewals.drained(LANE)
+        await renewals.settled()
+        assert sent == [100.0, 100.0 + 2 * GROW_EVERY_S]
 
     asyncio.run(main())

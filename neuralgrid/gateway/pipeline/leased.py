@@ -320,7 +320,7 @@ class LeasedJobs:
             self.book.give_back(slot.taken)
             self.freed()
             if self.book.drained(slot.taken):  # idle above this gateway's share: back at once
-                self.renewals.soon(slot.taken.lease.lane)
+                self.renewals.drained(slot.taken.lease.lane)
         return slot
 
     def end(self, end: q.JobEnd) -> asyncio.Future[Decimal | None] | None:

@@ -22,7 +22,7 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
 from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
-from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
+from neuralgrid.gateway.waiting import PLACED_IN_SQL, ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
 # Errors place_jobs() answers for one request (its row's SQLSTATE): what it did is undone.
@@ -97,6 +97,11 @@ class Placement:
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
         line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
+        # A request no leased slot could serve (its key's escrow here is short) waits in a line of its
+        # own: at the head of the model's line it would keep the requests behind it from the slots
+        # leases free, which it cannot take.
+        if self.leased is not None and not await self.leased.covered(admitted):
+            line += PLACED_IN_SQL
         # The most it pays for a node: a request waits behind those that could take any it could.
         reach = math.inf if call.max_hourly_rate is None else call.max_hourly_rate
         seen = self.room.announcements
@@ -186,18 +191,15 @@ class Placement:
             dispatched = await self._lease(admitted, route, queued=True)
             if dispatched is not None or await self._at_share(admitted):
                 return dispatched
-            # A request no leased slot could take (its key's escrow here short) lends SQL the slots
-            # this gateway's leases have idle, as one of a lane it holds nothing of does: SQL checks
-            # the key's budget and takes one where every node is full. Else, with every slot leased,
-            # it was served only in the moments a slot passed from one gateway to another, while
-            # its turns in line went by (bench chaos: a key's last cents, asked for seconds on end).
-            lend = self.leased is not None and (
-                self.leased.holds_nothing(admitted) or not await self.leased.covered(admitted)
+            match = await self._match(
+                params, lend=self.leased is not None and self.leased.holds_nothing(admitted)
             )
-            match = await self._match(params, lend=lend)
             return None if match.busy else match
 
-        waiting = self.leased.waiting(admitted) if self.leased else contextlib.nullcontext()
+        # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
+        # here is short): counted, it would grow this gateway's leases by slots it cannot use.
+        counted = self.leased is not None and await self.leased.covered(admitted)
+        waiting = self.leased.waiting(admitted) if counted and self.leased else contextlib.nullcontext()
         try:
             with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
                 match: q.Match | Dispatched | None = await self.room.wait(
