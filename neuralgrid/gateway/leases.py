@@ -172,11 +172,7 @@ class LeaseBook:
             return None
         skip = set(exclude)
         for lease in self._ranked.get(lane, ()):
-            if lease.node_id in skip or lease.node_id in self._failed:
-                continue
-            if route is not None and route not in lease.routes:
-                continue
-            if max_rate is not None and (lease.hourly_rate is None or lease.hourly_rate > max_rate):
+            if lease.node_id in skip or lease.node_id in self._failed or not _serves(lease, route, max_rate):
                 continue
             key = (lane, lease.node_id)
             if self._idle(key, lease) and self._promised_more(key):
@@ -238,19 +234,22 @@ class LeaseBook:
         """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
         return self._promised is None or self._in_use.get(key, 0) < self._promised.get(key, 0)
 
-    def lend(self) -> Lent:
-        """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane, for
-        a request placed in SQL: where every node that could take the request is full, SQL may give
-        it one of them (private.return_lent_slot()). Out of use here until settle()."""
+    def lend(self, lane: Lane | None = None, route: str | None = None, max_rate: float | None = None) -> Lent:
+        """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane (or
+        `lane`'s alone, those serving `route` within the price cap `max_rate`, as take() chooses),
+        for a request placed in SQL: where every node that could take the request is full, SQL may
+        give it one of them (private.return_lent_slot()). Out of use here until settle()."""
         if self.clock() >= self._usable_until:
             return Lent()
         chosen: dict[UUID, tuple[Lane, UUID]] = {}
-        for lane, leases in self._ranked.items():
+        ranked = self._ranked.items() if lane is None else [(lane, self._ranked.get(lane, []))]
+        for held, leases in ranked:
             for lease in leases:
-                key = (lane, lease.node_id)
+                key = (held, lease.node_id)
                 if (
                     lease.node_id not in chosen
                     and lease.node_id not in self._failed
+                    and _serves(lease, route, max_rate)
                     and self._idle(key, lease)
                 ):
                     chosen[lease.node_id] = key
@@ -425,6 +424,14 @@ class LeaseBook:
         in SQL (below its share the next renewal would claim it anyway; with no scarcity nobody
         else wants it)."""
         return lane in self._at_share and self.holds(lane)
+
+
+def _serves(lease: Lease, route: str | None, max_rate: float | None) -> bool:
+    """Whether the lease's node serves `route` (None: any) within the price cap `max_rate`: hard
+    filters, which leave SQL's order as it is."""
+    if route is not None and route not in lease.routes:
+        return False
+    return max_rate is None or (lease.hourly_rate is not None and lease.hourly_rate <= max_rate)
 
 
 def _shrunk(ranked: dict[Lane, list[Lease]], key: tuple[Lane, UUID]) -> dict[Lane, list[Lease]]:

@@ -29,10 +29,6 @@ from uuid import UUID
 
 T = TypeVar("T")
 
-# A model's line for the requests no leased slot could serve (pipeline/place.py): its own, so that
-# they never stand in front of requests that could take the slots leases free.
-PLACED_IN_SQL = " (placed in SQL)"
-
 
 class LineFull(Exception):
     """The model's line already holds as many requests as it may."""
@@ -46,6 +42,7 @@ class ClientLeft(Exception):
 class _Ticket:
     key_id: UUID
     reach: float  # the most it pays per hour for a node
+    apart: bool = False  # it takes no slot a lease frees here itself: it holds none behind it back
     turn: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -61,20 +58,30 @@ class _Line:
         """The requests that ask when a slot frees: in the order they are served in (each key's
         first, then each key's second, …), those that reach further than all before them. One
         whose ask is under way is passed over: a far gateway's head asking Postgres (a round trip)
-        would otherwise keep the line from a leased slot freed here meanwhile."""
+        would otherwise keep the line from a leased slot freed here meanwhile. So is one `apart`,
+        but for the first: it asks in its turn (lending SQL the slot freed for it), and those
+        behind it ask too (one of a key whose escrow is short kept them from the slots leases free
+        whenever SQL would not give it the one it lent)."""
         queues = list(self.by_key.values())
         furthest = -math.inf
+        apart = False
         for i in range(max(map(len, queues), default=0)):
             for tickets in queues:
-                if i < len(tickets) and tickets[i] not in self.asking and tickets[i].reach > furthest:
-                    yield tickets[i]
-                    furthest = tickets[i].reach
-                    if furthest == math.inf:
-                        return
+                if i >= len(tickets) or tickets[i] in self.asking or tickets[i].reach <= furthest:
+                    continue
+                if tickets[i].apart:
+                    if not apart:
+                        yield tickets[i]
+                    apart = True
+                    continue
+                yield tickets[i]
+                furthest = tickets[i].reach
+                if furthest == math.inf:
+                    return
 
     def blocked(self, reach: float) -> bool:
         """Whether a request of this reach would wait behind one already here."""
-        return any(ticket.reach >= reach for ticket in self.heads())
+        return any(ticket.reach >= reach and not ticket.apart for ticket in self.heads())
 
     def join(self, ticket: _Ticket) -> None:
         self.by_key.setdefault(ticket.key_id, deque()).append(ticket)
@@ -112,12 +119,11 @@ class WaitingRoom:
         return line is not None and line.blocked(reach)
 
     def waiting(self) -> dict[str, int]:
-        """Requests waiting now, per model (a line of a route's own, "MODEL /v1/ROUTE", and one of
-        requests placed in SQL count for their model): what each check-in reports, for the sweep to
-        count toward the VRAM pressure."""
+        """Requests waiting now, per model (a line of a route's own, "MODEL /v1/ROUTE", counts for
+        its model): what each check-in reports, for the sweep to count toward the VRAM pressure."""
         out: dict[str, int] = {}
         for name, line in self.lines.items():
-            model = name.removesuffix(PLACED_IN_SQL).split(" /v1/", 1)[0]
+            model = name.split(" /v1/", 1)[0]
             out[model] = out.get(model, 0) + line.size
         return out
 
@@ -136,19 +142,21 @@ class WaitingRoom:
         seen: int,
         gone: Callable[[], Awaitable[object]] | None = None,
         reach: float = math.inf,
+        apart: bool = False,
     ) -> T | None:
         """Wait in the model's line, asking `ask()` for a node each time it is this request's turn,
         until it answers (then the next request's turn comes at once) or the loop's clock passes
         `deadline` (None). `seen`: `announcements` when the caller last asked, so that a slot freed
         since then is not missed. `gone()` returns when the client hangs up (ClientLeft then, and
         an ask under way is cancelled: a request nobody waits for is not served later). `reach`:
-        the most the request pays per hour. LineFull when the line is full."""
+        the most the request pays per hour; `apart`: it takes no slot a lease frees here itself
+        (it holds nobody behind it back: _Line.heads()). LineFull when the line is full."""
         line = self.lines.get(model)
         if line is not None and line.size >= self.max_waiting:
             raise LineFull(f"{line.size} requests waiting")
         line = self.lines.setdefault(model, _Line())
         loop = asyncio.get_running_loop()
-        ticket = _Ticket(key_id, reach)
+        ticket = _Ticket(key_id, reach, apart)
         line.join(ticket)
         served = False
         if self.announcements != seen:

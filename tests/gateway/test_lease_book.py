@@ -666,6 +666,23 @@ def test_a_bursts_next_renewal_waits_a_moment_after_the_last_answer() -> None:
     asyncio.run(main())
 
 
+def test_a_request_no_leased_slot_could_take_lends_its_own_lanes_idle_slots_alone() -> None:
+    """It asks SQL at each of its turns in line: lending any lane's idle slots on four nodes each
+    time would keep them out of use round trip after round trip, and another lane's spares could
+    crowd out the slot freed for it (a review)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a, b, c = uuid4(), uuid4(), uuid4()
+    other = Lane("n", "balanced")
+    book.renewed(
+        [row(a, 1, 1), row(b, 1, 2, ("embeddings",)), replace(row(c, 1, 1), model_id="n")], clock(), 5.0
+    )
+    lent = book.lend(LANE, "chat/completions")
+    assert lent.slots == ((LANE, a),)  # b serves another route; c another lane
+    book.settle(lent, None)
+    assert set(book.lend().slots) == {(LANE, a), (LANE, b), (other, c)}
+
+
 def test_a_drained_slot_asks_for_one_renewal_and_none_while_one_is_on_its_way() -> None:
     """Every draining slot that falls idle asks for a renewal: at most one at a time, none within
     GROW_EVERY_S of the last sent or answered (a lane whose leases all drain holds no slot, so the

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -381,7 +382,7 @@ def link_to_postgres(port: int, postgres_port: int) -> Iterator[subprocess.Popen
 
 
 def _callers(
-    gateway: str, key: str, count: int, stop: threading.Event, served: list[str]
+    gateway: str, key: str, count: int, stop: threading.Event, served: list[str], body: dict[str, Any] = PLAIN
 ) -> list[threading.Thread]:
     """`count` callers, each asking again as soon as answered, until stop; each answer's job id."""
 
@@ -389,7 +390,7 @@ def _callers(
         with httpx.Client(timeout=20) as client:
             while not stop.is_set():
                 resp = client.post(
-                    f"{gateway}/v1/chat/completions", json=PLAIN, headers={"authorization": f"Bearer {key}"}
+                    f"{gateway}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
                 )
                 served.append(resp.headers.get("x-neuralgrid-job", "") if resp.status_code == 200 else "")
 
@@ -429,32 +430,46 @@ def test_a_gateway_that_keeps_its_slots_busy_yields_its_share_to_another(
     assert "" not in first[before[0] :] + second[before[1] :]  # none refused meanwhile
 
 
-def test_a_key_no_lease_can_serve_waits_apart_from_the_keys_leases_serve(
-    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str
+def test_a_key_no_lease_can_serve_takes_its_turns_in_line_where_every_slot_is_leased(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str, spool: Path, db_url: str
 ) -> None:
-    """A key whose balance is under one escrow's worth is placed in SQL, and with every slot leased
-    it waits in line. At the head of the model's line it kept every other key's request behind it
-    from the slots leases free, which it cannot take: in `bench chaos` a gateway served a fraction
-    of what its slots could. It waits in a line of its own."""
+    """A key whose escrow cannot cover its requests' holds is placed in SQL. With every slot leased
+    to gateways at their shares it waited in a line of its own (at the head of the model's line it
+    had kept the others from the slots leases free), asking SQL for a free slot there was none of:
+    it was served only as a slot passed from one gateway to another (2 answers in 2 s here), and
+    its waits counted in no gateway's share. It takes its turns in the model's line, lending SQL
+    the leased slot freed for it (where its budget is checked), and the others are served too."""
     fake_nodes("leased-lines", latency_s=0.05)  # 4 slots
     row = conn.execute("select api_key from create_api_key('short', null, null, 0.5)").fetchone()
     assert row is not None
+    long = {**PLAIN, "max_tokens": 20_000}  # its hold, the answer at its full length, tops any escrow
+    conn.execute("update platform_settings set escrow_usd = 0.0001")
+    hold = conn.execute("select private.budget_hold(%s, 100, 20000)", (LLAMA8,)).fetchone()
+    assert hold is not None and hold[0] > Decimal("0.0001")
     stop = threading.Event()
-    served: list[str] = []
+    first: list[str] = []
+    second: list[str] = []
     short: list[str] = []
-    threads = _callers(leased_gateway, api_key, 6, stop, served)  # more than the slots: some wait
+    threads = _callers(leased_gateway, api_key, 4, stop, first)
+    settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
     try:
-        time.sleep(1.5)  # every slot leased, all busy
-        threads += _callers(leased_gateway, str(row[0]), 2, stop, short)  # placed in SQL: they wait
-        time.sleep(0.5)
-        before = len(served)
-        time.sleep(1.5)
-        assert len(served) - before > 40  # 4 slots at 50 ms an answer: about 120
+        time.sleep(1.5)  # the first gateway leases all 4 slots, all busy
+        with ThreadedServer(create_app(settings, db_url, sweep=False)) as other:
+            threads += _callers(other.url, api_key, 2, stop, second)
+            threads += _callers(other.url, str(row[0]), 2, stop, short, long)  # placed in SQL
+            time.sleep(3)  # a few renewals: shares settle
+            before = (len(first), len(second), len(short))
+            time.sleep(2)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(timeout=40)  # the short key's: placed once the lease gives its slots back
-    assert "" not in served
+    served = (len(first) - before[0], len(second) - before[1], len(short) - before[2])
+    # 4 slots at 50 ms an answer, some 160 answers; the short key's callers are a quarter of all.
+    assert served[2] >= sum(served) / 8, served
+    assert served[0] + served[1] >= sum(served) / 2, served  # the others are served meanwhile
+    assert "" not in first[before[0] :] + second[before[1] :]
 
 
 def test_at_full_load_requests_sql_placed_move_into_the_lease(

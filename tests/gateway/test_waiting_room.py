@@ -122,3 +122,46 @@ def test_a_head_asking_postgres_does_not_keep_the_line_from_a_slot_freed_meanwhi
         return served
 
     assert [name for name, _ in asyncio.run(run())] == ["second", "first"]
+
+
+def test_a_request_no_leased_slot_could_take_asks_in_its_turn_and_holds_nobody_back() -> None:
+    """A request of a key whose escrow here is short takes no leased slot itself: only SQL may give
+    it one (the slot freed for it, lent). When SQL passes the lent slot over, it must not keep the
+    requests behind it from the slots leases free (at the head of the model's line, as one, it
+    kept them all). It asks in its turn (first, here), the request behind it asks too, and of such
+    requests one at a time asks (no herd of round trips)."""
+
+    async def run() -> list[str]:
+        room = WaitingRoom(max_waiting=8, poll_s=5)
+        loop = asyncio.get_running_loop()
+        free_here = 0
+        asked: list[str] = []
+
+        def request(name: str, apart: bool) -> asyncio.Task[str | None]:
+            async def ask() -> str | None:
+                nonlocal free_here
+                asked.append(name)
+                if apart:  # SQL, lent the slot, passes it over (the node's VRAM, say)
+                    await asyncio.sleep(0.01)
+                    return None
+                if free_here:
+                    free_here -= 1
+                    return "leased"
+                return None
+
+            wait = room.wait("m", uuid.uuid4(), loop.time() + 1, ask, seen=0, apart=apart)
+            return asyncio.ensure_future(wait)
+
+        short, others, more = request("short", True), request("other", False), request("more short", True)
+        await asyncio.sleep(0)
+        assert [ticket.apart for ticket in room.lines["m"].heads()] == [True, False]
+        assert room.blocked("m")  # by the one that takes leased slots
+        free_here = 1
+        room.slot_freed()
+        assert await others == "leased"
+        short.cancel()
+        more.cancel()
+        await asyncio.gather(short, more, return_exceptions=True)
+        return asked
+
+    assert asyncio.run(run()) == ["short", "other"]

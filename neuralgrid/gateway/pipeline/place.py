@@ -22,7 +22,7 @@ from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
 from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
-from neuralgrid.gateway.waiting import PLACED_IN_SQL, ClientLeft, LineFull, WaitingRoom
+from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
 # Errors place_jobs() answers for one request (its row's SQLSTATE): what it did is undone.
@@ -97,19 +97,18 @@ class Placement:
         # Requests for the routes every node serves wait in the model's line; the others in a line of
         # their own, so that none waits behind requests that the node it could take cannot serve.
         line = call.model if request.route in DEFAULT_ROUTES else f"{call.model} /v1/{request.route}"
-        # A request no leased slot could serve (its key's escrow here is short) waits in a line of its
-        # own: at the head of the model's line it would keep the requests behind it from the slots
-        # leases free, which it cannot take.
-        if self.leased is not None and not await self.leased.covered(admitted):
-            line += PLACED_IN_SQL
         # The most it pays for a node: a request waits behind those that could take any it could.
         reach = math.inf if call.max_hourly_rate is None else call.max_hourly_rate
         seen = self.room.announcements
         match: q.Match | Dispatched | None = None
-        if not self.room.blocked(line, reach):  # nobody ahead of it in line: take a slot at once
+        # A request no leased slot could take (its key's escrow here short) asks SQL at once, its
+        # budget checked there: a key whose budget is spent is refused now, not at its turn in line.
+        apart = self.leased is not None and not await self.leased.covered(admitted)
+        if apart or not self.room.blocked(line, reach):  # nobody ahead of it: take a slot at once
             match = await self._lease(admitted, request.route)
             if match is None and not await self._at_share(admitted):
-                match = await self._match(self._params(admitted, request), lend=True)
+                lent = self.leased.book.lend() if self.leased is not None else None
+                match = await self._match(self._params(admitted, request), lent)
         waited = 0.0
         try:
             if match is None or (isinstance(match, q.Match) and match.busy):
@@ -125,6 +124,7 @@ class Placement:
                         call.gone,
                         admitted,
                         request.route,
+                        apart,
                     )
                 finally:
                     waited = time.perf_counter() - queued
@@ -184,26 +184,38 @@ class Placement:
         gone: Callable[[], Awaitable[object]] | None,
         admitted: Admitted,
         route: str | None,
+        apart: bool,
     ) -> q.Match | Dispatched:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
+        lending = True  # for a request no leased slot could take, until SQL passes a lent slot over
 
         async def ask() -> q.Match | Dispatched | None:
+            nonlocal lending
             dispatched = await self._lease(admitted, route, queued=True)
-            if dispatched is not None or await self._at_share(admitted):
+            if dispatched is not None or await self._at_share(admitted) or self.leased is None:
                 return dispatched
-            match = await self._match(
-                params, lend=self.leased is not None and self.leased.holds_nothing(admitted)
-            )
+            if self.leased.holds_nothing(admitted):
+                match = await self._match(params, self.leased.book.lend())
+            elif lending and not await self.leased.covered(admitted):
+                # Its key's escrow here is short: it lends SQL its lane's idle leased slots (the one
+                # freed for its turn), and SQL, checking the key's budget, takes one where every
+                # node is full. In a line of its own, asking only for slots no lease held, it was
+                # served only as a slot passed between gateways (bench chaos: a key's last cents
+                # asked for seconds on end).
+                lent = self.leased.book.lend(self.leased.lane(admitted), route, admitted.call.max_hourly_rate)
+                match = await self._match(params, lent)
+                lending = not (match.busy and lent.slots)  # a slot SQL will not give it: never again
+            else:
+                match = await self._match(params)
             return None if match.busy else match
 
-        # The lane's demand, while it waits, unless no leased slot could serve it (its key's escrow
-        # here is short): counted, it would grow this gateway's leases by slots it cannot use.
-        counted = self.leased is not None and await self.leased.covered(admitted)
-        waiting = self.leased.waiting(admitted) if counted and self.leased else contextlib.nullcontext()
+        # The lane's demand while it waits: a request no leased slot could take too (SQL found its
+        # budget good), which a slot this gateway's leases free is lent to.
+        waiting = self.leased.waiting(admitted) if self.leased else contextlib.nullcontext()
         try:
             with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
                 match: q.Match | Dispatched | None = await self.room.wait(
-                    line, key_id, deadline, ask, seen, gone, reach
+                    line, key_id, deadline, ask, seen, gone, reach, apart
                 )
         except ClientLeft:
             raise errors.ClientGone("the client hung up while its request waited for a slot") from None
@@ -222,14 +234,15 @@ class Placement:
                 raise errors.NoCapacity(match.error or f"no node for {model}", retry_after=1)
         return match
 
-    async def _match(self, params: dict[str, object], lend: bool = False) -> q.Match:
-        """Placed in SQL. `lend`: with idle slots of this gateway's leases, which SQL takes where
-        every node that could serve the request is full (a request new to the gateway is one round
-        trip even where its other lanes lease every slot). A request's first ask; of its asks while
-        it waits in line, only those of a lane this gateway holds no slot of (other gateways give
-        such a lane no slot of a full node where this one holds an idle slot to lend), not each ask
-        of every line, which would keep the slots out of use round trip after round trip."""
-        lent = self.leased.book.lend() if self.leased is not None and lend else Lent()
+    async def _match(self, params: dict[str, object], lent: Lent | None = None) -> q.Match:
+        """Placed in SQL, with the `lent` idle slots of this gateway's leases (LeaseBook.lend()),
+        which SQL takes where every node that could serve the request is full (a request new to the
+        gateway is one round trip even where its other lanes lease every slot). A request's first
+        ask; of its asks while it waits in line, those of a lane this gateway holds no slot of
+        (other gateways give such a lane no slot of a full node where this one holds an idle slot
+        to lend) and those no leased slot could take (its lane's slots alone), not each ask of every
+        line, which would keep the slots out of use round trip after round trip."""
+        lent = lent or Lent()
         if lent.slots:
             params = {**params, "lend": lent.as_json()}
         started = time.perf_counter()
