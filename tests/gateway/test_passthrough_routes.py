@@ -332,7 +332,8 @@ def test_a_catalog_model_is_served_only_on_the_routes_of_its_kind(
     conn: psycopg.Connection, gateway: str, api_key: str, replay: Any
 ) -> None:
     conn.execute(
-        "insert into models (id, min_vram_gb, context_length, kind) values (%s, 2, 8192, 'rerank')",
+        "insert into models (id, min_vram_gb, context_length, kind) values (%s, 2, 8192, 'rerank'),"
+        " ('an/embedder', 2, 8192, 'embedding')",
         (RERANKER,),
     )
     replay("vllm-reranker", routes=["chat/completions", "rerank", "score"])
@@ -343,6 +344,9 @@ def test_a_catalog_model_is_served_only_on_the_routes_of_its_kind(
         and "is a rerank model: it does not serve /v1/chat/completions" in error["message"]
     )
     assert post(gateway, api_key, "/rerank", json=RERANK).status_code == 200
+    embed = {**chat, "model": "an/embedder"}
+    error = post(gateway, api_key, "/chat/completions", json=embed).json()["error"]
+    assert "is an embedding model: it does not serve" in error["message"]  # not "a embedding"
 
 
 # Routing ----------------------------------------------------------------------------------------

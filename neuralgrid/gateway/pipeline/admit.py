@@ -103,6 +103,11 @@ def _names_media(value: Any) -> bool:
     return any(_names_media(v) for v in value.values() if isinstance(v, list | dict))
 
 
+def _a(word: str) -> str:
+    """The word with its article: an embedding model, a chat model."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def answers(body: dict[str, Any]) -> int:
     """How many answers a request asks for: n for each prompt, and a completion takes several
     prompts at once (a list of strings, or of token lists; a list of numbers is one prompt)."""
@@ -155,7 +160,7 @@ class Admission:
         if entry is not None and call.kind not in SERVED_BY.get(entry.kind, {call.kind}):
             # A server would fail it (HTTP 500 or 501), which is no node's fault.
             raise errors.BadRequest(
-                f"{call.model} is a {entry.kind} model: it does not serve {PATHS[call.kind]}", param="model"
+                f"{call.model} is {_a(entry.kind)} model: it does not serve {PATHS[call.kind]}", param="model"
             )
         stream = bool(call.body.get("stream")) and call.kind in STREAMING
         body = dict(call.body)
