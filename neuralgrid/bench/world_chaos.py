@@ -216,8 +216,7 @@ async def _load(
 
 def _changes(values: Iterable[int]) -> int:
     """How many times a sampled value differs from the sample before it."""
-    seen = list(values)
-    return sum(a != b for a, b in itertools.pairwise(seen))
+    return sum(a != b for a, b in itertools.pairwise(values))
 
 
 def _checks(

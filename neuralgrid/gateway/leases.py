@@ -154,6 +154,7 @@ class LeaseBook:
         # once since the renewal before (None: no report awaits its answer).
         self._promised: dict[tuple[Lane, UUID], int] | None = None
         self._most_used: dict[tuple[Lane, UUID], int] = {}
+        self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
 
     def take(
         self,
@@ -292,6 +293,8 @@ class LeaseBook:
         the slots it may take): idle, the next renewal gives it back, to a gateway below its share
         (which SQL tells at once)."""
         lane, node = taken.lease.lane, taken.node_id
+        if lane not in self._drains:  # most lanes, most of the time: no scan on a request's end
+            return False
         lease = next((held for held in self._ranked.get(lane, ()) if held.node_id == node), None)
         return lease is not None and lease.slots <= self._used((lane, node)) < lease.slots + lease.draining
 
@@ -406,6 +409,7 @@ class LeaseBook:
         self.lease_s = lease_s
         self._failed = {node: at for node, at in self._failed.items() if at >= sent_at}
         self._ranked = dict(ranked)
+        self._drains = {lane for lane, leases in ranked.items() if any(lease.draining for lease in leases)}
         self._usable_until = sent_at + lease_s - MARGIN_S
         self._promised = None  # the report's answer is here: the leases it returned are what holds
 
@@ -498,11 +502,11 @@ class Renewals:
     def soon(self, lane: Lane) -> None:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a
         renewal sent before could not see (SQL placing it says a slot was there, and the renewal
-        moves the job's slot into the lease). None when one is to be sent already, or when one
-        that asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane
-        that holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane
-        that two renewals in a row sent after a placement gave nothing (the periodic renewal asks
-        for it then)."""
+        moves the job's slot into the lease). None when one is to be sent already, or when one that
+        asked for the lane was sent, or any renewal answered, within GROW_EVERY_S for a lane that
+        holds slots (its demand outgrew them: a burst), or within RENEW_EVERY_S for a lane that two
+        renewals in a row sent after a placement gave nothing (the periodic renewal asks for it
+        then)."""
         if lane in self._asking:
             return
         if self.book.leases(lane):

@@ -43,6 +43,18 @@ def row(node: UUID, slots: int, rank: int, routes: tuple[str, ...] = ("chat/comp
     )
 
 
+def offline_jobs(book: LeaseBook) -> LeasedJobs:
+    """Leased jobs over `book` with no database: nothing is written or renewed here."""
+    journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]
+    return LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
+
+
+def chat_call() -> Admitted:
+    """A chat request of a key with no budget, admitted."""
+    call = Call("chat", {"model": "m", "messages": []}, ApiKey(uuid4(), None, "k", None, None, None))
+    return Admitted(call, call.body, b"{}", False, 16)
+
+
 def test_takes_the_best_ranked_free_slot_and_never_more_than_leased() -> None:
     clock = Clock()
     book = LeaseBook(clock)
@@ -449,12 +461,9 @@ def test_a_job_sql_ended_frees_the_slot_a_renewal_moved_into_the_lease_meanwhile
         book = LeaseBook(clock)
         node = uuid4()
         book.renewed([row(node, 1, 1)], clock(), 5.0)
-        journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]  # nothing is written here
-        jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
-        key = ApiKey(uuid4(), None, "k", None, None, None)
-        call = Call("chat", {"model": "m", "messages": []}, key)
+        jobs = offline_jobs(book)
         job = uuid4()
-        jobs.placed_elsewhere(job, node, Admitted(call, call.body, b"{}", False, 16), "chat/completions")
+        jobs.placed_elsewhere(job, node, chat_call(), "chat/completions")
         taken = book.take(LANE, "chat/completions")  # the lease, as a renewal would name it
         assert taken is not None
         book.give_back(taken)
@@ -530,12 +539,10 @@ def test_a_draining_slot_that_falls_idle_asks_for_a_renewal_at_once() -> None:
         book = LeaseBook(clock)
         a = uuid4()
         book.renewed([row(a, 3, 1)], clock(), 5.0)
-        journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]  # nothing is written here
-        jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
+        jobs = offline_jobs(book)
         asked: list[Lane] = []
         jobs.renewals.drained = asked.append  # type: ignore[method-assign,assignment]
-        call = Call("chat", {"model": "m", "messages": []}, ApiKey(uuid4(), None, "k", None, None, None))
-        admitted = Admitted(call, call.body, b"{}", False, 16)
+        admitted = chat_call()
         one, two, three = [await jobs.dispatch(admitted, LANE, None) for _ in range(3)]
         assert one is not None and two is not None and three is not None
         jobs.release(one.job_id)
@@ -566,10 +573,8 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         clock = Clock()
         book = LeaseBook(clock)
         node = uuid4()
-        journal = Journal(None, uuid4(), None)  # type: ignore[arg-type]
-        jobs = LeasedJobs(None, uuid4(), book, Escrows(), journal, None)  # type: ignore[arg-type]
-        call = Call("chat", {"model": "m", "messages": []}, ApiKey(uuid4(), None, "k", None, None, None))
-        admitted = Admitted(call, call.body, b"{}", False, 16)
+        jobs = offline_jobs(book)
+        admitted = chat_call()
         book.renewed([row(node, 1, 1)], clock(), 5.0)  # the renewal's answer: one slot, the job's
         [lease] = [t.lease for t in [book.take(LANE, None)] if t is not None]
         book.give_back(Taken(lease))
