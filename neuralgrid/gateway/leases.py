@@ -469,6 +469,8 @@ class Renewals:
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
+        # The answer of the renewal on its way, for each lane it asks for (answer()).
+        self._on_way: dict[Lane, asyncio.Future[None]] = {}
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
         # When the last renewal's answer came: a burst's next renewal waits GROW_EVERY_S from then,
         # so that what that answer leased is taken first (a renewal on its way holds each lease to
@@ -497,7 +499,26 @@ class Renewals:
             if asked_for is not None:
                 self._asking.discard(asked_for)
             self._sent_at = dict.fromkeys(reported, sent_at)
-            await self._send(lanes, sent_at, asking)
+            answered = asyncio.get_running_loop().create_future()
+            self._on_way = dict.fromkeys(asking, answered)
+            try:
+                await self._send(lanes, sent_at, asking)
+            finally:
+                self._on_way = {}
+                answered.set_result(None)
+
+    async def answer(self, lane: Lane) -> bool:
+        """Wait for the answer of the renewal on its way that asks for `lane` (SQL placed one of its
+        requests): False when there is none. A request of the lane waits for it rather than ask SQL:
+        a placement running beside the renewal holds the node's row, which the renewal skips, and
+        the lane got nothing, renewal after renewal, while its caller's requests came one after the
+        other (each placed in SQL, waiting for the last one's end to be written). Its answer comes
+        before SQL's would: it was sent first."""
+        answered = self._on_way.get(lane)
+        if answered is None:
+            return False
+        await asyncio.shield(answered)
+        return True
 
     def soon(self, lane: Lane) -> None:
         """A renewal sent after now that asks for `lane`: SQL placed a request of it, which a

@@ -127,8 +127,10 @@ class LeasedJobs:
         self, admitted: Admitted, lane: Lane, route: str | None, queued: bool = False
     ) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
-        free slot for it, or the key's escrow cannot cover its hold. `queued`: a request waiting in
-        line (counted as the lane's demand while it waits: not twice when it takes its slot)."""
+        free slot for it (nor does the renewal on its way that asks for the lane give one: its
+        answer is waited for, Renewals.answer()), or the key's escrow cannot cover its hold.
+        `queued`: a request waiting in line (counted as the lane's demand while it waits: not twice
+        when it takes its slot)."""
         call = admitted.call
         cap = call.max_hourly_rate
         hold = await self._hold(admitted)
@@ -139,6 +141,8 @@ class LeasedJobs:
             self.book.asked(lane)
             return None
         taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
+        if taken is None and await self.renewals.answer(lane):
+            taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
         if taken is None:
             if budgeted:
                 self.escrows.give_back(call.key.id, hold)
