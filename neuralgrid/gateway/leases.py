@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from uuid import UUID
 
@@ -231,6 +231,17 @@ class LeaseBook:
         or not, under its own locks: counted, a lent slot SQL took would be reported in use)."""
         self._most_used[key] = max(self._most_used.get(key, 0), self._in_use.get(key, 0))
 
+    def withheld(self, lane: Lane, route: str | None, max_rate: float | None = None) -> bool:
+        """Whether a lease of the lane that take() would choose has an idle slot held back until the
+        answer of the report on its way (which may give it back: it said the slot was not in use)."""
+        return self._promised is not None and any(
+            lease.node_id not in self._failed
+            and _serves(lease, route, max_rate)
+            and self._idle((lane, lease.node_id), lease)
+            and not self._promised_more((lane, lease.node_id))
+            for lease in self._ranked.get(lane, ())
+        )
+
     def _promised_more(self, key: tuple[Lane, UUID]) -> bool:
         """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
         return self._promised is None or self._in_use.get(key, 0) < self._promised.get(key, 0)
@@ -332,7 +343,7 @@ class LeaseBook:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""
         return self._held.get(lane, 0) + self._unleased.get(lane, 0)
 
-    def lanes(self) -> list[dict[str, object]]:
+    def lanes(self, placed: Mapping[Lane, list[UUID]] | None = None) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
         slots it wants (its busiest moment since the last renewal, counting the requests SQL placed
         and those waiting in line, and one spare unless requests waited: in a scarce lane the line
@@ -341,10 +352,13 @@ class LeaseBook:
         a second or two between bursts does not send the next burst to SQL); how many of them it
         needs (that busiest moment alone: SQL claims the rest, the spares, only where a node keeps a
         slot free, and gives idle ones back from a full node others need); and its slots in use per
-        node. Starts the next period's count."""
+        node; and the running jobs SQL `placed` that no renewal was heard to move into a lease
+        (renew_leases() says which of them one did: its answer may have been lost). Starts the next
+        period's count."""
+        placed = placed or {}
         now = self.clock()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
-        wanted |= {lane for lane, _ in self._in_use}
+        wanted |= {lane for lane, _ in self._in_use} | set(placed)
         report: list[dict[str, object]] = []
         promised: dict[tuple[Lane, UUID], int] = {}
         takable = {
@@ -373,6 +387,8 @@ class LeaseBook:
             want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
             self._wants[lane], self._needs[lane] = want, need
             report.append({**lane.as_json(), "want": want, "need": need, "in_use": reported})
+            if placed.get(lane):
+                report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
@@ -468,9 +484,12 @@ class Renewals:
         # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
+        # The running jobs SQL placed that no renewal was heard to move into a lease, by lane.
+        self.placed: Callable[[], Mapping[Lane, list[UUID]]] = dict
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
-        # The answer of the renewal on its way, for each lane it asks for (answer()).
-        self._on_way: dict[Lane, asyncio.Future[None]] = {}
+        # The answer of the renewal on its way (answer()), and the lanes it asks for.
+        self._on_way: asyncio.Future[None] | None = None
+        self._asked_on_way: set[Lane] = set()
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
         # When the last renewal's answer came: a burst's next renewal waits GROW_EVERY_S from then,
         # so that what that answer leased is taken first (a renewal on its way holds each lease to
@@ -491,7 +510,7 @@ class Renewals:
         async with self.lock:
             if asked_for is not None and asked_for not in self._asking:
                 return  # a renewal sent since soon() asked for the lane (the periodic one)
-            lanes = self.book.lanes()
+            lanes = self.book.lanes(self.placed())
             sent_at = self.book.clock()
             reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
             asking = reported & self._asking
@@ -499,23 +518,23 @@ class Renewals:
             if asked_for is not None:
                 self._asking.discard(asked_for)
             self._sent_at = dict.fromkeys(reported, sent_at)
-            answered = asyncio.get_running_loop().create_future()
-            self._on_way = dict.fromkeys(asking, answered)
+            answered = self._on_way = asyncio.get_running_loop().create_future()
+            self._asked_on_way = asking
             try:
                 await self._send(lanes, sent_at, asking)
             finally:
-                self._on_way = {}
+                self._on_way, self._asked_on_way = None, set()
                 answered.set_result(None)
 
-    async def answer(self, lane: Lane) -> bool:
-        """Wait for the answer of the renewal on its way that asks for `lane` (SQL placed one of its
-        requests): False when there is none. A request of the lane waits for it rather than ask SQL:
-        a placement running beside the renewal holds the node's row, which the renewal skips, and
-        the lane got nothing, renewal after renewal, while its caller's requests came one after the
-        other (each placed in SQL, waiting for the last one's end to be written). Its answer comes
-        before SQL's would: it was sent first."""
-        answered = self._on_way.get(lane)
-        if answered is None:
+    async def answer(self, lane: Lane, withheld: bool) -> bool:
+        """Wait for the answer of the renewal on its way, for a request of `lane` that found no slot
+        free, where that renewal asks for the lane (SQL placed one of its requests) or the lane's
+        leases hold a slot `withheld` until it comes (idle, reported not in use: take()); False
+        when there is none. Its answer comes before SQL's would (it was sent first), and a placement
+        beside it holds the node's row, which the renewal skips: a sequential caller's lane got
+        nothing, renewal after renewal, on a loaded machine, each request placed in SQL."""
+        answered = self._on_way
+        if answered is None or not (withheld or lane in self._asked_on_way):
             return False
         await asyncio.shield(answered)
         return True

@@ -1079,8 +1079,9 @@ declare
   v_want numeric;
   v_need numeric;
   v_in_use jsonb;
+  v_placed jsonb;
   v_used record;
-  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, in_use}]
+  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, need, in_use, placed, reported}]
   v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots joined its leases
   v_lock bigint;
   v_ranks boolean;  -- whether score_nodes() can rank the lane (private.lane_can_rank())
@@ -1131,6 +1132,13 @@ begin
       raise exception 'lane %: "need" must be a whole number of slots from 0 to "want" (%), not %', v_n, v_want, v_need
         using errcode = 'invalid_parameter_value';
     end if;
+    v_placed := coalesce(nullif(v_lane -> 'placed', 'null'), '[]');
+    if jsonb_typeof(v_placed) <> 'array' or jsonb_array_length(v_placed) > 10000
+       or exists (select from jsonb_array_elements(v_placed) p
+                  where jsonb_typeof(p) <> 'string' or length(p #>> '{}') <> 36 or p #>> '{}' !~ uuid_shape) then
+      raise exception 'lane %: "placed" must be an array of at most 10000 job ids', v_n
+        using errcode = 'invalid_parameter_value';
+    end if;
     v_in_use := coalesce(nullif(v_lane -> 'in_use', 'null'), '{}');
     if jsonb_typeof(v_in_use) <> 'object' then
       raise exception 'lane %: "in_use" must be an object of counts by node id', v_n using errcode = 'invalid_parameter_value';
@@ -1160,7 +1168,7 @@ begin
     v_lanes := v_lanes || jsonb_build_object('model', v_model, 'policy', v_policy, 'region', v_region,
                                              'want', case when v_ranks then v_want::integer else 0 end,
                                              'need', case when v_ranks then v_need::integer else 0 end,
-                                             'in_use', v_in_use, 'reported', v_ranks);
+                                             'in_use', v_in_use, 'placed', v_placed, 'reported', v_ranks);
   end loop;
 
   -- A renewal is a check-in.
@@ -1189,6 +1197,24 @@ begin
   end loop;
   perform from private.slot_leases l where l.gateway_id = p_gateway
   order by l.node_id, l.model_id, l.policy, l.region for no key update;
+
+  -- The jobs SQL placed that it names as still SQL's (placed), whose slots an earlier renewal moved
+  -- into its lease: that renewal's answer never reached it. In use where it says none is (else the
+  -- slot is idle to it, and it sends another request to the node while the job runs), and named
+  -- again among the jobs whose slots joined its leases.
+  for r in
+    select x.n, a.job_id, a.node_id
+    from jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
+    cross join lateral jsonb_array_elements_text(x.lane -> 'placed') as p (id)
+    join public.job_attempts a on a.job_id = p.id::uuid and a.attempt = 1 and a.status = 'running' and a.leased
+    join public.jobs j on j.id = a.job_id
+    where j.gateway_id = p_gateway and j.status = 'running' and j.model_id = x.lane ->> 'model'
+      and j.policy = x.lane ->> 'policy' and coalesce(j.region, '') = x.lane ->> 'region'
+  loop
+    v_lanes := jsonb_set(v_lanes, array[(r.n - 1)::text, 'in_use', r.node_id::text],
+                         to_jsonb(coalesce((v_lanes #>> array[(r.n - 1)::text, 'in_use', r.node_id::text])::integer, 0) + 1));
+    v_absorbed := v_absorbed || r.job_id;
+  end loop;
 
   -- What it wants and needs of each lane, for the shares, before any lane is renewed: a lane sees
   -- what the gateway's other lanes need now (a lane it no longer reports wants nothing).
@@ -1278,7 +1304,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "placed": ids of its running jobs SQL placed that it knows no lease to hold (absent: none)}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, those of "placed" an earlier renewal moved, whose answer the gateway never had, counted in use as it had not) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

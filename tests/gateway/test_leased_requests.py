@@ -511,6 +511,72 @@ def test_at_full_load_requests_sql_placed_move_into_the_lease(
     assert failures == []
 
 
+def test_a_request_that_finds_its_slot_held_back_by_a_renewal_on_its_way_waits_for_its_answer(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str, monkeypatch: Any
+) -> None:
+    """A renewal on its way holds each lease to the slots it reported in use: an idle one may be
+    given back. A request that found only such a slot was placed in SQL, a round trip, though the
+    renewal, sent before it, answers first and most often keeps the slot; it waits for that answer
+    now. (On a loaded machine this sent a sequential caller's requests to SQL as renewals came.)"""
+    fake_nodes("held-back")
+    assert ask(leased_gateway, api_key).status_code == 200  # cold: placed in SQL, the lane leased
+    wait_for(lambda: leases_held(conn) > 0, timeout=5)
+    assert ask(leased_gateway, api_key).status_code == 200  # leased
+    send = leases.Renewals._send
+    sent: list[bool] = []
+    on_way = threading.Event()
+
+    async def slowly(self: leases.Renewals, *args: Any) -> None:
+        sent.append(True)
+        if len(sent) == 2:  # the first reports the lease's slot not in use: the second holds it back
+            on_way.set()
+            await asyncio.sleep(0.5)
+        await send(self, *args)
+
+    monkeypatch.setattr(leases.Renewals, "_send", slowly)
+    assert on_way.wait(timeout=5)
+    matched = metric(leased_gateway, "neuralgrid_matcher_seconds_count")
+    leased = metric(leased_gateway, "neuralgrid_leased_placements_total")
+    assert ask(leased_gateway, api_key).status_code == 200
+    assert metric(leased_gateway, "neuralgrid_matcher_seconds_count") == matched  # not placed in SQL
+    assert metric(leased_gateway, "neuralgrid_leased_placements_total") == leased + 1
+
+
+def test_a_job_moved_into_a_lease_by_a_renewal_whose_answer_was_lost_is_known_at_the_next(
+    conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str, monkeypatch: Any
+) -> None:
+    """A renewal that moves a job SQL placed into the lease commits, and its answer is lost (the
+    connection breaks as it comes back): the next renewal's lease counts the job's slot, which the
+    gateway did not know in use. It sent a second request to that slot while the job still ran,
+    the node past its one slot. Now each renewal names the jobs SQL placed that the gateway still
+    thinks SQL's, and hears which of them a lease holds."""
+    fake_nodes("one-slot", max_concurrency=1, latency_s=1.0)
+    send = leases.Renewals._send
+    lost: list[bool] = []
+
+    async def answer_lost(self: leases.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
+        if lost or not args[1]:  # args: sent_at, the lanes it asks for (after a placement)
+            return await send(self, lanes, *args)
+        await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))  # committed
+        lost.append(True)
+        raise psycopg.OperationalError("the connection broke as the answer came")
+
+    monkeypatch.setattr(leases.Renewals, "_send", answer_lost)
+    answered: dict[str, float] = {}
+
+    def timed(name: str) -> None:
+        assert ask(leased_gateway, api_key).status_code == 200
+        answered[name] = time.monotonic()
+
+    first = threading.Thread(target=timed, args=("first",))
+    first.start()
+    wait_for(lambda: bool(lost), timeout=5)
+    assert leases_held(conn) == 1  # the first job's slot, in the lease
+    timed("second")  # the next renewals come within 0.5 s, while the first job runs
+    first.join()
+    assert answered["second"] - answered["first"] > 0.8, answered  # after the first, not beside it
+
+
 def test_a_lease_that_runs_out_grows_at_once_not_at_the_next_renewal(
     conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str, monkeypatch: Any
 ) -> None:

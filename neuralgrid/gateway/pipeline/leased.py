@@ -92,6 +92,7 @@ class LeasedJobs:
         journal.on_commit.append(self._written)
         journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
+        self.renewals.placed = self._sql_placed
         self.renewals.renewed = freed  # requests waiting in line look at the renewed leases
 
     async def renew(self) -> None:
@@ -127,8 +128,8 @@ class LeasedJobs:
         self, admitted: Admitted, lane: Lane, route: str | None, queued: bool = False
     ) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
-        free slot for it (nor does the renewal on its way that asks for the lane give one: its
-        answer is waited for, Renewals.answer()), or the key's escrow cannot cover its hold.
+        free slot for it (nor does the renewal on its way give one, where it may: its answer is
+        waited for, Renewals.answer()), or the key's escrow cannot cover its hold.
         `queued`: a request waiting in line (counted as the lane's demand while it waits: not twice
         when it takes its slot)."""
         call = admitted.call
@@ -141,7 +142,7 @@ class LeasedJobs:
             self.book.asked(lane)
             return None
         taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
-        if taken is None and await self.renewals.answer(lane):
+        if taken is None and await self.renewals.answer(lane, self.book.withheld(lane, route, cap)):
             taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
         if taken is None:
             if budgeted:
@@ -266,6 +267,16 @@ class LeasedJobs:
         self.book.unleased(placed.lane, -1)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
+
+    def _sql_placed(self) -> dict[Lane, list[UUID]]:
+        """The running jobs SQL placed and still SQL's here, by lane: each renewal names them, and
+        hears which of them a lease holds (_absorbed), told again where the answer of the renewal
+        that moved one was lost (the job's slot in a lease this gateway thought idle)."""
+        placed: dict[Lane, list[UUID]] = {}
+        for job_id, where in self._elsewhere.items():
+            if not where.moved:
+                placed.setdefault(where.lane, []).append(job_id)
+        return placed
 
     def _unclaimed(self, job_id: UUID) -> None:
         """No placement claimed the slot a renewal moved for it (its request went away before the
