@@ -18,9 +18,9 @@ import contextlib
 import json
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from uuid import UUID
 
 import psycopg
@@ -36,6 +36,9 @@ RENEW_EVERY_S = 0.5  # a node's failure, seen by one gateway, reaches the others
 # only every RENEW_EVERY_S: meanwhile each request of the burst is placed in SQL (a round trip, and
 # some four times the Postgres CPU of a leased one).
 GROW_EVERY_S = 0.1
+# The longest a request waits for a renewal on its way to answer before it asks SQL (a database
+# that does not answer: then SQL will not either, and the request says so).
+ANSWER_WAIT_S = 1.0
 MARGIN_S = 0.5  # a lease is not used in its last half second, by this gateway's clock
 IDLE_S = 10.0  # a lane nobody asked for in this long is no longer wanted: its slots go back
 DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwise
@@ -231,16 +234,18 @@ class LeaseBook:
         or not, under its own locks: counted, a lent slot SQL took would be reported in use)."""
         self._most_used[key] = max(self._most_used.get(key, 0), self._in_use.get(key, 0))
 
-    def withheld(self, lane: Lane, route: str | None, max_rate: float | None = None) -> bool:
-        """Whether a lease of the lane that take() would choose has an idle slot held back until the
-        answer of the report on its way (which may give it back: it said the slot was not in use)."""
-        return self._promised is not None and any(
-            lease.node_id not in self._failed
-            and _serves(lease, route, max_rate)
-            and self._idle((lane, lease.node_id), lease)
-            and not self._promised_more((lane, lease.node_id))
-            for lease in self._ranked.get(lane, ())
-        )
+    def withheld(self, lane: Lane, route: str | None, max_rate: float | None = None) -> int:
+        """The idle slots of the lane's leases that take() would choose, where it found none: held
+        back until the answer of the report on its way (which may give them back: it said they
+        were not in use)."""
+        if self._promised is None or self.clock() >= self._usable_until:
+            return 0
+        held = 0
+        for lease in self._ranked.get(lane, ()):
+            key = (lane, lease.node_id)
+            if lease.node_id not in self._failed and _serves(lease, route, max_rate):
+                held += max(0, lease.slots - self._used(key))
+        return held
 
     def _promised_more(self, key: tuple[Lane, UUID]) -> bool:
         """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
@@ -466,6 +471,15 @@ def _shrunk(ranked: dict[Lane, list[Lease]], key: tuple[Lane, UUID]) -> dict[Lan
     return {**ranked, lane: leases}
 
 
+@dataclass
+class _OnWay:
+    """A renewal on its way: its answer, and the requests waiting for it (Renewals.answer())."""
+
+    answered: asyncio.Event
+    cold: dict[Lane, int]  # the lanes it asks for that hold nothing: the slots each wants
+    waiting: Counter[Lane] = field(default_factory=Counter)
+
+
 class Renewals:
     """Renewals of this gateway's leases: one round trip each. A request for a lane this gateway
     holds nothing for is placed in SQL (the cold path: one round trip) and starts one that asks for
@@ -487,9 +501,7 @@ class Renewals:
         # The running jobs SQL placed that no renewal was heard to move into a lease, by lane.
         self.placed: Callable[[], Mapping[Lane, list[UUID]]] = dict
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
-        # The answer of the renewal on its way (answer()), and the lanes it asks for.
-        self._on_way: asyncio.Future[None] | None = None
-        self._asked_on_way: set[Lane] = set()
+        self._on_way: _OnWay | None = None  # the renewal on its way, for requests waiting for it
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
         # When the last renewal's answer came: a burst's next renewal waits GROW_EVERY_S from then,
         # so that what that answer leased is taken first (a renewal on its way holds each lease to
@@ -518,25 +530,40 @@ class Renewals:
             if asked_for is not None:
                 self._asking.discard(asked_for)
             self._sent_at = dict.fromkeys(reported, sent_at)
-            answered = self._on_way = asyncio.get_running_loop().create_future()
-            self._asked_on_way = asking
+            # A lane it asks for that holds nothing yet may be given what it wants (answer()).
+            cold = {
+                lane: int(str(a["want"]))
+                for a in lanes
+                if (lane := Lane(str(a["model"]), str(a["policy"]), str(a["region"] or ""))) in asking
+                and self._empty.get(lane, 0) < 2
+                and not self.book.leases(lane)
+            }
+            on_way = self._on_way = _OnWay(asyncio.Event(), cold)
             try:
                 await self._send(lanes, sent_at, asking)
             finally:
-                self._on_way, self._asked_on_way = None, set()
-                answered.set_result(None)
+                self._on_way = None
+                on_way.answered.set()  # before the lock is let go: its waiters take first
 
-    async def answer(self, lane: Lane, withheld: bool) -> bool:
+    async def answer(self, lane: Lane, withheld: int) -> bool:
         """Wait for the answer of the renewal on its way, for a request of `lane` that found no slot
-        free, where that renewal asks for the lane (SQL placed one of its requests) or the lane's
-        leases hold a slot `withheld` until it comes (idle, reported not in use: take()); False
-        when there is none. Its answer comes before SQL's would (it was sent first), and a placement
-        beside it holds the node's row, which the renewal skips: a sequential caller's lane got
-        nothing, renewal after renewal, on a loaded machine, each request placed in SQL."""
-        answered = self._on_way
-        if answered is None or not (withheld or lane in self._asked_on_way):
+        free, where that answer may give it one: `withheld` of the lane's slots are held back until
+        it comes (idle, reported not in use: take()), or the lane holds nothing and the renewal
+        asks for it (SQL placed one of its requests), for as many requests as each may give; False
+        when there is none (or it has not come within ANSWER_WAIT_S). It usually comes before SQL's
+        would, sent first; and a placement beside it holds the node's row, which the renewal skips:
+        a sequential caller's cold lane got nothing renewal after renewal on a loaded machine, each
+        request placed in SQL."""
+        on_way = self._on_way
+        if on_way is None or on_way.waiting[lane] >= withheld + on_way.cold.get(lane, 0):
             return False
-        await asyncio.shield(answered)
+        on_way.waiting[lane] += 1
+        try:
+            await asyncio.wait_for(on_way.answered.wait(), ANSWER_WAIT_S)
+        except TimeoutError:
+            return False
+        finally:
+            on_way.waiting[lane] -= 1
         return True
 
     def soon(self, lane: Lane) -> None:

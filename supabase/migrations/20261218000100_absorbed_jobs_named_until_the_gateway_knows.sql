@@ -144,7 +144,7 @@ begin
   -- slot is idle to it, and it sends another request to the node while the job runs), and named
   -- again among the jobs whose slots joined its leases.
   for r in
-    select x.n, a.job_id, a.node_id
+    select distinct x.n, a.job_id, a.node_id
     from jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
     cross join lateral jsonb_array_elements_text(x.lane -> 'placed') as p (id)
     join public.job_attempts a on a.job_id = p.id::uuid and a.attempt = 1 and a.status = 'running' and a.leased

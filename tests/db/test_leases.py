@@ -630,28 +630,32 @@ def test_a_job_whose_move_into_a_lease_went_unheard_is_named_again_and_counted_i
     """A renewal moved a job SQL placed into the lease and its answer was lost: the gateway still
     thinks the job SQL's, and reports the lease idle. It names the job (placed): the lease counts
     it in use, not idle, and the job is named among the absorbed again, as long as it is named and
-    runs. Another gateway's job, or one not in a lease, is not."""
-    node = make_node(conn, max_concurrency=2)
+    runs. Another gateway's job is not."""
+    node = make_node(conn, max_concurrency=3)
     request = {"model": LLAMA8, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 10}
     place = "select job_id from place_jobs(%s, %s::jsonb)"
-    mine, theirs, unleased = [
+    mine, theirs, still_sqls = [
         (conn.execute(place, (str(gateway), json.dumps([request]))).fetchone() or (None,))[0]
         for gateway in (A, B, A)
     ]
+    running = conn.execute(
+        "select count(*) from jobs where status = 'running' and id = any(%s)", ([still_sqls],)
+    )
+    assert running.fetchone() == (1,)
     conn.execute("update job_attempts set leased = true where job_id = any(%s)", ([mine, theirs],))
     conn.execute(
         "insert into private.slot_leases (gateway_id, node_id, model_id, policy, region, slots, in_use,"
         " expires_at) values (%s, %s, %s, 'balanced', '', 1, 1, now() + interval '1 minute')",
         (A, node, LLAMA8),
     )  # what the renewal whose answer was lost did with A's first job (and B's: another gateway's)
-    conn.execute("update nodes set inflight = 2")
-    placed = [str(job) for job in (mine, theirs, unleased)]
+    placed = [str(job) for job in (mine, theirs, still_sqls)]
     got = [row for row in renew(conn, A, lane(2, {}, need=2, placed=placed)) if row.slots]
-    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got] == [(node, 1, 1, [mine])]
-    assert leases(conn)[(A, node)] == (1, 1)
+    assert [(row.node_id, row.slots, row.in_use, set(row.absorbed or ())) for row in got] == [
+        (node, 2, 2, {mine, still_sqls})  # the one still SQL's is moved in now, as any is
+    ]
     got = [row for row in renew(conn, A, lane(2, {}, need=2)) if row.slots]
     assert [(row.in_use, row.absorbed) for row in got] == [(0, [])]  # not named: idle, as it says
-    assert leases(conn)[(A, node)] == (1, 0)
+    assert leases(conn)[(A, node)] == (2, 0)
 
 
 def test_a_job_sql_moved_to_another_node_stays_sqls_to_its_end(conn: psycopg.Connection) -> None:

@@ -721,3 +721,52 @@ def test_a_drained_slot_asks_for_one_renewal_and_none_while_one_is_on_its_way() 
         assert sent == [100.0, 100.0 + 2 * GROW_EVERY_S]
 
     asyncio.run(main())
+
+
+class _Unanswered:
+    """A database that answers no renewal until told to (then with no lease)."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+
+    async def all(self, query: Any, params: Any = None) -> list[Any]:
+        await self.answer.wait()
+        return []
+
+
+def test_a_request_waits_for_a_renewal_on_its_way_only_for_a_slot_it_may_give() -> None:
+    """A request that finds its lane's only idle slot held back by the renewal on its way waits for
+    its answer (one request a slot so held, no more); one that goes away meanwhile gives its key's
+    escrow hold back."""
+
+    async def main() -> None:
+        clock = Clock()
+        book = LeaseBook(clock)
+        jobs = offline_jobs(book)
+        jobs.renewals.store = _Unanswered()  # type: ignore[assignment]
+        book.renewed([row(uuid4(), 1, 1)], clock(), 5.0)
+        renewal = asyncio.get_running_loop().create_task(jobs.renewals.renew())  # reports none in use
+        await asyncio.sleep(0)
+        key = ApiKey(uuid4(), None, "k", None, None, Decimal(1))
+        jobs.escrows.renewed([q.EscrowRow(key.id, Decimal("0.5"), Decimal(1))])
+        call = Call("chat", {"model": "m", "messages": []}, key)
+        admitted = Admitted(call, call.body, b"{}", False, 16)
+        prices = q.ModelKind("m", "chat", 4096, Decimal("0.5"), Decimal("1.5"))
+        jobs._hold = lambda _admitted: _at(budget_hold(prices, 2, 16))  # type: ignore[method-assign,assignment]
+
+        first = asyncio.get_running_loop().create_task(jobs.dispatch(admitted, LANE, None))
+        await asyncio.sleep(0.01)
+        assert not first.done()  # waits for the answer
+        assert await jobs.dispatch(admitted, LANE, None) is None  # one slot held back: one waits
+        first.cancel()  # its client went away
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert jobs.escrows.take(key.id, Decimal("0.5"))  # every hold given back
+        jobs.renewals.store.answer.set()  # type: ignore[attr-defined]
+        await renewal
+
+    asyncio.run(main())
+
+
+async def _at(value: Decimal) -> Decimal:
+    return value

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,6 +32,9 @@ from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
 ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's answer still to come
+# The most jobs SQL placed a renewal names for a lane (renew_leases() takes 10,000 at most): the
+# oldest first; with more running at once, the rest are named as the first ones end.
+PLACED_NAMED = 1000
 UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
@@ -141,12 +145,15 @@ class LeasedJobs:
         if budgeted and not self.escrows.take(call.key.id, hold):
             self.book.asked(lane)
             return None
-        taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
-        if taken is None and await self.renewals.answer(lane, self.book.withheld(lane, route, cap)):
+        taken = None
+        try:
             taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
-        if taken is None:
-            if budgeted:
+            if taken is None and await self.renewals.answer(lane, self.book.withheld(lane, route, cap)):
+                taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
+        finally:  # none taken, or the client went away meanwhile: its hold goes back
+            if taken is None and budgeted:
                 self.escrows.give_back(call.key.id, hold)
+        if taken is None:
             return None
         job_id = uuid4()
         self.journal.start(_record(job_id, admitted, taken.node_id, hold))
@@ -272,11 +279,11 @@ class LeasedJobs:
         """The running jobs SQL placed and still SQL's here, by lane: each renewal names them, and
         hears which of them a lease holds (_absorbed), told again where the answer of the renewal
         that moved one was lost (the job's slot in a lease this gateway thought idle)."""
-        placed: dict[Lane, list[UUID]] = {}
+        placed: dict[Lane, list[UUID]] = defaultdict(list)
         for job_id, where in self._elsewhere.items():
-            if not where.moved:
-                placed.setdefault(where.lane, []).append(job_id)
-        return placed
+            if not where.moved and len(placed[where.lane]) < PLACED_NAMED:
+                placed[where.lane].append(job_id)
+        return {lane: named for lane, named in placed.items() if named}
 
     def _unclaimed(self, job_id: UUID) -> None:
         """No placement claimed the slot a renewal moved for it (its request went away before the
