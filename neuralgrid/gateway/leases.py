@@ -559,7 +559,8 @@ class Renewals:
             return False
         on_way.waiting[lane] += 1
         try:
-            await asyncio.wait_for(on_way.answered.wait(), ANSWER_WAIT_S)
+            async with asyncio.timeout(ANSWER_WAIT_S):  # not wait_for(): a task of its own, a hop later
+                await on_way.answered.wait()
         except TimeoutError:
             return False
         finally:

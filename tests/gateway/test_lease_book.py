@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -770,3 +771,38 @@ def test_a_request_waits_for_a_renewal_on_its_way_only_for_a_slot_it_may_give() 
 
 async def _at(value: Decimal) -> Decimal:
     return value
+
+
+def test_a_request_waiting_for_a_renewals_answer_takes_its_slot_before_the_next_renewal_is_sent() -> None:
+    """The renewal queued behind the one on its way (a burst's, a drained slot's) holds the slots
+    back again as it is sent: the request waiting for the answer takes its slot first."""
+
+    async def main() -> None:
+        clock = Clock()
+        book = LeaseBook(clock)
+        jobs = offline_jobs(book)
+        node = uuid4()
+        first_answer, second_answer = asyncio.Event(), asyncio.Event()
+        answers = [first_answer, second_answer]
+
+        async def all(query: Any, params: Any = None) -> list[Any]:
+            await answers.pop(0).wait()
+            return [row(node, 1, 1)]
+
+        jobs.renewals.store = SimpleNamespace(all=all)  # type: ignore[assignment]
+        book.renewed([row(node, 1, 1)], clock(), 5.0)
+        loop = asyncio.get_running_loop()
+        first = loop.create_task(jobs.renewals.renew())  # reports none in use: the slot held back
+        await asyncio.sleep(0)
+        waiting = loop.create_task(jobs.dispatch(chat_call(), LANE, None))
+        await asyncio.sleep(0)
+        second = loop.create_task(jobs.renewals.renew())  # waits for the first
+        await asyncio.sleep(0)
+        first_answer.set()
+        await first
+        dispatched = await asyncio.wait_for(waiting, 1)  # before the second's answer
+        assert dispatched is not None and dispatched.taken.node_id == node
+        second_answer.set()
+        await second
+
+    asyncio.run(main())
