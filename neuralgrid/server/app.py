@@ -45,7 +45,7 @@ from neuralgrid.gateway.escrow import Escrows
 from neuralgrid.gateway.gpu_prober import GpuProber
 from neuralgrid.gateway.heartbeats import Heartbeats
 from neuralgrid.gateway.journal import Journal, Spool, replay_orphans
-from neuralgrid.gateway.leases import LeaseBook, keep_renewing
+from neuralgrid.gateway.leases import LeaseBook
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline import Pipeline
 from neuralgrid.gateway.pipeline.admit import Admission, Catalog
@@ -56,6 +56,7 @@ from neuralgrid.gateway.pipeline.relay import JobDeadline, Relay
 from neuralgrid.gateway.pipeline.send import Sender
 from neuralgrid.gateway.prompt_cache import SALTS, PromptCaches
 from neuralgrid.gateway.ratelimit import RateLimiter
+from neuralgrid.gateway.renewals import keep_renewing
 from neuralgrid.gateway.tunnel import Tunnels
 from neuralgrid.gateway.upstream import HttpNodes
 from neuralgrid.gateway.verifier import Verifier

@@ -14,7 +14,7 @@ import httpx
 import psycopg
 import pytest
 
-from neuralgrid.gateway import claims, journal, leases
+from neuralgrid.gateway import claims, journal, leases, renewals
 from tests.conftest import LLAMA8, stream_chat
 from tests.slots import JOB_SLOTS, written_behind
 
@@ -135,16 +135,16 @@ def test_a_lane_whose_first_renewal_leased_nothing_is_leased_by_the_next(
     no longer leave the lane in SQL: the next two tests.)"""
     node = fake_nodes(max_concurrency=1)
     journals = _made(monkeypatch, journal.Journal)
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
     held: list[bool] = []
 
-    async def send_while_held(self: leases.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
+    async def send_while_held(self: renewals.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
         if not lanes or held:
             return await send(self, lanes, *args)
         held.append(True)  # the lane's first renewal: its node's and jobs' rows locked elsewhere
         await _holding_rows(db_url, node.node_id, lambda: send(self, lanes, *args), journals)
 
-    monkeypatch.setattr(leases.Renewals, "_send", send_while_held)
+    monkeypatch.setattr(renewals.Renewals, "_send", send_while_held)
     waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert held and sum(w > 0 for w in waited[3:]) <= 1 and waited[5:] == [0.0] * 5, waited
 
@@ -158,7 +158,7 @@ def test_a_lease_renewal_sent_while_the_journal_writes_still_leases_the_lane(
     Postgres orders them (the gateway's advisory lock), so that both are on their way at once (a far
     gateway's ends no longer wait a round trip). Here one is asked for as each write begins."""
     fake_nodes(max_concurrency=1)
-    made = _made(monkeypatch, leases.Renewals)
+    made = _made(monkeypatch, renewals.Renewals)
     writing: list[bool] = []
     met: list[bool] = []  # for each renewal sent, whether the journal was writing
     asked: set[asyncio.Task[None]] = set()
@@ -175,14 +175,14 @@ def test_a_lease_renewal_sent_while_the_journal_writes_still_leases_the_lane(
         finally:
             writing.clear()
 
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
 
-    async def send_noted(self: leases.Renewals, *args: Any) -> None:
+    async def send_noted(self: renewals.Renewals, *args: Any) -> None:
         met.append(bool(writing))
         await send(self, *args)
 
     monkeypatch.setattr(journal.Journal, "_write", write_as_a_renewal_is_asked_for)
-    monkeypatch.setattr(leases.Renewals, "_send", send_noted)
+    monkeypatch.setattr(renewals.Renewals, "_send", send_noted)
     waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert any(met) and waited[3:] == [0.0] * 7, (met, waited)
 
@@ -201,9 +201,9 @@ def test_a_request_placed_in_sql_asks_for_a_renewal_sent_after_it(
     it leases the slot. Before, the request asked for no renewal (one was under way), and the two
     empty answers left the lane in SQL until the periodic renewal, each request waiting for the end
     of the one before it to be written (CI at 751a219: [0, 79, 28, 11, 11, 11, ...] ms)."""
-    monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
+    monkeypatch.setattr(renewals, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
     node = fake_nodes(max_concurrency=1)
-    made, journals = _made(monkeypatch, leases.Renewals), _made(monkeypatch, journal.Journal)
+    made, journals = _made(monkeypatch, renewals.Renewals), _made(monkeypatch, journal.Journal)
     events: dict[str, asyncio.Event] = {}
     early: list[asyncio.Task[None]] = []
     sent: list[int] = []
@@ -216,9 +216,9 @@ def test_a_request_placed_in_sql_asks_for_a_renewal_sent_after_it(
             await events["sent"].wait()
         return await place(self, params)
 
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
 
-    async def send_held(self: leases.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
+    async def send_held(self: renewals.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
         if not lanes or len(sent) >= 2:
             return await send(self, lanes, *args)
         sent.append(len(lanes))
@@ -227,15 +227,15 @@ def test_a_request_placed_in_sql_asks_for_a_renewal_sent_after_it(
             events["sent"].set()
             await asyncio.wait_for(events["asked"].wait(), 5)
 
-    soon = leases.Renewals.soon
+    soon = renewals.Renewals.soon
 
-    def soon_noted(self: leases.Renewals, lane: leases.Lane) -> None:
+    def soon_noted(self: renewals.Renewals, lane: leases.Lane) -> None:
         soon(self, lane)
         events["asked"].set()
 
     monkeypatch.setattr(claims.Claims, "place", place_as_a_renewal_answers)
-    monkeypatch.setattr(leases.Renewals, "_send", send_held)
-    monkeypatch.setattr(leases.Renewals, "soon", soon_noted)
+    monkeypatch.setattr(renewals.Renewals, "_send", send_held)
+    monkeypatch.setattr(renewals.Renewals, "soon", soon_noted)
     waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert sent == [1, 1] and waited[3:] == [0.0] * 7, (sent, waited)
 
@@ -249,13 +249,13 @@ def test_a_request_waits_for_the_renewal_asked_for_its_lane_not_sql(
     machine (its renewals slow) the lane got nothing renewal after renewal while one caller's
     requests were each placed in SQL (CI at dee9b7f: [0, 73, 16, 17, 23, 6, ...] ms). Here each
     renewal that asks for a lane is 50 ms on its way: no placement runs then."""
-    monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
+    monkeypatch.setattr(renewals, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
     fake_nodes(max_concurrency=1)
     asking: list[bool] = []  # whether a renewal that asks for a lane is on its way
     beside: list[bool] = []  # for each placement in SQL, whether one was
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
 
-    async def send_slowly(self: leases.Renewals, lanes: Any, sent_at: float, asked: set[Any]) -> None:
+    async def send_slowly(self: renewals.Renewals, lanes: Any, sent_at: float, asked: set[Any]) -> None:
         asking.append(bool(asked))
         try:
             if asked:
@@ -270,7 +270,7 @@ def test_a_request_waits_for_the_renewal_asked_for_its_lane_not_sql(
         beside.append(any(asking))
         return await place(self, params)
 
-    monkeypatch.setattr(leases.Renewals, "_send", send_slowly)
+    monkeypatch.setattr(renewals.Renewals, "_send", send_slowly)
     monkeypatch.setattr(claims.Claims, "place", place_noted)
     waited = _one_after_another(request.getfixturevalue("gateway"), api_key)
     assert beside == [False] and waited[2:] == [0.0] * 8, (beside, waited)

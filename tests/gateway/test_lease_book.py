@@ -22,10 +22,11 @@ from neuralgrid.db import queries as q
 from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
-from neuralgrid.gateway.leases import GROW_EVERY_S, MARGIN_S, Lane, LeaseBook, Renewals, Taken
+from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
 from neuralgrid.gateway.pipeline import leased
 from neuralgrid.gateway.pipeline.admit import Admitted, Call
 from neuralgrid.gateway.pipeline.leased import LeasedJobs
+from neuralgrid.gateway.renewals import GROW_EVERY_S, Renewals
 
 LANE = Lane("m", "balanced")
 
@@ -641,7 +642,6 @@ def test_a_bursts_next_renewal_waits_a_moment_after_the_last_answer() -> None:
     sent GROW_EVERY_S after the one before, went back to back on a gateway whose round trip is longer:
     every slot an answer leased was held idle by the next renewal, sent as that answer came, and the
     burst went to SQL (a review). The next one waits GROW_EVERY_S after an answer."""
-    from neuralgrid.gateway.leases import GROW_EVERY_S, Renewals
 
     clock = Clock()
     book = LeaseBook(clock)

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 from neuralgrid.db import queries as q
-from neuralgrid.gateway import leases
+from neuralgrid.gateway import renewals
 from neuralgrid.gateway.pipeline.leased import DRAIN_S
 from neuralgrid.server.app import STOP_S, create_app
 from neuralgrid.server.serving import ThreadedServer
@@ -254,20 +254,20 @@ def test_escrows_are_renewed_only_for_keys_with_a_budget(
     app = create_app(Settings(NEURALGRID_SPOOL_DIR=spool), db_url, sweep=False)
     with ThreadedServer(app) as gateway:
         leased = app.state.services.pipeline.placement.leased
-        renewals: list[Any] = []
+        escrows: list[Any] = []
 
         async def count(params: Any) -> None:
-            renewals.append(params)
+            escrows.append(params)
 
         leased.store = Intercepted(leased.store, q.RENEW_ESCROWS, count)
         assert ask(gateway.url, api_key).status_code == 200
         wait_for(lambda: served_from_a_lease(gateway.url, api_key), timeout=10)
-        time.sleep(4 * leases.RENEW_EVERY_S)
-        assert renewals == []
+        time.sleep(4 * renewals.RENEW_EVERY_S)
+        assert escrows == []
         row = conn.execute("select api_key from create_api_key('budgeted', null, null, 0.5)").fetchone()
         assert row is not None
         wait_for(lambda: served_from_a_lease(gateway.url, str(row[0])), timeout=10)
-        assert renewals and conn.execute("select count(*) from private.key_escrows").fetchone() == (1,)
+        assert escrows and conn.execute("select count(*) from private.key_escrows").fetchone() == (1,)
 
 
 def test_a_failed_leased_node_hands_its_job_to_another(
@@ -522,18 +522,18 @@ def test_a_request_that_finds_its_slot_held_back_by_a_renewal_on_its_way_waits_f
     assert ask(leased_gateway, api_key).status_code == 200  # cold: placed in SQL, the lane leased
     wait_for(lambda: leases_held(conn) > 0, timeout=5)
     assert ask(leased_gateway, api_key).status_code == 200  # leased
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
     sent: list[bool] = []
     on_way = threading.Event()
 
-    async def slowly(self: leases.Renewals, *args: Any) -> None:
+    async def slowly(self: renewals.Renewals, *args: Any) -> None:
         sent.append(True)
         if len(sent) == 2:  # the first reports the lease's slot not in use: the second holds it back
             on_way.set()
             await asyncio.sleep(0.5)
         await send(self, *args)
 
-    monkeypatch.setattr(leases.Renewals, "_send", slowly)
+    monkeypatch.setattr(renewals.Renewals, "_send", slowly)
     assert on_way.wait(timeout=5)
     matched = metric(leased_gateway, "neuralgrid_matcher_seconds_count")
     leased = metric(leased_gateway, "neuralgrid_leased_placements_total")
@@ -551,17 +551,17 @@ def test_a_job_moved_into_a_lease_by_a_renewal_whose_answer_was_lost_is_known_at
     the node past its one slot. Now each renewal names the jobs SQL placed that the gateway still
     thinks SQL's, and hears which of them a lease holds."""
     fake_nodes("one-slot", max_concurrency=1, latency_s=1.0)
-    send = leases.Renewals._send
+    send = renewals.Renewals._send
     lost: list[bool] = []
 
-    async def answer_lost(self: leases.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
+    async def answer_lost(self: renewals.Renewals, lanes: list[dict[str, object]], *args: Any) -> None:
         if lost or not args[1]:  # args: sent_at, the lanes it asks for (after a placement)
             return await send(self, lanes, *args)
         await self.store.all(q.RENEW_LEASES, (self.gateway_id, json.dumps(lanes)))  # committed
         lost.append(True)
         raise psycopg.OperationalError("the connection broke as the answer came")
 
-    monkeypatch.setattr(leases.Renewals, "_send", answer_lost)
+    monkeypatch.setattr(renewals.Renewals, "_send", answer_lost)
     answered: dict[str, float] = {}
 
     def timed(name: str) -> None:
@@ -584,7 +584,7 @@ def test_a_lease_that_runs_out_grows_at_once_not_at_the_next_renewal(
     Postgres CPU) until a renewal grows the lease. Once as many are in SQL as on the lease, the next
     asks for that renewal (bench gateway's rounds began with half a second of it: the periodic
     renewal's wait)."""
-    monkeypatch.setattr(leases, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
+    monkeypatch.setattr(renewals, "RENEW_EVERY_S", 60.0)  # no periodic renewal within the test
     node = fake_nodes("leased-grows", latency_s=0.02)  # 4 slots
     settings = Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool)
     stop = threading.Event()
@@ -658,13 +658,13 @@ def test_a_request_for_a_model_or_policy_that_does_not_exist_stops_no_renewal(
     with ThreadedServer(app) as gateway:
         assert ask(gateway.url, api_key).status_code == 200
         wait_for(lambda: leases_held(conn) > 0, timeout=5)
-        renewals = app.state.services.pipeline.placement.leased.renewals
+        renewing = app.state.services.pipeline.placement.leased.renewals
         named: list[set[str]] = []
 
         async def noted(params: Any) -> None:
             named.append({str(lane["model"]) + " " + str(lane["policy"]) for lane in json.loads(params[1])})
 
-        renewals.store = Intercepted(renewals.store, q.RENEW_LEASES, noted)
+        renewing.store = Intercepted(renewing.store, q.RENEW_LEASES, noted)
         for i in range(5):
             made_up = ask(gateway.url, api_key, {**PLAIN, "model": f"nobody/serves-this-{i}"})
             assert made_up.status_code == 404, made_up.text
@@ -680,8 +680,8 @@ def test_a_request_for_a_model_or_policy_that_does_not_exist_stops_no_renewal(
             return conn.execute("select max(expires_at) from private.slot_leases").fetchone()
 
         after_all = ends()
-        wait_for(lambda: ends() > after_all, timeout=4 * leases.RENEW_EVERY_S + 1)  # renewed again
+        wait_for(lambda: ends() > after_all, timeout=4 * renewals.RENEW_EVERY_S + 1)  # renewed again
         seen = len(named)
-        wait_for(lambda: len(named) >= seen + 2, timeout=4 * leases.RENEW_EVERY_S + 1)
+        wait_for(lambda: len(named) >= seen + 2, timeout=4 * renewals.RENEW_EVERY_S + 1)
         assert all(lanes == {f"{LLAMA8} balanced"} for lanes in named[seen:]), named
         assert served_from_a_lease(gateway.url, api_key)

@@ -23,11 +23,11 @@ from uuid import UUID, uuid4
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
-from neuralgrid.gateway import leases
 from neuralgrid.gateway.escrow import Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal
 from neuralgrid.gateway.leases import Lane, Lease, LeaseBook, Taken
 from neuralgrid.gateway.pipeline.admit import Admitted, Catalog
+from neuralgrid.gateway.renewals import Renewals
 from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
@@ -79,7 +79,7 @@ class LeasedJobs:
         self.freed = freed  # told of each slot given back: a request waiting in line may take it
         self.store = store
         self.gateway_id = gateway_id
-        self.renewals = leases.Renewals(store, gateway_id, book)
+        self.renewals = Renewals(store, gateway_id, book)
         self.book = book
         self.escrows = escrows
         self.journal = journal
