@@ -85,19 +85,17 @@ class Renewals:
                 return  # a renewal sent since soon() asked for the lane (the periodic one)
             lanes = self.book.lanes(self.placed())
             sent_at = self.book.clock()
-            reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")) for a in lanes}
-            asking = reported & self._asking
+            reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")): a for a in lanes}
+            asking = reported.keys() & self._asking
             self._asking -= asking  # a request SQL places from now on asks for the next one
             if asked_for is not None:
                 self._asking.discard(asked_for)
             self._sent_at = dict.fromkeys(reported, sent_at)
             # A lane it asks for that holds nothing yet may be given what it wants (answer()).
             cold = {
-                lane: int(str(a["want"]))
-                for a in lanes
-                if (lane := Lane(str(a["model"]), str(a["policy"]), str(a["region"] or ""))) in asking
-                and self._empty.get(lane, 0) < 2
-                and not self.book.leases(lane)
+                lane: int(str(reported[lane]["want"]))
+                for lane in asking
+                if self._empty.get(lane, 0) < 2 and not self.book.leases(lane)
             }
             on_way = self._on_way = _OnWay(asyncio.Event(), cold)
             try:
@@ -106,17 +104,20 @@ class Renewals:
                 self._on_way = None
                 on_way.answered.set()  # before the lock is let go: its waiters take first
 
-    async def answer(self, lane: Lane, withheld: int) -> bool:
-        """Wait for the answer of the renewal on its way, for a request of `lane` that found no slot
-        free, where that answer may give it one: `withheld` of the lane's slots are held back until
-        it comes (idle, reported not in use: take()), or the lane holds nothing and the renewal
-        asks for it (SQL placed one of its requests), for as many requests as each may give; False
-        when there is none (or it has not come within ANSWER_WAIT_S). It usually comes before SQL's
-        would, sent first; and a placement beside it holds the node's row, which the renewal skips:
-        a sequential caller's cold lane got nothing renewal after renewal on a loaded machine, each
+    async def answer(self, lane: Lane, route: str | None, max_rate: float | None) -> bool:
+        """Wait for the answer of the renewal on its way, for a request of `lane` (serving `route`
+        within the price cap `max_rate`) that found no slot free, where that answer may give it
+        one: the lane's slots it could take are held back until it comes (idle, reported not in
+        use: LeaseBook.withheld()), or the lane holds nothing and the renewal asks for it (SQL
+        placed one of its requests), for as many requests as each may give; False when there is
+        none (or it has not come within ANSWER_WAIT_S). It usually comes before SQL's would, sent
+        first; and a placement beside it holds the node's row, which the renewal skips: a
+        sequential caller's cold lane got nothing renewal after renewal on a loaded machine, each
         request placed in SQL."""
         on_way = self._on_way
-        if on_way is None or on_way.waiting[lane] >= withheld + on_way.cold.get(lane, 0):
+        if on_way is None:  # most requests that find no slot: no scan of the leases
+            return False
+        if on_way.waiting[lane] >= self.book.withheld(lane, route, max_rate) + on_way.cold.get(lane, 0):
             return False
         on_way.waiting[lane] += 1
         try:

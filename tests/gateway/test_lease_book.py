@@ -12,7 +12,6 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -724,15 +723,18 @@ def test_a_drained_slot_asks_for_one_renewal_and_none_while_one_is_on_its_way() 
     asyncio.run(main())
 
 
-class _Unanswered:
-    """A database that answers no renewal until told to (then with no lease)."""
+class _HeldAnswers:
+    """A database whose renewals each answer `rows` once told to: the first when answers[0] is
+    set, the second when answers[1] is, and so on."""
 
-    def __init__(self) -> None:
-        self.answer = asyncio.Event()
+    def __init__(self, renewals: int, rows: list[q.LeaseRow]) -> None:
+        self.answers = [asyncio.Event() for _ in range(renewals)]
+        self._next = iter(self.answers)
+        self.rows = rows
 
-    async def all(self, query: Any, params: Any = None) -> list[Any]:
-        await self.answer.wait()
-        return []
+    async def all(self, query: Any, params: Any = None) -> list[q.LeaseRow]:
+        await next(self._next).wait()
+        return self.rows
 
 
 def test_a_request_waits_for_a_renewal_on_its_way_only_for_a_slot_it_may_give() -> None:
@@ -744,7 +746,7 @@ def test_a_request_waits_for_a_renewal_on_its_way_only_for_a_slot_it_may_give() 
         clock = Clock()
         book = LeaseBook(clock)
         jobs = offline_jobs(book)
-        jobs.renewals.store = _Unanswered()  # type: ignore[assignment]
+        store = jobs.renewals.store = _HeldAnswers(1, [])  # type: ignore[assignment]
         book.renewed([row(uuid4(), 1, 1)], clock(), 5.0)
         renewal = asyncio.get_running_loop().create_task(jobs.renewals.renew())  # reports none in use
         await asyncio.sleep(0)
@@ -763,7 +765,7 @@ def test_a_request_waits_for_a_renewal_on_its_way_only_for_a_slot_it_may_give() 
         with pytest.raises(asyncio.CancelledError):
             await first
         assert jobs.escrows.take(key.id, Decimal("0.5"))  # every hold given back
-        jobs.renewals.store.answer.set()  # type: ignore[attr-defined]
+        store.answers[0].set()
         await renewal
 
     asyncio.run(main())
@@ -782,14 +784,8 @@ def test_a_request_waiting_for_a_renewals_answer_takes_its_slot_before_the_next_
         book = LeaseBook(clock)
         jobs = offline_jobs(book)
         node = uuid4()
-        first_answer, second_answer = asyncio.Event(), asyncio.Event()
-        answers = [first_answer, second_answer]
-
-        async def all(query: Any, params: Any = None) -> list[Any]:
-            await answers.pop(0).wait()
-            return [row(node, 1, 1)]
-
-        jobs.renewals.store = SimpleNamespace(all=all)  # type: ignore[assignment]
+        store = jobs.renewals.store = _HeldAnswers(2, [row(node, 1, 1)])  # type: ignore[assignment]
+        first_answer, second_answer = store.answers
         book.renewed([row(node, 1, 1)], clock(), 5.0)
         loop = asyncio.get_running_loop()
         first = loop.create_task(jobs.renewals.renew())  # reports none in use: the slot held back

@@ -148,7 +148,7 @@ class LeasedJobs:
         taken = None
         try:
             taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
-            if taken is None and await self.renewals.answer(lane, self.book.withheld(lane, route, cap)):
+            if taken is None and await self.renewals.answer(lane, route, cap):
                 taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
         finally:  # none taken, or the client went away meanwhile: its hold goes back
             if taken is None and budgeted:
