@@ -45,9 +45,9 @@ RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is un
 # GATHER_S after the record that woke it (the answer that queued it goes out first). A start waits
 # START_AFTER_S, so that a job that ends sooner is written once, ended (record_jobs() then inserts
 # its job and attempt ended rather than inserting them running and updating both): the ledger shows
-# a running leased job that much later (the sweep has the spool; failover and hand-over write with
-# no gathering wait). Side by side (bench gateway, 16 callers, 2026-12-04, alternating runs): with no wait and the
-# new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48 streaming; with the
+# a running leased job that much later (the sweep has the spool; failover and hand-over write
+# with no wait to gather). Side by side (bench gateway, 16 callers, 2026-12-04, alternating runs):
+# with no wait and the new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48 streaming; with the
 # wait, 0.28 to 0.35 and 0.36 to 0.39; before both, 0.41 to 0.46 and 0.42 to 0.49 (a wait alone
 # had changed nothing: a leased job cost the rows it wrote). A job longer than the wait is written
 # twice, as before. A write begins WRITE_EVERY_S after the one before at the soonest: a call costs
