@@ -47,15 +47,16 @@ RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is un
 # its job and attempt ended rather than inserting them running and updating both): the ledger shows
 # a running leased job that much later (the sweep has the spool; failover and hand-over write
 # with no wait to gather). Side by side (bench gateway, 16 callers, 2026-12-04, alternating runs):
-# with no wait and the new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48 streaming; with the
-# wait, 0.28 to 0.35 and 0.36 to 0.39; before both, 0.41 to 0.46 and 0.42 to 0.49 (a wait alone
-# had changed nothing: a leased job cost the rows it wrote). A job longer than the wait is written
-# twice, as before. A write begins WRITE_EVERY_S after the one before at the soonest: a call costs
-# Postgres about 1.4 ms whatever it holds and a job 0.12 ms more (2026-12-06), and the journal wrote
-# each batch as soon as the one before was in, so one caller's jobs, ending a millisecond or so
-# apart, went a job or two a call. bench gateway, one caller, Postgres CPU a request: 0.60 to 0.71 ms
-# before, 0.36 to 0.37 at 10 ms, 0.28 to 0.42 at 20 ms; at 20 ms the added p99 rose by a millisecond
-# (a bigger write holds one of this machine's two cores longer), at 10 ms it did not.
+# with no wait and the new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48
+# streaming; with the wait, 0.28 to 0.35 and 0.36 to 0.39; before both, 0.41 to 0.46 and 0.42 to
+# 0.49 (a wait alone had changed nothing: a leased job cost the rows it wrote). A job longer than
+# the wait is written twice, as before. A write begins WRITE_EVERY_S after the one before at the
+# soonest: a call costs Postgres about 1.4 ms whatever it holds and a job 0.12 ms more (2026-12-06),
+# and the journal wrote each batch as soon as the one before was in, so one caller's jobs, ending a
+# millisecond or so apart, went a job or two a call. bench gateway, one caller, Postgres CPU a
+# request: 0.60 to 0.71 ms before, 0.36 to 0.37 at 10 ms, 0.28 to 0.42 at 20 ms; at 20 ms the added
+# p99 rose by a millisecond (a bigger write holds one of this machine's two cores longer), at 10 ms
+# it did not.
 GATHER_S = 0.002
 WRITE_EVERY_S = 0.01
 START_AFTER_S = 0.1
