@@ -802,3 +802,26 @@ def test_a_request_waiting_for_a_renewals_answer_takes_its_slot_before_the_next_
         await second
 
     asyncio.run(main())
+
+
+def test_a_request_leaving_the_line_for_a_leased_slot_is_never_counted_twice() -> None:
+    """A request that waited in line and takes a leased slot is counted as holding it in the step
+    that stops counting it as waiting. Its line's count dropped only once the line had handed the
+    answer on (a loop iteration or two later): a renewal sent between reported the lane needing two
+    slots for one request, and SQL leased it two of a node of four (bench world, cold requests
+    waiting behind the idle one)."""
+
+    async def main() -> list[dict[str, object]]:
+        clock = Clock()
+        book = LeaseBook(clock)
+        jobs = offline_jobs(book)
+        book.renewed([row(uuid4(), 2, 1)], clock(), 5.0)
+        admitted = chat_call()
+        with jobs.waiting(admitted) as in_line:
+            assert in_line is not None
+            assert await jobs.dispatch(admitted, LANE, None, in_line) is not None
+            during = book.lanes()  # a renewal sent before the request has left the line
+        return during + book.lanes()
+
+    during, after = asyncio.run(main())
+    assert during["need"] == 1 and after["need"] == 1, (during, after)

@@ -58,6 +58,16 @@ class Elsewhere:
     moved: bool = False  # SQL moved it on (failover, a stream's hand-over): SQL's to its end
 
 
+@dataclass
+class InLine:
+    """A request waiting in line, counted in its lane's demand as waiting until it takes a leased
+    slot (then counted as holding it, in the same step: never as both, which a renewal reported
+    as two slots needed) or leaves the line."""
+
+    lane: Lane
+    counted: bool = True
+
+
 @dataclass(frozen=True)
 class Dispatched:
     job_id: UUID
@@ -129,7 +139,7 @@ class LeasedJobs:
         return Lane(call.model, call.policy, call.region or "")
 
     async def dispatch(
-        self, admitted: Admitted, lane: Lane, route: str | None, queued: bool = False
+        self, admitted: Admitted, lane: Lane, route: str | None, queued: InLine | None = None
     ) -> Dispatched | None:
         """A slot of the lane and the job's id, with no round trip; None when this gateway holds no
         free slot for it (nor does the renewal on its way give one, where it may: its answer is
@@ -147,14 +157,17 @@ class LeasedJobs:
             return None
         taken = None
         try:
-            taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
+            taken = self.book.take(lane, route, max_rate=cap, counted=queued is None)
             if taken is None and await self.renewals.answer(lane, route, cap):
-                taken = self.book.take(lane, route, max_rate=cap, counted=not queued)
+                taken = self.book.take(lane, route, max_rate=cap, counted=queued is None)
         finally:  # none taken, or the client went away meanwhile: its hold goes back
             if taken is None and budgeted:
                 self.escrows.give_back(call.key.id, hold)
         if taken is None:
             return None
+        if queued is not None and queued.counted:  # out of the line as it takes the slot
+            self.book.unleased(queued.lane, -1, waiting=True)
+            queued.counted = False
         job_id = uuid4()
         self.journal.start(_record(job_id, admitted, taken.node_id, hold))
         self._slots[job_id] = Slot(taken, route, [taken.node_id], cap)
@@ -217,20 +230,22 @@ class LeasedJobs:
         return lane is not None and not self.book.leases(lane)
 
     @contextlib.contextmanager
-    def waiting(self, admitted: Admitted) -> Iterator[None]:
-        """While a request waits in line for a slot: its lane wants one more. A lane this gateway
-        holds no slot of asks for it at once: the renewal says what it needs (where the gateway
-        holds an idle slot of another lane on a full node, SQL moves it to this lane)."""
+    def waiting(self, admitted: Admitted) -> Iterator[InLine | None]:
+        """While a request waits in line for a slot: its lane wants one more (until it takes a
+        leased slot: dispatch() with what this yields). A lane this gateway holds no slot of asks
+        for it at once: the renewal says what it needs (where the gateway holds an idle slot of
+        another lane on a full node, SQL moves it to this lane)."""
         lane = self.lane(admitted)
-        if lane is not None:
-            self.book.unleased(lane, 1, waiting=True)
-            if not self.book.leases(lane):
-                self.renewals.soon(lane)
+        in_line = None if lane is None else InLine(lane)
+        if in_line is not None:
+            self.book.unleased(in_line.lane, 1, waiting=True)
+            if not self.book.leases(in_line.lane):
+                self.renewals.soon(in_line.lane)
         try:
-            yield
+            yield in_line
         finally:
-            if lane is not None:
-                self.book.unleased(lane, -1, waiting=True)
+            if in_line is not None and in_line.counted:
+                self.book.unleased(in_line.lane, -1, waiting=True)
 
     def moved_elsewhere(self, job_id: UUID) -> None:
         """SQL moved a job it placed to another node: the job stays SQL's to its end (renew_lane()

@@ -21,7 +21,7 @@ from neuralgrid.gateway.leases import Lent
 from neuralgrid.gateway.metrics import Metrics
 from neuralgrid.gateway.pipeline.admit import Admitted
 from neuralgrid.gateway.pipeline.kinds import matched_route
-from neuralgrid.gateway.pipeline.leased import Dispatched, LeasedJobs
+from neuralgrid.gateway.pipeline.leased import Dispatched, InLine, LeasedJobs
 from neuralgrid.gateway.waiting import ClientLeft, LineFull, WaitingRoom
 from neuralgrid.protocol.routes import DEFAULT_ROUTES, ECHO
 
@@ -156,7 +156,9 @@ class Placement:
         params["end_user"] = call.body.get("user")  # validated: a short line of text, or absent
         return params
 
-    async def _lease(self, admitted: Admitted, route: str | None, queued: bool = False) -> Dispatched | None:
+    async def _lease(
+        self, admitted: Admitted, route: str | None, queued: InLine | None = None
+    ) -> Dispatched | None:
         """A slot this gateway leases, with no round trip (leased.py); None: ask SQL. `queued`: the
         request waits in line, where it is counted as the lane's demand already."""
         if self.leased is None or (lane := self.leased.lane(admitted)) is None:
@@ -188,10 +190,11 @@ class Placement:
     ) -> q.Match | Dispatched:
         deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
         lending = True  # for a request no leased slot could take, until SQL passes a lent slot over
+        in_line: InLine | None = None  # counted in its lane's demand as waiting (leased.py)
 
         async def ask() -> q.Match | Dispatched | None:
             nonlocal lending
-            dispatched = await self._lease(admitted, route, queued=True)
+            dispatched = await self._lease(admitted, route, queued=in_line)
             if dispatched is not None or await self._at_share(admitted) or self.leased is None:
                 return dispatched
             if self.leased.holds_nothing(admitted):
@@ -211,9 +214,9 @@ class Placement:
 
         # The lane's demand while it waits: a request no leased slot could take too (SQL found its
         # budget good), which a slot this gateway's leases free is lent to.
-        waiting = self.leased.waiting(admitted) if self.leased else contextlib.nullcontext()
+        waiting = self.leased.waiting(admitted) if self.leased else contextlib.nullcontext(None)
         try:
-            with waiting:  # the lane wants a slot more meanwhile (the leases' demand)
+            with waiting as in_line:  # the lane wants a slot more meanwhile (the leases' demand)
                 match: q.Match | Dispatched | None = await self.room.wait(
                     line, key_id, deadline, ask, seen, gone, reach, apart
                 )
