@@ -654,19 +654,29 @@ def test_a_tunnel_node_serves_streams_and_plain_requests(
 
 
 def test_a_tunnel_the_sweep_forgot_while_its_socket_stayed_open_is_recorded_again(
-    conn: psycopg.Connection, gateway: str, operator_key: str, backend: ThreadedServer
+    conn: psycopg.Connection, db_url: str, gateway: str, operator_key: str, backend: ThreadedServer
 ) -> None:
     """Found by a fault-injection review: a gateway judged silent (a database outage, or paused while
     another gateway's sweeper ran) lost its tunnels' routes, and their nodes stayed offline for good:
     the sockets were open, the agents beating, nothing dialled again. A gateway that checks in late
     records them again. (Here the gateway checks in every 2 s and counts as silent after 0.1 s: each
     of its check-ins is late. The sweep sees it silent whatever its lease renewals, which check it in
-    too, did a moment before: a renewal within 0.1 s of the sweep made this test flaky.)"""
+    too, did a moment before: a renewal within 0.1 s of the sweep made this test flaky.) A sweep
+    takes no node another transaction holds, and the next sweep, a second later, takes it: one sweep
+    alone found nothing to mark offline once in CI (3d2db95), the row held as it ran. Here another
+    connection holds it through the first sweep, and the sweeps go on as the sweeper's would."""
+    sweep = "select name from public.sweep() where kind = 'node_offline'"
     with running_agent(conn, gateway, operator_key, backend.url, "nat-box", 24, "--tunnel"):
         conn.execute("update platform_settings set gateway_timeout_s = 0.1")
-        with conn.transaction():  # a renewal waits for the row until the sweep has run
+        with psycopg.connect(db_url) as other, conn.transaction():  # a renewal waits for the row
             conn.execute("update private.gateways set seen_at = now() - interval '1 minute'")
-            forgotten = conn.execute("select name from public.sweep() where kind = 'node_offline'").fetchall()
+            other.execute("select from nodes where name = 'nat-box' for no key update")  # a beat, say
+            assert conn.execute(sweep).fetchall() == []  # left to the next sweep
+            other.rollback()
+            forgotten: list[Any] = []
+            deadline = time.monotonic() + 5
+            while not forgotten and time.monotonic() < deadline:
+                forgotten = conn.execute(sweep).fetchall()
             assert forgotten == [("nat-box",)]
             assert node_row(conn, "nat-box")[1] == "offline"  # seen before a check-in can restore it
         wait_for(lambda: node_row(conn, "nat-box")[1] == "online", timeout=10)
