@@ -7,8 +7,9 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import JSONResponse, Response
 from psycopg.types.json import Jsonb
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.body import read_json
@@ -19,10 +20,32 @@ from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import Heartbeat, NodeRegistration
 from neuralgrid.protocol.tunnel import FLOW, FLOW_HEADER
 from neuralgrid.server.deps import ApiKeyDep, ServicesDep
+from neuralgrid.server.services import Services
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 ModelT = TypeVar("ModelT", bound=BaseModel)
 HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat is small; anything larger is a mistake or an attack
+_UUID = TypeAdapter(UUID)
+# The heartbeat's path parameter and answer in the OpenAPI document (its endpoint reads them itself).
+NODE_ID = {"name": "node_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+BEAT_REPLY: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The node's status, and the models it should pre-load now (none or one)",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["node_id", "status", "load"],
+                    "properties": {
+                        "node_id": {"type": "string", "format": "uuid"},
+                        "status": {"type": "string"},
+                        "load": {"type": "array", "items": {"type": "string"}},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 @router.post("", status_code=201)
@@ -53,9 +76,12 @@ async def register(request: Request, key: ApiKeyDep, services: ServicesDep) -> d
     }
 
 
-@router.post("/{node_id}/heartbeat")
-async def heartbeat(node_id: UUID, request: Request, services: ServicesDep) -> dict[str, Any]:
+@router.post("/{node_id}/heartbeat", openapi_extra={"parameters": [NODE_ID]}, responses=BEAT_REPLY)
+async def heartbeat(request: Request) -> Response:
     """A heartbeat from the node's agent, signed in with the node's secret."""
+    # The request alone, served without FastAPI's layers (server/asgi.py): every node beats.
+    services: Services = request.app.state.services
+    node_id = _node_id(request.path_params["node_id"])
     header = request.headers.get("authorization") or ""
     if not header.lower().startswith("bearer "):
         raise Unauthorized("send the node's secret: 'Authorization: Bearer <node secret>'")
@@ -68,7 +94,15 @@ async def heartbeat(node_id: UUID, request: Request, services: ServicesDep) -> d
     # when it repeats the node's last beat, else once written (gateway/heartbeats.py).
     reply = await services.heartbeats.beat(node_id, signing.node_key(header[7:].strip()), beat)
     # `load`: the models the node should pre-load now (none or one); agents before pre-warm ignore it.
-    return {"node_id": node_id, "status": reply.status, "load": reply.load}
+    return JSONResponse({"node_id": str(node_id), "status": reply.status, "load": reply.load})
+
+
+def _node_id(said: str) -> UUID:
+    """The path's node id, refused as FastAPI refuses a path parameter that is not a UUID."""
+    try:
+        return _UUID.validate_python(said)
+    except ValidationError as err:
+        raise invalid([{**e, "loc": ("path", "node_id", *e["loc"])} for e in err.errors()]) from None
 
 
 def _jsonb(model: BaseModel | None) -> Jsonb | None:

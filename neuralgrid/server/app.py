@@ -262,7 +262,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
     app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
     app.serve_directly(routes_openai.router)
     app.include_router(routes_keys.router)
-    app.include_router(routes_nodes.router)
+    app.serve_directly(routes_nodes.router)
     app.include_router(forward.router)
     app.include_router(web_routes.router)
     app.include_router(realtime_socket.router)

@@ -7,7 +7,9 @@ gateway's CPU per request (a profile of `bench gateway` at 16 callers, 2026-12-0
 route needs none of them: its endpoint takes the request alone and reads its own body. `App` serves
 such routes directly: Timing, the endpoint, and the app's own exception handlers, looked up as
 Starlette looks them up. They stay FastAPI routes (the OpenAPI document; a GET on one is FastAPI's
-405), and a route whose endpoint needs anything solved is left to FastAPI.
+405), and a route whose endpoint needs anything solved is left to FastAPI. A node's heartbeat is
+served so too (a path with its node's id, which the endpoint reads itself): in a profile of `bench
+heartbeats` FastAPI's layers were more than half the gateway's CPU a beat, 2026-12-06.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class App(FastAPI):
         super().__init__(**options)
         self.add_middleware(Timing, metrics=metrics)
         self._direct: dict[str, APIRoute] = {}  # POST path -> route
+        self._templated: list[APIRoute] = []  # those whose paths have parameters, matched in order
         self._timed = Timing(self._serve, metrics)
 
     def serve_directly(self, router: APIRouter) -> None:
@@ -80,7 +83,10 @@ class App(FastAPI):
         self.include_router(router)
         for route in router.routes:
             if isinstance(route, APIRoute) and "POST" in (route.methods or ()) and direct(route):
-                self._direct[route.path] = route
+                if route.param_convertors:
+                    self._templated.append(route)
+                else:
+                    self._direct[route.path] = route
 
     def _plain(self) -> bool:
         """Nothing the app adds would wrap a route: no dependency of its own, no middleware but Timing."""
@@ -88,12 +94,23 @@ class App(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            route = self._direct.get(scope["path"])
+            route = self._direct.get(scope["path"]) or self._matched(scope)
             if route is not None and self._plain():
                 scope["app"], scope["route"] = self, route
                 await self._timed(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def _matched(self, scope: Scope) -> APIRoute | None:
+        """The direct route with parameters in its path that the request's path matches, its
+        parameters in the scope (as Starlette's router leaves them: converted)."""
+        for route in self._templated:
+            found = route.path_regex.match(scope["path"])
+            if found is not None:
+                said, convert = found.groupdict(), route.param_convertors
+                scope["path_params"] = {name: convert[name].convert(value) for name, value in said.items()}
+                return route
+        return None
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
