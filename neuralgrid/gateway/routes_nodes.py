@@ -27,7 +27,12 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 HEARTBEAT_MAX_BYTES = 64 * 1024  # a heartbeat is small; anything larger is a mistake or an attack
 _UUID = TypeAdapter(UUID)
 # The heartbeat's path parameter and answer in the OpenAPI document (its endpoint reads them itself).
-NODE_ID = {"name": "node_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+NODE_ID = {
+    "name": "node_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid", "title": "Node Id"},
+}
 BEAT_REPLY: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The node's status, and the models it should pre-load now (none or one)",

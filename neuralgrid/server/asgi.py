@@ -79,7 +79,8 @@ class App(FastAPI):
     def serve_directly(self, router: APIRouter) -> None:
         """Include `router` (as it is: no dependencies or prefix added), and serve its POST routes
         that take the request alone directly, while nothing else would wrap them: no dependency of
-        the app's, no middleware but Timing."""
+        the app's, no middleware but Timing. They are matched ahead of every other route: no route
+        included before them may take their paths (a POST catch-all would be passed over)."""
         self.include_router(router)
         for route in router.routes:
             if isinstance(route, APIRoute) and "POST" in (route.methods or ()) and direct(route):
@@ -93,9 +94,14 @@ class App(FastAPI):
         return not self.router.dependencies and len(self.user_middleware) == 1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+            and self._plain()
+        ):
             route = self._direct.get(scope["path"]) or self._matched(scope)
-            if route is not None and self._plain():
+            if route is not None:
                 scope["app"], scope["route"] = self, route
                 await self._timed(scope, receive, send)
                 return
