@@ -19,8 +19,7 @@ from neuralgrid.gateway.tunnel import Tunnel
 from neuralgrid.protocol import signing
 from neuralgrid.protocol.nodes import Heartbeat, NodeRegistration
 from neuralgrid.protocol.tunnel import FLOW, FLOW_HEADER
-from neuralgrid.server.deps import ApiKeyDep, ServicesDep
-from neuralgrid.server.services import Services
+from neuralgrid.server.deps import ApiKeyDep, ServicesDep, get_services
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -85,7 +84,7 @@ async def register(request: Request, key: ApiKeyDep, services: ServicesDep) -> d
 async def heartbeat(request: Request) -> Response:
     """A heartbeat from the node's agent, signed in with the node's secret."""
     # The request alone, served without FastAPI's layers (server/asgi.py): every node beats.
-    services: Services = request.app.state.services
+    services = await get_services(request)
     node_id = _node_id(request.path_params["node_id"])
     header = request.headers.get("authorization") or ""
     if not header.lower().startswith("bearer "):
