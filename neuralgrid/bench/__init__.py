@@ -101,19 +101,50 @@ def _cpus() -> int:
 
 @contextmanager
 def scratch_database(admin_url: str, name: str) -> Iterator[str]:
-    """A fresh, migrated database beside the platform's, for one benchmark; dropped afterwards."""
+    """A fresh, migrated database beside the platform's, for one benchmark; dropped afterwards. It is
+    a copy of a template migrated once per schema (migrated_template): setting a database up took a
+    second or more, and a bench compares several."""
     drop = sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+    template = migrated_template(admin_url)
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(drop)
-        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(admin_url, dbname=name)
+        conn.execute(sql.SQL("create database {} template {}").format(*map(sql.Identifier, (name, template))))
     try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            migrate.setup_database(conn)
-        yield url
+        yield psycopg.conninfo.make_conninfo(admin_url, dbname=name)
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(drop)
+
+
+TEMPLATE_PREFIX = "neuralgrid_bench_"
+
+
+def migrated_template(admin_url: str) -> str:
+    """The name of a database set up as setup_database() sets one up, made on first use and kept
+    for the next bench: `neuralgrid_bench_` and the schema's digest, so a checkout whose migrations
+    differ makes its own (and drops the templates of other schemas). Built under another name and
+    renamed once whole, under a lock: a bench stopped or running beside it never copies half a one."""
+    name = TEMPLATE_PREFIX + migrate.schema_digest()[:16]
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute("select pg_advisory_lock(hashtext('neuralgrid bench template'))")
+        try:
+            if conn.execute("select 1 from pg_database where datname = %s", (name,)).fetchone():
+                return name
+            building = name + "_building"
+            for (stale,) in conn.execute(
+                "select datname from pg_database where starts_with(datname, %s)", (TEMPLATE_PREFIX,)
+            ).fetchall():
+                conn.execute(sql.SQL("drop database {} with (force)").format(sql.Identifier(stale)))
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(building)))
+            with psycopg.connect(psycopg.conninfo.make_conninfo(admin_url, dbname=building)) as made:
+                made.autocommit = True
+                migrate.setup_database(made)
+            conn.execute(
+                sql.SQL("alter database {} rename to {}").format(*map(sql.Identifier, (building, name)))
+            )
+            return name
+        finally:
+            conn.execute("select pg_advisory_unlock(hashtext('neuralgrid bench template'))")
 
 
 @contextmanager

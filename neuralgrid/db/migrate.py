@@ -8,6 +8,7 @@ what the other applied, and applying twice is a no-op.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
@@ -181,6 +182,15 @@ def setup_database(conn: psycopg.Connection, progress: Progress | None = None) -
     applied = migrate(conn, progress=progress)
     apply_realtime_feed(conn)
     return applied
+
+
+def schema_digest(migrations_dir: Path | None = None) -> str:
+    """A digest of everything setup_database() applies: two databases set up from the same digest
+    hold the same schema (so a copy of one serves where the other would be set up anew)."""
+    digest = hashlib.sha256(compat_sql().encode() + feed_sql().encode())
+    for migration in discover(migrations_dir or default_migrations_dir()):
+        digest.update(migration.path.name.encode() + migration.path.read_bytes())
+    return digest.hexdigest()
 
 
 def schedule_sweep(conn: psycopg.Connection) -> str:

@@ -1,7 +1,7 @@
 """Schemathesis against the gateway's own OpenAPI document, over real HTTP: whatever it sends, the
 answer is never a 500, and every error is OpenAI-shaped JSON.
 
-NEURALGRID_FUZZ_EXAMPLES sets the examples per operation (17 operations): 60 in the suite, 7,000 for
+NEURALGRID_FUZZ_EXAMPLES sets the examples per operation (17 operations): 40 in the suite (tests/fuzzing.py), 7,000 for
 the 57,000-case run in docs/benchmarks.md. NEURALGRID_FUZZ_REPORT names a JSON file that gets the
 cases sent and the statuses answered, per operation.
 """
@@ -19,7 +19,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-EXAMPLES = int(os.environ.get("NEURALGRID_FUZZ_EXAMPLES", "60"))
+from tests.fuzzing import EXAMPLES
+
 ANSWERS: defaultdict[str, Counter[int]] = defaultdict(Counter)  # operation -> status -> cases
 
 
