@@ -87,7 +87,7 @@ def test_a_custom_policy_is_reported_under_its_own_name(
 
 def test_simulate_command_writes_the_report_for_every_scenario(db_url: str, tmp_path: Path) -> None:
     data = simulate_cli(
-        db_url, tmp_path, "--scenario", "all", "--nodes", "30", "--rps", "3", "--duration", "60"
+        db_url, tmp_path, "--scenario", "all", "--nodes", "30", "--rps", "3", "--duration", "30"
     )
     assert set(data["scenarios"]) == {"default", "scarce-big", "scarce-burst", "churn-storm", "trace"}
     report = (tmp_path / "report.md").read_text()
