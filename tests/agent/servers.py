@@ -79,13 +79,16 @@ def real_server(
     has one); `alias`: the model's name on the server (else its file path)."""
     root = built()
     model = str(root / "model.gguf")
+    # One thread: llama.cpp's threads spin while they wait for each other, and the suite runs a
+    # gateway, an agent and the test beside the server on two cores. With two, a test streaming 800
+    # tokens took 29 s beside a pip install; with one, 16.
     if kind == "llama.cpp":
         args = [str(root / "bin" / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port)]
-        args += ["-c", str(2048 * parallel), "-np", str(parallel), "--threads", "2"]
+        args += ["-c", str(2048 * parallel), "-np", str(parallel), "--threads", "1"]
         args += ["--alias", alias] if alias else []
     elif kind == "llama-cpp-python":
         args = [str(root / "venv" / "bin" / "python"), "-m", "llama_cpp.server", "--model", model]
-        args += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"]
+        args += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "1"]
         args += ["--model_alias", alias] if alias else []
     else:
         raise ValueError(kind)
