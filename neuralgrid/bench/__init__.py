@@ -108,7 +108,9 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
     template = migrated_template(admin_url)
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(drop)
-        conn.execute(sql.SQL("create database {} template {}").format(*map(sql.Identifier, (name, template))))
+        conn.execute(
+            sql.SQL("create database {} template {}").format(sql.Identifier(name), sql.Identifier(template))
+        )
     try:
         yield psycopg.conninfo.make_conninfo(admin_url, dbname=name)
     finally:
@@ -140,7 +142,9 @@ def migrated_template(admin_url: str) -> str:
                 made.autocommit = True
                 migrate.setup_database(made)
             conn.execute(
-                sql.SQL("alter database {} rename to {}").format(*map(sql.Identifier, (building, name)))
+                sql.SQL("alter database {} rename to {}").format(
+                    sql.Identifier(building), sql.Identifier(name)
+                )
             )
             return name
         finally:

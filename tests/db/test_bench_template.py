@@ -7,6 +7,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+import neuralgrid.bench.map  # noqa: F401 - as the CLI leaves the package: `map` in it is this module
 from neuralgrid.bench import TEMPLATE_PREFIX, migrated_template, scratch_database
 from neuralgrid.db import migrate
 from neuralgrid.db.embedded import EmbeddedPostgres
