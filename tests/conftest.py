@@ -505,8 +505,9 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 # The suite's own time is a limit like a module's size: CI runs every test, and a run of the whole
 # suite (`./dev test`, CI=true) that takes longer than this fails; a run of some tests is not held.
 # The goal is 25 minutes: a clean clone's run took 19.6 on the 2-core development machine at d6d16ac
-# (2026-12-04), 21.0 at 2c54d70, 23.2 at 2abcf38 and 28.5 earlier that day, as the machine's speed moves by a third
-# (docs/limits.md). The bound is the goal and a fifth more, for that drift.
+# (2026-12-04), 21.0 at 2c54d70, 23.2 at 2abcf38 and 28.5 earlier that day, as the machine's speed moves by a third;
+# CI's run of a87a3e6 took 33.5 on a slow day, and was cut since (docs/limits.md). The bound is the goal and a
+# fifth more, for that drift.
 SUITE_MINUTES = 30
 WHOLE_SUITE_AT_LEAST = 1000  # tests collected: fewer means a part of the suite was chosen
 
