@@ -119,6 +119,7 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
 
 
 TEMPLATE_PREFIX = "neuralgrid_bench_"
+_TEMPLATE_LOCK = "hashtext('neuralgrid bench template')"  # one bench builds it; the others wait
 
 
 def migrated_template(admin_url: str) -> str:
@@ -128,7 +129,7 @@ def migrated_template(admin_url: str) -> str:
     renamed once whole, under a lock: a bench stopped or running beside it never copies half a one."""
     name = TEMPLATE_PREFIX + migrate.schema_digest()[:16]
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute("select pg_advisory_lock(hashtext('neuralgrid bench template'))")
+        conn.execute(f"select pg_advisory_lock({_TEMPLATE_LOCK})")
         try:
             if conn.execute("select 1 from pg_database where datname = %s", (name,)).fetchone():
                 return name
@@ -138,8 +139,7 @@ def migrated_template(admin_url: str) -> str:
             ).fetchall():
                 conn.execute(sql.SQL("drop database {} with (force)").format(sql.Identifier(stale)))
             conn.execute(sql.SQL("create database {}").format(sql.Identifier(building)))
-            with psycopg.connect(psycopg.conninfo.make_conninfo(admin_url, dbname=building)) as made:
-                made.autocommit = True
+            with psycopg.connect(admin_url, dbname=building, autocommit=True) as made:
                 migrate.setup_database(made)
             conn.execute(
                 sql.SQL("alter database {} rename to {}").format(
@@ -148,7 +148,7 @@ def migrated_template(admin_url: str) -> str:
             )
             return name
         finally:
-            conn.execute("select pg_advisory_unlock(hashtext('neuralgrid bench template'))")
+            conn.execute(f"select pg_advisory_unlock({_TEMPLATE_LOCK})")
 
 
 @contextmanager
