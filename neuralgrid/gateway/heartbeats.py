@@ -17,6 +17,10 @@ a second, `node_heartbeats()`, instead of one `agent_heartbeat()` a beat.
   heartbeat interval old. Any other beat (a node's first here, new warm models or queue, specs, a
   server found again, answers to a pre-load, draining) is answered once its flush has written it,
   with what it returned, or the error that refused it.
+- **A node leaving service** (a beat newly saying draining, offline, or its server down) has the
+  flush run at once, with whatever else is waiting: the matcher stops sending it work a flush
+  sooner, and a stopping agent, which waits for two such beats to be written, stops a second or two
+  sooner. A repeat of such a beat waits for the flush as any repeat does.
 - **What a gateway that dies loses**: the beats it answered at once and had not flushed, at most
   `flush_s` of them, each of which said nothing new but its load; the node's next beat (to any
   gateway) says it again. A beat that said something else new was not answered before it was
@@ -93,6 +97,7 @@ class Heartbeats:
         self.flush_s = flush_s
         self._nodes: dict[UUID, _Node] = {}
         self._pending: dict[UUID, _Pending] = {}
+        self._leaving = asyncio.Event()  # a node's beat says it is leaving service: flush now
         self._interval_s = 5.0
         self._interval_read = -INTERVAL_EVERY_S
         self.flushes = 0  # statements sent, for tests and the benchmark
@@ -117,6 +122,8 @@ class Heartbeats:
         if not repeat:
             waiter = asyncio.get_running_loop().create_future()
         self._queue(node_id, _Pending(record, said, now, [waiter] if waiter else []))
+        if waiter is not None and (beat.status != "online" or not beat.backend_up):
+            self._leaving.set()
         if waiter is None:
             assert node.reply is not None
             return node.reply
@@ -138,8 +145,8 @@ class Heartbeats:
             return
         while not stop.is_set():
             await self._read_interval()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.cadence_s)
+            await _first(stop, self._leaving, timeout=self.cadence_s)
+            self._leaving.clear()
             try:
                 await self.flush()
             except Exception:  # a flush that failed has told its waiters; the loop goes on
@@ -297,6 +304,16 @@ def _merged(old: _Pending, new: _Pending) -> _Pending:
             beat[once] = old.beat[once]
     said = new.said if beat == new.beat else _said(beat)
     return _Pending(beat, said, new.heard, [*old.waiters, *new.waiters])
+
+
+async def _first(*events: asyncio.Event, timeout: float) -> None:
+    """Return once any of `events` is set, or after `timeout` seconds."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def _fail(pending: _Pending, err: BaseException) -> None:
