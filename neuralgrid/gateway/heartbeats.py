@@ -46,6 +46,7 @@ from psycopg.types.json import Jsonb
 from neuralgrid.db import errors as db
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import Store
+from neuralgrid.events import any_set
 from neuralgrid.gateway.errors import DatabaseUnavailable
 from neuralgrid.protocol.nodes import Heartbeat
 
@@ -145,7 +146,7 @@ class Heartbeats:
             return
         while not stop.is_set():
             await self._read_interval()
-            await _first(stop, self._leaving, timeout=self.cadence_s)
+            await any_set(stop, self._leaving, timeout=self.cadence_s)
             self._leaving.clear()
             try:
                 await self.flush()
@@ -304,16 +305,6 @@ def _merged(old: _Pending, new: _Pending) -> _Pending:
             beat[once] = old.beat[once]
     said = new.said if beat == new.beat else _said(beat)
     return _Pending(beat, said, new.heard, [*old.waiters, *new.waiters])
-
-
-async def _first(*events: asyncio.Event, timeout: float) -> None:
-    """Return once any of `events` is set, or after `timeout` seconds."""
-    waits = [asyncio.ensure_future(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()
 
 
 def _fail(pending: _Pending, err: BaseException) -> None:

@@ -35,6 +35,7 @@ from neuralgrid.db import queries as q
 from neuralgrid.db.errors import DatabaseError
 from neuralgrid.db.queries import JobEnd
 from neuralgrid.db.store import Store
+from neuralgrid.events import any_set
 
 log = logging.getLogger(__name__)
 
@@ -322,11 +323,7 @@ class Journal:
         loop = asyncio.get_running_loop()
         scanned = began = loop.time()
         while not stop.is_set():
-            stopping = asyncio.ensure_future(stop.wait())
-            waking = asyncio.ensure_future(self._wake.wait())
-            await asyncio.wait({stopping, waking}, return_when=asyncio.FIRST_COMPLETED, timeout=self._due())
-            stopping.cancel()
-            waking.cancel()
+            await any_set(stop, self._wake, timeout=self._due())
             self._wake.clear()
             if not any(r.now for r in self._records.values()):  # what comes meanwhile joins the batch
                 await asyncio.sleep(max(GATHER_S, began + WRITE_EVERY_S - loop.time()))
