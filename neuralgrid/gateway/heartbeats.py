@@ -17,10 +17,11 @@ a second, `node_heartbeats()`, instead of one `agent_heartbeat()` a beat.
   heartbeat interval old. Any other beat (a node's first here, new warm models or queue, specs, a
   server found again, answers to a pre-load, draining) is answered once its flush has written it,
   with what it returned, or the error that refused it.
-- **A node leaving service** (a beat newly saying draining, offline, or its server down) has the
-  flush run at once, with whatever else is waiting: the matcher stops sending it work a flush
-  sooner, and a stopping agent, which waits for two such beats to be written, stops a second or two
-  sooner. A repeat of such a beat waits for the flush as any repeat does.
+- **A node leaving service** (a beat newly saying draining, offline, or its server down: the first
+  beat since its last one here to say so that way) has the flush run at once, with whatever else is
+  waiting: the matcher stops sending it work a flush sooner, and a stopping agent, which waits for
+  its draining and its offline beat to be written, stops up to two flushes sooner. Its later beats
+  saying the same wait for their flush as any other.
 - **What a gateway that dies loses**: the beats it answered at once and had not flushed, at most
   `flush_s` of them, each of which said nothing new but its load; the node's next beat (to any
   gateway) says it again. A beat that said something else new was not answered before it was
@@ -78,6 +79,7 @@ class _Node:
     said: str | None = None  # the last flushed beat but its load (LOAD), as canonical JSON
     reply: Reply | None = None
     heard: float = 0.0
+    leaving: tuple[str, bool] | None = None  # how its last beat said it left service (status, server up)
 
 
 @dataclass
@@ -123,8 +125,10 @@ class Heartbeats:
         if not repeat:
             waiter = asyncio.get_running_loop().create_future()
         self._queue(node_id, _Pending(record, said, now, [waiter] if waiter else []))
-        if waiter is not None and (beat.status != "online" or not beat.backend_up):
+        leaving = None if beat.status == "online" and beat.backend_up else (beat.status, beat.backend_up)
+        if leaving is not None and leaving != node.leaving:  # news: once a way of leaving, not each beat
             self._leaving.set()
+        node.leaving = leaving
         if waiter is None:
             assert node.reply is not None
             return node.reply

@@ -176,3 +176,38 @@ def test_beats_a_flush_could_not_write_wait_for_the_next_and_old_ones_are_droppe
             await late
 
     asyncio.run(run())
+
+
+def test_a_node_leaving_service_wakes_the_flush_once_a_way_of_leaving() -> None:
+    """Each way of leaving (server down, draining, offline) wakes the flush loop once: the beats after
+    it that say the same (a draining node's queue going down, say) wait for the flush as others do."""
+
+    async def run() -> None:
+        node = uuid4()
+        database = Database([node])
+        batcher = Heartbeats(database, flush_s=60)  # type: ignore[arg-type]
+        stop = asyncio.Event()
+        loop = asyncio.ensure_future(batcher.run(stop))
+        await asyncio.sleep(0)
+        assert await taken(batcher, node, beat()) == Reply("online", [])
+        flushed = len(database.batches)
+        for said in (
+            beat(backend_up=False),
+            beat(status="draining", queue_depth=2),
+            beat(status="offline", models=[]),
+        ):
+            await asyncio.wait_for(batcher.beat(node, KEY, said), 1)  # not the 2.5 s cadence: flushed for it
+            assert len(database.batches) == flushed + 1
+            flushed += 1
+        # Draining again, its queue changed: news, but not a new way of leaving.
+        await taken(batcher, node, beat(status="draining", queue_depth=2))
+        flushed += 1
+        waiting = asyncio.ensure_future(batcher.beat(node, KEY, beat(status="draining", queue_depth=1)))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and len(database.batches) == flushed
+        await batcher.flush()
+        await waiting
+        stop.set()
+        await loop
+
+    asyncio.run(run())
