@@ -179,7 +179,7 @@ def test_a_node_leaving_service_is_written_at_once_not_at_the_next_flush(
         # What each beat says, and the node's status and backend_up as written.
         leaving: list[tuple[dict[str, Any], tuple[str, bool]]] = [
             ({"backend_up": False}, ("offline", False)),  # its server stopped answering
-            ({}, ("online", True)),  # back (not leaving: written at its flush, unasserted here)
+            ({}, ("online", True)),  # back: not leaving, answered at its flush (its wait not timed)
             ({"status": "draining"}, ("draining", True)),
             ({"status": "offline", "models": []}, ("offline", True)),
         ]

@@ -199,7 +199,8 @@ def test_a_node_leaving_service_wakes_the_flush_once_a_way_of_leaving() -> None:
             await asyncio.wait_for(batcher.beat(node, KEY, said), 1)  # not the 2.5 s cadence: flushed for it
             assert len(database.batches) == flushed + 1
             flushed += 1
-        # Draining again, its queue changed: news, but not a new way of leaving.
+        # Draining again (a new way of leaving after offline: flushed), then its queue goes down: news,
+        # but the same way of leaving, which waits for the flush.
         await taken(batcher, node, beat(status="draining", queue_depth=2))
         flushed += 1
         waiting = asyncio.ensure_future(batcher.beat(node, KEY, beat(status="draining", queue_depth=1)))
