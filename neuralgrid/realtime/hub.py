@@ -415,16 +415,19 @@ class Hub:
                     await self._notify({"k": "hello"})
                     await self._announce_rooms()  # announcements missed while disconnected
                     stopper = asyncio.ensure_future(stop.wait())
+                    nxt: asyncio.Future[psycopg.Notify] | None = None
                     try:
                         while not stop.is_set():
                             nxt = asyncio.ensure_future(anext(gen))
                             done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
                             if nxt not in done:
-                                nxt.cancel()
                                 break
                             await self._handle(nxt.result().payload)
                     finally:
                         stopper.cancel()
+                        if nxt is not None and not nxt.done():  # ended before the feed closes
+                            nxt.cancel()
+                            await asyncio.wait({nxt})
             except (psycopg.Error, OSError) as err:
                 self.listening.clear()
                 delay = RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)]

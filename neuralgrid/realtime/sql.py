@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -214,4 +214,7 @@ async def feed(database_url: str) -> AsyncIterator[AsyncGenerator[psycopg.Notify
     session, so not one of the pool's. Its errors are psycopg's, for the hub to reconnect on."""
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await _run(conn, LISTEN_FEED)
-        yield conn.notifies()
+        # Closed before the connection is left: between two notifications psycopg's generator
+        # holds the connection's lock, which leaving the connection (its commit) waits for.
+        async with aclosing(conn.notifies()) as notifies:
+            yield notifies
