@@ -17,6 +17,8 @@ import uvicorn
 from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 # A client gets this long, from connecting (or starting its next request), to send a request's
@@ -234,6 +236,33 @@ class Server(uvicorn.Server):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
             counter = (counter + 10) % 864000
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown without its fixed 0.1 s pause after asking the connections to close,
+        waiting on them and on the requests still running in steps of 10 ms, not 100: a server with
+        nothing open stops at once (a test's gateway spent most of its stop asleep). As uvicorn's:
+        requests under way are answered, then the app's lifespan ends."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # an idle keep-alive connection closes; a busy one after its answer
+        state = self.server_state
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while (state.connections or state.tasks) and not self.force_exit:
+                    await asyncio.sleep(0.01)
+                for server in self.servers:
+                    await server.wait_closed()
+        except TimeoutError:
+            log.error(
+                "cancelled %d request(s) still running when the graceful shutdown ran out", len(state.tasks)
+            )
+            for task in state.tasks:
+                task.cancel(msg="the graceful shutdown ran out")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
 
 # How long an idle connection stays open: past a node agent's (HEARTBEAT_KEEPALIVE_S in

@@ -64,6 +64,41 @@ def test_a_server_stops_at_once_when_told_from_another_thread() -> None:
     assert time.monotonic() - told < 0.5
 
 
+def test_a_stopping_server_answers_the_requests_under_way_then_ends_the_apps_lifespan() -> None:
+    """Its own shutdown (without uvicorn's fixed pause) keeps uvicorn's order: no new connection,
+    idle ones closed, a request under way answered, and only then the lifespan's shutdown."""
+    seen: list[str] = []
+    started = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (kind := (await receive())["type"]) != "lifespan.shutdown":
+                await send({"type": f"{kind}.complete"})
+            seen.append("lifespan ended")
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/slow":
+            started.set()
+            await asyncio.sleep(0.3)
+        await Response(scope["path"])(scope, receive, send)
+        seen.append(f"answered {scope['path']}")
+
+    async def stop_while_busy() -> tuple[int, str]:
+        server = make_server(app, "127.0.0.1", 0)
+        async with running(server):
+            port = server.servers[0].sockets[0].getsockname()[1]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                assert (await client.get("/idle")).status_code == 200  # its connection kept, idle
+                slow = asyncio.ensure_future(client.get("/slow"))
+                await started.wait()
+                server.should_exit = True
+                answer = await slow
+        return answer.status_code, answer.text
+
+    assert asyncio.run(stop_while_busy()) == (200, "/slow")
+    assert seen == ["answered /idle", "answered /slow", "lifespan ended"]
+
+
 REQUEST = b"GET / HTTP/1.1\r\nhost: gateway\r\n\r\n"
 
 
