@@ -517,6 +517,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0 and _agent_logs:  # kept where something failed, to read
+        shutil.rmtree(_agent_logs[0], ignore_errors=True)
     minutes = (time.monotonic() - session.config.stash[_started]) / 60
     whole = session.testscollected >= WHOLE_SUITE_AT_LEAST and not session.config.option.keyword
     if os.environ.get("CI") == "true" and whole and minutes > SUITE_MINUTES and exitstatus == 0:
@@ -528,3 +530,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 _started = pytest.StashKey[float]()
+_agent_logs: list[Path] = []  # this session's folder of agent logs, once made
+
+
+def agent_log(name: str) -> Path:
+    """A new file for the output of agent `name`, in a folder of this session's (removed when every
+    test passed: each run had left its agents' logs in /tmp)."""
+    if not _agent_logs:
+        _agent_logs.append(Path(tempfile.mkdtemp(prefix="neuralgrid-agent-logs-")))
+    return Path(tempfile.mkstemp(prefix=f"agent-{name}-", suffix=".log", dir=_agent_logs[0])[1])

@@ -14,7 +14,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -35,7 +34,7 @@ from neuralgrid.server.app import create_app
 from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
 from tests.agent.servers import KINDS, SMOLLM2, RealServer, real_server
-from tests.conftest import agent_command, clone_database, free_port, wait_for
+from tests.conftest import agent_command, agent_log, clone_database, free_port, wait_for
 from tests.slots import JOB_SLOTS, written_behind
 
 BACKENDS = ("fake", *KINDS)
@@ -168,7 +167,7 @@ def start_agent(gateway: str, key: str, server: Server, name: str, mode: str) ->
     args += ["--listen-port", str(free_port())] + (["--tunnel"] if mode == "tunnel" else [])
     if server.served != SMOLLM2:
         args += ["--model-alias", f"{server.served}={SMOLLM2}"]
-    log = Path(tempfile.mkstemp(prefix=f"agent-{name}-", suffix=".log")[1])
+    log = agent_log(name)
     with log.open("wb") as out:
         process = subprocess.Popen(agent_command(gateway, key, server.url, *args), stdout=out, stderr=out)
     return AgentProcess(process, log)

@@ -6,7 +6,6 @@ the node unplaced, and the agent says how to place it."""
 from __future__ import annotations
 
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from neuralgrid.dev.fakenode import create_fake_node
 from neuralgrid.protocol.regions import REGIONS, located
 from neuralgrid.server.serving import ThreadedServer
-from tests.conftest import agent_command, free_port, wait_for
+from tests.conftest import agent_command, agent_log, free_port, wait_for
 
 
 @pytest.fixture
@@ -37,7 +36,7 @@ def test_nodes_run_by_the_recipe_are_placed_at_their_regions_city_and_the_agent_
     with ExitStack() as stack:
         logs: dict[str, Path] = {}
         for name, where in flags.items():
-            logs[name] = Path(tempfile.mkstemp(prefix=f"agent-{name}-", suffix=".log")[1])
+            logs[name] = agent_log(name)
             base = ["--name", name, "--price", "0.3", "--vram-gb", "24", "--tflops", "165"]
             args = agent_command(
                 platform, operator_key, backend, *base, *where, "--listen-port", str(free_port())

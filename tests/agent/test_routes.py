@@ -9,7 +9,6 @@ import base64
 import dataclasses
 import json
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -32,7 +31,7 @@ from neuralgrid.server.serving import ThreadedServer
 from neuralgrid.server.settings import Settings
 from tests.agent.servers import SMOLLM2, real_server
 from tests.agent.test_backends import a_stack
-from tests.conftest import agent_command, free_port, wait_for
+from tests.conftest import agent_command, agent_log, free_port, wait_for
 from tests.gateway.replay import RECORDED, recorded, replay_app
 
 OLDER = json.loads((Path(__file__).parents[1] / "data" / "recorded_backends.json").read_text())
@@ -255,7 +254,7 @@ def agents(
         joined: dict[str, Joined] = {}
         for name, (app, flags) in servers.items():
             server = cleanup.enter_context(ThreadedServer(app))
-            log = Path(tempfile.mkstemp(prefix=f"agent-{name}-", suffix=".log")[1])
+            log = agent_log(name)
             base = f"--name {name} --region eu-west --price 0.3 --vram-gb 24 --tflops 165".split()
             args = agent_command(gateway, key, server.url, *base, "--listen-port", str(free_port()), *flags)
             with log.open("wb") as out:
