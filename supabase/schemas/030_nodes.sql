@@ -573,6 +573,7 @@ REVOKE ALL ON FUNCTION private.record_node_status() FROM PUBLIC;
 CREATE FUNCTION public.register_node(p_owner_id uuid, p_name text, p_gpu_model text, p_gpu_count integer, p_vram_gb real, p_tflops real, p_hourly_rate numeric, p_region text, p_latitude double precision, p_longitude double precision, p_endpoint_url text, p_max_concurrency integer, p_models text[], p_agent_version text DEFAULT NULL::text, p_api_key_id uuid DEFAULT NULL::uuid) RETURNS TABLE(node_id uuid, node_secret text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   -- 244 random bits, like API keys; shown once, stored as its SHA-256.
@@ -613,6 +614,7 @@ COMMENT ON FUNCTION public.register_node(p_owner_id uuid, p_name text, p_gpu_mod
 CREATE FUNCTION public.register_node(p_owner_id uuid, p_name text, p_gpu_model text, p_gpu_count integer, p_vram_gb real, p_tflops real, p_hourly_rate numeric, p_region text, p_latitude double precision, p_longitude double precision, p_endpoint_url text, p_max_concurrency integer, p_models text[], p_agent_version text, p_api_key_id uuid, p_backend jsonb) RETURNS TABLE(node_id uuid, node_secret text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_node record;

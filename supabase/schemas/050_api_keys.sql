@@ -172,6 +172,7 @@ REVOKE ALL ON FUNCTION private.notify_api_key_change() FROM PUBLIC;
 CREATE FUNCTION public.create_api_key(p_name text, p_rpm_limit integer DEFAULT NULL::integer, p_tpm_limit integer DEFAULT NULL::integer, p_budget_usd numeric DEFAULT NULL::numeric) RETURNS TABLE(id uuid, api_key text, prefix text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   -- 244 random bits from two v4 UUIDs (core gen_random_uuid uses the server's strong RNG).
@@ -207,6 +208,7 @@ GRANT ALL ON FUNCTION public.create_api_key(p_name text, p_rpm_limit integer, p_
 CREATE FUNCTION public.revoke_api_key(p_key_id uuid) RETURNS timestamp with time zone
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_revoked_at timestamptz;

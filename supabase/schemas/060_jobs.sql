@@ -758,6 +758,7 @@ REVOKE ALL ON FUNCTION private.stamp_job_gateway() FROM PUBLIC;
 CREATE FUNCTION public.complete_job(p_job_id uuid, p_status text DEFAULT 'succeeded'::text, p_prompt_tokens integer DEFAULT 0, p_completion_tokens integer DEFAULT 0, p_ttft_ms real DEFAULT NULL::real, p_latency_ms real DEFAULT NULL::real, p_error text DEFAULT NULL::text) RETURNS TABLE(cost_usd numeric, latency_ms real)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   return query
@@ -780,6 +781,7 @@ GRANT ALL ON FUNCTION public.complete_job(p_job_id uuid, p_status text, p_prompt
 CREATE FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], p_prompt_tokens integer[], p_completion_tokens integer[], p_ttft_ms real[], p_latency_ms real[], p_errors text[]) RETURNS TABLE(job_id uuid, cost_usd numeric, latency_ms real)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_count integer := coalesce(cardinality(p_job_ids), 0);
@@ -816,6 +818,7 @@ GRANT ALL ON FUNCTION public.complete_jobs(p_job_ids uuid[], p_statuses text[], 
 CREATE FUNCTION public.continuing_nodes(p_candidates uuid[]) RETURNS uuid[]
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   -- In the candidates' order: only these may go on with a chat stream another node dropped.
   select coalesce(array_agg(c.id order by c.ord), '{}')
@@ -834,6 +837,7 @@ GRANT ALL ON FUNCTION public.continuing_nodes(p_candidates uuid[]) TO service_ro
 CREATE FUNCTION public.failover_job(p_job_id uuid, p_error text, p_http_status integer DEFAULT NULL::integer, p_candidates uuid[] DEFAULT '{}'::uuid[]) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, attempt integer)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   return query select * from private.move_job(p_job_id, p_error, p_http_status, p_candidates, true);
@@ -850,6 +854,7 @@ GRANT ALL ON FUNCTION public.failover_job(p_job_id uuid, p_error text, p_http_st
 CREATE FUNCTION public.handoff_job(p_job_id uuid, p_error text, p_candidates uuid[] DEFAULT '{}'::uuid[]) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, attempt integer)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   return query select * from private.move_job(p_job_id, p_error, null, p_candidates, false);
@@ -861,6 +866,7 @@ COMMENT ON FUNCTION public.handoff_job(p_job_id uuid, p_error text, p_candidates
 CREATE FUNCTION public.handoff_job(p_job_id uuid, p_error text, p_http_status integer, p_candidates uuid[]) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, attempt integer)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   return query select * from private.move_job(p_job_id, p_error, p_http_status, p_candidates, false);
@@ -881,6 +887,7 @@ GRANT ALL ON FUNCTION public.handoff_job(p_job_id uuid, p_error text, p_http_sta
 CREATE FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_prompt_bytes integer, p_max_output_tokens integer, p_wait boolean) RETURNS TABLE(job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer, busy boolean, tokens_per_s real[])
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select p.job_id, p.node_id, p.endpoint_url, p.node_key, p.attempt, p.fallback_ids, p.error,
     p.max_output_tokens, p.busy, p.tokens_per_s
@@ -894,6 +901,7 @@ COMMENT ON FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_policy t
 CREATE FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_prompt_bytes integer, p_max_output_tokens integer, p_wait boolean, p_route text) RETURNS TABLE(job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer, busy boolean, tokens_per_s real[], refusal text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_cap integer := private.answer_cap(p_model, p_api_key_id, p_prompt_bytes, p_max_output_tokens);
@@ -921,6 +929,7 @@ GRANT ALL ON FUNCTION public.place_job(p_model text, p_api_key_id uuid, p_policy
 CREATE FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) RETURNS TABLE(ord integer, job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer, busy boolean, tokens_per_s real[], refusal text, failure_state text, failure text, lent boolean)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   r record;
@@ -1065,6 +1074,7 @@ GRANT ALL ON FUNCTION public.place_jobs(p_gateway text, p_requests jsonb) TO ser
 CREATE FUNCTION public.reject_job(p_job_id uuid, p_error text, p_http_status integer DEFAULT NULL::integer) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   -- Two nodes failed this request the same way: the request is at fault. The running attempt ends

@@ -98,6 +98,7 @@ GRANT ALL ON FUNCTION private.write_earnings(p_job_ids uuid[]) TO service_role;
 CREATE FUNCTION public.my_earnings(p_since timestamp with time zone) RETURNS TABLE(day date, node_id uuid, node_name text, model_id text, jobs bigint, gross_usd numeric, fee_usd numeric, net_usd numeric)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select (e.earned_at at time zone 'UTC')::date, e.node_id, n.name, e.model_id, count(*), sum(e.gross_usd),
          sum(e.fee_usd), sum(e.net_usd)
@@ -120,6 +121,7 @@ GRANT ALL ON FUNCTION public.my_earnings(p_since timestamp with time zone) TO se
 CREATE FUNCTION public.my_earnings_totals(p_since timestamp with time zone) RETURNS TABLE(jobs bigint, gross_usd numeric, fee_usd numeric, net_usd numeric, held_usd numeric, forfeited_usd numeric)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select count(*) filter (where e.forfeited_at is null),
          coalesce(sum(e.gross_usd) filter (where e.forfeited_at is null), 0),
@@ -142,6 +144,7 @@ GRANT ALL ON FUNCTION public.my_earnings_totals(p_since timestamp with time zone
 CREATE FUNCTION public.my_node_stats(p_window interval DEFAULT '7 days'::interval) RETURNS TABLE(node_id uuid, name text, status text, gpu_model text, gpu_count integer, region text, hourly_rate numeric, uptime double precision, observed_s double precision, jobs_served bigint, failures bigint, reputation double precision, warm_models text[], last_heartbeat_at timestamp with time zone)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   with mine as (
     -- The last heartbeat: the later of the row's and the batches' (node_liveness).

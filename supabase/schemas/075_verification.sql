@@ -233,6 +233,7 @@ GRANT ALL ON FUNCTION private.challenge_bounds(OUT failed_at double precision, O
 CREATE FUNCTION private.challenge_key_id() RETURNS uuid
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_id uuid;
@@ -482,6 +483,7 @@ GRANT ALL ON FUNCTION private.take_due_checks(p_held text[], p_held_only boolean
 CREATE FUNCTION public.due_challenges(p_sha256 text[], p_limit integer DEFAULT 8) RETURNS TABLE(node_id uuid, model_id text, sha256 text, state text)
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select * from private.take_due_checks(p_sha256, true, p_limit);
 $$;
@@ -496,6 +498,7 @@ GRANT ALL ON FUNCTION public.due_challenges(p_sha256 text[], p_limit integer) TO
 CREATE FUNCTION public.due_cross_checks(p_held text[], p_limit integer DEFAULT 8) RETURNS TABLE(node_id uuid, model_id text, state text, peers uuid[])
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   -- Its peers: up to two other nodes online with the model and not failed for it; the platform's
   -- own nodes (no owner) first, then verified ones, then any, at random within each.
@@ -521,6 +524,7 @@ GRANT ALL ON FUNCTION public.due_cross_checks(p_held text[], p_limit integer) TO
 CREATE FUNCTION public.due_gpu_probes(p_limit integer) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, gpu_model text, gpu_count integer, vram_gb real, free_vram_gb real, state text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   -- Taken (SKIP LOCKED: gateways pass each other) and put off ten minutes at once: a gateway that
@@ -553,6 +557,7 @@ GRANT ALL ON FUNCTION public.due_gpu_probes(p_limit integer) TO service_role;
 CREATE FUNCTION public.my_model_checks() RETURNS TABLE(node_id uuid, node_name text, model_id text, state text, challenges integer, failures integer, evidence double precision, state_since timestamp with time zone, last_challenge_at timestamp with time zone, last_failure text, held_usd numeric, forfeited_usd numeric)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select c.node_id, n.name, c.model_id, c.state, c.challenges, c.failures, c.evidence, c.state_since,
          c.last_challenge_at, c.last_failure,
@@ -578,6 +583,7 @@ GRANT ALL ON FUNCTION public.my_model_checks() TO service_role;
 CREATE FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_model text, p_stream boolean DEFAULT false) RETURNS TABLE(job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, tokens_per_s real)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_node public.nodes;
@@ -612,6 +618,7 @@ GRANT ALL ON FUNCTION public.place_challenge(p_gateway text, p_node_id uuid, p_m
 CREATE FUNCTION public.record_challenges(p_results jsonb) RETURNS TABLE(node_id uuid, model_id text, state text, evidence double precision)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   r record;
@@ -672,6 +679,7 @@ GRANT ALL ON FUNCTION public.record_challenges(p_results jsonb) TO service_role;
 CREATE FUNCTION public.record_gpu_probe(p_node_id uuid, p_outcome text, p_detail jsonb DEFAULT '{}'::jsonb) RETURNS TABLE(state text, next_probe_at timestamp with time zone)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_proof public.gpu_proofs;
@@ -730,6 +738,7 @@ GRANT ALL ON FUNCTION public.record_gpu_probe(p_node_id uuid, p_outcome text, p_
 CREATE FUNCTION public.request_verification(p_node_id uuid) RETURNS TABLE(model_id text, state text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   -- A signed-in user must own the node (RLS would only make the update match nothing); the service

@@ -612,6 +612,7 @@ REVOKE ALL ON FUNCTION private.top_by_total(w public.matching_policies, p_weight
 CREATE FUNCTION public.match_job(p_model text, p_api_key_id uuid DEFAULT NULL::uuid, p_policy text DEFAULT 'balanced'::text, p_min_vram_gb real DEFAULT NULL::real, p_region text DEFAULT NULL::text, p_latitude double precision DEFAULT NULL::double precision, p_longitude double precision DEFAULT NULL::double precision, p_max_hourly_rate numeric DEFAULT NULL::numeric, p_stream boolean DEFAULT false, p_fallbacks integer DEFAULT 3, p_reserve_usd numeric DEFAULT 0) RETURNS TABLE(job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text)
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select p.job_id, p.node_id, p.endpoint_url, p.node_key, p.attempt, p.fallback_ids, p.error
   from private.place(p_model, p_api_key_id, p_policy, p_min_vram_gb, p_region, p_latitude, p_longitude,
@@ -623,6 +624,7 @@ COMMENT ON FUNCTION public.match_job(p_model text, p_api_key_id uuid, p_policy t
 CREATE FUNCTION public.match_job(p_model text, p_api_key_id uuid, p_policy text, p_min_vram_gb real, p_region text, p_latitude double precision, p_longitude double precision, p_max_hourly_rate numeric, p_stream boolean, p_fallbacks integer, p_prompt_bytes integer, p_max_output_tokens integer) RETURNS TABLE(job_id uuid, node_id uuid, endpoint_url text, node_key bytea, attempt integer, fallback_ids uuid[], error text, max_output_tokens integer)
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select p.job_id, p.node_id, p.endpoint_url, p.node_key, p.attempt, p.fallback_ids, p.error, p.max_output_tokens
   from public.place_job(p_model, p_api_key_id, p_policy, p_min_vram_gb, p_region, p_latitude, p_longitude,
@@ -643,6 +645,7 @@ GRANT ALL ON FUNCTION public.match_job(p_model text, p_api_key_id uuid, p_policy
 CREATE FUNCTION public.score_nodes(p_model text, p_min_vram_gb real DEFAULT NULL::real, p_policy text DEFAULT 'balanced'::text, p_region text DEFAULT NULL::text, p_latitude double precision DEFAULT NULL::double precision, p_longitude double precision DEFAULT NULL::double precision, p_max_hourly_rate numeric DEFAULT NULL::numeric, p_explain boolean DEFAULT false, p_limit integer DEFAULT NULL::integer, p_route text DEFAULT NULL::text) RETURNS TABLE(node_id uuid, name text, rank bigint, score double precision, fit double precision, compute double precision, price double precision, warm double precision, capacity double precision, reputation double precision, proximity double precision, reserve double precision, reject_reason text)
     LANGUAGE plpgsql STABLE SECURITY DEFINER
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_min float8 := private.required_vram_gb(p_model, p_min_vram_gb);

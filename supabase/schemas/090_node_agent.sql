@@ -423,6 +423,7 @@ GRANT ALL ON FUNCTION private.sync_warm_models(p_node_id uuid, p_loaded_models t
 CREATE FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea, p_status text, p_queue_depth integer, p_gpu_utilization real, p_free_vram_gb real, p_loaded_models text[], p_specs jsonb DEFAULT NULL::jsonb) RETURNS text
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select public.agent_heartbeat(p_node_id, p_secret_hash, p_status, p_queue_depth, p_gpu_utilization,
                                 p_free_vram_gb, p_loaded_models, p_specs, null::boolean, null::jsonb)
@@ -433,6 +434,7 @@ COMMENT ON FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea, 
 CREATE FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea, p_status text, p_queue_depth integer, p_gpu_utilization real, p_free_vram_gb real, p_loaded_models text[], p_specs jsonb, p_backend_up boolean, p_backend jsonb) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_node public.nodes;
@@ -488,6 +490,7 @@ COMMENT ON FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea, 
 CREATE FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea, p_status text, p_queue_depth integer, p_gpu_utilization real, p_free_vram_gb real, p_loaded_models text[], p_specs jsonb, p_backend_up boolean, p_backend jsonb, p_available_models text[], p_prewarm_loaded text[], p_prewarm_refused jsonb) RETURNS TABLE(status text, load text[])
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_status text;
@@ -536,6 +539,7 @@ GRANT ALL ON FUNCTION public.agent_heartbeat(p_node_id uuid, p_secret_hash bytea
 CREATE FUNCTION public.attach_tunnel(p_node_id uuid, p_gateway_id uuid, p_socket_id uuid) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_status text;
@@ -561,6 +565,7 @@ GRANT ALL ON FUNCTION public.attach_tunnel(p_node_id uuid, p_gateway_id uuid, p_
 CREATE FUNCTION public.detach_tunnel(p_node_id uuid, p_socket_id uuid) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 begin
   delete from private.tunnel_routes r where r.node_id = p_node_id and r.socket_id = p_socket_id;
@@ -584,6 +589,7 @@ GRANT ALL ON FUNCTION public.detach_tunnel(p_node_id uuid, p_socket_id uuid) TO 
 CREATE FUNCTION public.gateway_alive(p_gateway_id uuid) RETURNS void
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   insert into private.gateways as g (id) values (p_gateway_id)
   on conflict (id) do update set seen_at = now();
@@ -594,6 +600,7 @@ COMMENT ON FUNCTION public.gateway_alive(p_gateway_id uuid) IS 'A gateway checks
 CREATE FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text) RETURNS void
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   insert into private.gateways as g (id, internal_url) values (p_gateway_id, p_internal_url)
   on conflict (id) do update set seen_at = now(), internal_url = excluded.internal_url;
@@ -604,6 +611,7 @@ COMMENT ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text)
 CREATE FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url text, p_waiting jsonb) RETURNS void
     LANGUAGE sql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   insert into private.gateways as g (id, internal_url, waiting)
   values (p_gateway_id, p_internal_url, coalesce(p_waiting, '{}'))
@@ -629,6 +637,7 @@ GRANT ALL ON FUNCTION public.gateway_alive(p_gateway_id uuid, p_internal_url tex
 CREATE FUNCTION public.node_heartbeats(p_beats jsonb) RETURNS TABLE(node_id uuid, status text, load text[], error text, error_code text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_quiet uuid[];         -- beats that change nothing: node_liveness only
@@ -837,6 +846,7 @@ GRANT ALL ON FUNCTION public.node_heartbeats(p_beats jsonb) TO service_role;
 CREATE FUNCTION public.restore_tunnels(p_gateway_id uuid, p_node_ids uuid[], p_socket_ids uuid[]) RETURNS TABLE(node_id uuid)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_node uuid;
@@ -867,6 +877,7 @@ GRANT ALL ON FUNCTION public.restore_tunnels(p_gateway_id uuid, p_node_ids uuid[
 CREATE FUNCTION public.set_tunnel(p_node_id uuid, p_connected boolean) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_status text;
@@ -900,6 +911,7 @@ GRANT ALL ON FUNCTION public.set_tunnel(p_node_id uuid, p_connected boolean) TO 
 CREATE FUNCTION public.tunnel_route(p_node_id uuid) RETURNS TABLE(gateway_id uuid, internal_url text)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   select g.id, g.internal_url
   from private.tunnel_routes r

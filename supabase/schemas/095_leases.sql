@@ -648,6 +648,7 @@ GRANT ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_p
 CREATE FUNCTION public.move_to_lease(p_job_id uuid, p_error text, p_http_status integer, p_node_id uuid) RETURNS TABLE(node_id uuid, endpoint_url text, node_key bytea, attempt integer)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_running public.job_attempts;
@@ -687,6 +688,7 @@ CREATE FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) RETURNS TABLE(j
     LANGUAGE plpgsql
     SET search_path TO ''
     SET plan_cache_mode TO 'force_generic_plan'
+    SET jit TO 'off'
     AS $_$
 declare
   v_uuid constant text := '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$';
@@ -956,6 +958,7 @@ GRANT ALL ON FUNCTION public.record_jobs(p_gateway uuid, p_jobs jsonb) TO servic
 CREATE FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) RETURNS TABLE(api_key_id uuid, usd numeric, free_usd numeric)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $_$
 declare
   v_uuid constant text := '^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$';
@@ -1069,6 +1072,7 @@ GRANT ALL ON FUNCTION public.renew_escrows(p_gateway uuid, p_keys jsonb) TO serv
 CREATE FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) RETURNS TABLE(model_id text, policy text, region text, node_id uuid, endpoint_url text, node_key bytea, slots integer, in_use integer, rank integer, tokens_per_s real, routes text[], expires_at timestamp with time zone, hourly_rate numeric, absorbed uuid[], draining integer, share integer)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_lane jsonb;

@@ -9,6 +9,7 @@ select pg_catalog.set_config('search_path', '', false);
 CREATE FUNCTION public.fleet_stats() RETURNS TABLE(online_nodes bigint, online_vram_gb double precision, online_tflops double precision, jobs_last_minute bigint, p50_latency_ms double precision, cheapest jsonb)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   -- Nodes as the map shows them (anyone may read these columns); jobs as the sweep last counted them.
   with live as (
@@ -39,6 +40,7 @@ GRANT ALL ON FUNCTION public.fleet_stats() TO authenticated;
 CREATE FUNCTION public.my_nodes() RETURNS TABLE(id uuid, name text, status text, endpoint_url text, tunnel_connected boolean, backend_up boolean, backend jsonb, routes text[], gpu_model text, gpu_count integer, vram_gb real, tflops real, hourly_rate numeric, region text, latitude double precision, longitude double precision, max_concurrency integer, inflight integer, queue_depth integer, last_heartbeat_at timestamp with time zone, successes bigint, failures bigint, ewma_latency_ms real, ewma_tokens_per_s real, cooldown_until timestamp with time zone, warm_models text[], available_models text[], agent_version text, created_at timestamp with time zone, verification text)
     LANGUAGE sql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
   -- As the caller: the owner filter keeps it to their rows, and the endpoints' policy would too. The
   -- last heartbeat: the later of the row's and the batches' (node_liveness).

@@ -80,6 +80,7 @@ REVOKE ALL ON FUNCTION private.note_map_change() FROM PUBLIC;
 CREATE FUNCTION private.send_map_summary() RETURNS boolean
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_mark bigint := (select case when s.is_called then s.last_value else 0 end from private.map_changes s);
@@ -139,6 +140,7 @@ GRANT ALL ON FUNCTION private.send_map_summary() TO service_role;
 CREATE FUNCTION public.map_summary(p_cached boolean DEFAULT true) RETURNS jsonb
     LANGUAGE plpgsql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_summary jsonb;
@@ -219,6 +221,7 @@ GRANT ALL ON FUNCTION public.map_summary(p_cached boolean) TO service_role;
 CREATE FUNCTION public.map_view(p_west double precision, p_south double precision, p_east double precision, p_north double precision, p_cell_deg double precision DEFAULT 1, p_max_nodes integer DEFAULT 300) RETURNS jsonb
     LANGUAGE plpgsql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_south double precision := greatest(-90, least(p_south, p_north));
@@ -271,6 +274,7 @@ GRANT ALL ON FUNCTION public.map_view(p_west double precision, p_south double pr
 CREATE FUNCTION public.node_list(p_search text DEFAULT ''::text, p_sort text DEFAULT 'name'::text, p_descending boolean DEFAULT false, p_offset integer DEFAULT 0, p_limit integer DEFAULT 50) RETURNS jsonb
     LANGUAGE plpgsql STABLE
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_search text := lower(coalesce(p_search, ''));

@@ -9,6 +9,7 @@ select pg_catalog.set_config('search_path', '', false);
 CREATE FUNCTION public.agent_heartbeat_with_secret(p_node_id uuid, p_secret text, p_status text DEFAULT 'online'::text, p_queue_depth integer DEFAULT 0, p_gpu_utilization real DEFAULT NULL::real, p_free_vram_gb real DEFAULT NULL::real, p_loaded_models text[] DEFAULT '{}'::text[], p_specs jsonb DEFAULT NULL::jsonb, p_backend_up boolean DEFAULT true, p_backend jsonb DEFAULT NULL::jsonb, p_available_models text[] DEFAULT NULL::text[], p_prewarm_loaded text[] DEFAULT '{}'::text[], p_prewarm_refused jsonb DEFAULT '[]'::jsonb) RETURNS TABLE(status text, load text[])
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_hash bytea;
@@ -52,6 +53,7 @@ GRANT ALL ON FUNCTION public.agent_heartbeat_with_secret(p_node_id uuid, p_secre
 CREATE FUNCTION public.node_heartbeat(p_node_id uuid, p_loaded_models text[] DEFAULT NULL::text[]) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_status text;

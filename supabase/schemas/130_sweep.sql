@@ -275,6 +275,7 @@ GRANT ALL ON FUNCTION public.schedule_sweep() TO service_role;
 CREATE FUNCTION public.sweep(p_max_job_age interval DEFAULT NULL::interval) RETURNS TABLE(kind text, id uuid, name text)
     LANGUAGE plpgsql
     SET search_path TO ''
+    SET jit TO 'off'
     AS $$
 declare
   v_max_job_age interval := coalesce(

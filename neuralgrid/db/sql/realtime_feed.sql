@@ -33,6 +33,7 @@ revoke all on realtime.feed_subscriptions from public, anon, authenticated;
 create or replace function realtime.feed_notify(payload jsonb) returns void
 language plpgsql
 set search_path = ''
+set jit = off  -- as the platform's functions (20261219000100): a short call, never worth a compile
 as $$
 declare
   v_text text := payload::text;
@@ -91,6 +92,7 @@ create trigger realtime_feed after insert on realtime.messages
 -- Retention, as Supabase keeps realtime.messages for a few days; the gateway's sweeper calls it.
 create or replace function realtime.prune_feed(p_keep interval default interval '3 days') returns integer
 language sql
+set jit = off
 as $$
   with messages as (delete from realtime.messages where inserted_at < localtimestamp - p_keep returning 1),
        overflow as (delete from realtime.feed_overflow where created_at < now() - interval '1 hour' returning 1),
