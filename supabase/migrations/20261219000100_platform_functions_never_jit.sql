@@ -2,10 +2,11 @@
 -- planned cost passes jit_above_cost (100,000), as it is on by default wherever Postgres is built
 -- with LLVM (Debian's and most packaged builds, not the embedded default's). The sweep's statements
 -- pass it even on an empty database: on Debian's PostgreSQL 15 each public.sweep() took 1.6 to 2.0 s
--- of compiling for 7 ms of work, every second. At 100,000 nodes the matcher's and the beats' would
--- too. Every call is a short transaction, so each function the gateway, the agents, the web pages,
--- the Data API and pg_cron call is set jit off; what it runs inside (the sweep's steps, triggers)
--- runs with it. tests/db/test_no_jit.py keeps every such function so.
+-- of compiling for 7 ms of work, every second; planned costs grow with the tables, so more
+-- statements pass it in a big fleet. Every call is a short transaction, so each function the
+-- gateway, the agents, the web pages, the Data API and pg_cron call is set jit off; what it runs
+-- inside (the sweep's steps, triggers) runs with it. tests/db/test_no_jit.py keeps every such
+-- function so.
 
 ALTER FUNCTION public.agent_heartbeat(uuid,bytea,text,integer,real,real,text[],jsonb) SET jit TO 'off';
 ALTER FUNCTION public.agent_heartbeat(uuid,bytea,text,integer,real,real,text[],jsonb,boolean,jsonb) SET jit TO 'off';
