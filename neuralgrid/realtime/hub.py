@@ -428,6 +428,8 @@ class Hub:
                         if nxt is not None and not nxt.done():  # ended before the feed closes
                             nxt.cancel()
                             await asyncio.wait({nxt})
+                            if not nxt.cancelled():
+                                nxt.exception()  # read: the connection broke as it stopped
             except (psycopg.Error, OSError) as err:
                 self.listening.clear()
                 delay = RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)]

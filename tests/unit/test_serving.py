@@ -6,6 +6,7 @@ that records what reaches the socket."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Any
 
@@ -97,6 +98,28 @@ def test_a_stopping_server_answers_the_requests_under_way_then_ends_the_apps_lif
 
     assert asyncio.run(stop_while_busy()) == (200, "/slow")
     assert seen == ["answered /idle", "answered /slow", "lifespan ended"]
+
+
+def test_uvicorns_shutdown_is_still_the_one_ours_repeats_without_its_pause() -> None:
+    """Server.shutdown repeats uvicorn's (0.55) but for its fixed pause: a uvicorn whose shutdown
+    does more, or otherwise, fails here, to be read and followed."""
+    steps = [
+        "server.close()",
+        "connection.shutdown()",
+        "await asyncio.sleep(0.1)",
+        "self.config.timeout_graceful_shutdown",
+        "await self._wait_tasks_to_complete()",
+        "t.cancel(",
+        "await self.lifespan.shutdown()",
+    ]
+    theirs = inspect.getsource(uvicorn.Server.shutdown)
+    at = [theirs.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    assert theirs.count("await ") == 3  # the pause, the wait, the lifespan: nothing more
+    waits = inspect.getsource(uvicorn.Server._wait_tasks_to_complete)
+    assert (
+        "server_state.connections" in waits and "server_state.tasks" in waits and waits.count("await ") == 3
+    )
 
 
 REQUEST = b"GET / HTTP/1.1\r\nhost: gateway\r\n\r\n"
