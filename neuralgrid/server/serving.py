@@ -241,18 +241,23 @@ class Server(uvicorn.Server):
         """uvicorn's shutdown without its fixed 0.1 s pause after asking the connections to close,
         waiting on them and on the requests still running in steps of 10 ms, not 100: a server with
         nothing open stops at once (a test's gateway spent most of its stop asleep). As uvicorn's:
-        requests under way are answered, then the app's lifespan ends."""
-        for server in self.servers:
-            server.close()
+        requests under way are answered, then the app's lifespan ends. Unlike it, no connection
+        outlives the server (below, and _stop_accepting)."""
+        await self._stop_accepting()
         for sock in sockets or []:
             sock.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()  # an idle keep-alive connection closes; a busy one after its answer
-        state = self.server_state
+        state, asked = self.server_state, set[Any]()
         try:
             async with asyncio.timeout(self.config.timeout_graceful_shutdown):
-                while (state.connections or state.tasks) and not self.force_exit:
+                while True:
+                    for connection in state.connections - asked:
+                        asked.add(connection)
+                        connection.shutdown()  # an idle one closes; a busy one after its answer
+                    # Looked at after a pause: a connection accepted last is made a few turns later,
+                    # when uvicorn has stopped looking (left open, its client hung until exit).
                     await asyncio.sleep(0.01)
+                    if self.force_exit or not (state.connections or state.tasks):
+                        break
                 for server in self.servers:
                     await server.wait_closed()
         except TimeoutError:
@@ -263,6 +268,23 @@ class Server(uvicorn.Server):
                 task.cancel(msg="the graceful shutdown ran out")
         if not self.force_exit:
             await self.lifespan.shutdown()
+        for connection in list(state.connections):  # cut off, or made while the lifespan ended
+            connection.transport.close()
+
+    async def _stop_accepting(self) -> None:
+        """Close the listening sockets once the connections they accepted are made. asyncio's own
+        loop accepts a connection in one turn and makes its transport in the next; a server closed
+        in between makes none (an assertion it swallows) and leaves the socket open, its client
+        hanging until the garbage collector closes it (CPython 3.11). So that loop stops reading
+        them first, and a turn passes. uvloop makes a connection as it accepts it."""
+        loop = asyncio.get_running_loop()
+        if isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+            for server in self.servers:
+                for listening in server.sockets:
+                    loop.remove_reader(listening)
+            await asyncio.sleep(0)
+        for server in self.servers:
+            server.close()
 
 
 # How long an idle connection stays open: past a node agent's (HEARTBEAT_KEEPALIVE_S in

@@ -162,8 +162,10 @@ class AgentProcess:
         return self.output()
 
 
-def start_agent(gateway: str, key: str, server: Server, name: str, mode: str) -> AgentProcess:
-    args = [*f"--name {name} --region eu-west --price 0.3 --vram-gb 24 --tflops 165".split()]
+def start_agent(
+    gateway: str, key: str, server: Server, name: str, mode: str, price: float = 0.3
+) -> AgentProcess:
+    args = [*f"--name {name} --region eu-west --price {price} --vram-gb 24 --tflops 165".split()]
     args += ["--listen-port", str(free_port())] + (["--tunnel"] if mode == "tunnel" else [])
     if server.served != SMOLLM2:
         args += ["--model-alias", f"{server.served}={SMOLLM2}"]
@@ -192,10 +194,10 @@ def platform(pg_server: Any, template_db: str, **env: Any) -> Iterator[tuple[str
 
 
 def join(
-    gateway: str, key: str, conn: psycopg.Connection, server: Server, name: str, mode: str
+    gateway: str, key: str, conn: psycopg.Connection, server: Server, name: str, mode: str, price: float = 0.3
 ) -> tuple[AgentProcess, UUID]:
     """An agent in front of `server`, once its node is online."""
-    agent = start_agent(gateway, key, server, name, mode)
+    agent = start_agent(gateway, key, server, name, mode, price)
     query = "select id, status from nodes where name = %s"
     try:
         row = wait_for(
@@ -455,15 +457,10 @@ def test_echo_goes_to_a_node_whose_server_echoes_past_a_better_one_that_cannot(
     with a_stack(pg_server, template_db, tmp_path, "llama.cpp", "direct") as s, ExitStack() as cleanup:
         echoing = make_server("fake", tmp_path)
         cleanup.callback(echoing.kill)
-        agent, echoing_id = join(s.gateway, s.key, s.conn, echoing, "node-b", "direct")
+        # Dearer from its first beat: raised later, a lease renewed on the old price (begun before the
+        # rise, written after it) ranked node-b first for plain completions (twice in a clean clone).
+        agent, echoing_id = join(s.gateway, s.key, s.conn, echoing, "node-b", "direct", price=5)
         cleanup.callback(agent.stop)
-        s.conn.execute("update nodes set hourly_rate = 5 where id = %s", (echoing_id,))
-        # Plain completions are dispatched from the gateway's leases, in the order of their last
-        # renewal: one from before the price rise ranked node-b first (found once in a clean clone).
-        leased_first = "select node_id from private.slot_leases where model_id = %s and slots > 0 order by score desc limit 1"
-        wait_for(
-            lambda: s.conn.execute(leased_first, (SMOLLM2,)).fetchone() in (None, (s.node_id,)), timeout=10
-        )
         routes: dict[str, list[str]] = dict(s.conn.execute("select name, routes from nodes").fetchall())
         assert "completions+echo" in routes["node-b"] and "completions+echo" not in routes["node-a"], routes
         headers = {"authorization": f"Bearer {s.key}"}

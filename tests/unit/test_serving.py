@@ -6,12 +6,16 @@ that records what reaches the socket."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
+import socket
+import sys
 import time
 from typing import Any
 
 import httpx
 import uvicorn
+import uvloop
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
@@ -98,6 +102,45 @@ def test_a_stopping_server_answers_the_requests_under_way_then_ends_the_apps_lif
 
     assert asyncio.run(stop_while_busy()) == (200, "/slow")
     assert seen == ["answered /idle", "answered /slow", "lifespan ended"]
+
+
+def test_a_connection_made_as_the_server_stops_is_closed_with_it() -> None:
+    """From CI: a connection the server accepted as it stopped was left open (its client waiting on
+    it until the garbage collector closed it, a ResourceWarning in a later test), on asyncio's own
+    loop from either side of the listening socket's close. A connection whose turn comes at each
+    step of a stop, one step a run, is answered, closed, reset or refused: never left hanging."""
+
+    async def connect_as_it_stops(turns: int) -> str:
+        server = make_server(_hello, "127.0.0.1", 0)
+        async with running(server):
+            port = server.servers[0].sockets[0].getsockname()[1]
+            server.should_exit = True
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            try:
+                client = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except ConnectionRefusedError:
+                return "refused"
+        with client:
+            client.settimeout(0.5)
+            try:
+                client.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                return "answered" if client.recv(100) else "closed"
+            except ConnectionResetError:
+                return "reset"
+            except TimeoutError:
+                return "hanging"
+
+    left: list[str] = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda raised: left.append(repr(raised.exc_value))
+    try:
+        for run in (asyncio.run, uvloop.run):
+            ends = [run(connect_as_it_stops(turns)) for turns in range(8)]
+            assert "hanging" not in ends and "refused" in ends, (run, ends)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert left == []
 
 
 def test_uvicorns_shutdown_is_still_the_one_ours_repeats_without_its_pause() -> None:
