@@ -8,7 +8,11 @@ machine, by both of the ways a gateway writes a job, in alternating rounds:
 - leased: record_jobs() writes the job's start, then, in a later call, its end, as a gateway
   serving from its leases writes them behind (gateway/journal.py; each JobRecord as it sends it);
 - once: record_jobs() writes a leased job's start and end in one call, as the journal writes a job
-  that ended before its start was sent.
+  that ended before its start was sent;
+- renew: renew_leases() of a gateway's `group` lanes, models it asked for lately and needs no slot
+  of now (each wants a spare), on two nodes that serve them all besides the fleet's model: at most
+  a spare a node, so most of them hold nothing. A gateway renews every model asked for within 10 s,
+  twice a second; per lane renewed.
 
 Jobs go in groups of `group` (the gateway groups concurrent requests the same way: 1 when they come
 one at a time, up to 16 under load), on one connection, on a scratch database shaped like `bench
@@ -38,6 +42,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from neuralgrid.bench import MODEL, CpuMeter, bench_fleet, scratch_database
+from neuralgrid.bench.world_stack import add_models
 from neuralgrid.db import queries as q
 from neuralgrid.gateway.journal import JobRecord, as_array
 
@@ -45,7 +50,8 @@ SCRATCH_DB = "neuralgrid_bench_sql"
 SLOTS = 64  # 16 default-size nodes: room for the largest group
 MAX_GROUP = 16  # place_jobs()'s limit
 WARMUP_JOBS = 200
-PATHS = ("placed", "leased", "once")
+PATHS = ("placed", "leased", "once", "renew")
+LANE_MODELS = [f"bench/lane-{i}" for i in range(MAX_GROUP)]  # the renew path's: on two nodes
 
 
 class CompareFailed(Exception):
@@ -68,6 +74,7 @@ class Database:
         params = q.match_params(request, key_id, stream, 2, **hold, wait=True)
         self.request = {**params, "key": str(key_id), "end_user": None}  # as the gateway sends it
         self.gateway = str(uuid4())
+        self.renewer = str(uuid4())  # the renew path's gateway: it places and records nothing
         self.key_id = key_id
         self.stream = stream
         nodes = conn.execute("select id, max_concurrency from public.nodes order by id").fetchall()
@@ -77,6 +84,8 @@ class Database:
     def round(self, path: str, group: int, jobs: int) -> dict[str, float]:
         if path == "placed":
             return self.placed(group, jobs)
+        if path == "renew":
+            return self.renew(group, jobs)
         return self.leased(group, jobs, once=path == "once")
 
     def placed(self, group: int, jobs: int) -> dict[str, float]:
@@ -145,6 +154,23 @@ class Database:
         cpu = self.meter.read()["backend"] - cpu
         return _per_job(start_s, end_s, cpu, done)
 
+    def renew(self, group: int, lanes: int) -> dict[str, float]:
+        """Renew `group` idle lanes at a time until at least `lanes` are renewed: ms per lane (wall)
+        and the backend's CPU ms per lane."""
+        idle: list[dict[str, Any]] = [
+            {"model": model, "policy": "balanced", "region": None, "want": 1, "need": 0, "in_use": {}}
+            for model in LANE_MODELS[:group]
+        ]
+        done = 0
+        cpu = self.meter.read()["backend"]
+        started = time.perf_counter()
+        while done < lanes:
+            self.conn.execute(q.RENEW_LEASES.sql, (self.renewer, Jsonb(idle))).fetchall()
+            done += group
+        took = time.perf_counter() - started
+        cpu = self.meter.read()["backend"] - cpu
+        return _per_job(took, 0.0, cpu, done)
+
     def _record(self, records: list[JobRecord]) -> None:
         rows = self.conn.execute(q.RECORD_JOBS.sql, (self.gateway, as_array(records))).fetchall()
         if len(rows) != len(records):
@@ -175,9 +201,10 @@ def run(
     database's and their ratio, and on the leased path (both measured) leased over placed."""
     patch = compare.read_text() if compare is not None else None
     with ExitStack() as stack:
-        databases = {"base": stack.enter_context(_database(admin_url, SCRATCH_DB, None, stream))}
+        lanes = "renew" in paths
+        databases = {"base": stack.enter_context(_database(admin_url, SCRATCH_DB, None, stream, lanes))}
         if patch is not None:
-            compared = _database(admin_url, f"{SCRATCH_DB}_compare", patch, stream)
+            compared = _database(admin_url, f"{SCRATCH_DB}_compare", patch, stream, lanes)
             databases["compare"] = stack.enter_context(compared)
         for name in databases:
             for path in paths:
@@ -206,7 +233,7 @@ def run(
                     result[name] = medians[(name, path)]
                 if "compare" in result:
                     result["ratio"] = _ratio(result["compare"], result["base"])
-                if path != "placed" and "placed" in paths:
+                if path in ("leased", "once") and "placed" in paths:
                     result["leased_over_placed"] = _ratio(result["base"], medians[("base", "placed")])
                 results.append(result)
     return results
@@ -228,11 +255,21 @@ def _ratio(over: dict[str, float], under: dict[str, float]) -> dict[str, float]:
 
 
 @contextmanager
-def _database(admin_url: str, name: str, patch: str | None, stream: bool) -> Iterator[Database]:
+def _database(
+    admin_url: str, name: str, patch: str | None, stream: bool, lanes: bool = False
+) -> Iterator[Database]:
     with scratch_database(admin_url, name) as url:
         bench_fleet(url, ["http://127.0.0.1:9"], MODEL, slots=SLOTS)  # never called: SQL only
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("set synchronous_commit = off")  # as the gateway's request path
+            if lanes:  # the renew path's models, on the fleet's first two nodes
+                add_models(conn, LANE_MODELS)
+                conn.execute(
+                    "insert into public.node_models (node_id, model_id)"
+                    " select n.id, m from (select id from public.nodes order by id limit 2) n,"
+                    " unnest(%s::text[]) m",
+                    (LANE_MODELS,),
+                )
             if patch is not None:
                 try:
                     conn.execute(patch.encode())

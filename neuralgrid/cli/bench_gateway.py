@@ -234,7 +234,8 @@ def sql(
         typer.Option(
             envvar="NEURALGRID_BENCH_PATHS",
             help="placed (place_jobs() and complete_jobs()), leased (record_jobs(): start, then end),"
-            " once (record_jobs(): start and end in one call).",
+            " once (record_jobs(): start and end in one call), renew (renew_leases() of a gateway's"
+            " idle lanes, a group of them a call: per lane).",
         ),
     ] = "placed,leased",
     out_file: OutFile = Path("bench-results/sql.json"),
@@ -265,8 +266,8 @@ def sql(
         "total",
         "postgres cpu",
         caption="ms per job: the client's wall time in each call (placed: place_jobs(), complete_jobs();"
-        " leased: record_jobs() of the starts, of the ends; once: none, then record_jobs() of both),"
-        " the backend's CPU; medians over rounds",
+        " leased: record_jobs() of the starts, of the ends; once: none, then record_jobs() of both;"
+        " renew: renew_leases(), per lane), the backend's CPU; medians over rounds",
     )
     for r in results:
         for name in ("base", "compare", "ratio", "leased_over_placed"):

@@ -367,6 +367,27 @@ begin
     select array_agg(t.job_id order by t.job_id) into v_absorbed from taken t;
   end if;
 
+  -- A lane that needs nothing and holds nothing (a model asked for lately, idle now) can be given
+  -- only a spare, claimed below on a node serving its model that keeps a slot free beside it and
+  -- where the gateway holds no idle slot yet. With no such node there is nothing to rank it for: a
+  -- gateway renews every model asked for within 10 s, twice a second, and ranking each idle one
+  -- cost Postgres some 1.2 ms a renewal (2026-12-07).
+  if p_need = 0
+     and not exists (select from private.slot_leases l
+                     where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
+                       and l.region = p_region)
+     and not exists (select from public.node_models nm
+                     join public.nodes n on n.id = nm.node_id
+                     where nm.model_id = p_model and n.status in ('online', 'busy')
+                       and n.max_concurrency - n.inflight >= 2
+                       and not exists (select from private.slot_leases y
+                                       where y.gateway_id = p_gateway and y.node_id = n.id and y.slots > y.in_use)) then
+    update private.lane_demand d set share = 0
+    where d.gateway_id = p_gateway and d.model_id = p_model and d.policy = p_policy and d.region = p_region
+      and d.share is distinct from 0;
+    return coalesce(v_absorbed, '{}');
+  end if;
+
   -- The lane's nodes as score_nodes() ranks them now (only nodes with a free slot), enough of them
   -- to hold what every gateway wants.
   select least(greatest(private.ranking_limit(0), coalesce(sum(d.wanted), 0)), 1000)::integer into v_limit
@@ -1282,9 +1303,14 @@ begin
     select x ->> 'model' as model_id, x ->> 'policy' as policy, x ->> 'region' as region, s.node_id,
            n.endpoint_url, n.secret_hash, 0 as slots, 0 as in_use, null::float8 as score,
            n.ewma_tokens_per_s, n.routes, v_expires_at as expires_at, n.hourly_rate, null::uuid[] as absorbed, 0 as draining, s.rank
-    -- The lanes reported that can still be ranked (its model's last node may just have gone).
+    -- The lanes reported that can still be ranked (its model's last node may just have gone), but
+    -- those that need nothing and hold nothing: no job of theirs runs on a leased slot to move.
     from (select l.x from jsonb_array_elements(v_lanes) l (x)
-          where (l.x ->> 'reported')::boolean and private.lane_can_rank(l.x ->> 'model', l.x ->> 'policy')) ranked
+          where (l.x ->> 'reported')::boolean and private.lane_can_rank(l.x ->> 'model', l.x ->> 'policy')
+            and ((l.x ->> 'need')::integer > 0
+                 or exists (select from private.slot_leases o
+                            where o.gateway_id = p_gateway and o.model_id = l.x ->> 'model'
+                              and o.policy = l.x ->> 'policy' and o.region = l.x ->> 'region' and o.slots > 0))) ranked
     cross join lateral public.score_nodes(ranked.x ->> 'model', null, ranked.x ->> 'policy',
                                           nullif(ranked.x ->> 'region', ''), null, null, null, false,
                                           private.ranking_limit(0), null) s

@@ -435,10 +435,15 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
 
 
 @pytest.mark.usefixtures("small_ledger")
-def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, tmp_path: Path) -> None:
+def test_bench_sql_measures_the_request_paths_sql_against_a_change(
+    db_url: str, tmp_path: Path, small_ledger: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A small run of `neuralgrid bench sql`: jobs placed and ended, and jobs recorded as a leased
     gateway writes them (start, then end), in groups on a scratch database, and on a second one with
     a change applied (here: every ending 10 ms slower), side by side."""
+    from neuralgrid.bench import request_sql
+
+    monkeypatch.setattr(request_sql, "WARMUP_JOBS", 20)  # of 200: what it does, not its figures
     change = tmp_path / "slower_endings.sql"
     change.write_text(
         "create function public.slow() returns trigger language plpgsql as"
@@ -500,6 +505,19 @@ def test_bench_sql_measures_the_request_paths_sql_against_a_change(db_url: str, 
         (result,) = json.loads(out_file.read_text())["results"]
         assert result["stream"] is stream and result["path"] == path
         assert (result["compare"]["second_ms"] > result["base"]["second_ms"] + 5) is slowed, result
+    # --paths renew: a gateway's idle lanes renewed, per lane (the change slows each lane's demand).
+    change.write_text(
+        "create function public.slow() returns trigger language plpgsql as"
+        " $$ begin perform pg_sleep(0.01); return null; end $$;"
+        " create trigger slow after insert or update on private.lane_demand for each row"
+        " execute function public.slow();"
+    )
+    renew = ["--groups", "4", "--jobs", "8", "--rounds", "1", "--paths", "renew", "--compare", str(change)]
+    code, out, err = run(db_url, "bench", "sql", *renew, "--out", str(out_file))
+    assert code == 0, out + err
+    (result,) = json.loads(out_file.read_text())["results"]
+    assert result["path"] == "renew" and "leased_over_placed" not in result
+    assert result["compare"]["first_ms"] > result["base"]["first_ms"] + 5, result
     change.write_text("create index on public.no_such_table (x);")
     code, _, err = run(db_url, "bench", "sql", "--groups", "1", "--jobs", "1", "--compare", str(change))
     assert code == 1 and "the compared SQL failed" in err and len(err.strip().splitlines()) == 1

@@ -488,6 +488,26 @@ def test_a_lane_holding_nothing_gets_the_idle_slots_other_lanes_lease_on_its_nod
     assert_slots_add_up(conn)
 
 
+def test_a_renewal_ranks_no_idle_lane_that_could_claim_nothing(conn: psycopg.Connection) -> None:
+    """A gateway renews every model asked for within 10 s, twice a second. An idle lane (needing no
+    slot, holding none) where no node could take a spare for it was ranked twice at each (for its
+    claims, for its fallbacks): some 1.2 ms of Postgres a lane (`bench sql --paths renew`). It is
+    ranked no more; one holding a spare still is."""
+    models = [f"acme/idle-{i}-7b" for i in range(3)]
+    node = make_node(conn, max_concurrency=2, models=dict.fromkeys([LLAMA8, *models], "loaded"))
+    idle = [{**lane(1, need=0), "model": model} for model in models]
+    assert held(renew(conn, A, *idle)) == {node: 1}  # one spare: the gateway's one idle slot there
+    with conn.transaction():
+        conn.execute("set local track_functions = 'pl'")
+        got = renew(conn, A, *idle)
+        row = conn.execute(
+            "select coalesce(sum(calls), 0) from pg_stat_xact_user_functions where funcname = 'score_nodes'"
+        ).fetchone()
+    assert {lease.model_id for lease in got} == {models[0]} and held(got) == {node: 1}
+    assert row == (2,)  # the lane holding the spare, for its claims and its fallbacks; none for the others
+    assert_slots_add_up(conn)
+
+
 def test_spare_slots_never_take_a_nodes_last_free_slot(conn: psycopg.Connection) -> None:
     """Four gateways each wanting one spare slot (needing none) of a node of four leave one free: a
     request SQL places (a lane's first, a failed job's next node) finds it. A need takes it."""
