@@ -371,7 +371,7 @@ begin
   -- only a spare, claimed below on a node serving its model that keeps a slot free beside it and
   -- where the gateway holds no idle slot yet. With no such node there is nothing to rank it for: a
   -- gateway renews every model asked for within 10 s, twice a second, and ranking each idle one
-  -- cost Postgres some 1.2 ms a renewal (2026-12-07).
+  -- cost Postgres some 0.8 ms a renewal on a fleet of 18 nodes (2026-12-07).
   if p_need = 0
      and not exists (select from private.slot_leases l
                      where l.gateway_id = p_gateway and l.model_id = p_model and l.policy = p_policy
