@@ -165,7 +165,11 @@ class Options:
         try:
             config = Settings(**self.overrides)
         except ValidationError as err:
-            raise fail(validation.message(err.errors()[0])) from err
+            error = err.errors()[0]
+            said = validation.message(error)
+            # The variable's name, not its value: a setting may be a secret.
+            named = ".".join(str(part) for part in error["loc"])
+            raise fail(f"{named}: {said}" if named else said) from err
         if with_running_stack:  # before the secret: the stack's database decides where it comes from
             config = running.with_running_stack(config, running.find(config))
         config = with_stack_secret(config)

@@ -49,8 +49,12 @@ class KeyStore:
         self._forgotten = 0  # how many times keys were dropped: a read begun before is not cached
 
     async def authenticate(self, authorization: str | None) -> ApiKey:
-        if not authorization or not authorization.lower().startswith("bearer "):
+        if not authorization:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        if not authorization.lower().startswith("bearer "):  # its words unsaid: they may be the key
+            raise Unauthorized(
+                "the Authorization header is not a bearer key: send 'Authorization: Bearer <key>'"
+            )
         key_digest = digest(authorization[7:].strip())
         cached = self._cache.get(key_digest)
         now = time.monotonic()

@@ -131,6 +131,21 @@ def test_a_setting_refused_by_a_rule_is_said_in_the_rules_words() -> None:
 
 
 @pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"NEURALGRID_PORT": "abc"}, "error: NEURALGRID_PORT: Input should be a valid integer"),
+        ({"NEURALGRID_MAX_ATTEMPTS": "-1"}, "error: NEURALGRID_MAX_ATTEMPTS: Input should be greater than"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_variable(env: dict[str, str], said: str) -> None:
+    """Found as a new user: `Input should be a valid integer`, and no word of which setting."""
+    result = invoke("keys", "ls", **env)
+    assert result.exit_code == 1
+    [line] = result.output.splitlines()
+    assert line.startswith(said), line
+
+
+@pytest.mark.parametrize(
     ("args", "said"),
     [
         (["bogus"], "No such command 'bogus'"),

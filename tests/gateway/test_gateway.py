@@ -415,6 +415,26 @@ def test_errors_are_openai_shaped(
     assert job_rows(conn) == [("failed", 0, 0, 0, 0.0, f"no capable node is online for {LLAMA8}")]
 
 
+def test_a_price_cap_no_node_meets_and_a_key_that_is_not_bearer_say_so(
+    fake_nodes: Any, gateway: str, api_key: str
+) -> None:
+    """Found as a new user: a cap below every node's price was "no capable node is online", read as
+    the fleet down; `Authorization: Basic ...` was "missing API key", though a header was sent."""
+    fake_nodes()  # some $0.3 an hour
+    url = f"{gateway}/v1/chat/completions"
+    body = {"model": LLAMA8, "messages": MESSAGES}
+    capped = {"authorization": f"Bearer {api_key}", "x-neuralgrid-max-price": "0.01"}
+    resp = httpx.post(url, json=body, headers=capped)
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"] == (
+        f"no capable node is online for {LLAMA8} within the price cap of $0.01/h (x-neuralgrid-max-price)"
+    )
+    resp = httpx.post(url, json=body, headers={"authorization": "Basic YWxhZGRpbjpvcGVuc2VzYW1l"})
+    assert resp.status_code == 401
+    assert resp.json()["error"]["message"].startswith("the Authorization header is not a bearer key")
+    assert "YWxh" not in resp.text
+
+
 def test_revoked_keys_are_refused(
     conn: psycopg.Connection, fake_nodes: Any, client: openai.OpenAI, api_key: str
 ) -> None:

@@ -135,7 +135,11 @@ class Placement:
             if match.refusal == "route":  # no wait makes a node serve another route
                 raise errors.RouteNotServed(_not_served(request, match.error))
             if match.node_id is None or match.endpoint_url is None:
-                raise errors.NoCapacity(match.error or "no capable node is online", retry_after=2)
+                said = match.error or "no capable node is online"
+                if call.max_hourly_rate is not None and said.startswith("no capable node is online"):
+                    # SQL looked within the cap: a developer read the fleet as down (a new user's trial).
+                    said += f" within the price cap of ${call.max_hourly_rate:g}/h (x-neuralgrid-max-price)"
+                raise errors.NoCapacity(said, retry_after=2)
         except errors.GatewayError as refused:  # a refusal says how long it waited, as an answer does
             refused.headers = {**(refused.headers or {}), QUEUE_MS: queue_ms(waited)}
             raise
