@@ -436,7 +436,7 @@ def test_the_relay_with_a_database_holds_a_slot_while_the_node_works(
 
 @pytest.mark.usefixtures("small_ledger")
 def test_bench_sql_measures_the_request_paths_sql_against_a_change(
-    db_url: str, tmp_path: Path, small_ledger: int, monkeypatch: pytest.MonkeyPatch
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A small run of `neuralgrid bench sql`: jobs placed and ended, and jobs recorded as a leased
     gateway writes them (start, then end), in groups on a scratch database, and on a second one with

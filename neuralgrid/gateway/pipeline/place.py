@@ -136,7 +136,7 @@ class Placement:
                 raise errors.RouteNotServed(_not_served(request, match.error))
             if match.node_id is None or match.endpoint_url is None:
                 said = match.error or "no capable node is online"
-                if call.max_hourly_rate is not None and said.startswith("no capable node is online"):
+                if call.max_hourly_rate is not None and match.refusal == "none":
                     # SQL looked within the cap: a developer read the fleet as down (a new user's trial).
                     said += f" within the price cap of ${call.max_hourly_rate:g}/h (x-neuralgrid-max-price)"
                 raise errors.NoCapacity(said, retry_after=2)
