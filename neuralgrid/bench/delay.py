@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from neuralgrid.server.serving import run_fast
@@ -38,6 +38,9 @@ class DelayProxy:
     host: str = "127.0.0.1"
     port: int = 0
     connections: int = 0  # accepted so far
+    # Round trips so far: a client's bytes that follow bytes from the server (or open a connection),
+    # each a wait of one RTT for the client that sent them.
+    round_trips: int = 0
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -72,9 +75,23 @@ class DelayProxy:
             except OSError:
                 client_w.close()
                 return
-            await _link(client_r, client_w, target_r, target_w, self.rtt_s / 2)
+            turn = _Turn(self)
+            await _link(client_r, client_w, target_r, target_w, self.rtt_s / 2, turn)
         finally:
             self._tasks.discard(task)
+
+
+@dataclass
+class _Turn:
+    """Which side of one connection spoke last: a client speaking after the server is a round trip."""
+
+    proxy: DelayProxy
+    client_spoke: bool = False
+
+    def spoke(self, client: bool) -> None:
+        if client and not self.client_spoke:
+            self.proxy.round_trips += 1
+        self.client_spoke = client
 
 
 async def _link(
@@ -83,11 +100,13 @@ async def _link(
     b_r: asyncio.StreamReader,
     b_w: asyncio.StreamWriter,
     delay_s: float,
+    turn: _Turn,
 ) -> None:
-    """Both directions until each has ended (half-closes passed on), or either fails (both closed)."""
+    """Both directions until each has ended (half-closes passed on), or either fails (both closed):
+    a, the client, to b and b to a."""
     directions = [
-        asyncio.ensure_future(_direction(a_r, b_w, delay_s)),
-        asyncio.ensure_future(_direction(b_r, a_w, delay_s)),
+        asyncio.ensure_future(_direction(a_r, b_w, delay_s, lambda: turn.spoke(True))),
+        asyncio.ensure_future(_direction(b_r, a_w, delay_s, lambda: turn.spoke(False))),
     ]
     try:
         done, _ = await asyncio.wait(directions, return_when=asyncio.FIRST_EXCEPTION)
@@ -105,8 +124,14 @@ async def _link(
                 await writer.wait_closed()
 
 
-async def _direction(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Reads chunks as they come and writes each `delay_s` after it was read, in order."""
+async def _direction(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    delay_s: float,
+    read: Callable[[], None],
+) -> None:
+    """Reads chunks as they come (`read()` after each) and writes each `delay_s` after it was read,
+    in order."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUED_CHUNKS)
 
@@ -127,6 +152,8 @@ async def _direction(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     try:
         while True:
             chunk = await reader.read(CHUNK)
+            if chunk:
+                read()
             await queue.put((loop.time() + delay_s, chunk))
             if not chunk:
                 break

@@ -260,8 +260,9 @@ def _database(
 ) -> Iterator[Database]:
     with scratch_database(admin_url, name) as url:
         bench_fleet(url, ["http://127.0.0.1:9"], MODEL, slots=SLOTS)  # never called: SQL only
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("set synchronous_commit = off")  # as the gateway's request path
+        # As the gateway's request path: nothing prepared (db/pool.py), no waiting for the WAL flush.
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+            conn.execute("set synchronous_commit = off")
             if lanes:  # the renew path's models, on the fleet's first two nodes
                 add_models(conn, LANE_MODELS)
                 conn.execute(

@@ -88,11 +88,7 @@ def create_app(settings: Settings, database_url: str, *, sweep: bool = True) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Behind a transaction-mode pooler a statement prepared on one server connection is missing on
-        # the next (pgbouncer before 1.21 keeps no track of them): prepare none. See docs/scaling.md.
-        connection: dict[str, Any] = {"autocommit": True}
-        if settings.transaction_pooler:
-            connection["prepare_threshold"] = None
+        connection: dict[str, Any] = {"autocommit": True}  # prepared none: db/pool.py
         session_url = settings.session_database_url or database_url  # LISTEN and the sweeper
         async_commit = settings.async_commit and not settings.transaction_pooler
         pool = LastInFirstOut(

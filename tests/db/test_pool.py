@@ -10,6 +10,7 @@ import pytest
 from psycopg import AsyncConnection
 from psycopg.rows import scalar_row
 
+from neuralgrid.bench.delay import DelayProxy
 from neuralgrid.db.pool import LastInFirstOut
 from neuralgrid.db.queries import PING, Query
 from neuralgrid.db.store import Store
@@ -49,6 +50,27 @@ async def test_one_request_at_a_time_keeps_to_one_backend(db_url: str) -> None:
             async with pool.connection() as conn:
                 pids.add(await backend(conn))
         assert len(pids) == 1
+
+
+async def test_every_statement_is_one_round_trip_however_often_it_runs(db_url: str) -> None:
+    """Counted at a proxy in front of Postgres: psycopg on its own prepares a statement at its
+    sixth run on a connection, a round trip of its own (a far gateway's request paid an RTT more)."""
+    info = psycopg.conninfo.conninfo_to_dict(db_url)
+    async with DelayProxy("127.0.0.1", int(str(info["port"])), 0.0) as proxy:
+        through_proxy = psycopg.conninfo.make_conninfo(
+            user=info["user"], dbname=info["dbname"], host="127.0.0.1", port=proxy.port
+        )
+        async with LastInFirstOut(
+            through_proxy, min_size=1, max_size=1, kwargs={"autocommit": True}, open=False
+        ) as pool:
+            await pool.open(wait=True)
+            store = Store(pool)
+            trips = []
+            for _ in range(12):
+                before = proxy.round_trips
+                assert await store.get(PING) == 1
+                trips.append(proxy.round_trips - before)
+    assert trips == [1] * 12
 
 
 async def test_a_connection_closed_while_it_rested_is_replaced_before_use(db_url: str) -> None:

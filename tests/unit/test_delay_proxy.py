@@ -69,6 +69,24 @@ async def test_a_round_trip_takes_the_rtt() -> None:
     assert all(RTT_S <= t < RTT_S + SLACK_S for t in took), took
 
 
+async def test_round_trips_are_counted_as_the_client_waits_for_them() -> None:
+    """A client's bytes that follow the server's are a round trip; bytes sent without waiting for
+    an answer (pipelined) are not one more."""
+    async with echo_behind_proxy(rtt_s=0.0) as proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        for i in range(3):
+            writer.write(b"x%d" % i)
+            assert await reader.readexactly(2) == b"x%d" % i
+        assert proxy.round_trips == 3
+        writer.write(b"ab")  # two writes before the answer to the first (in one turn of the loop)
+        writer.write(b"cd")
+        assert await reader.readexactly(4) == b"abcd"
+        writer.write(b"ef")  # after the answer: one more
+        assert await reader.readexactly(2) == b"ef"
+        writer.close()
+    assert proxy.round_trips == 5
+
+
 async def test_bytes_keep_their_order_and_a_burst_its_throughput() -> None:
     payload = bytes(i % 251 for i in range(4 << 20))  # 4 MiB: 64 chunks' worth and more
     async with echo_behind_proxy() as proxy:
