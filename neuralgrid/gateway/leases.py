@@ -82,8 +82,9 @@ class Lease:
 class Lent:
     """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
     out of use here until its answer says which, if any, SQL took (LeaseBook.settle()). `busy`:
-    each lease's slots in use here when lent; SQL lends none from a lease that holds no more (a
-    renewal under way may have given idle slots back)."""
+    each lease's slots this gateway's running jobs may hold when lent (LeaseBook._busy()); SQL
+    lends none from a lease that holds no more (a renewal under way may have given idle slots
+    back)."""
 
     slots: tuple[tuple[Lane, UUID], ...] = ()
     busy: tuple[int, ...] = ()
@@ -143,6 +144,13 @@ class LeaseBook:
         self._promised: dict[tuple[Lane, UUID], int] | None = None
         self._most_used: dict[tuple[Lane, UUID], int] = {}
         self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
+        # This gateway's running jobs SQL placed (and did not move on), per (lane, node): a renewal
+        # moves their slots into the lane's lease there (renew_lane()), in use, unknown here until
+        # its answer. One whose job ended while a renewal was on its way may be idle there: lent
+        # as an idle slot is (lend()), since a far gateway's next new model otherwise met the node
+        # full of it and waited in line (bench world, 2026-12-07).
+        self._sql_jobs: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
 
     def take(
         self,
@@ -240,28 +248,65 @@ class LeaseBook:
         """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane (or
         `lane`'s alone, those serving `route` within the price cap `max_rate`, as take() chooses),
         for a request placed in SQL: where every node that could take the request is full, SQL may
-        give it one of them (private.return_lent_slot()). Out of use here until settle()."""
+        give it one of them (private.return_lent_slot()). Out of use here until settle(). On each
+        node, first a slot the renewal on its way keeps (it reported it in use), then (any lane)
+        one it may have moved into a lease for a job since ended (sql_job()), then one it may give
+        back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
+        in line."""
         if self.clock() >= self._usable_until:
             return Lent()
-        chosen: dict[UUID, tuple[Lane, UUID]] = {}
+        kept: dict[UUID, tuple[Lane, UUID]] = {}
+        at_risk: dict[UUID, tuple[Lane, UUID]] = {}
         ranked = self._ranked.items() if lane is None else [(lane, self._ranked.get(lane, []))]
         for held, leases in ranked:
             for lease in leases:
                 key = (held, lease.node_id)
                 if (
-                    lease.node_id not in chosen
-                    and lease.node_id not in self._failed
+                    lease.node_id not in self._failed
                     and _serves(lease, route, max_rate)
                     and self._idle(key, lease)
                 ):
-                    chosen[lease.node_id] = key
-                    if len(chosen) == LEND_AT_MOST:
-                        break
-            if len(chosen) == LEND_AT_MOST:
-                break
+                    (kept if self._promised_more(key) else at_risk).setdefault(lease.node_id, key)
+        nodes = {lease.node_id: lease for leases in self._ranked.values() for lease in leases}
+        moved = {
+            key[1]: key
+            for key, idle in self._moved_idle.items()
+            if lane is None
+            and key[1] not in self._failed
+            and (key[1] not in nodes or _serves(nodes[key[1]], route, max_rate))
+            and self._lent.get(key, 0) < idle
+        }
+        chosen: dict[UUID, tuple[Lane, UUID]] = {}
+        for choice in (kept, moved, at_risk):
+            for node, key in choice.items():
+                if len(chosen) < LEND_AT_MOST:
+                    chosen.setdefault(node, key)
         for key in chosen.values():
             self._lent[key] += 1
-        return Lent(tuple(chosen.values()), tuple(self._in_use.get(key, 0) for key in chosen.values()))
+        return Lent(tuple(chosen.values()), tuple(self._busy(key) for key in chosen.values()))
+
+    def _busy(self, key: tuple[Lane, UUID]) -> int:
+        """The lease's slots this gateway's running jobs may hold, as SQL is told when it lends one:
+        those in use here, and those of its running jobs SQL placed, which a renewal may have moved
+        into the lease unknown here (SQL could otherwise lend the slot such a job runs on)."""
+        return self._in_use.get(key, 0) + self._sql_jobs.get(key, 0)
+
+    def sql_job(self, lane: Lane, node_id: UUID, change: int) -> None:
+        """A job SQL placed of the lane on the node started running here (+1), or stopped being one
+        a renewal could move into a lease (-1: moved into one, moved on by SQL, or ended). One that
+        ended while a renewal was on its way may have left the lease that renewal moved it into an
+        idle slot."""
+        key = (lane, node_id)
+        self._sql_jobs[key] += change
+        if self._sql_jobs[key] <= 0:
+            del self._sql_jobs[key]
+
+    def sql_job_ended(self, lane: Lane, node_id: UUID) -> None:
+        """A job SQL placed ended here (and was counted running by sql_job()): while a renewal is on
+        its way, the slot it may have moved into the lease is lent as an idle one."""
+        self.sql_job(lane, node_id, -1)
+        if self._promised is not None:
+            self._moved_idle[(lane, node_id)] += 1
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
         """The placement's answer came: the lent slots are usable again here, but the one SQL took
@@ -277,6 +322,11 @@ class LeaseBook:
             if not known or key[1] == taken_on:
                 self._ranked = _shrunk(self._ranked, key)
                 self._returned.append((key, now))
+                if self._moved_idle.get(key, 0) > 0:
+                    self._moved_idle[key] -= 1
+                if self._promised is not None and self._promised.get(key, 0) > 0:
+                    # Reported in use (lent), now gone: the renewal on its way keeps one slot fewer.
+                    self._promised[key] -= 1
 
     def give_back(self, taken: Taken) -> None:
         key = (taken.lease.lane, taken.node_id)
@@ -380,6 +430,7 @@ class LeaseBook:
             if placed.get(lane):
                 report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
+        self._moved_idle.clear()  # the renewal before answered (renewed()), or its answer was lost
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)
@@ -418,6 +469,7 @@ class LeaseBook:
         self._drains = {lane for lane, leases in ranked.items() if any(lease.draining for lease in leases)}
         self._usable_until = sent_at + lease_s - MARGIN_S
         self._promised = None  # the report's answer is here: the leases it returned are what holds
+        self._moved_idle.clear()  # in those leases now, as they are
 
     def holds(self, lane: Lane) -> bool:
         return self.clock() < self._usable_until and bool(self._ranked.get(lane))

@@ -113,6 +113,69 @@ def test_lent_slots_are_out_of_use_until_settled_and_the_one_sql_took_leaves_its
     assert book.take(LANE, None) is None  # b in use; a's one slot in use
 
 
+def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job_ended_then_any() -> None:
+    """A renewal on its way may give back a lease's idle slots, and moves the slots of this
+    gateway's running jobs SQL placed into their lanes' leases, unknown here until its answer. A far
+    gateway's placement that lent a slot given back met a full node and waited in line, while one
+    its own job had left idle in a lease was there to lend (bench world, 2026-12-07). SQL is told
+    that such jobs still running may hold their slots (busy), or it could lend one a job runs on."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    other = Lane("other", "balanced")
+    book.renewed([row(a, 1, 1)], clock(), 5.0)
+    book.sql_job(other, a, 1)
+    book.sql_job(other, a, 1)
+    book.sql_job(LANE, a, 1)  # of the leased lane too: the renewal moves it into that lease
+    book.lanes()  # on its way, reporting a's slot idle: it may give it back
+    at_risk = book.lend()
+    assert at_risk.slots == ((LANE, a),) and at_risk.busy == (1,)  # nothing else to lend yet
+    book.settle(at_risk, None)
+    book.sql_job_ended(other, a)
+    lent = book.lend()
+    assert lent.slots == ((other, a),) and lent.busy == (1,)  # the running job's slot is not lent
+    again = book.lend()
+    assert again.slots == ((LANE, a),)  # the moved slot is lent once: then the one at risk
+    book.settle(again, None)
+    assert book.lend(other).slots == ()  # a request's own lane's slots alone: leased ones only
+    clock.now += 0.1
+    book.settle(lent, a)  # SQL took it
+    assert book.lend().slots == ((LANE, a),)
+    book.renewed([row(a, 1, 1)], clock(), 5.0)  # the answer: the moved leases as SQL holds them now
+    book.sql_job_ended(other, a)  # no renewal on its way: its slot was SQL's, freed by its end
+    assert book.lend().slots == ()  # a's one slot lent already
+
+
+def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_the_route() -> None:
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    other = Lane("other", "balanced")
+    book.renewed([row(a, 0, 1, routes=("embeddings",))], clock(), 5.0)
+    book.sql_job(other, a, 1)
+    book.lanes()
+    book.sql_job_ended(other, a)
+    assert book.lend(route="chat/completions").slots == ()
+    assert book.lend(route="embeddings").slots == ((other, a),)
+
+
+def test_a_lent_slot_sql_took_is_one_fewer_the_renewal_on_its_way_keeps() -> None:
+    """Lent slots are reported in use; SQL took one after the report was sent. The renewal may have
+    given back the lease's other idle slot, so none may be taken until its answer (a review)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    book.asked(LANE)
+    lent = book.lend()
+    [report] = book.lanes()
+    assert report["in_use"] == {str(a): 1}
+    book.settle(lent, a)
+    assert book.take(LANE, None) is None  # the other slot: reported idle, perhaps given back
+    book.renewed([row(a, 1, 1)], clock(), 5.0)
+    assert book.take(LANE, None) is not None
+
+
 def test_lent_slots_whose_answer_never_came_all_leave_their_leases_until_the_next_renewal() -> None:
     clock = Clock()
     book = LeaseBook(clock)

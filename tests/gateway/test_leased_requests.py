@@ -542,6 +542,64 @@ def test_a_request_that_finds_its_slot_held_back_by_a_renewal_on_its_way_waits_f
     assert metric(leased_gateway, "neuralgrid_leased_placements_total") == leased + 1
 
 
+def test_a_new_model_takes_the_slot_a_renewal_on_its_way_moved_into_a_lease_for_a_job_since_ended(
+    conn: psycopg.Connection, fake_nodes: Any, db_url: str, spool: Path, api_key: str
+) -> None:
+    """A far gateway's cold request: SQL placed it, and the renewal sent behind it moved its slot
+    into the lane's lease while it ran; it ended before that renewal's answer came back (a round
+    trip). The gateway's next new model found the node full (that lease, idle, the one slot), and
+    lent nothing (it knew no lease there yet): it waited in line for the answer, two round trips
+    (bench world, 2026-12-07: 5 of 20 cold requests 200 ms away, each traced at a proxy). It lends
+    that slot now, and is placed at once."""
+    mistral = "mistralai/Mistral-7B-Instruct-v0.3"
+    node = fake_nodes(
+        "one-slot", models={LLAMA8: "loaded", mistral: "loaded"}, max_concurrency=1, latency_s=0.3
+    )
+    app = create_app(
+        Settings(NEURALGRID_FIRST_BYTE_TIMEOUT_S=5, NEURALGRID_SPOOL_DIR=spool), db_url, sweep=False
+    )
+    with ThreadedServer(app) as gateway:
+        renewing = app.state.services.pipeline.placement.leased.renewals
+        held, let_go = threading.Event(), threading.Event()
+
+        class AnswerHeld:  # the renewal that names a placed job runs in SQL; its answer is on its way
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            async def all(self, query: Any, params: Any = None) -> Any:
+                rows = await store.all(query, params)
+                if query is q.RENEW_LEASES and not held.is_set() and '"placed"' in params[1]:
+                    held.set()
+                    await asyncio.to_thread(let_go.wait, 30)
+                return rows
+
+        store = renewing.store
+        renewing.store = AnswerHeld()
+        try:
+            first = ask(gateway.url, api_key)  # cold: placed in SQL, its slot moved into a lease
+            assert first.status_code == 200, first.text
+            assert held.is_set()
+            written_behind(gateway.url)  # its end: the lease keeps the slot, idle
+            assert leases_held(conn, node.node_id) == 1
+            answer = ask(gateway.url, api_key, {**PLAIN, "model": mistral})
+            assert answer.status_code == 200, answer.text
+            assert float(answer.headers["x-neuralgrid-queue-ms"]) == 0  # placed at once, not in line
+            assert not let_go.is_set()
+        finally:
+            let_go.set()
+        written_behind(gateway.url)
+        # The answer, once it came, is read a slot smaller: the lease lent it, and nothing is overbooked.
+        assert ask(gateway.url, api_key).status_code == 200
+        written_behind(gateway.url)
+        row = conn.execute(
+            "select n.inflight, (select coalesce(sum(l.slots), 0) from private.slot_leases l where l.node_id = n.id)"
+            " + (select count(*) from job_attempts a where a.node_id = n.id and a.status = 'running' and not a.leased)"
+            " from nodes n where n.id = %s",
+            (node.node_id,),
+        ).fetchone()
+        assert row is not None and row[0] <= 1 and row[0] == row[1], row
+
+
 def test_a_job_moved_into_a_lease_by_a_renewal_whose_answer_was_lost_is_known_at_the_next(
     conn: psycopg.Connection, fake_nodes: Any, leased_gateway: str, api_key: str, monkeypatch: Any
 ) -> None:
