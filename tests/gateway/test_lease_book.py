@@ -146,6 +146,23 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
     assert book.lend().slots == ()  # a's one slot lent already
 
 
+def test_of_the_slots_moved_for_jobs_ended_on_a_node_the_oldest_is_lent_first() -> None:
+    """The later a job SQL placed, the likelier the renewal on its way ran before it and moved
+    nothing for it (traced: the newer one lent, SQL refused it, a round trip more)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    older, newer = Lane("older", "balanced"), Lane("newer", "balanced")
+    book.renewed([], clock(), 5.0)
+    book.sql_job(older, a, 1)
+    book.lanes()
+    book.sql_job(newer, a, 1)
+    book.sql_job_ended(older, a)
+    book.sql_job_ended(newer, a)
+    assert book.lend().slots == ((older, a),)
+    assert book.lend().slots == ((newer, a),)
+
+
 def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_the_route() -> None:
     clock = Clock()
     book = LeaseBook(clock)
