@@ -210,6 +210,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.leased_slots",
         "private.move_lease_slots",
         "private.return_lent_slot",
+        "private.moved_into_lease",
         "private.lane_turn",
         "private.lane_target",
         "private.renew_lane",

@@ -82,17 +82,24 @@ class Lease:
 class Lent:
     """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
     out of use here until its answer says which, if any, SQL took (LeaseBook.settle()). `busy`:
-    each lease's slots this gateway's running jobs may hold when lent (LeaseBook._busy()); SQL
-    lends none from a lease that holds no more (a renewal under way may have given idle slots
-    back)."""
+    each lease's slots in use here when lent; SQL lends none from a lease that holds no more (a
+    renewal under way may have given idle slots back)."""
 
     slots: tuple[tuple[Lane, UUID], ...] = ()
     busy: tuple[int, ...] = ()
+    # Per slot, this gateway's running jobs SQL placed of that lane on that node: SQL counts those a
+    # renewal moved into the lease as in use too (their slots are in it, unknown here).
+    placed: tuple[tuple[UUID, ...], ...] = ()
 
-    def as_json(self) -> list[dict[str, str | int | None]]:
+    def as_json(self) -> list[dict[str, object]]:
         return [
-            {"node": str(node), **lane.as_json(), "busy": busy}
-            for (lane, node), busy in zip(self.slots, self.busy, strict=True)
+            {
+                "node": str(node),
+                **lane.as_json(),
+                "busy": busy,
+                "placed": [str(job_id) for job_id in placed],
+            }
+            for (lane, node), busy, placed in zip(self.slots, self.busy, self.placed, strict=True)
         ]
 
 
@@ -144,12 +151,12 @@ class LeaseBook:
         self._promised: dict[tuple[Lane, UUID], int] | None = None
         self._most_used: dict[tuple[Lane, UUID], int] = {}
         self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
-        # This gateway's running jobs SQL placed (and did not move on), per (lane, node): a renewal
+        # This gateway's running jobs SQL placed (and did not move on), each one's (lane, node): a renewal
         # moves their slots into the lane's lease there (renew_lane()), in use, unknown here until
         # its answer. One whose job ended while a renewal was on its way may be idle there: lent
         # as an idle slot is (lend()), since a far gateway's next new model otherwise met the node
         # full of it and waited in line (bench world, 2026-12-07).
-        self._sql_jobs: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._sql_jobs: dict[UUID, tuple[Lane, UUID]] = {}
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
 
     def take(
@@ -284,30 +291,31 @@ class LeaseBook:
                     chosen.setdefault(node, key)
         for key in chosen.values():
             self._lent[key] += 1
-        return Lent(tuple(chosen.values()), tuple(self._busy(key) for key in chosen.values()))
+        keys = tuple(chosen.values())
+        return Lent(
+            keys, tuple(self._in_use.get(key, 0) for key in keys), tuple(self._placed_on(k) for k in keys)
+        )
 
-    def _busy(self, key: tuple[Lane, UUID]) -> int:
-        """The lease's slots this gateway's running jobs may hold, as SQL is told when it lends one:
-        those in use here, and those of its running jobs SQL placed, which a renewal may have moved
-        into the lease unknown here (SQL could otherwise lend the slot such a job runs on)."""
-        return self._in_use.get(key, 0) + self._sql_jobs.get(key, 0)
+    def sql_job(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
+        """A job SQL placed of the lane runs on the node: a renewal may move its slot into the lane's
+        lease there, unknown here until its answer. SQL is told of it with each slot lent there
+        (Lent.placed), and counts it in use if it did (or could lend the slot it runs on)."""
+        self._sql_jobs[job_id] = (lane, node_id)
 
-    def sql_job(self, lane: Lane, node_id: UUID, change: int) -> None:
-        """A job SQL placed of the lane on the node started running here (+1), or stopped being one
-        a renewal could move into a lease (-1: moved into one, moved on by SQL, or ended). One that
-        ended while a renewal was on its way may have left the lease that renewal moved it into an
-        idle slot."""
-        key = (lane, node_id)
-        self._sql_jobs[key] += change
-        if self._sql_jobs[key] <= 0:
-            del self._sql_jobs[key]
+    def sql_job_gone(self, job_id: UUID) -> None:
+        """The job is no longer one a renewal could move: moved into a lease (known here now) or
+        moved on by SQL."""
+        self._sql_jobs.pop(job_id, None)
 
-    def sql_job_ended(self, lane: Lane, node_id: UUID) -> None:
-        """A job SQL placed ended here (and was counted running by sql_job()): while a renewal is on
-        its way, the slot it may have moved into the lease is lent as an idle one."""
-        self.sql_job(lane, node_id, -1)
-        if self._promised is not None:
-            self._moved_idle[(lane, node_id)] += 1
+    def sql_job_ended(self, job_id: UUID) -> None:
+        """The job ended here: while a renewal is on its way, the slot it may have moved into the
+        lease is lent as an idle one."""
+        key = self._sql_jobs.pop(job_id, None)
+        if key is not None and self._promised is not None:
+            self._moved_idle[key] += 1
+
+    def _placed_on(self, key: tuple[Lane, UUID]) -> tuple[UUID, ...]:
+        return tuple(job_id for job_id, on in self._sql_jobs.items() if on == key)
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
         """The placement's answer came: the lent slots are usable again here, but the one SQL took

@@ -288,6 +288,21 @@ REVOKE ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_
 GRANT ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) TO service_role;
 
 
+CREATE FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) RETURNS integer
+    LANGUAGE sql STABLE
+    SET search_path TO ''
+    AS $$
+  -- Moved by a renewal, a job SQL placed runs on a leased attempt on the lease's node.
+  select count(*)::integer from public.job_attempts a
+  where a.job_id = any (p_jobs) and a.node_id = p_node and a.status = 'running' and a.leased
+$$;
+
+COMMENT ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) IS 'private.return_lent_slot(): how many of the jobs p_jobs (a gateway''s running jobs SQL placed) a renewal moved into a lease on node p_node: their running attempts there, leased.';
+
+REVOKE ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) TO service_role;
+
+
 CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
     LANGUAGE plpgsql
     SET search_path TO ''
@@ -622,16 +637,23 @@ CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy 
 declare
   v_lease record;
 begin
-  -- The best offered lease that could serve the request and holds more slots than the gateway has
-  -- in use on it ("busy": a renewal under way may have given idle slots back meanwhile).
-  select l.node_id, l.model_id, l.policy, l.region, o.busy into v_lease
-  from jsonb_to_recordset(p_offered) as o (node uuid, model text, policy text, region text, busy integer)
+  -- The best offered lease that could serve the request and holds more slots than the gateway's
+  -- jobs hold on it: those it has in use ("busy": a renewal under way may have given idle slots back
+  -- meanwhile) and those of its jobs SQL placed ("placed") that a renewal moved into it.
+  select l.node_id, l.model_id, l.policy, l.region, o.busy, o.placed into v_lease
+  from (
+    select x.node, x.model, coalesce(x.policy, 'balanced') as policy, coalesce(x.region, '') as region,
+           coalesce(x.busy, 0) as busy,
+           array(select jsonb_array_elements_text(coalesce(x.placed, '[]'))::uuid) as placed
+    from jsonb_to_recordset(p_offered) as x (node uuid, model text, policy text, region text, busy integer,
+                                             placed jsonb)
+  ) o
   join private.slot_leases l
-    on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model
-       and l.policy = coalesce(o.policy, 'balanced') and l.region = coalesce(o.region, '')
+    on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model and l.policy = o.policy
+       and l.region = o.region
   join public.nodes n on n.id = l.node_id
   left join public.node_scores s on s.node_id = n.id and s.model_id = p_model and s.policy = p_policy
-  where l.slots > coalesce(o.busy, 0) and l.expires_at > now()
+  where l.slots > o.busy + private.moved_into_lease(o.placed, l.node_id) and l.expires_at > now()
     and n.id in (select private.lease_usable_nodes(p_model, array(
                    select (x ->> 'node')::uuid from jsonb_array_elements(p_offered) x)))
     and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
@@ -647,8 +669,8 @@ begin
   update private.slot_leases l
   set slots = l.slots - 1, in_use = least(l.in_use, l.slots - 1), draining = least(l.draining, l.slots - 1)
   where l.gateway_id = p_gateway and l.node_id = v_lease.node_id and l.model_id = v_lease.model_id
-    and l.policy = v_lease.policy and l.region = v_lease.region
-    and l.slots > coalesce(v_lease.busy, 0) and l.expires_at > now();
+    and l.policy = v_lease.policy and l.region = v_lease.region and l.expires_at > now()
+    and l.slots > v_lease.busy + private.moved_into_lease(v_lease.placed, l.node_id);
   if not found then  -- changed while the node was locked: nothing lent
     return null;
   end if;
@@ -660,7 +682,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer, and how many of the lease''s slots it has in use; a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
+COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy", "placed"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer; how many of the lease''s slots it has in use; and its running jobs SQL placed of that lane on that node, those a renewal moved into the lease counted in use too; a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
 
 REVOKE ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) TO service_role;

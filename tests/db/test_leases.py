@@ -777,3 +777,30 @@ def test_a_request_every_node_is_full_for_takes_an_idle_slot_its_gateway_lends_f
     assert (again.node_id, again.lent) == (node, False)
     assert leases(conn) == {(A, node): (1, 0), (A, elsewhere): (2, 0)}
     assert_slots_add_up(conn)
+
+
+def test_a_lent_lease_counts_in_use_the_jobs_sql_placed_that_a_renewal_moved_into_it(
+    conn: psycopg.Connection,
+) -> None:
+    """A renewal moves the slot of each of its gateway's running jobs SQL placed into the lane's
+    lease, unknown to the gateway until its answer: a placement lending that lease as idle got the
+    slot such a job ran on (a review). The gateway names its jobs SQL placed with the lent slot, and
+    SQL counts those it moved as in use."""
+    other = "acme/other-7b"
+    node = make_node(conn, max_concurrency=1, models={LLAMA8: "loaded", other: "loaded"})
+    key = str(make_key(conn))
+    base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
+    job = place(conn, A, {**base, "model": LLAMA8}).job_id
+    renew(conn, A, lane(1))
+    conn.execute("delete from private.lane_demand")
+    assert conn.execute("select leased from job_attempts where job_id = %s", (job,)).fetchone() == (True,)
+    assert inflight(conn) == {node: 1}
+
+    def lending(placed: list[str]) -> dict[str, Any]:
+        offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": placed}
+        return {**base, "model": other, "lend": [offer]}
+
+    assert place(conn, A, lending([str(job)])).busy  # its one slot is the moved job's
+    assert_slots_add_up(conn)
+    got = place(conn, A, lending([]))  # unnamed, the job's slot looks idle: what was lent before
+    assert (got.lent, got.node_id) == (True, node)

@@ -115,6 +115,7 @@ PRIVATE_HELPERS = sorted(
         "sync_warm_models",  # a heartbeat's warm models (node_heartbeat(), agent_heartbeat())
         "ewma_fold",
         "great_circle_km",
+        "moved_into_lease",
         "mark_cold_start",
         "nodes_keep_price_floor",  # a node's lowest recent price per slot (a rise applies later)
         "move_job",

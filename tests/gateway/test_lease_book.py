@@ -117,23 +117,25 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
     """A renewal on its way may give back a lease's idle slots, and moves the slots of this
     gateway's running jobs SQL placed into their lanes' leases, unknown here until its answer. A far
     gateway's placement that lent a slot given back met a full node and waited in line, while one
-    its own job had left idle in a lease was there to lend (bench world, 2026-12-07). SQL is told
-    that such jobs still running may hold their slots (busy), or it could lend one a job runs on."""
+    its own job had left idle in a lease was there to lend (bench world, 2026-12-07). SQL is told of
+    such jobs still running (placed), or it could lend the slot one of them runs on."""
     clock = Clock()
     book = LeaseBook(clock)
     a = uuid4()
     other = Lane("other", "balanced")
     book.renewed([row(a, 1, 1)], clock(), 5.0)
-    book.sql_job(other, a, 1)
-    book.sql_job(other, a, 1)
-    book.sql_job(LANE, a, 1)  # of the leased lane too: the renewal moves it into that lease
+    ended, running, leased_lane = uuid4(), uuid4(), uuid4()
+    book.sql_job(ended, other, a)
+    book.sql_job(running, other, a)
+    book.sql_job(leased_lane, LANE, a)  # of the leased lane too: the renewal moves it into that lease
     book.lanes()  # on its way, reporting a's slot idle: it may give it back
     at_risk = book.lend()
-    assert at_risk.slots == ((LANE, a),) and at_risk.busy == (1,)  # nothing else to lend yet
+    assert at_risk.slots == ((LANE, a),) and at_risk.placed == ((leased_lane,),)  # nothing else to lend yet
     book.settle(at_risk, None)
-    book.sql_job_ended(other, a)
+    book.sql_job_ended(ended)
     lent = book.lend()
-    assert lent.slots == ((other, a),) and lent.busy == (1,)  # the running job's slot is not lent
+    assert lent.slots == ((other, a),) and lent.placed == ((running,),)  # SQL counts it if moved
+    assert lent.as_json()[0]["placed"] == [str(running)]
     again = book.lend()
     assert again.slots == ((LANE, a),)  # the moved slot is lent once: then the one at risk
     book.settle(again, None)
@@ -142,7 +144,7 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
     book.settle(lent, a)  # SQL took it
     assert book.lend().slots == ((LANE, a),)
     book.renewed([row(a, 1, 1)], clock(), 5.0)  # the answer: the moved leases as SQL holds them now
-    book.sql_job_ended(other, a)  # no renewal on its way: its slot was SQL's, freed by its end
+    book.sql_job_ended(running)  # no renewal on its way: its slot was SQL's, freed by its end
     assert book.lend().slots == ()  # a's one slot lent already
 
 
@@ -153,12 +155,13 @@ def test_of_the_slots_moved_for_jobs_ended_on_a_node_the_oldest_is_lent_first() 
     book = LeaseBook(clock)
     a = uuid4()
     older, newer = Lane("older", "balanced"), Lane("newer", "balanced")
+    first, second = uuid4(), uuid4()
     book.renewed([], clock(), 5.0)
-    book.sql_job(older, a, 1)
+    book.sql_job(first, older, a)
     book.lanes()
-    book.sql_job(newer, a, 1)
-    book.sql_job_ended(older, a)
-    book.sql_job_ended(newer, a)
+    book.sql_job(second, newer, a)
+    book.sql_job_ended(first)
+    book.sql_job_ended(second)
     assert book.lend().slots == ((older, a),)
     assert book.lend().slots == ((newer, a),)
 
@@ -168,10 +171,11 @@ def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_
     book = LeaseBook(clock)
     a = uuid4()
     other = Lane("other", "balanced")
+    job = uuid4()
     book.renewed([row(a, 0, 1, routes=("embeddings",))], clock(), 5.0)
-    book.sql_job(other, a, 1)
+    book.sql_job(job, other, a)
     book.lanes()
-    book.sql_job_ended(other, a)
+    book.sql_job_ended(job)
     assert book.lend(route="chat/completions").slots == ()
     assert book.lend(route="embeddings").slots == ((other, a),)
 

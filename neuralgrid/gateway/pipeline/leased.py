@@ -210,7 +210,7 @@ class LeasedJobs:
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, node_id, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
-            self.book.sql_job(lane, node_id, 1)
+            self.book.sql_job(job_id, lane, node_id)
         if lane is not None and (not self.book.leases(lane) or self.book.outgrown(lane)):
             # Cold, given nothing by the last renewal, or a burst past its lease: a renewal asks for
             # the lane now, its demand counting this job, which it moves into the lease it gets
@@ -254,8 +254,7 @@ class LeasedJobs:
         moves no such job into a lease). A renewal that moved its slot into the lease while SQL moved
         it on is undone here: the slot is free again (the attempt on it has ended)."""
         placed = self._elsewhere.get(job_id)
-        if placed is not None and not placed.moved:  # SQL's to its end: no renewal moves it now
-            self.book.sql_job(placed.lane, placed.node_id, -1)
+        self.book.sql_job_gone(job_id)  # SQL's to its end: no renewal moves it now
         slot = self.release(job_id)
         if slot is not None:  # absorbed meanwhile: a request SQL placed again
             placed = Elsewhere(slot.taken.lease.lane, slot.taken.node_id, slot.route, slot.max_rate)
@@ -271,8 +270,7 @@ class LeasedJobs:
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
             self.book.unleased(placed.lane, -1)
-            if not placed.moved:
-                self.book.sql_job_ended(placed.lane, placed.node_id)
+            self.book.sql_job_ended(job_id)
         if record is not None or placed is not None:
             self._ended[job_id] = None
             if len(self._ended) > ENDED_KEPT:
@@ -293,7 +291,7 @@ class LeasedJobs:
             return
         del self._elsewhere[job_id]
         self.book.unleased(placed.lane, -1)
-        self.book.sql_job(placed.lane, placed.node_id, -1)
+        self.book.sql_job_gone(job_id)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
