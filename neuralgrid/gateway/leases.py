@@ -274,16 +274,17 @@ class LeaseBook:
                     and self._idle(key, lease)
                 ):
                     (kept if self._promised_more(key) else at_risk).setdefault(lease.node_id, key)
-        nodes = {lease.node_id: lease for leases in self._ranked.values() for lease in leases}
         moved: dict[UUID, tuple[Lane, UUID]] = {}
-        for key, idle in self._moved_idle.items():  # the oldest first: the likeliest to have moved
-            if (
-                lane is None
-                and key[1] not in self._failed
-                and (key[1] not in nodes or _serves(nodes[key[1]], route, max_rate))
-                and self._lent.get(key, 0) < idle
-            ):
-                moved.setdefault(key[1], key)
+        if lane is None and self._moved_idle:
+            nodes = {lease.node_id: lease for leases in self._ranked.values() for lease in leases}
+            for key, idle in self._moved_idle.items():  # the oldest first: the likeliest to have moved
+                node = key[1]
+                if (
+                    node not in self._failed
+                    and (node not in nodes or _serves(nodes[node], route, max_rate))
+                    and self._lent.get(key, 0) < idle
+                ):
+                    moved.setdefault(node, key)
         chosen: dict[UUID, tuple[Lane, UUID]] = {}
         for choice in (kept, moved, at_risk):
             for node, key in choice.items():

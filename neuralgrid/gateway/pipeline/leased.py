@@ -53,7 +53,6 @@ class Elsewhere:
     """A job of this gateway that SQL placed (no leased slot was free), while it runs."""
 
     lane: Lane
-    node_id: UUID
     route: str | None
     max_rate: float | None
     moved: bool = False  # SQL moved it on (failover, a stream's hand-over): SQL's to its end
@@ -208,7 +207,7 @@ class LeasedJobs:
             self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
             return
         if lane is not None and job_id not in self._elsewhere:
-            self._elsewhere[job_id] = Elsewhere(lane, node_id, route, admitted.call.max_hourly_rate)
+            self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
             self.book.sql_job(job_id, lane, node_id)
         if lane is not None and (not self.book.leases(lane) or self.book.outgrown(lane)):
@@ -257,7 +256,7 @@ class LeasedJobs:
         self.book.sql_job_gone(job_id)  # SQL's to its end: no renewal moves it now
         slot = self.release(job_id)
         if slot is not None:  # absorbed meanwhile: a request SQL placed again
-            placed = Elsewhere(slot.taken.lease.lane, slot.taken.node_id, slot.route, slot.max_rate)
+            placed = Elsewhere(slot.taken.lease.lane, slot.route, slot.max_rate)
             self.book.unleased(placed.lane, 1)
         if placed is not None:
             self._elsewhere[job_id] = dataclasses.replace(placed, moved=True)
