@@ -303,7 +303,7 @@ REVOKE ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) FROM
 GRANT ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) TO service_role;
 
 
-CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
+CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -346,11 +346,14 @@ begin
   -- a slot that its caller's next request claims in SQL again before a renewal could lease it.
   -- Rows another transaction holds are skipped, never waited for; the next renewal takes them.
   -- Only jobs on their first attempt: one SQL moved on stays SQL's to its end (the gateway, which
-  -- does not know the nodes it tried, could move it back to one that failed it).
-  if p_reported then
+  -- does not know the nodes it tried, could move it back to one that failed it). Only jobs the
+  -- gateway names (p_placed): one whose placement's answer has not reached it yet is one it cannot
+  -- count in use where it lends that lease's idle slots; the next renewal moves it.
+  if p_reported and cardinality(p_placed) > 0 then
     v_mine := array(
       select j.id from public.jobs j
-      where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
+      where j.id = any (p_placed)
+        and j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
         and j.gateway_id = p_gateway and j.status = 'running' and j.model_id = p_model and j.policy = p_policy
         and coalesce(j.region, '') = p_region
       order by j.id
@@ -624,10 +627,10 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed and that it names in p_placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
-REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
+REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
 
 
 CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) RETURNS uuid
@@ -1290,12 +1293,13 @@ begin
   -- same call (one renewed before it claims at the next).
   for r in
     select x ->> 'model' as model, x ->> 'policy' as policy, x ->> 'region' as region,
-           (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use, (x ->> 'reported')::boolean as reported
+           (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use,
+           array(select jsonb_array_elements_text(x -> 'placed')::uuid) as placed, (x ->> 'reported')::boolean as reported
     from jsonb_array_elements(v_lanes) x
     order by 5, 1, 2, 3
   loop
     v_absorbed := v_absorbed
-                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.need, r.in_use, r.reported,
+                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.need, r.in_use, r.placed, r.reported,
                                         v_expires_at);
   end loop;
 
@@ -1356,7 +1360,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "placed": ids of its running jobs SQL placed that it knows no lease to hold (absent: none)}]. For each lane it records the demand, sets what is in use, gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, those of "placed" an earlier renewal moved, whose answer the gateway never had, counted in use as it had not) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "placed": ids of its running jobs SQL placed that it knows no lease to hold (absent: none)}]. For each lane it records the demand, sets what is in use, moves the slots of the lane''s "placed" jobs still running on their first attempt into its leases (private.renew_lane()), gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, those of "placed" an earlier renewal moved, whose answer the gateway never had, counted in use as it had not) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

@@ -626,7 +626,7 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (cooling,))
     assert inflight(conn) == {node: 4, cooling: 1}  # A's 2 leased, A's and B's placed; the stuck one
 
-    got = renew(conn, A, lane(3, {node: 2}))
+    got = renew(conn, A, lane(3, {node: 2}, placed=[str(job) for job in (mine, theirs, stuck)]))
     assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
         (node, 3, 3, [mine])
     ]
@@ -641,6 +641,40 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     assert inflight(conn) == {node: 4, cooling: 1}
     renew(conn, A, lane(3, {node: 2}))
     assert leases(conn)[(A, node)] == (3, 2)
+    assert_slots_add_up(conn)
+
+
+def test_a_renewal_moves_only_the_jobs_sql_placed_that_its_gateway_names(conn: psycopg.Connection) -> None:
+    """A review (2026-12-07): a renewal moved every running job SQL had placed for its gateway,
+    one whose placement's answer had not reached the gateway yet included. The gateway lends a
+    lease's idle slots naming its jobs SQL placed, which SQL counts in use there: not that one. Had
+    the renewal also given back the idle slot the gateway lent, SQL lent the slot that job ran on,
+    one request past the node's slots. A job the renewal does not name stays SQL's until one does."""
+    node = make_node(conn, max_concurrency=2)
+    other = "acme/other-7b"
+    make_node(conn, "other", max_concurrency=1, models={other: "loaded"})
+    key = str(make_key(conn))
+    base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
+    known, unknown = (place(conn, A, {**base, "model": LLAMA8}).job_id for _ in range(2))
+    assert inflight(conn)[node] == 2
+
+    got = renew(conn, A, lane(2, {}, placed=[str(known)]))
+    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
+        (node, 1, 1, [known])
+    ]
+    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
+    assert leased == {known: True, unknown: False}
+    assert_slots_add_up(conn)
+    # The gateway lends its lease, naming what it knows: the known job's slot is in use, and the
+    # unknown one's is no lease's to lend.
+    offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": [str(known)]}
+    assert place(conn, A, {**base, "model": other, "lend": [offer]}).node_id != node
+    assert_slots_add_up(conn)
+    # Named at the next renewal, it moves then.
+    got = renew(conn, A, lane(2, {node: 1}, placed=[str(unknown)]))
+    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
+        (node, 2, 2, [unknown])
+    ]
     assert_slots_add_up(conn)
 
 
@@ -791,7 +825,7 @@ def test_a_lent_lease_counts_in_use_the_jobs_sql_placed_that_a_renewal_moved_int
     key = str(make_key(conn))
     base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
     job = place(conn, A, {**base, "model": LLAMA8}).job_id
-    renew(conn, A, lane(1))
+    renew(conn, A, lane(1, placed=[str(job)]))
     conn.execute("delete from private.lane_demand")
     assert conn.execute("select leased from job_attempts where job_id = %s", (job,)).fetchone() == (True,)
     assert inflight(conn) == {node: 1}

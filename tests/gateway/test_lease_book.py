@@ -22,7 +22,6 @@ from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
-from neuralgrid.gateway.pipeline import leased
 from neuralgrid.gateway.pipeline.admit import Admitted, Call
 from neuralgrid.gateway.pipeline.leased import LeasedJobs
 from neuralgrid.gateway.renewals import GROW_EVERY_S, Renewals
@@ -641,18 +640,11 @@ def test_a_draining_slot_that_falls_idle_asks_for_a_renewal_at_once() -> None:
     asyncio.run(main())
 
 
-def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """SQL placed a job; a renewal moved its slot into the lease, and its answer was read before the
-    placement's (a few turns of the event loop apart): the job was unknown then, so the lease had a
-    slot more that looked idle here while the job ran on it, and the next request took it (a
-    review). The slot is held in use from the renewal's answer: the job's when it is known, given
-    back if none claims it (its request went away before the placement's answer was read). A job
-    that ended here before the answer came left an idle slot: free at once (held, its slot had kept
-    the next cold requests waiting, bench world's showed)."""
-
-    monkeypatch.setattr(leased, "UNCLAIMED_S", 0.1)
+def test_a_renewal_that_moved_the_slot_of_a_job_since_ended_here_leaves_the_slot_idle() -> None:
+    """A renewal named a job SQL placed, and moved its slot into the lease; the job ended here before
+    the renewal's answer came. The slot is idle, free at once (held, it had kept the next cold
+    requests waiting, bench world's showed). SQL moves only the jobs a renewal names, so an answer
+    naming a job never known here leaves nothing in use either."""
 
     async def main() -> None:
         clock = Clock()
@@ -663,25 +655,21 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         book.renewed([row(node, 1, 1)], clock(), 5.0)  # the renewal's answer: one slot, the job's
         [lease] = [t.lease for t in [book.take(LANE, None)] if t is not None]
         book.give_back(Taken(lease))
-        early, ended, gone = uuid4(), uuid4(), uuid4()
-        jobs.renewals.absorbed(early, lease)
-        assert book.take(LANE, None) is None  # the job runs on it
-        jobs.placed_elsewhere(early, node, admitted, "chat/completions")  # the placement's answer
-        assert jobs.holds(early)
-        jobs.end(q.JobEnd(early, "succeeded", 1, 1))
-        taken = book.take(LANE, None)
-        assert taken is not None
-        book.give_back(taken)
+        ended, running = uuid4(), uuid4()
         jobs.placed_elsewhere(ended, node, admitted, "chat/completions")
+        assert jobs.renewals.placed() == {LANE: [ended]}  # what the renewal names
         jobs.end(q.JobEnd(ended, "succeeded", 1, 1))
         jobs.renewals.absorbed(ended, lease)  # it had ended here before the answer came
         taken = book.take(LANE, None)
         assert taken is not None
         book.give_back(taken)
-        jobs.renewals.absorbed(gone, lease)
-        assert book.take(LANE, None) is None
-        await asyncio.sleep(0.15)
-        assert book.take(LANE, None) is not None
+        jobs.renewals.absorbed(uuid4(), lease)  # never known here: nothing runs on it
+        taken = book.take(LANE, None)
+        assert taken is not None
+        book.give_back(taken)
+        jobs.placed_elsewhere(running, node, admitted, "chat/completions")
+        jobs.renewals.absorbed(running, lease)
+        assert jobs.holds(running) and book.take(LANE, None) is None  # the job runs on it
 
     asyncio.run(main())
 

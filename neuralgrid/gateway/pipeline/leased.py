@@ -35,7 +35,6 @@ ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's
 # The most jobs SQL placed a renewal names for a lane (renew_leases() takes 10,000 at most): the
 # oldest first; with more running at once, the rest are named as the first ones end.
 PLACED_NAMED = 1000
-UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
 @dataclass
@@ -97,9 +96,6 @@ class LeasedJobs:
         self._slots: dict[UUID, Slot] = {}
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
-        # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
-        # still on its way through the event loop): in use until it is, or for UNCLAIMED_S.
-        self._early: dict[UUID, Taken] = {}
         # Jobs SQL placed that ended here lately, oldest first: a renewal that moved the slot of
         # one of them (its end not yet written when it ran) left the lease an idle slot.
         self._ended: dict[UUID, None] = {}
@@ -202,10 +198,6 @@ class LeasedJobs:
         as a leased job's is (end())."""
         lane = self.lane(admitted)
         self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
-        early = self._early.pop(job_id, None)
-        if early is not None:  # a renewal moved its slot into the lease first: leased from the start
-            self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
-            return
         if lane is not None and job_id not in self._elsewhere:
             self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
@@ -278,14 +270,11 @@ class LeasedJobs:
     def _absorbed(self, job_id: UUID, lease: Lease) -> None:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
-        before the renewal came back left the lease an idle slot, which the next renewal reports."""
+        before the renewal came back left the lease an idle slot, which the next renewal reports.
+        SQL moves only the jobs a renewal names (_sql_placed()): each was known here when it was sent."""
         if job_id in self._ended:
             return
         placed = self._elsewhere.get(job_id)
-        if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
-            self._early[job_id] = self.book.adopt(lease)
-            asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
-            return
         if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
         del self._elsewhere[job_id]
@@ -303,14 +292,6 @@ class LeasedJobs:
             if not where.moved and len(placed[where.lane]) < PLACED_NAMED:
                 placed[where.lane].append(job_id)
         return {lane: named for lane, named in placed.items() if named}
-
-    def _unclaimed(self, job_id: UUID) -> None:
-        """No placement claimed the slot a renewal moved for it (its request went away before the
-        placement's answer was read): the slot is idle."""
-        taken = self._early.pop(job_id, None)
-        if taken is not None:
-            self.book.give_back(taken)
-            self.freed()
 
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
