@@ -11,9 +11,11 @@ The cheats are real: scripts/backends.sh builds model-pruned.gguf with llama.cpp
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -163,6 +165,7 @@ def world(pg_server: Any, template_db: str, tmp_path_factory: Any) -> Iterator[W
         yield made
 
 
+@pytest.mark.filterwarnings("default:the honest node failed a challenge")
 def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(world: World) -> None:
     def states() -> dict[str, str | None]:
         return {label: world.state(label) for label in world.nodes}
@@ -175,7 +178,21 @@ def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(wor
         "select n.name, c.challenges, c.failures from model_checks c join nodes n on n.id = c.node_id"
     ).fetchall()
     checks = {name: (challenges, failures) for name, challenges, failures in rows}
-    assert checks["honest"][1] == 0  # never failed once
+    # The sequential test allows an honest node a failed challenge now and then (a near-tie its
+    # batch tipped, text that tokenizes back otherwise: docs/security.md measured 6 in 2,000 before
+    # the reference split answers again, none in 450 after); CI met one (2026-12-07). One such
+    # is allowed, and its evidence shown, to be scored again; any other reason is a fault here.
+    honest = [
+        d
+        for (d,) in world.conn.execute(
+            "select c.detail from model_challenges c where c.node_id = %s and not c.passed",
+            (world.nodes["honest"],),
+        )
+    ]
+    assert checks["honest"][1] == len(honest) <= 1, honest
+    for detail in honest:
+        assert "not the model's greedy choice" in detail["reason"], detail
+        warnings.warn(f"the honest node failed a challenge: {json.dumps(detail)}", stacklevel=1)
     for cheat in ("pruned", "canned"):
         challenges, failures = checks[cheat]
         # Failed by two failures in a row, or a third after passes between (bench verify measures how
@@ -185,7 +202,7 @@ def test_cheats_fail_within_a_few_challenges_and_the_honest_node_is_verified(wor
         "select n.name, c.detail ->> 'reason' from model_challenges c join nodes n on n.id = c.node_id"
         " where not c.passed"
     ).fetchall()
-    assert {name for name, _ in reasons} == {"pruned", "canned"}
+    assert {name for name, _ in reasons} - {"honest"} == {"pruned", "canned"}
     assert all(
         "not the model's greedy choice" in (reason or "") or "refused" in (reason or "")
         for _, reason in reasons
@@ -207,6 +224,9 @@ def test_only_the_verified_node_serves_traffic_and_the_cheats_forfeit_their_held
     world: World,
 ) -> None:
     wait_for(lambda: world.state("canned") == "failed" and world.state("pruned") == "failed", 240)
+    # The referee (one thread) scores the audits below: the verified node's challenges, one every
+    # 0.3 s, kept it busy past the minute they are given on a loaded machine (2026-12-07).
+    world.conn.execute("update platform_settings set challenge_verified_s = 3600")
     sdk = openai.OpenAI(base_url=f"{world.gateway}/v1", api_key=world.key, max_retries=3, timeout=60)
     colour: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
     for _ in range(3):  # whole answers and streams
