@@ -152,10 +152,10 @@ class LeaseBook:
         self._most_used: dict[tuple[Lane, UUID], int] = {}
         self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
         # This gateway's running jobs SQL placed (and did not move on), each one's (lane, node): a renewal
-        # moves their slots into the lane's lease there (renew_lane()), in use, unknown here until
-        # its answer. One whose job ended while a renewal was on its way may be idle there: lent
-        # as an idle slot is (lend()), since a far gateway's next new model otherwise met the node
-        # full of it and waited in line (bench world, 2026-12-07).
+        # sent since names them and moves their slots into the lane's lease there (renew_lane()), in
+        # use, unknown here until its answer. One whose job ended while a renewal was on its way may
+        # be idle there: lent as an idle slot is (lend()), since a far gateway's next new model
+        # otherwise met the node full of it and waited in line (bench world, 2026-12-07).
         self._sql_jobs: dict[UUID, tuple[Lane, UUID]] = {}
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
 
