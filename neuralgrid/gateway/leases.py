@@ -158,6 +158,7 @@ class LeaseBook:
         # otherwise met the node full of it and waited in line (bench world, 2026-12-07).
         self._sql_jobs: dict[UUID, tuple[Lane, UUID]] = {}
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._named: set[UUID] = set()  # the jobs SQL placed that the renewal on its way names
 
     def take(
         self,
@@ -249,7 +250,10 @@ class LeaseBook:
 
     def _promised_more(self, key: tuple[Lane, UUID]) -> bool:
         """Whether one more of the lease's slots may be taken with a renewal's report on its way."""
-        return self._promised is None or self._in_use.get(key, 0) < self._promised.get(key, 0)
+        # Lent slots count: the report counted them in use, and SQL may take one a renewal kept
+        # (a review: taken here too, the lease would run one request past what SQL left it).
+        used = self._in_use.get(key, 0) + self._lent.get(key, 0)
+        return self._promised is None or used < self._promised.get(key, 0)
 
     def lend(self, lane: Lane | None = None, route: str | None = None, max_rate: float | None = None) -> Lent:
         """An idle slot of this gateway's leases on each of up to LEND_AT_MOST nodes, any lane (or
@@ -309,10 +313,10 @@ class LeaseBook:
         self._sql_jobs.pop(job_id, None)
 
     def sql_job_ended(self, job_id: UUID) -> None:
-        """The job ended here: while a renewal is on its way, the slot it may have moved into the
-        lease is lent as an idle one."""
+        """The job ended here: while a renewal that named it is on its way, the slot it may have
+        moved into the lease is lent as an idle one."""
         key = self._sql_jobs.pop(job_id, None)
-        if key is not None and self._promised is not None:
+        if key is not None and self._promised is not None and job_id in self._named:
             self._moved_idle[key] += 1
 
     def _placed_on(self, key: tuple[Lane, UUID]) -> tuple[UUID, ...]:
@@ -441,6 +445,7 @@ class LeaseBook:
                 report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._moved_idle.clear()  # the renewal before answered (renewed()), or its answer was lost
+        self._named = {job_id for named in placed.values() for job_id in named}
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)

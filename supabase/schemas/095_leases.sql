@@ -353,7 +353,7 @@ begin
     v_mine := array(
       select j.id from public.jobs j
       where j.id = any (p_placed)
-        and j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
+        and exists (select from public.job_attempts a where a.job_id = j.id and a.status = 'running' and not a.leased)
         and j.gateway_id = p_gateway and j.status = 'running' and j.model_id = p_model and j.policy = p_policy
         and coalesce(j.region, '') = p_region
       order by j.id
