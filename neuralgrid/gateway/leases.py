@@ -281,7 +281,7 @@ class LeaseBook:
         moved: dict[UUID, tuple[Lane, UUID]] = {}
         if lane is None and self._moved_idle:
             nodes = {lease.node_id: lease for leases in self._ranked.values() for lease in leases}
-            for key, idle in self._moved_idle.items():  # the oldest first: the likeliest to have moved
+            for key, idle in self._moved_idle.items():  # in the order their jobs ended
                 node = key[1]
                 if (
                     node not in self._failed

@@ -97,7 +97,7 @@ def llama_server(tmp: Path, model: Path, *extra: str, parallel: int = 2) -> Real
 
 def stop_all(agents: dict[str, AgentProcess]) -> None:
     """Tells every agent to stop at once: each drains the challenge it serves (seconds on one
-    thread), and one after the other the cross-checks' five took 19 s."""
+    thread), and one after the other the cross-checks' four took 19 to 31 s."""
     for agent in agents.values():
         if agent.process.poll() is None:
             agent.process.terminate()
