@@ -30,6 +30,7 @@ DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwi
 # A request placed in SQL lends an idle slot of this gateway's leases on at most this many nodes
 # (LeaseBook.lend()): where every node that could take it is full, SQL takes the best of them.
 LEND_AT_MOST = 4
+ENDED_NAMED = 1000  # the most jobs SQL placed that ended here a lent slot names (LeaseBook.sql_job_ended())
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,15 @@ class Lease:
 class Lent:
     """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
     out of use here until its answer says which, if any, SQL took (LeaseBook.settle()). `busy`:
-    each lease's slots in use here when lent; SQL lends none from a lease that holds no more (a
+    each lease's slots in use here when lent, but for those of jobs a renewal moved into it (SQL
+    counts those itself, known here or not); SQL lends none from a lease that holds no more (a
     renewal under way may have given idle slots back)."""
 
     slots: tuple[tuple[Lane, UUID], ...] = ()
     busy: tuple[int, ...] = ()
-    # Per slot, this gateway's running jobs SQL placed of that lane on that node: SQL counts those a
-    # renewal moved into the lease as in use too (their slots are in it, unknown here).
-    placed: tuple[tuple[UUID, ...], ...] = ()
+    # Per slot, this gateway's jobs SQL placed of that lane on that node that ended here, their ends
+    # on their way: SQL counts in use every job a renewal moved into the lease but these.
+    ended: tuple[tuple[UUID, ...], ...] = ()
 
     def as_json(self) -> list[dict[str, object]]:
         return [
@@ -97,9 +99,9 @@ class Lent:
                 "node": str(node),
                 **lane.as_json(),
                 "busy": busy,
-                "placed": [str(job_id) for job_id in placed],
+                "ended": [str(job_id) for job_id in ended],
             }
-            for (lane, node), busy, placed in zip(self.slots, self.busy, self.placed, strict=True)
+            for (lane, node), busy, ended in zip(self.slots, self.busy, self.ended, strict=True)
         ]
 
 
@@ -108,6 +110,7 @@ class Taken:
     """One leased slot in use by one request."""
 
     lease: Lease
+    moved: bool = False  # a renewal moved it into the lease for a job SQL placed (LeaseBook.adopt())
 
     @property
     def node_id(self) -> UUID:
@@ -151,14 +154,17 @@ class LeaseBook:
         self._promised: dict[tuple[Lane, UUID], int] | None = None
         self._most_used: dict[tuple[Lane, UUID], int] = {}
         self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
-        # This gateway's running jobs SQL placed (and did not move on), each one's (lane, node): a renewal
-        # sent since names them and moves their slots into the lane's lease there (renew_lane()), in
-        # use, unknown here until its answer. One whose job ended while a renewal was on its way may
-        # be idle there: lent as an idle slot is (lend()), since a far gateway's next new model
-        # otherwise met the node full of it and waited in line (bench world, 2026-12-07).
-        self._sql_jobs: dict[UUID, tuple[Lane, UUID]] = {}
+        # Slots in use per (lane, node) that a renewal moved into the lease for a job SQL placed
+        # (adopt()): SQL counts those itself where one of the lease's slots is lent.
+        self._adopted: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        # Jobs SQL placed that ended here, their ends not yet written, in the order they ended, each
+        # one's (lane, node). A renewal may have moved the slot of one into the lease there, unknown
+        # here until its answer: idle, and lent as one (lend()), since a far gateway's next new
+        # model otherwise met the node full of it and waited in line (bench world, 2026-12-07).
+        self._sql_ended: dict[UUID, tuple[Lane, UUID]] = {}
+        # Of those, per (lane, node), the ones that ended since the last renewal's answer (which
+        # shows a slot moved before then as it is: idle), less those SQL took when lent.
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
-        self._named: set[UUID] = set()  # the jobs SQL placed that the renewal on its way names
 
     def take(
         self,
@@ -216,8 +222,9 @@ class LeaseBook:
         key = (lease.lane, lease.node_id)
         self._in_use[key] += 1
         self._held[lease.lane] += 1
+        self._adopted[key] += 1
         self._used_more(key)
-        return Taken(lease)
+        return Taken(lease, moved=True)
 
     def failed(self, node_id: UUID) -> None:
         """A node failed a request: none is sent it from here until the next renewal."""
@@ -263,7 +270,8 @@ class LeaseBook:
         node, first a slot the renewal on its way keeps (it reported it in use), then (any lane)
         one it may have moved into a lease for a job since ended (sql_job()), then one it may give
         back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
-        in line."""
+        in line. Each names the jobs SQL placed that ended there (sql_job_ended()): SQL counts in
+        use every other job a renewal moved into the lease."""
         if self.clock() >= self._usable_until:
             return Lent()
         kept: dict[UUID, tuple[Lane, UUID]] = {}
@@ -297,30 +305,29 @@ class LeaseBook:
         for key in chosen.values():
             self._lent[key] += 1
         keys = tuple(chosen.values())
-        return Lent(
-            keys, tuple(self._in_use.get(key, 0) for key in keys), tuple(self._placed_on(k) for k in keys)
-        )
+        busy = tuple(self._in_use.get(key, 0) - self._adopted.get(key, 0) for key in keys)
+        ended = self._ended_by_key()
+        return Lent(keys, busy, tuple(tuple(ended.get(key, ())) for key in keys))
 
-    def sql_job(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
-        """A job SQL placed of the lane runs on the node: a renewal may move its slot into the lane's
-        lease there, unknown here until its answer. SQL is told of it with each slot lent there
-        (Lent.placed), and counts it in use if it did (or could lend the slot it runs on)."""
-        self._sql_jobs[job_id] = (lane, node_id)
+    def sql_job_ended(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
+        """A job SQL placed of the lane ended here on the node, its end on its way to Postgres: a
+        renewal may have moved its slot into the lane's lease there (renew_lane()), idle now. Named
+        with each slot lent there (Lent.ended) until its end is written (sql_job_written()); the
+        oldest forgotten past ENDED_NAMED (SQL then counts it in use while it runs there)."""
+        self._sql_ended[job_id] = (lane, node_id)
+        self._moved_idle[(lane, node_id)] += 1
+        if len(self._sql_ended) > ENDED_NAMED:
+            del self._sql_ended[next(iter(self._sql_ended))]
 
-    def sql_job_gone(self, job_id: UUID) -> None:
-        """The job is no longer one a renewal could move: moved into a lease (known here now) or
-        moved on by SQL."""
-        self._sql_jobs.pop(job_id, None)
+    def sql_job_written(self, job_id: UUID) -> None:
+        """The job's end is in Postgres: no renewal can have moved it now."""
+        self._sql_ended.pop(job_id, None)
 
-    def sql_job_ended(self, job_id: UUID) -> None:
-        """The job ended here: while a renewal that named it is on its way, the slot it may have
-        moved into the lease is lent as an idle one."""
-        key = self._sql_jobs.pop(job_id, None)
-        if key is not None and self._promised is not None and job_id in self._named:
-            self._moved_idle[key] += 1
-
-    def _placed_on(self, key: tuple[Lane, UUID]) -> tuple[UUID, ...]:
-        return tuple(job_id for job_id, on in self._sql_jobs.items() if on == key)
+    def _ended_by_key(self) -> dict[tuple[Lane, UUID], list[UUID]]:
+        ended: dict[tuple[Lane, UUID], list[UUID]] = defaultdict(list)
+        for job_id, key in self._sql_ended.items():
+            ended[key].append(job_id)
+        return ended
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
         """The placement's answer came: the lent slots are usable again here, but the one SQL took
@@ -349,6 +356,10 @@ class LeaseBook:
         self._in_use[key] -= 1
         if self._in_use[key] <= 0:
             del self._in_use[key]
+        if taken.moved and self._adopted.get(key, 0) > 0:
+            self._adopted[key] -= 1
+            if self._adopted[key] <= 0:
+                del self._adopted[key]
         self._held[taken.lease.lane] -= 1
         if self._held[taken.lease.lane] <= 0:
             del self._held[taken.lease.lane]
@@ -444,8 +455,6 @@ class LeaseBook:
             if placed.get(lane):
                 report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
-        self._moved_idle.clear()  # the renewal before answered (renewed()), or its answer was lost
-        self._named = {job_id for named in placed.values() for job_id in named}
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)

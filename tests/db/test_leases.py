@@ -626,13 +626,17 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (cooling,))
     assert inflight(conn) == {node: 4, cooling: 1}  # A's 2 leased, A's and B's placed; the stuck one
 
-    got = renew(conn, A, lane(3, {node: 2}, placed=[str(job) for job in (mine, theirs, stuck)]))
+    got = renew(conn, A, lane(3, {node: 2}))  # named or not: the job's placement may be on its way
     assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
         (node, 3, 3, [mine])
     ]
     assert inflight(conn) == {node: 4, cooling: 1}
-    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
-    assert leased == {mine: True, theirs: False, stuck: False}
+    attempts = conn.execute("select job_id, leased, moved from job_attempts").fetchall()
+    assert {job: (leased, moved) for job, leased, moved in attempts} == {
+        mine: (True, True),
+        theirs: (False, False),
+        stuck: (False, False),
+    }
     assert_slots_add_up(conn)
     assert not [row for row in renew(conn, A, lane(3, {node: 3})) if row.absorbed]  # named once
 
@@ -641,40 +645,6 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     assert inflight(conn) == {node: 4, cooling: 1}
     renew(conn, A, lane(3, {node: 2}))
     assert leases(conn)[(A, node)] == (3, 2)
-    assert_slots_add_up(conn)
-
-
-def test_a_renewal_moves_only_the_jobs_sql_placed_that_its_gateway_names(conn: psycopg.Connection) -> None:
-    """A review (2026-12-07): a renewal moved every running job SQL had placed for its gateway,
-    one whose placement's answer had not reached the gateway yet included. The gateway lends a
-    lease's idle slots naming its jobs SQL placed, which SQL counts in use there: not that one. Had
-    the renewal also given back the idle slot the gateway lent, SQL lent the slot that job ran on,
-    one request past the node's slots. A job the renewal does not name stays SQL's until one does."""
-    node = make_node(conn, max_concurrency=2)
-    other = "acme/other-7b"
-    make_node(conn, "other", max_concurrency=1, models={other: "loaded"})
-    key = str(make_key(conn))
-    base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
-    known, unknown = (place(conn, A, {**base, "model": LLAMA8}).job_id for _ in range(2))
-    assert inflight(conn)[node] == 2
-
-    got = renew(conn, A, lane(2, {}, placed=[str(known)]))
-    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
-        (node, 1, 1, [known])
-    ]
-    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
-    assert leased == {known: True, unknown: False}
-    assert_slots_add_up(conn)
-    # The gateway lends its lease, naming what it knows: the known job's slot is in use, and the
-    # unknown one's is no lease's to lend.
-    offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": [str(known)]}
-    assert place(conn, A, {**base, "model": other, "lend": [offer]}).node_id != node
-    assert_slots_add_up(conn)
-    # Named at the next renewal, it moves then.
-    got = renew(conn, A, lane(2, {node: 1}, placed=[str(unknown)]))
-    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
-        (node, 2, 2, [unknown])
-    ]
     assert_slots_add_up(conn)
 
 
@@ -813,28 +783,43 @@ def test_a_request_every_node_is_full_for_takes_an_idle_slot_its_gateway_lends_f
     assert_slots_add_up(conn)
 
 
-def test_a_lent_lease_counts_in_use_the_jobs_sql_placed_that_a_renewal_moved_into_it(
+def test_a_lent_lease_counts_in_use_every_job_a_renewal_moved_into_it_that_its_gateway_does_not_say_ended(
     conn: psycopg.Connection,
 ) -> None:
     """A renewal moves the slot of each of its gateway's running jobs SQL placed into the lane's
-    lease, unknown to the gateway until its answer: a placement lending that lease as idle got the
-    slot such a job ran on (a review). The gateway names its jobs SQL placed with the lent slot, and
-    SQL counts those it moved as in use."""
+    lease, one whose placement's answer is still on its way to the gateway among them: a placement
+    lending that lease as idle got the slot such a job ran on, the node past its slots (a review,
+    2026-12-07). SQL counts in use every job it moved into the lease, but those the gateway says
+    ended (their ends on their way): that slot is idle, and lent (a far gateway's next new model had
+    waited a round trip for the end to be written, bench world)."""
     other = "acme/other-7b"
-    node = make_node(conn, max_concurrency=1, models={LLAMA8: "loaded", other: "loaded"})
+    node = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded", other: "loaded"})
     key = str(make_key(conn))
     base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
-    job = place(conn, A, {**base, "model": LLAMA8}).job_id
-    renew(conn, A, lane(1, placed=[str(job)]))
+    known, unknown = (place(conn, A, {**base, "model": LLAMA8}).job_id for _ in range(2))
+    got = renew(conn, A, lane(2, {}, need=2, placed=[str(known)]))  # the other one's answer on its way
+    assert [(row.node_id, row.slots, row.in_use, set(row.absorbed or ())) for row in got if row.slots] == [
+        (node, 2, 2, {known, unknown})
+    ]
     conn.execute("delete from private.lane_demand")
-    assert conn.execute("select leased from job_attempts where job_id = %s", (job,)).fetchone() == (True,)
-    assert inflight(conn) == {node: 1}
+    assert inflight(conn) == {node: 2}
+    assert_slots_add_up(conn)
 
-    def lending(placed: list[str]) -> dict[str, Any]:
-        offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": placed}
+    def lending(ended: list[uuid.UUID]) -> dict[str, Any]:
+        offer = {
+            "node": str(node),
+            "model": LLAMA8,
+            "policy": "balanced",
+            "busy": 0,
+            "ended": [str(e) for e in ended],
+        }
         return {**base, "model": other, "lend": [offer]}
 
-    assert place(conn, A, lending([str(job)])).busy  # its one slot is the moved job's
+    assert place(conn, A, lending([])).busy  # both slots the moved jobs', known to the gateway or not
+    assert place(conn, A, lending([uuid.uuid4()])).busy  # a job of no lease's
+    lent = place(conn, A, lending([known]))  # ended, its end on its way: its slot is idle
+    assert (lent.lent, lent.node_id) == (True, node)
+    assert inflight(conn) == {node: 2}
+    assert leases(conn)[(A, node)] == (1, 1)
     assert_slots_add_up(conn)
-    got = place(conn, A, lending([]))  # unnamed, the job's slot looks idle: what was lent before
-    assert (got.lent, got.node_id) == (True, node)
+    assert place(conn, A, lending([known])).busy  # lent once: the other slot is the unknown job's

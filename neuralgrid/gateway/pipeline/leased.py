@@ -35,6 +35,7 @@ ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's
 # The most jobs SQL placed a renewal names for a lane (renew_leases() takes 10,000 at most): the
 # oldest first; with more running at once, the rest are named as the first ones end.
 PLACED_NAMED = 1000
+UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Elsewhere:
     """A job of this gateway that SQL placed (no leased slot was free), while it runs."""
 
     lane: Lane
+    node_id: UUID
     route: str | None
     max_rate: float | None
     moved: bool = False  # SQL moved it on (failover, a stream's hand-over): SQL's to its end
@@ -96,6 +98,9 @@ class LeasedJobs:
         self._slots: dict[UUID, Slot] = {}
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
+        # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
+        # still on its way through the event loop): in use until it is, or for UNCLAIMED_S.
+        self._early: dict[UUID, Taken] = {}
         # Jobs SQL placed that ended here lately, oldest first: a renewal that moved the slot of
         # one of them (its end not yet written when it ran) left the lease an idle slot.
         self._ended: dict[UUID, None] = {}
@@ -198,10 +203,13 @@ class LeasedJobs:
         as a leased job's is (end())."""
         lane = self.lane(admitted)
         self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
+        early = self._early.pop(job_id, None)
+        if early is not None:  # a renewal moved its slot into the lease first: leased from the start
+            self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
+            return
         if lane is not None and job_id not in self._elsewhere:
-            self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
+            self._elsewhere[job_id] = Elsewhere(lane, node_id, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
-            self.book.sql_job(job_id, lane, node_id)
         if lane is not None and (not self.book.leases(lane) or self.book.outgrown(lane)):
             # Cold, given nothing by the last renewal, or a burst past its lease: a renewal asks for
             # the lane now, its demand counting this job, which it moves into the lease it gets
@@ -245,10 +253,9 @@ class LeasedJobs:
         moves no such job into a lease). A renewal that moved its slot into the lease while SQL moved
         it on is undone here: the slot is free again (the attempt on it has ended)."""
         placed = self._elsewhere.get(job_id)
-        self.book.sql_job_gone(job_id)  # SQL's to its end: no renewal moves it now
         slot = self.release(job_id)
         if slot is not None:  # absorbed meanwhile: a request SQL placed again
-            placed = Elsewhere(slot.taken.lease.lane, slot.route, slot.max_rate)
+            placed = Elsewhere(slot.taken.lease.lane, slot.taken.node_id, slot.route, slot.max_rate)
             self.book.unleased(placed.lane, 1)
         if placed is not None:
             self._elsewhere[job_id] = dataclasses.replace(placed, moved=True)
@@ -261,7 +268,6 @@ class LeasedJobs:
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
             self.book.unleased(placed.lane, -1)
-            self.book.sql_job_ended(job_id)
         if record is not None or placed is not None:
             self._ended[job_id] = None
             if len(self._ended) > ENDED_KEPT:
@@ -270,16 +276,18 @@ class LeasedJobs:
     def _absorbed(self, job_id: UUID, lease: Lease) -> None:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
-        before the renewal came back left the lease an idle slot, which the next renewal reports.
-        SQL moves only the jobs a renewal names (_sql_placed()): each was known here when it was sent."""
+        before the renewal came back left the lease an idle slot, which the next renewal reports."""
         if job_id in self._ended:
             return
         placed = self._elsewhere.get(job_id)
+        if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
+            self._early[job_id] = self.book.adopt(lease)
+            asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
+            return
         if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
         del self._elsewhere[job_id]
         self.book.unleased(placed.lane, -1)
-        self.book.sql_job_gone(job_id)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
@@ -293,9 +301,19 @@ class LeasedJobs:
                 placed[where.lane].append(job_id)
         return {lane: named for lane, named in placed.items() if named}
 
+    def _unclaimed(self, job_id: UUID) -> None:
+        """No placement claimed the slot a renewal moved for it (its request went away before the
+        placement's answer was read): the slot is idle."""
+        taken = self._early.pop(job_id, None)
+        if taken is not None:
+            self.book.give_back(taken)
+            self.freed()
+
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
             self.escrows.written(record.key, record.hold_usd)
+        if record.end is not None:
+            self.book.sql_job_written(record.id)
 
     def _refused(self, record: JobRecord) -> None:
         """SQL refused the job's record before its start was written: its hold never left the escrow."""
@@ -350,8 +368,14 @@ class LeasedJobs:
         written), whether a lease or SQL placed it (record_jobs() ends one SQL placed as
         complete_jobs() does: SQL's slot is free once written). None for a leased job SQL took over
         (a failure moved it on): complete_jobs() ends it, its leased slot free now too."""
-        self.release(end.job_id)
+        slot = self.release(end.job_id)
+        elsewhere = self._elsewhere.get(end.job_id)
         placed = self._placed.pop(end.job_id, None)
+        if placed is not None:  # SQL placed it: a renewal may have moved its slot, unknown here yet
+            if slot is not None and slot.taken.moved:
+                self.book.sql_job_ended(end.job_id, slot.taken.lease.lane, slot.taken.node_id)
+            elif elsewhere is not None and not elsewhere.moved:
+                self.book.sql_job_ended(end.job_id, elsewhere.lane, elsewhere.node_id)
         self.ended_elsewhere(end.job_id)
         if self.journal.leased(end.job_id):
             return self.journal.end(end.job_id, end)
