@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from uuid import UUID
 
@@ -30,7 +30,7 @@ DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwi
 # A request placed in SQL lends an idle slot of this gateway's leases on at most this many nodes
 # (LeaseBook.lend()): where every node that could take it is full, SQL takes the best of them.
 LEND_AT_MOST = 4
-ENDED_NAMED = 1000  # the most jobs SQL placed that ended here a lent slot names (LeaseBook.sql_job_ended())
+ENDED_NAMED = 1000  # the most jobs SQL placed that ended here, ends unwritten, named (sql_job_ended())
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,9 @@ class LeaseBook:
         # here until its answer: idle, and lent as one (lend()), since a far gateway's next new
         # model otherwise met the node full of it and waited in line (bench world, 2026-12-07).
         self._sql_ended: dict[UUID, tuple[Lane, UUID]] = {}
-        # Of those, per (lane, node), the ones that ended since the last renewal's answer (which
-        # shows a slot moved before then as it is: idle), less those SQL took when lent.
+        # Of those, per (lane, node), the ones that ended while the renewal now on its way was: it
+        # moved each (its placement's answer had come), unknown here until its answer, which shows
+        # the slot as it is (idle); less those SQL took when lent.
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
 
     def take(
@@ -268,10 +269,10 @@ class LeaseBook:
         for a request placed in SQL: where every node that could take the request is full, SQL may
         give it one of them (private.return_lent_slot()). Out of use here until settle(). On each
         node, first a slot the renewal on its way keeps (it reported it in use), then (any lane)
-        one it may have moved into a lease for a job since ended (sql_job()), then one it may give
-        back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
-        in line. Each names the jobs SQL placed that ended there (sql_job_ended()): SQL counts in
-        use every other job a renewal moved into the lease."""
+        one it may have moved into a lease for a job since ended (sql_job_ended()), then one it may
+        give back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
+        in line. Each names the jobs SQL placed that ended there: SQL counts in use every other job
+        a renewal moved into the lease."""
         if self.clock() >= self._usable_until:
             return Lent()
         kept: dict[UUID, tuple[Lane, UUID]] = {}
@@ -312,10 +313,12 @@ class LeaseBook:
     def sql_job_ended(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
         """A job SQL placed of the lane ended here on the node, its end on its way to Postgres: a
         renewal may have moved its slot into the lane's lease there (renew_lane()), idle now. Named
-        with each slot lent there (Lent.ended) until its end is written (sql_job_written()); the
-        oldest forgotten past ENDED_NAMED (SQL then counts it in use while it runs there)."""
+        with each slot lent there (Lent.ended) and in each renewal (lanes()) until its end is written
+        (sql_job_written()); the oldest forgotten past ENDED_NAMED (SQL then counts it in use while
+        it runs there). Lent as a moved slot where a renewal was on its way as it ended."""
         self._sql_ended[job_id] = (lane, node_id)
-        self._moved_idle[(lane, node_id)] += 1
+        if self._promised is not None:  # a renewal on its way moved it (its placement came before)
+            self._moved_idle[(lane, node_id)] += 1
         if len(self._sql_ended) > ENDED_NAMED:
             del self._sql_ended[next(iter(self._sql_ended))]
 
@@ -408,7 +411,7 @@ class LeaseBook:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""
         return self._held.get(lane, 0) + self._unleased.get(lane, 0)
 
-    def lanes(self, placed: Mapping[Lane, list[UUID]] | None = None) -> list[dict[str, object]]:
+    def lanes(self) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
         slots it wants (its busiest moment since the last renewal, counting the requests SQL placed
         and those waiting in line, and one spare unless requests waited: in a scarce lane the line
@@ -417,13 +420,13 @@ class LeaseBook:
         a second or two between bursts does not send the next burst to SQL); how many of them it
         needs (that busiest moment alone: SQL claims the rest, the spares, only where a node keeps a
         slot free, and gives idle ones back from a full node others need); and its slots in use per
-        node; and the running jobs SQL `placed` that no renewal was heard to move into a lease
-        (renew_leases() says which of them one did: its answer may have been lost). Starts the next
-        period's count."""
-        placed = placed or {}
+        node, and of them those adopted (a renewal moved them in: SQL counts those itself, with any
+        whose answer was lost); and the jobs SQL placed that ended here, their ends on their way (their
+        slots, moved into a lease or not, are not in use). Starts the next period's count."""
         now = self.clock()
+        ended = self._ended_by_key()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
-        wanted |= {lane for lane, _ in self._in_use} | set(placed)
+        wanted |= {lane for lane, _ in self._in_use} | {lane for lane, _ in ended}
         report: list[dict[str, object]] = []
         promised: dict[tuple[Lane, UUID], int] = {}
         takable = {
@@ -452,9 +455,14 @@ class LeaseBook:
             want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
             self._wants[lane], self._needs[lane] = want, need
             report.append({**lane.as_json(), "want": want, "need": need, "in_use": reported})
-            if placed.get(lane):
-                report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
+            adopted = {str(node): n for (held, node), n in self._adopted.items() if held == lane and n}
+            if adopted:
+                report[-1]["adopted"] = adopted
+            ended_here = [str(job_id) for (held, _), jobs in ended.items() if held == lane for job_id in jobs]
+            if ended_here:
+                report[-1]["ended"] = ended_here
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
+        self._moved_idle.clear()  # the renewal before answered (renewed()), or its answer was lost
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)

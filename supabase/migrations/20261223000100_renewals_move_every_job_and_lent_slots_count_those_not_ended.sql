@@ -11,6 +11,11 @@
 -- jobs the gateway says ended (their ends on their way). The gateway's "busy" no longer counts the
 -- moved jobs it knows, so none is counted twice.
 --
+-- A renewal counts them so too (renew_leases(): a lane's "adopted", the moved slots the gateway
+-- knows, and "ended"), and names every one still running among the absorbed: a renewal's answer
+-- lost after it moved a job the gateway did not know yet left that job's slot idle to the gateway
+-- (a review). The lane's "placed", which served that for the jobs it knew, is gone.
+--
 -- Two partial indexes keep both reads to the few rows they need: the running attempts SQL holds a
 -- slot for (not leased), which renewals move, and the running moved ones on a node.
 
@@ -366,10 +371,13 @@ declare
   v_want numeric;
   v_need numeric;
   v_in_use jsonb;
-  v_placed jsonb;
+  v_adopted jsonb;
+  v_ended jsonb;
   v_used record;
-  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, need, in_use, placed, reported}]
-  v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots joined its leases
+  v_said integer;  -- slots in use on a lease, as the gateway said
+  v_known integer;  -- of them, those a renewal moved in that it adopted
+  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, need, in_use, adopted, ended, reported}]
+  v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots its leases hold
   v_lock bigint;
   v_ranks boolean;  -- whether score_nodes() can rank the lane (private.lane_can_rank())
   v_expires_at timestamptz;
@@ -419,11 +427,11 @@ begin
       raise exception 'lane %: "need" must be a whole number of slots from 0 to "want" (%), not %', v_n, v_want, v_need
         using errcode = 'invalid_parameter_value';
     end if;
-    v_placed := coalesce(nullif(v_lane -> 'placed', 'null'), '[]');
-    if jsonb_typeof(v_placed) <> 'array' or jsonb_array_length(v_placed) > 10000
-       or exists (select from jsonb_array_elements(v_placed) p
+    v_ended := coalesce(nullif(v_lane -> 'ended', 'null'), '[]');
+    if jsonb_typeof(v_ended) <> 'array' or jsonb_array_length(v_ended) > 10000
+       or exists (select from jsonb_array_elements(v_ended) p
                   where jsonb_typeof(p) <> 'string' or length(p #>> '{}') <> 36 or p #>> '{}' !~ uuid_shape) then
-      raise exception 'lane %: "placed" must be an array of at most 10000 job ids', v_n
+      raise exception 'lane %: "ended" must be an array of at most 10000 job ids', v_n
         using errcode = 'invalid_parameter_value';
     end if;
     v_in_use := coalesce(nullif(v_lane -> 'in_use', 'null'), '{}');
@@ -443,6 +451,19 @@ begin
           using errcode = 'invalid_parameter_value';
       end if;
     end loop;
+    v_adopted := coalesce(nullif(v_lane -> 'adopted', 'null'), '{}');
+    if jsonb_typeof(v_adopted) <> 'object' then
+      raise exception 'lane %: "adopted" must be an object of counts by node id', v_n using errcode = 'invalid_parameter_value';
+    end if;
+    for v_used in select u.key, u.value from jsonb_each(v_adopted) u loop
+      if (case when jsonb_typeof(v_used.value) = 'number'
+               then (v_used.value)::numeric < 0 or (v_used.value)::numeric <> trunc((v_used.value)::numeric)
+                    or (v_used.value)::numeric > coalesce((v_in_use ->> v_used.key)::numeric, 0)
+               else true end) then
+        raise exception 'lane %: slots adopted on node % must be a whole number from 0 to those in use there, not %',
+          v_n, v_used.key, v_used.value using errcode = 'invalid_parameter_value';
+      end if;
+    end loop;
     if exists (select from jsonb_array_elements(v_lanes) l
                where l ->> 'model' = v_model and l ->> 'policy' = v_policy and l ->> 'region' = v_region) then
       raise exception 'lane %: the lane (%, %, "%") is named twice', v_n, v_model, v_policy, v_region
@@ -455,7 +476,7 @@ begin
     v_lanes := v_lanes || jsonb_build_object('model', v_model, 'policy', v_policy, 'region', v_region,
                                              'want', case when v_ranks then v_want::integer else 0 end,
                                              'need', case when v_ranks then v_need::integer else 0 end,
-                                             'in_use', v_in_use, 'placed', v_placed, 'reported', v_ranks);
+                                             'in_use', v_in_use, 'adopted', v_adopted, 'ended', v_ended, 'reported', v_ranks);
   end loop;
 
   -- A renewal is a check-in.
@@ -485,22 +506,28 @@ begin
   perform from private.slot_leases l where l.gateway_id = p_gateway
   order by l.node_id, l.model_id, l.policy, l.region for no key update;
 
-  -- The jobs SQL placed that it names as still SQL's (placed), whose slots an earlier renewal moved
-  -- into its lease: that renewal's answer never reached it. In use where it says none is (else the
-  -- slot is idle to it, and it sends another request to the node while the job runs), and named
-  -- again among the jobs whose slots joined its leases.
+  -- What is in use on each of its leases, as SQL counts it: the slots the gateway says in use, less
+  -- those it adopted (slots a renewal moved in for its jobs SQL placed), plus every running job a
+  -- renewal moved into the lease that it does not say ended ("ended": their ends on their way),
+  -- known to it or not: a renewal's answer lost, or a placement's still on its way when a renewal
+  -- moved the job (else the slot is idle to it, and it sends another request to the node while the
+  -- job runs). Never less than it says: what it reports in use it may use until this answer comes.
+  -- Those jobs are named among the absorbed at every renewal, so a lost answer's are heard next.
   for r in
-    select distinct x.n, a.job_id, a.node_id
-    from jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
-    cross join lateral jsonb_array_elements_text(x.lane -> 'placed') as p (id)
-    join public.job_attempts a on a.job_id = p.id::uuid and a.attempt = 1 and a.status = 'running' and a.leased
+    select x.n, a.node_id, count(*)::integer as moved, array_agg(a.job_id) as jobs
+    from (select m.job_id, m.node_id from public.job_attempts m where m.status = 'running' and m.moved) a
     join public.jobs j on j.id = a.job_id
-    where j.gateway_id = p_gateway and j.status = 'running' and j.model_id = x.lane ->> 'model'
-      and j.policy = x.lane ->> 'policy' and coalesce(j.region, '') = x.lane ->> 'region'
+    join jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
+      on j.model_id = x.lane ->> 'model' and j.policy = x.lane ->> 'policy' and coalesce(j.region, '') = x.lane ->> 'region'
+    where j.gateway_id = p_gateway and j.status = 'running'
+      and a.job_id <> all (array(select jsonb_array_elements_text(coalesce(x.lane -> 'ended', '[]'))::uuid))
+    group by x.n, a.node_id
   loop
+    v_said := coalesce((v_lanes #>> array[(r.n - 1)::text, 'in_use', r.node_id::text])::integer, 0);
+    v_known := coalesce((v_lanes #>> array[(r.n - 1)::text, 'adopted', r.node_id::text])::integer, 0);
     v_lanes := jsonb_set(v_lanes, array[(r.n - 1)::text, 'in_use', r.node_id::text],
-                         to_jsonb(coalesce((v_lanes #>> array[(r.n - 1)::text, 'in_use', r.node_id::text])::integer, 0) + 1));
-    v_absorbed := v_absorbed || r.job_id;
+                         to_jsonb(greatest(v_said, v_said - v_known + r.moved)));
+    v_absorbed := v_absorbed || r.jobs;
   end loop;
 
   -- What it wants and needs of each lane, for the shares, before any lane is renewed: a lane sees
@@ -597,7 +624,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "placed": ids of its running jobs SQL placed that it knows no lease to hold (absent: none), each one an earlier renewal moved counted in use}]. For each lane it records the demand, sets what is in use, moves the slots of its running jobs of the lane SQL placed, on their first attempt, into its leases (private.renew_lane()), gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, those of "placed" an earlier renewal moved, whose answer the gateway never had, counted in use as it had not) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "adopted": {node id: of those, slots a renewal moved in for its jobs SQL placed} (absent: none), "ended": ids of its jobs SQL placed that ended there, their ends on their way (absent: none)}]. For each lane it records the demand, sets what is in use (what it says, less what it adopted, plus every running job of its a renewal moved into the lease that it does not say ended; never less than it says), moves the slots of its running jobs of the lane SQL placed, on their first attempt, into its leases (private.renew_lane()), gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, at every renewal, those an earlier renewal moved that still run and that it does not say ended, so that an answer lost is heard at the next) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 DROP FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid);
 

@@ -22,7 +22,6 @@ from neuralgrid.gateway.auth import ApiKey
 from neuralgrid.gateway.escrow import IDLE_S, Escrows, budget_hold
 from neuralgrid.gateway.journal import JobRecord, Journal, Spool, as_array, orphaned_spools, read_spool
 from neuralgrid.gateway.leases import MARGIN_S, Lane, LeaseBook, Taken
-from neuralgrid.gateway.pipeline import leased
 from neuralgrid.gateway.pipeline.admit import Admitted, Call
 from neuralgrid.gateway.pipeline.leased import LeasedJobs
 from neuralgrid.gateway.renewals import GROW_EVERY_S, Renewals
@@ -147,20 +146,28 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
 
 
 def test_slots_moved_for_jobs_ended_are_lent_in_the_order_the_jobs_ended_until_a_renewal_answers() -> None:
+    """A renewal moves every job SQL placed that still runs in SQL: a job that ended while one was
+    on its way left an idle slot in a lease unknown here, lent until that renewal's answer shows it.
+    One that ended with none on its way moved nothing (its slot SQL's until its end is written), and
+    lending it had cost a round trip in line (traced, 2026-12-07); it is named all the same."""
     clock = Clock()
     book = LeaseBook(clock)
     a = uuid4()
     older, newer = Lane("older", "balanced"), Lane("newer", "balanced")
-    first, second = uuid4(), uuid4()
+    before, first, second = uuid4(), uuid4(), uuid4()
     book.renewed([], clock(), 5.0)
+    book.sql_job_ended(before, older, a)
+    assert book.lend().slots == ()
+    book.lanes()  # on its way
     book.sql_job_ended(second, newer, a)
     book.sql_job_ended(first, older, a)
     lent = book.lend()
-    assert lent.slots == ((newer, a),)  # ended first
-    assert book.lend().slots == ((older, a),)
+    assert lent.slots == ((newer, a),) and lent.ended == ((second,),)  # ended first
+    older_lent = book.lend()
+    assert older_lent.slots == ((older, a),) and older_lent.ended == ((before, first),)
     assert book.lend().slots == ()
     book.settle(lent, None)
-    book.sql_job_written(second)  # no longer named; its slot, if a renewal moved it, idle still
+    book.sql_job_written(second)  # no longer named; its slot, moved into the lease, idle still
     again = book.lend()
     assert again.slots == ((newer, a),) and again.ended == ((),)
     book.settle(again, None)
@@ -197,6 +204,7 @@ def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_
     other = Lane("other", "balanced")
     job = uuid4()
     book.renewed([row(a, 0, 1, routes=("embeddings",))], clock(), 5.0)
+    book.lanes()
     book.sql_job_ended(job, other, a)
     assert book.lend(route="chat/completions").slots == ()
     assert book.lend(route="embeddings").slots == ((other, a),)
@@ -683,19 +691,17 @@ def test_a_draining_slot_that_falls_idle_asks_for_a_renewal_at_once() -> None:
     asyncio.run(main())
 
 
-def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use() -> None:
     """SQL placed a job; a renewal moved its slot into the lease, and its answer was read before the
     placement's (a far gateway's renewal on its way when the placement's answer came): the job was
     unknown then. The slot is held in use from the renewal's answer: the job's when it is known,
-    given back if none claims it (its request went away before the placement's answer was read). A
+    given back once a renewal no longer names it (its request went away before the placement's
+    answer was read, and SQL ended it). Every answer names every moved job still running: one known
+    here already is left as it is. A
     job that ended here before the answer came left an idle slot, free at once (held, it had kept
     the next cold requests waiting, bench world's showed); its end, and that of a job moved into the
     lease, is named with the slots lent there until written (SQL counts in use the moved jobs it is
     not told ended)."""
-
-    monkeypatch.setattr(leased, "UNCLAIMED_S", 0.1)
 
     async def main() -> None:
         clock = Clock()
@@ -709,8 +715,12 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         early, ended, gone = uuid4(), uuid4(), uuid4()
         jobs.renewals.absorbed(early, lease)
         assert book.take(LANE, None) is None  # the job runs on it
+        jobs.renewals.absorbed(early, lease)  # named again by the next answer: still one slot
+        jobs.renewals.absorbed_all({early})
         jobs.placed_elsewhere(early, node, admitted, "chat/completions")  # the placement's answer
         assert jobs.holds(early)
+        jobs.renewals.absorbed(early, lease)
+        assert book.lanes()[0]["adopted"] == {str(node): 1}
         jobs.end(q.JobEnd(early, "succeeded", 1, 1))
         taken = book.take(LANE, None)
         assert taken is not None
@@ -726,7 +736,9 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         book.give_back(taken)
         jobs.renewals.absorbed(gone, lease)
         assert book.take(LANE, None) is None
-        await asyncio.sleep(0.15)
+        jobs.renewals.absorbed_all({gone})
+        assert book.take(LANE, None) is None
+        jobs.renewals.absorbed_all(set())  # no longer running in SQL: never to be claimed here
         assert book.take(LANE, None) is not None
 
     asyncio.run(main())
@@ -955,3 +967,24 @@ def test_a_request_leaving_the_line_for_a_leased_slot_is_never_counted_twice() -
 
     during, after = asyncio.run(main())
     assert during["need"] == 1 and after["need"] == 1, (during, after)
+
+
+def test_a_renewal_reports_the_slots_adopted_and_the_jobs_sql_placed_that_ended_here() -> None:
+    """SQL counts in use every running job a renewal moved into a lease (its answer may have been
+    lost): the renewal says which slots in use were adopted so (not counted twice) and which jobs SQL
+    placed ended here, their ends on their way (their slots idle)."""
+    clock = Clock()
+    book = LeaseBook(clock)
+    a = uuid4()
+    other = Lane("other", "balanced")
+    book.renewed([row(a, 2, 1)], clock(), 5.0)
+    taken = book.take(LANE, None)
+    assert taken is not None
+    book.adopt(taken.lease)
+    ended = uuid4()
+    book.sql_job_ended(ended, other, a)
+    report = {lane["model"]: lane for lane in book.lanes()}
+    assert (report["m"]["in_use"], report["m"]["adopted"]) == ({str(a): 2}, {str(a): 1})
+    assert report["other"]["ended"] == [str(ended)] and "adopted" not in report["other"]
+    book.sql_job_written(ended)
+    assert [lane["model"] for lane in book.lanes()] == ["m"]

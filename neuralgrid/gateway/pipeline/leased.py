@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,10 +31,6 @@ from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
 ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's answer still to come
-# The most jobs SQL placed a renewal names for a lane (renew_leases() takes 10,000 at most): the
-# oldest first; with more running at once, the rest are named as the first ones end.
-PLACED_NAMED = 1000
-UNCLAIMED_S = 5.0  # how long a slot a renewal moved for a job not known here waits for its placement
 
 
 @dataclass
@@ -99,7 +94,8 @@ class LeasedJobs:
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
         # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
-        # still on its way through the event loop): in use until it is, or for UNCLAIMED_S.
+        # still on its way): in use until it is, or until a renewal no longer names the job (it
+        # ended in SQL: its request went away before the placement's answer was read).
         self._early: dict[UUID, Taken] = {}
         # Jobs SQL placed that ended here lately, oldest first: a renewal that moved the slot of
         # one of them (its end not yet written when it ran) left the lease an idle slot.
@@ -107,7 +103,7 @@ class LeasedJobs:
         journal.on_commit.append(self._written)
         journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
-        self.renewals.placed = self._sql_placed
+        self.renewals.absorbed_all = self._absorbed_all
         self.renewals.renewed = freed  # requests waiting in line look at the renewed leases
 
     async def renew(self) -> None:
@@ -276,13 +272,13 @@ class LeasedJobs:
     def _absorbed(self, job_id: UUID, lease: Lease) -> None:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
-        before the renewal came back left the lease an idle slot, which the next renewal reports."""
-        if job_id in self._ended:
+        before the renewal came back left the lease an idle slot, which the next renewal reports.
+        Every answer names every such job still running: one adopted here already is left as it is."""
+        if job_id in self._ended or job_id in self._slots or job_id in self._early:
             return
         placed = self._elsewhere.get(job_id)
         if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
             self._early[job_id] = self.book.adopt(lease)
-            asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job_id)
             return
         if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
@@ -291,22 +287,12 @@ class LeasedJobs:
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
-    def _sql_placed(self) -> dict[Lane, list[UUID]]:
-        """The running jobs SQL placed and still SQL's here, by lane: each renewal names them, and
-        hears which of them a lease holds (_absorbed), told again where the answer of the renewal
-        that moved one was lost (the job's slot in a lease this gateway thought idle)."""
-        placed: dict[Lane, list[UUID]] = defaultdict(list)
-        for job_id, where in self._elsewhere.items():
-            if not where.moved and len(placed[where.lane]) < PLACED_NAMED:
-                placed[where.lane].append(job_id)
-        return {lane: named for lane, named in placed.items() if named}
-
-    def _unclaimed(self, job_id: UUID) -> None:
-        """No placement claimed the slot a renewal moved for it (its request went away before the
-        placement's answer was read): the slot is idle."""
-        taken = self._early.pop(job_id, None)
-        if taken is not None:
-            self.book.give_back(taken)
+    def _absorbed_all(self, jobs: set[UUID]) -> None:
+        """A renewal's answer named these jobs SQL placed as held by a lease: a slot held for one not
+        known here that it no longer names is idle (the job ended in SQL: its request went away
+        before its placement's answer was read)."""
+        for job_id in [job_id for job_id in self._early if job_id not in jobs]:
+            self.book.give_back(self._early.pop(job_id))
             self.freed()
 
     def _written(self, record: JobRecord, first: bool) -> None:
