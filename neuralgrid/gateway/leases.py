@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from uuid import UUID
 
@@ -30,7 +30,6 @@ DEFAULT_LEASE_S = 5.0  # platform_settings.lease_s, until a renewal says otherwi
 # A request placed in SQL lends an idle slot of this gateway's leases on at most this many nodes
 # (LeaseBook.lend()): where every node that could take it is full, SQL takes the best of them.
 LEND_AT_MOST = 4
-ENDED_NAMED = 1000  # the most jobs SQL placed that ended here, ends unwritten, named (sql_job_ended())
 
 
 @dataclass(frozen=True)
@@ -83,15 +82,14 @@ class Lease:
 class Lent:
     """Idle leased slots lent to one placement in SQL (place_jobs()' "lend"), one a (lane, node):
     out of use here until its answer says which, if any, SQL took (LeaseBook.settle()). `busy`:
-    each lease's slots in use here when lent, but for those of jobs a renewal moved into it (SQL
-    counts those itself, known here or not); SQL lends none from a lease that holds no more (a
+    each lease's slots in use here when lent; SQL lends none from a lease that holds no more (a
     renewal under way may have given idle slots back)."""
 
     slots: tuple[tuple[Lane, UUID], ...] = ()
     busy: tuple[int, ...] = ()
-    # Per slot, this gateway's jobs SQL placed of that lane on that node that ended here, their ends
-    # on their way: SQL counts in use every job a renewal moved into the lease but these.
-    ended: tuple[tuple[UUID, ...], ...] = ()
+    # Per slot, this gateway's running jobs SQL placed of that lane on that node: SQL counts those a
+    # renewal moved into the lease as in use too (their slots are in it, unknown here).
+    placed: tuple[tuple[UUID, ...], ...] = ()
 
     def as_json(self) -> list[dict[str, object]]:
         return [
@@ -99,9 +97,9 @@ class Lent:
                 "node": str(node),
                 **lane.as_json(),
                 "busy": busy,
-                "ended": [str(job_id) for job_id in ended],
+                "placed": [str(job_id) for job_id in placed],
             }
-            for (lane, node), busy, ended in zip(self.slots, self.busy, self.ended, strict=True)
+            for (lane, node), busy, placed in zip(self.slots, self.busy, self.placed, strict=True)
         ]
 
 
@@ -110,7 +108,6 @@ class Taken:
     """One leased slot in use by one request."""
 
     lease: Lease
-    moved: bool = False  # a renewal moved it into the lease for a job SQL placed (LeaseBook.adopt())
 
     @property
     def node_id(self) -> UUID:
@@ -154,18 +151,14 @@ class LeaseBook:
         self._promised: dict[tuple[Lane, UUID], int] | None = None
         self._most_used: dict[tuple[Lane, UUID], int] = {}
         self._drains: set[Lane] = set()  # lanes the last renewal returned a draining lease of
-        # Slots in use per (lane, node) that a renewal moved into the lease for a job SQL placed
-        # (adopt()): SQL counts those itself where one of the lease's slots is lent.
-        self._adopted: dict[tuple[Lane, UUID], int] = defaultdict(int)
-        # Jobs SQL placed that ended here, their ends not yet written, in the order they ended, each
-        # one's (lane, node). A renewal may have moved the slot of one into the lease there, unknown
-        # here until its answer: idle, and lent as one (lend()), since a far gateway's next new
-        # model otherwise met the node full of it and waited in line (bench world, 2026-12-07).
-        self._sql_ended: dict[UUID, tuple[Lane, UUID]] = {}
-        # Of those, per (lane, node), the ones that ended while the renewal now on its way was: it
-        # moved each (its placement's answer had come), unknown here until its answer, which shows
-        # the slot as it is (idle); less those SQL took when lent.
+        # This gateway's running jobs SQL placed (and did not move on), each one's (lane, node): a renewal
+        # sent since names them and moves their slots into the lane's lease there (renew_lane()), in
+        # use, unknown here until its answer. One whose job ended while a renewal was on its way may
+        # be idle there: lent as an idle slot is (lend()), since a far gateway's next new model
+        # otherwise met the node full of it and waited in line (bench world, 2026-12-07).
+        self._sql_jobs: dict[UUID, tuple[Lane, UUID]] = {}
         self._moved_idle: dict[tuple[Lane, UUID], int] = defaultdict(int)
+        self._named: set[UUID] = set()  # the jobs SQL placed that the renewal on its way names
 
     def take(
         self,
@@ -223,9 +216,8 @@ class LeaseBook:
         key = (lease.lane, lease.node_id)
         self._in_use[key] += 1
         self._held[lease.lane] += 1
-        self._adopted[key] += 1
         self._used_more(key)
-        return Taken(lease, moved=True)
+        return Taken(lease)
 
     def failed(self, node_id: UUID) -> None:
         """A node failed a request: none is sent it from here until the next renewal."""
@@ -269,10 +261,9 @@ class LeaseBook:
         for a request placed in SQL: where every node that could take the request is full, SQL may
         give it one of them (private.return_lent_slot()). Out of use here until settle(). On each
         node, first a slot the renewal on its way keeps (it reported it in use), then (any lane)
-        one it may have moved into a lease for a job since ended (sql_job_ended()), then one it may
-        give back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
-        in line. Each names the jobs SQL placed that ended there: SQL counts in use every other job
-        a renewal moved into the lease."""
+        one it may have moved into a lease for a job since ended (sql_job()), then one it may give
+        back: SQL lends only what its lease still holds, and a lent slot gone is a request kept
+        in line."""
         if self.clock() >= self._usable_until:
             return Lent()
         kept: dict[UUID, tuple[Lane, UUID]] = {}
@@ -306,31 +297,30 @@ class LeaseBook:
         for key in chosen.values():
             self._lent[key] += 1
         keys = tuple(chosen.values())
-        busy = tuple(self._in_use.get(key, 0) - self._adopted.get(key, 0) for key in keys)
-        ended = self._ended_by_key()
-        return Lent(keys, busy, tuple(tuple(ended.get(key, ())) for key in keys))
+        return Lent(
+            keys, tuple(self._in_use.get(key, 0) for key in keys), tuple(self._placed_on(k) for k in keys)
+        )
 
-    def sql_job_ended(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
-        """A job SQL placed of the lane ended here on the node, its end on its way to Postgres: a
-        renewal may have moved its slot into the lane's lease there (renew_lane()), idle now. Named
-        with each slot lent there (Lent.ended) and in each renewal (lanes()) until its end is written
-        (sql_job_written()); the oldest forgotten past ENDED_NAMED (SQL then counts it in use while
-        it runs there). Lent as a moved slot where a renewal was on its way as it ended."""
-        self._sql_ended[job_id] = (lane, node_id)
-        if self._promised is not None:  # a renewal on its way moved it (its placement came before)
-            self._moved_idle[(lane, node_id)] += 1
-        if len(self._sql_ended) > ENDED_NAMED:
-            del self._sql_ended[next(iter(self._sql_ended))]
+    def sql_job(self, job_id: UUID, lane: Lane, node_id: UUID) -> None:
+        """A job SQL placed of the lane runs on the node: a renewal may move its slot into the lane's
+        lease there, unknown here until its answer. SQL is told of it with each slot lent there
+        (Lent.placed), and counts it in use if it did (or could lend the slot it runs on)."""
+        self._sql_jobs[job_id] = (lane, node_id)
 
-    def sql_job_written(self, job_id: UUID) -> None:
-        """The job's end is in Postgres: no renewal can have moved it now."""
-        self._sql_ended.pop(job_id, None)
+    def sql_job_gone(self, job_id: UUID) -> None:
+        """The job is no longer one a renewal could move: moved into a lease (known here now) or
+        moved on by SQL."""
+        self._sql_jobs.pop(job_id, None)
 
-    def _ended_by_key(self) -> dict[tuple[Lane, UUID], list[UUID]]:
-        ended: dict[tuple[Lane, UUID], list[UUID]] = defaultdict(list)
-        for job_id, key in self._sql_ended.items():
-            ended[key].append(job_id)
-        return ended
+    def sql_job_ended(self, job_id: UUID) -> None:
+        """The job ended here: while a renewal that named it is on its way, the slot it may have
+        moved into the lease is lent as an idle one."""
+        key = self._sql_jobs.pop(job_id, None)
+        if key is not None and self._promised is not None and job_id in self._named:
+            self._moved_idle[key] += 1
+
+    def _placed_on(self, key: tuple[Lane, UUID]) -> tuple[UUID, ...]:
+        return tuple(job_id for job_id, on in self._sql_jobs.items() if on == key)
 
     def settle(self, lent: Lent, taken_on: UUID | None, known: bool = True) -> None:
         """The placement's answer came: the lent slots are usable again here, but the one SQL took
@@ -359,10 +349,6 @@ class LeaseBook:
         self._in_use[key] -= 1
         if self._in_use[key] <= 0:
             del self._in_use[key]
-        if taken.moved and self._adopted.get(key, 0) > 0:
-            self._adopted[key] -= 1
-            if self._adopted[key] <= 0:
-                del self._adopted[key]
         self._held[taken.lease.lane] -= 1
         if self._held[taken.lease.lane] <= 0:
             del self._held[taken.lease.lane]
@@ -411,7 +397,7 @@ class LeaseBook:
         """The lane's requests in flight here: on leased slots, and the unleased ones."""
         return self._held.get(lane, 0) + self._unleased.get(lane, 0)
 
-    def lanes(self) -> list[dict[str, object]]:
+    def lanes(self, placed: Mapping[Lane, list[UUID]] | None = None) -> list[dict[str, object]]:
         """renew_leases()'s lanes: each one wanted (asked for lately) or still in use, with how many
         slots it wants (its busiest moment since the last renewal, counting the requests SQL placed
         and those waiting in line, and one spare unless requests waited: in a scarce lane the line
@@ -420,13 +406,13 @@ class LeaseBook:
         a second or two between bursts does not send the next burst to SQL); how many of them it
         needs (that busiest moment alone: SQL claims the rest, the spares, only where a node keeps a
         slot free, and gives idle ones back from a full node others need); and its slots in use per
-        node, and of them those adopted (a renewal moved them in: SQL counts those itself, with any
-        whose answer was lost); and the jobs SQL placed that ended here, their ends on their way (their
-        slots, moved into a lease or not, are not in use). Starts the next period's count."""
+        node; and the running jobs SQL `placed` that no renewal was heard to move into a lease
+        (renew_leases() says which of them one did: its answer may have been lost). Starts the next
+        period's count."""
+        placed = placed or {}
         now = self.clock()
-        ended = self._ended_by_key()
         wanted = {lane for lane, at in self._asked_at.items() if now - at < IDLE_S}
-        wanted |= {lane for lane, _ in self._in_use} | {lane for lane, _ in ended}
+        wanted |= {lane for lane, _ in self._in_use} | set(placed)
         report: list[dict[str, object]] = []
         promised: dict[tuple[Lane, UUID], int] = {}
         takable = {
@@ -455,14 +441,11 @@ class LeaseBook:
             want = need if idle else max(busiest + spare, (self._wants.get(lane, 0) + 1) // 2)
             self._wants[lane], self._needs[lane] = want, need
             report.append({**lane.as_json(), "want": want, "need": need, "in_use": reported})
-            adopted = {str(node): n for (held, node), n in self._adopted.items() if held == lane and n}
-            if adopted:
-                report[-1]["adopted"] = adopted
-            ended_here = [str(job_id) for (held, _), jobs in ended.items() if held == lane for job_id in jobs]
-            if ended_here:
-                report[-1]["ended"] = ended_here
+            if placed.get(lane):
+                report[-1]["placed"] = [str(job_id) for job_id in placed[lane]]
         self._peak = {lane: self._in_flight(lane) for lane in wanted}
         self._moved_idle.clear()  # the renewal before answered (renewed()), or its answer was lost
+        self._named = {job_id for named in placed.values() for job_id in named}
         self._promised = promised
         self._most_used = {key: n for key, n in self._in_use.items() if n}
         self._waited = set(self._waiting)

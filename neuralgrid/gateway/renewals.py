@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -56,11 +56,11 @@ class Renewals:
         self.gateway_id = gateway_id
         self.book = book
         self.lock = asyncio.Lock()
-        # Told of each job of this gateway that SQL placed whose slot a lease holds (a renewal moved
-        # it), at every answer; then of them all, at once.
+        # Told of each job of this gateway that SQL had placed and a renewal moved into a lease.
         self.absorbed: Callable[[UUID, Lease], None] = lambda _job, _lease: None
-        self.absorbed_all: Callable[[set[UUID]], None] = lambda _jobs: None
         self.renewed: Callable[[], None] = lambda: None  # after each renewal applied: requests in line look
+        # The running jobs SQL placed that no renewal was heard to move into a lease, by lane.
+        self.placed: Callable[[], Mapping[Lane, list[UUID]]] = dict
         self._asking: set[Lane] = set()  # lanes a renewal not yet sent is to ask for (soon())
         self._on_way: _OnWay | None = None  # the renewal on its way, for requests waiting for it
         self._sent_at: dict[Lane, float] = {}  # when the last renewal that asked for each was sent
@@ -83,7 +83,7 @@ class Renewals:
         async with self.lock:
             if asked_for is not None and asked_for not in self._asking:
                 return  # a renewal sent since soon() asked for the lane (the periodic one)
-            lanes = self.book.lanes()
+            lanes = self.book.lanes(self.placed())
             sent_at = self.book.clock()
             reported = {Lane(str(a["model"]), str(a["policy"]), str(a["region"] or "")): a for a in lanes}
             asking = reported.keys() & self._asking
@@ -192,7 +192,6 @@ class Renewals:
             if row.absorbed and (lease := Lease.of(row)) is not None:
                 for job_id in row.absorbed:
                     self.absorbed(job_id, lease)
-        self.absorbed_all({job_id for row in rows for job_id in row.absorbed or ()})
         given = {lease.lane for row in rows if row.slots > 0 and (lease := Lease.of(row)) is not None}
         for lane in given | (set(self._empty) - set(self._sent_at)):  # leased, or no longer wanted
             self._empty.pop(lane, None)

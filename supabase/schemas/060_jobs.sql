@@ -18,7 +18,6 @@ CREATE TABLE public.job_attempts (
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     ended_at timestamp with time zone,
     leased boolean DEFAULT false NOT NULL,
-    moved boolean DEFAULT false NOT NULL,
     CONSTRAINT "attempt numbers start at 1" CHECK ((attempt >= 1)),
     CONSTRAINT "attempt status must be running, succeeded, failed or cancelled" CHECK ((status = ANY (ARRAY['running'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text])))
 );
@@ -27,18 +26,12 @@ COMMENT ON TABLE public.job_attempts IS 'Each try at serving a job on one node, 
 
 COMMENT ON COLUMN public.job_attempts.leased IS 'The attempt ran on a slot its gateway leased (record_jobs()): ending it frees no slot, since the lease holds it.';
 
-COMMENT ON COLUMN public.job_attempts.moved IS 'A renewal moved the attempt''s slot into its gateway''s lease (private.renew_lane()): counted in use where the gateway lends that lease until the attempt ends or the gateway says the job ended (private.moved_into_lease()).';
-
 ALTER TABLE ONLY public.job_attempts
     ADD CONSTRAINT job_attempts_pkey PRIMARY KEY (job_id, attempt);
-
-CREATE INDEX job_attempts_moved_idx ON public.job_attempts USING btree (node_id) WHERE ((status = 'running'::text) AND moved);
 
 CREATE INDEX job_attempts_node_idx ON public.job_attempts USING btree (node_id, started_at DESC);
 
 CREATE INDEX job_attempts_running_idx ON public.job_attempts USING btree (job_id) WHERE (status = 'running'::text);
-
-CREATE INDEX job_attempts_unleased_idx ON public.job_attempts USING btree (job_id) WHERE ((status = 'running'::text) AND (NOT leased));
 
 ALTER TABLE ONLY public.job_attempts
     ADD CONSTRAINT job_attempts_node_id_fkey FOREIGN KEY (node_id) REFERENCES public.nodes(id) ON DELETE SET NULL;

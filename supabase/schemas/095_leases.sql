@@ -288,24 +288,22 @@ REVOKE ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_
 GRANT ALL ON FUNCTION private.move_lease_slots(p_gateway uuid, p_model text, p_policy text, p_region text, p_node_ids uuid[], p_deltas integer[], p_expires_at timestamp with time zone) TO service_role;
 
 
-CREATE FUNCTION private.moved_into_lease(p_gateway uuid, p_model text, p_policy text, p_region text, p_node uuid, p_ended uuid[]) RETURNS integer
+CREATE FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) RETURNS integer
     LANGUAGE sql STABLE
     SET search_path TO ''
     AS $$
-  select count(*)::integer
-  from public.job_attempts a
-  join public.jobs j on j.id = a.job_id
-  where a.node_id = p_node and a.status = 'running' and a.moved and a.job_id <> all (p_ended)
-    and j.gateway_id = p_gateway and j.model_id = p_model and j.policy = p_policy and coalesce(j.region, '') = p_region
+  -- Moved by a renewal, a job SQL placed runs on a leased attempt on the lease's node.
+  select count(*)::integer from public.job_attempts a
+  where a.job_id = any (p_jobs) and a.node_id = p_node and a.status = 'running' and a.leased
 $$;
 
-COMMENT ON FUNCTION private.moved_into_lease(p_gateway uuid, p_model text, p_policy text, p_region text, p_node uuid, p_ended uuid[]) IS 'private.return_lent_slot(): how many running jobs of gateway p_gateway a renewal moved into its lease of the lane (p_model, p_policy, p_region) on node p_node, but for those it says ended (p_ended: their ends on their way).';
+COMMENT ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) IS 'private.return_lent_slot(): how many of the jobs p_jobs (a gateway''s running jobs SQL placed) a renewal moved into a lease on node p_node: their running attempts there, leased.';
 
-REVOKE ALL ON FUNCTION private.moved_into_lease(p_gateway uuid, p_model text, p_policy text, p_region text, p_node uuid, p_ended uuid[]) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.moved_into_lease(p_gateway uuid, p_model text, p_policy text, p_region text, p_node uuid, p_ended uuid[]) TO service_role;
+REVOKE ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.moved_into_lease(p_jobs uuid[], p_node uuid) TO service_role;
 
 
-CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
+CREATE FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) RETURNS uuid[]
     LANGUAGE plpgsql
     SET search_path TO ''
     AS $$
@@ -348,13 +346,14 @@ begin
   -- a slot that its caller's next request claims in SQL again before a renewal could lease it.
   -- Rows another transaction holds are skipped, never waited for; the next renewal takes them.
   -- Only jobs on their first attempt: one SQL moved on stays SQL's to its end (the gateway, which
-  -- does not know the nodes it tried, could move it back to one that failed it). Each one moved is
-  -- marked (moved): where the gateway lends the lease's idle slots, SQL counts it in use unless the
-  -- gateway says it ended (private.moved_into_lease()), since it may not know of it yet.
-  if p_reported then
+  -- does not know the nodes it tried, could move it back to one that failed it). Only jobs the
+  -- gateway names (p_placed): one whose placement's answer has not reached it yet is one it cannot
+  -- count in use where it lends that lease's idle slots; the next renewal moves it.
+  if p_reported and cardinality(p_placed) > 0 then
     v_mine := array(
       select j.id from public.jobs j
-      where j.id = any (array(select a.job_id from public.job_attempts a where a.status = 'running' and not a.leased))
+      where j.id = any (p_placed)
+        and exists (select from public.job_attempts a where a.job_id = j.id and a.status = 'running' and not a.leased)
         and j.gateway_id = p_gateway and j.status = 'running' and j.model_id = p_model and j.policy = p_policy
         and coalesce(j.region, '') = p_region
       order by j.id
@@ -370,7 +369,7 @@ begin
       for no key update skip locked
     ),
     taken as (
-      update public.job_attempts a set leased = true, moved = true
+      update public.job_attempts a set leased = true
       from running r
       where a.job_id = r.job_id and a.attempt = r.attempt
       returning a.job_id, a.node_id
@@ -628,10 +627,10 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed, on their first attempt, into its leases (in use; their attempts leased and moved), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
+COMMENT ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) IS 'renew_leases() for one lane of one gateway, its demand recorded (p_reported false: a lane it no longer reports, wanting nothing): sets its leases'' slots in use from p_in_use ({node id: count}), moves the slots of its running jobs of the lane that SQL placed and that it names in p_placed, on their first attempt, into its leases (in use; their attempts leased), works out its target (private.lane_target()) over the lane''s capacity, gives back idle slots (on nodes no longer usable, then above the target from the lowest ranked, but for the spares it keeps: up to p_want - p_need idle slots, one a node, where the node has another slot free, it holds none idle in another lane and no other lane on a full node is owed one), claims free ones toward the target from the best ranked, those above p_need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot already (private.move_lease_slots()), marks the slots in use still above the target as draining (lowest ranked first: not to be taken again), and renews the leases until p_expires_at. Returns the ids of the jobs whose slots it moved into the leases.';
 
-REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
+REVOKE ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) FROM PUBLIC;
+GRANT ALL ON FUNCTION private.renew_lane(p_gateway uuid, p_model text, p_policy text, p_region text, p_want integer, p_need integer, p_in_use jsonb, p_placed uuid[], p_reported boolean, p_expires_at timestamp with time zone) TO service_role;
 
 
 CREATE FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) RETURNS uuid
@@ -643,23 +642,21 @@ declare
 begin
   -- The best offered lease that could serve the request and holds more slots than the gateway's
   -- jobs hold on it: those it has in use ("busy": a renewal under way may have given idle slots back
-  -- meanwhile), and those of its jobs SQL placed that a renewal moved into it and that it does not
-  -- say have ended ("ended"), known to it or not (private.moved_into_lease()).
-  select l.node_id, l.model_id, l.policy, l.region, o.busy, o.ended into v_lease
+  -- meanwhile) and those of its jobs SQL placed ("placed") that a renewal moved into it.
+  select l.node_id, l.model_id, l.policy, l.region, o.busy, o.placed into v_lease
   from (
     select x.node, x.model, coalesce(x.policy, 'balanced') as policy, coalesce(x.region, '') as region,
            coalesce(x.busy, 0) as busy,
-           array(select jsonb_array_elements_text(coalesce(x.ended, '[]'))::uuid) as ended
+           array(select jsonb_array_elements_text(coalesce(x.placed, '[]'))::uuid) as placed
     from jsonb_to_recordset(p_offered) as x (node uuid, model text, policy text, region text, busy integer,
-                                             ended jsonb)
+                                             placed jsonb)
   ) o
   join private.slot_leases l
     on l.gateway_id = p_gateway and l.node_id = o.node and l.model_id = o.model and l.policy = o.policy
        and l.region = o.region
   join public.nodes n on n.id = l.node_id
   left join public.node_scores s on s.node_id = n.id and s.model_id = p_model and s.policy = p_policy
-  where l.slots > o.busy + private.moved_into_lease(p_gateway, l.model_id, l.policy, l.region, l.node_id, o.ended)
-    and l.expires_at > now()
+  where l.slots > o.busy + private.moved_into_lease(o.placed, l.node_id) and l.expires_at > now()
     and n.id in (select private.lease_usable_nodes(p_model, array(
                    select (x ->> 'node')::uuid from jsonb_array_elements(p_offered) x)))
     and n.vram_gb >= private.required_vram_gb(p_model, p_min_vram_gb)
@@ -676,7 +673,7 @@ begin
   set slots = l.slots - 1, in_use = least(l.in_use, l.slots - 1), draining = least(l.draining, l.slots - 1)
   where l.gateway_id = p_gateway and l.node_id = v_lease.node_id and l.model_id = v_lease.model_id
     and l.policy = v_lease.policy and l.region = v_lease.region and l.expires_at > now()
-    and l.slots > v_lease.busy + private.moved_into_lease(p_gateway, l.model_id, l.policy, l.region, l.node_id, v_lease.ended);
+    and l.slots > v_lease.busy + private.moved_into_lease(v_lease.placed, l.node_id);
   if not found then  -- changed while the node was locked: nothing lent
     return null;
   end if;
@@ -688,7 +685,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy", "ended"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer; how many of the lease''s slots it has in use, not counting those a renewal moved in; and its jobs SQL placed that ended there, their ends not yet written; SQL counts in use besides every job a renewal moved into the lease that is not among them (private.moved_into_lease()); a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
+COMMENT ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) IS 'place_jobs(), when every capable node is full: of the slots gateway p_gateway lends from its leases (p_offered, a JSON array of {"node", "model", "policy", "region", "busy", "placed"}: one idle slot of that lease, which the gateway keeps out of use until it has the answer; how many of the lease''s slots it has in use; and its running jobs SQL placed of that lane on that node, those a renewal moved into the lease counted in use too; a lease holding no more than that lends nothing), the best one that could serve the request (its node usable for p_model as leases are, with the VRAM, under the price cap, serving p_route; ranked by the model''s base score under p_policy) goes back from its lease to its node, free for the request to claim. Returns its node, or null when none could serve it.';
 
 REVOKE ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.return_lent_slot(p_gateway uuid, p_model text, p_policy text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text, p_offered jsonb) TO service_role;
@@ -1132,13 +1129,10 @@ declare
   v_want numeric;
   v_need numeric;
   v_in_use jsonb;
-  v_adopted jsonb;
-  v_ended jsonb;
+  v_placed jsonb;
   v_used record;
-  v_said integer;  -- slots in use on a lease, as the gateway said
-  v_known integer;  -- of them, those a renewal moved in that it adopted
-  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, need, in_use, adopted, ended, reported}]
-  v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots its leases hold
+  v_lanes jsonb := '[]';  -- the lanes as read: [{model, policy, region, want, need, in_use, placed, reported}]
+  v_absorbed uuid[] := '{}';  -- its jobs SQL placed whose slots joined its leases
   v_lock bigint;
   v_ranks boolean;  -- whether score_nodes() can rank the lane (private.lane_can_rank())
   v_expires_at timestamptz;
@@ -1188,11 +1182,11 @@ begin
       raise exception 'lane %: "need" must be a whole number of slots from 0 to "want" (%), not %', v_n, v_want, v_need
         using errcode = 'invalid_parameter_value';
     end if;
-    v_ended := coalesce(nullif(v_lane -> 'ended', 'null'), '[]');
-    if jsonb_typeof(v_ended) <> 'array' or jsonb_array_length(v_ended) > 10000
-       or exists (select from jsonb_array_elements(v_ended) p
+    v_placed := coalesce(nullif(v_lane -> 'placed', 'null'), '[]');
+    if jsonb_typeof(v_placed) <> 'array' or jsonb_array_length(v_placed) > 10000
+       or exists (select from jsonb_array_elements(v_placed) p
                   where jsonb_typeof(p) <> 'string' or length(p #>> '{}') <> 36 or p #>> '{}' !~ uuid_shape) then
-      raise exception 'lane %: "ended" must be an array of at most 10000 job ids', v_n
+      raise exception 'lane %: "placed" must be an array of at most 10000 job ids', v_n
         using errcode = 'invalid_parameter_value';
     end if;
     v_in_use := coalesce(nullif(v_lane -> 'in_use', 'null'), '{}');
@@ -1212,19 +1206,6 @@ begin
           using errcode = 'invalid_parameter_value';
       end if;
     end loop;
-    v_adopted := coalesce(nullif(v_lane -> 'adopted', 'null'), '{}');
-    if jsonb_typeof(v_adopted) <> 'object' then
-      raise exception 'lane %: "adopted" must be an object of counts by node id', v_n using errcode = 'invalid_parameter_value';
-    end if;
-    for v_used in select u.key, u.value from jsonb_each(v_adopted) u loop
-      if (case when jsonb_typeof(v_used.value) = 'number'
-               then (v_used.value)::numeric < 0 or (v_used.value)::numeric <> trunc((v_used.value)::numeric)
-                    or (v_used.value)::numeric > coalesce((v_in_use ->> v_used.key)::numeric, 0)
-               else true end) then
-        raise exception 'lane %: slots adopted on node % must be a whole number from 0 to those in use there, not %',
-          v_n, v_used.key, v_used.value using errcode = 'invalid_parameter_value';
-      end if;
-    end loop;
     if exists (select from jsonb_array_elements(v_lanes) l
                where l ->> 'model' = v_model and l ->> 'policy' = v_policy and l ->> 'region' = v_region) then
       raise exception 'lane %: the lane (%, %, "%") is named twice', v_n, v_model, v_policy, v_region
@@ -1237,7 +1218,7 @@ begin
     v_lanes := v_lanes || jsonb_build_object('model', v_model, 'policy', v_policy, 'region', v_region,
                                              'want', case when v_ranks then v_want::integer else 0 end,
                                              'need', case when v_ranks then v_need::integer else 0 end,
-                                             'in_use', v_in_use, 'adopted', v_adopted, 'ended', v_ended, 'reported', v_ranks);
+                                             'in_use', v_in_use, 'placed', v_placed, 'reported', v_ranks);
   end loop;
 
   -- A renewal is a check-in.
@@ -1267,28 +1248,22 @@ begin
   perform from private.slot_leases l where l.gateway_id = p_gateway
   order by l.node_id, l.model_id, l.policy, l.region for no key update;
 
-  -- What is in use on each of its leases, as SQL counts it: the slots the gateway says in use, less
-  -- those it adopted (slots a renewal moved in for its jobs SQL placed), plus every running job a
-  -- renewal moved into the lease that it does not say ended ("ended": their ends on their way),
-  -- known to it or not: a renewal's answer lost, or a placement's still on its way when a renewal
-  -- moved the job (else the slot is idle to it, and it sends another request to the node while the
-  -- job runs). Never less than it says: what it reports in use it may use until this answer comes.
-  -- Those jobs are named among the absorbed at every renewal, so a lost answer's are heard next.
+  -- The jobs SQL placed that it names as still SQL's (placed), whose slots an earlier renewal moved
+  -- into its lease: that renewal's answer never reached it. In use where it says none is (else the
+  -- slot is idle to it, and it sends another request to the node while the job runs), and named
+  -- again among the jobs whose slots joined its leases.
   for r in
-    select x.n, a.node_id, count(*)::integer as moved, array_agg(a.job_id) as jobs
-    from (select m.job_id, m.node_id from public.job_attempts m where m.status = 'running' and m.moved) a
+    select distinct x.n, a.job_id, a.node_id
+    from jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
+    cross join lateral jsonb_array_elements_text(x.lane -> 'placed') as p (id)
+    join public.job_attempts a on a.job_id = p.id::uuid and a.attempt = 1 and a.status = 'running' and a.leased
     join public.jobs j on j.id = a.job_id
-    join jsonb_array_elements(v_lanes) with ordinality as x (lane, n)
-      on j.model_id = x.lane ->> 'model' and j.policy = x.lane ->> 'policy' and coalesce(j.region, '') = x.lane ->> 'region'
-    where j.gateway_id = p_gateway and j.status = 'running'
-      and a.job_id <> all (array(select jsonb_array_elements_text(coalesce(x.lane -> 'ended', '[]'))::uuid))
-    group by x.n, a.node_id
+    where j.gateway_id = p_gateway and j.status = 'running' and j.model_id = x.lane ->> 'model'
+      and j.policy = x.lane ->> 'policy' and coalesce(j.region, '') = x.lane ->> 'region'
   loop
-    v_said := coalesce((v_lanes #>> array[(r.n - 1)::text, 'in_use', r.node_id::text])::integer, 0);
-    v_known := coalesce((v_lanes #>> array[(r.n - 1)::text, 'adopted', r.node_id::text])::integer, 0);
     v_lanes := jsonb_set(v_lanes, array[(r.n - 1)::text, 'in_use', r.node_id::text],
-                         to_jsonb(greatest(v_said, v_said - v_known + r.moved)));
-    v_absorbed := v_absorbed || r.jobs;
+                         to_jsonb(coalesce((v_lanes #>> array[(r.n - 1)::text, 'in_use', r.node_id::text])::integer, 0) + 1));
+    v_absorbed := v_absorbed || r.job_id;
   end loop;
 
   -- What it wants and needs of each lane, for the shares, before any lane is renewed: a lane sees
@@ -1319,12 +1294,12 @@ begin
   for r in
     select x ->> 'model' as model, x ->> 'policy' as policy, x ->> 'region' as region,
            (x ->> 'want')::integer as want, (x ->> 'need')::integer as need, x -> 'in_use' as in_use,
-           (x ->> 'reported')::boolean as reported
+           array(select jsonb_array_elements_text(x -> 'placed')::uuid) as placed, (x ->> 'reported')::boolean as reported
     from jsonb_array_elements(v_lanes) x
     order by 5, 1, 2, 3
   loop
     v_absorbed := v_absorbed
-                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.need, r.in_use, r.reported,
+                  || private.renew_lane(p_gateway, r.model, r.policy, r.region, r.want, r.need, r.in_use, r.placed, r.reported,
                                         v_expires_at);
   end loop;
 
@@ -1385,7 +1360,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "adopted": {node id: of those, slots a renewal moved in for its jobs SQL placed} (absent: none), "ended": ids of its jobs SQL placed that ended there, their ends on their way (absent: none)}]. For each lane it records the demand, sets what is in use (what it says, less what it adopted, plus every running job of its a renewal moved into the lease that it does not say ended; never less than it says), moves the slots of its running jobs of the lane SQL placed, on their first attempt, into its leases (private.renew_lane()), gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, at every renewal, those an earlier renewal moved that still run and that it does not say ended, so that an answer lost is heard at the next) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
+COMMENT ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) IS 'A gateway''s renewal of its slot leases, once a second, which also checks it in. One at a time with the gateway''s record_jobs() (an advisory lock per gateway). p_lanes: a JSON array of lanes, [{"model": m, "policy": p (default balanced), "region": r (null or absent: none), "want": slots wanted, "need": of them, slots needed (absent: all), "in_use": {node id: slots in use}, "placed": ids of its running jobs SQL placed that it knows no lease to hold (absent: none)}]. For each lane it records the demand, sets what is in use, moves the slots of the lane''s "placed" jobs still running on their first attempt into its leases (private.renew_lane()), gives back idle slots above the gateway''s fair share (private.lane_target()) from the lowest ranked node and claims free ones toward it from the best ranked (score_nodes()), as claims do (nodes.inflight, never past max_concurrency), those above the need (spares) one a node, only where the node keeps a slot free and the gateway holds no idle slot there already; a lane it leased in and no longer names is given back whole but for slots in use, and so is a lane of a model that does not exist (in no catalog row, held by no node) or of a policy that does not, which gets nothing (its slots in use stay until their jobs end). Returns every lease it may dispatch on (node online or busy, not cooling down, beating, holding the model) with the slots it may use (those held less those draining above its share; draining: how many drain), with where and how to reach the node and its hourly rate (a request''s price cap filters the leases, in their order), its rank in the lane (1: best), the lease''s end (now + platform_settings.lease_s) the ids of the gateway''s running jobs SQL had placed whose slots this renewal moved into the lease (absorbed: the gateway counts them in use there until they end; with them, those of "placed" an earlier renewal moved, whose answer the gateway never had, counted in use as it had not) and the gateway''s share of the lane''s slots (share: holding it, the gateway places none of the lane''s requests in SQL); then, with 0 slots and ranked after them, the lane''s best ranked nodes (score_nodes()) it holds no lease on: a failed leased job''s fallbacks. Bad input raises invalid_parameter_value and changes nothing.';
 
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM anon, authenticated, service_role;
 REVOKE ALL ON FUNCTION public.renew_leases(p_gateway uuid, p_lanes jsonb) FROM PUBLIC;

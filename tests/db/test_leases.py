@@ -21,7 +21,6 @@ from neuralgrid.db.store import SyncStore
 from tests.conftest import LLAMA8, make_key, make_node
 
 A, B, C, D = (uuid.UUID(f"00000000-0000-4000-8000-00000000000{i}") for i in (1, 2, 3, 4))
-NODE_ID = "00000000-0000-4000-8000-0000000000aa"  # of a node id's shape
 
 
 def lane(want: int, in_use: dict[uuid.UUID, int] | None = None, **extra: Any) -> dict[str, Any]:
@@ -253,20 +252,10 @@ BAD_LANES: list[tuple[Any, str]] = [
     ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): -1}}], "must be a whole number from 0"),
     ([{"model": LLAMA8, "want": 1, "in_use": {str(uuid.uuid4()): "2"}}], "must be a whole number from 0"),
     ([{"model": LLAMA8, "want": 1}, {"model": LLAMA8, "region": None, "want": 2}], "lane 2: the lane"),
-    ([{"model": LLAMA8, "want": 1, "ended": "x"}], '"ended" must be an array of at most 10000 job ids'),
-    ([{"model": LLAMA8, "want": 1, "ended": [1]}], '"ended" must be an array'),
-    ([{"model": LLAMA8, "want": 1, "ended": ["job-1"]}], '"ended" must be an array'),
-    ([{"model": LLAMA8, "want": 1, "ended": [str(uuid.uuid4())] * 10001}], '"ended" must be an array'),
-    ([{"model": LLAMA8, "want": 1, "adopted": [1]}], '"adopted" must be an object'),
-    ([{"model": LLAMA8, "want": 1, "adopted": {NODE_ID: 1}}], "slots adopted on node"),
-    (
-        [{"model": LLAMA8, "want": 1, "in_use": {NODE_ID: 1}, "adopted": {NODE_ID: 2}}],
-        "to those in use there",
-    ),
-    (
-        [{"model": LLAMA8, "want": 1, "in_use": {NODE_ID: 1}, "adopted": {NODE_ID: -1}}],
-        "slots adopted on node",
-    ),
+    ([{"model": LLAMA8, "want": 1, "placed": "x"}], '"placed" must be an array of at most 10000 job ids'),
+    ([{"model": LLAMA8, "want": 1, "placed": [1]}], '"placed" must be an array'),
+    ([{"model": LLAMA8, "want": 1, "placed": ["job-1"]}], '"placed" must be an array'),
+    ([{"model": LLAMA8, "want": 1, "placed": [str(uuid.uuid4())] * 10001}], '"placed" must be an array'),
 ]
 
 
@@ -637,20 +626,15 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (cooling,))
     assert inflight(conn) == {node: 4, cooling: 1}  # A's 2 leased, A's and B's placed; the stuck one
 
-    got = renew(conn, A, lane(3, {node: 2}))  # named or not: the job's placement may be on its way
+    got = renew(conn, A, lane(3, {node: 2}, placed=[str(job) for job in (mine, theirs, stuck)]))
     assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
         (node, 3, 3, [mine])
     ]
     assert inflight(conn) == {node: 4, cooling: 1}
-    attempts = conn.execute("select job_id, leased, moved from job_attempts").fetchall()
-    assert {job: (leased, moved) for job, leased, moved in attempts} == {
-        mine: (True, True),
-        theirs: (False, False),
-        stuck: (False, False),
-    }
+    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
+    assert leased == {mine: True, theirs: False, stuck: False}
     assert_slots_add_up(conn)
-    again = [row for row in renew(conn, A, lane(3, {node: 3}, adopted={str(node): 1})) if row.slots]
-    assert [(row.in_use, row.absorbed) for row in again] == [(3, [mine])]  # named while it runs; counted once
+    assert not [row for row in renew(conn, A, lane(3, {node: 3})) if row.absorbed]  # named once
 
     # Its end frees no slot in SQL: the lease holds it, idle once the gateway reports it so.
     conn.execute("select complete_job(%s)", (mine,))
@@ -660,41 +644,72 @@ def test_a_gateways_jobs_sql_placed_join_its_lease_at_the_next_renewal(conn: psy
     assert_slots_add_up(conn)
 
 
-def test_a_job_whose_move_into_a_lease_went_unheard_is_counted_in_use_and_named_again(
+def test_a_renewal_moves_only_the_jobs_sql_placed_that_its_gateway_names(conn: psycopg.Connection) -> None:
+    """A review (2026-12-07): a renewal moved every running job SQL had placed for its gateway,
+    one whose placement's answer had not reached the gateway yet included. The gateway lends a
+    lease's idle slots naming its jobs SQL placed, which SQL counts in use there: not that one. Had
+    the renewal also given back the idle slot the gateway lent, SQL lent the slot that job ran on,
+    one request past the node's slots. A job the renewal does not name stays SQL's until one does."""
+    node = make_node(conn, max_concurrency=2)
+    other = "acme/other-7b"
+    make_node(conn, "other", max_concurrency=1, models={other: "loaded"})
+    key = str(make_key(conn))
+    base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
+    known, unknown = (place(conn, A, {**base, "model": LLAMA8}).job_id for _ in range(2))
+    assert inflight(conn)[node] == 2
+
+    got = renew(conn, A, lane(2, {}, placed=[str(known)]))
+    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
+        (node, 1, 1, [known])
+    ]
+    leased: dict[uuid.UUID, bool] = dict(conn.execute("select job_id, leased from job_attempts").fetchall())
+    assert leased == {known: True, unknown: False}
+    assert_slots_add_up(conn)
+    # The gateway lends its lease, naming what it knows: the known job's slot is in use, and the
+    # unknown one's is no lease's to lend.
+    offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": [str(known)]}
+    assert place(conn, A, {**base, "model": other, "lend": [offer]}).node_id != node
+    assert_slots_add_up(conn)
+    # Named at the next renewal, it moves then.
+    got = renew(conn, A, lane(2, {node: 1}, placed=[str(unknown)]))
+    assert [(row.node_id, row.slots, row.in_use, row.absorbed) for row in got if row.slots] == [
+        (node, 2, 2, [unknown])
+    ]
+    assert_slots_add_up(conn)
+
+
+def test_a_job_whose_move_into_a_lease_went_unheard_is_named_again_and_counted_in_use(
     conn: psycopg.Connection,
 ) -> None:
-    """A renewal moved jobs SQL placed into the lease and its answer was lost: the gateway reports
-    the lease idle, one job not even known to it yet (its placement's answer on its way then), so
-    it could not name it (a review, 2026-12-07: the slot idle to it, a second request sent to the
-    node while the job ran). SQL counts in use every running job it moved into the lease, less those
-    the gateway says it adopted or ended, and names them among the absorbed at every renewal.
-    Another gateway's job is not."""
-    node = make_node(conn, max_concurrency=4)
+    """A renewal moved a job SQL placed into the lease and its answer was lost: the gateway still
+    thinks the job SQL's, and reports the lease idle. It names the job (placed): the lease counts
+    it in use, not idle, and the job is named among the absorbed again, as long as it is named and
+    runs. Another gateway's job is not."""
+    node = make_node(conn, max_concurrency=3)
     request = {"model": LLAMA8, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 10}
     place = "select job_id from place_jobs(%s, %s::jsonb)"
-    known, unknown, theirs = [
+    mine, theirs, still_sqls = [
         (conn.execute(place, (str(gateway), json.dumps([request]))).fetchone() or (None,))[0]
-        for gateway in (A, A, B)
+        for gateway in (A, B, A)
     ]
-    assert held(renew(conn, B, lane(1, {}))) == {node: 1}  # B's job moved into B's lease
-    got = renew(conn, A, lane(2, {}, need=2))  # moved both: its answer lost
-    assert {job for row in got for job in row.absorbed or ()} == {known, unknown}
-
-    def in_use(said: int = 0, **extra: Any) -> list[tuple[uuid.UUID, int, int, set[uuid.UUID]]]:
-        got = renew(conn, A, lane(2, {node: said}, need=2, **extra))
-        return [(row.node_id, row.slots, row.in_use, set(row.absorbed or ())) for row in got if row.slots]
-
-    assert in_use() == [(node, 2, 2, {known, unknown})]  # idle as it says: in use, named again
-    # Adopted once heard of (the known one in use, its own count): not counted twice.
-    assert in_use(1, adopted={str(node): 1}) == [(node, 2, 2, {known, unknown})]
-    # One ended here, its end on its way: its slot idle, it no longer named.
-    assert in_use(ended=[str(known)]) == [(node, 2, 1, {unknown})]
-    # What the gateway says in use stays so, whatever SQL counts.
-    assert in_use(2, ended=[str(known), str(unknown)]) == [(node, 2, 2, set())]
-    conn.execute("select complete_job(%s)", (unknown,))
-    assert in_use(ended=[str(known)]) == [(node, 2, 0, set())]
-    assert_slots_add_up(conn)
-    assert theirs is not None
+    running = conn.execute(
+        "select count(*) from jobs where status = 'running' and id = any(%s)", ([still_sqls],)
+    )
+    assert running.fetchone() == (1,)
+    conn.execute("update job_attempts set leased = true where job_id = any(%s)", ([mine, theirs],))
+    conn.execute(
+        "insert into private.slot_leases (gateway_id, node_id, model_id, policy, region, slots, in_use,"
+        " expires_at) values (%s, %s, %s, 'balanced', '', 1, 1, now() + interval '1 minute')",
+        (A, node, LLAMA8),
+    )  # what the renewal whose answer was lost did with A's first job (and B's: another gateway's)
+    placed = [str(job) for job in (mine, theirs, still_sqls)]
+    got = [row for row in renew(conn, A, lane(2, {}, need=2, placed=placed)) if row.slots]
+    assert [(row.node_id, row.slots, row.in_use, set(row.absorbed or ())) for row in got] == [
+        (node, 2, 2, {mine, still_sqls})  # the one still SQL's is moved in now, as any is
+    ]
+    got = [row for row in renew(conn, A, lane(2, {}, need=2)) if row.slots]
+    assert [(row.in_use, row.absorbed) for row in got] == [(0, [])]  # not named: idle, as it says
+    assert leases(conn)[(A, node)] == (2, 0)
 
 
 def test_a_job_sql_moved_to_another_node_stays_sqls_to_its_end(conn: psycopg.Connection) -> None:
@@ -712,7 +727,7 @@ def test_a_job_sql_moved_to_another_node_stays_sqls_to_its_end(conn: psycopg.Con
     assert on == first
     moved = conn.execute("select node_id from failover_job(%s, 'boom', 503, %s)", (job, [second])).fetchone()
     assert moved == (second,)
-    assert not [row for row in renew(conn, A, lane(2, {})) if row.absorbed]
+    assert not [row for row in renew(conn, A, lane(2, {}, placed=[str(job)])) if row.absorbed]
     leased = conn.execute(
         "select attempt, leased from job_attempts where job_id = %s order by attempt", (job,)
     )
@@ -798,43 +813,28 @@ def test_a_request_every_node_is_full_for_takes_an_idle_slot_its_gateway_lends_f
     assert_slots_add_up(conn)
 
 
-def test_a_lent_lease_counts_in_use_every_job_a_renewal_moved_into_it_that_its_gateway_does_not_say_ended(
+def test_a_lent_lease_counts_in_use_the_jobs_sql_placed_that_a_renewal_moved_into_it(
     conn: psycopg.Connection,
 ) -> None:
     """A renewal moves the slot of each of its gateway's running jobs SQL placed into the lane's
-    lease, one whose placement's answer is still on its way to the gateway among them: a placement
-    lending that lease as idle got the slot such a job ran on, the node past its slots (a review,
-    2026-12-07). SQL counts in use every job it moved into the lease, but those the gateway says
-    ended (their ends on their way): that slot is idle, and lent (a far gateway's next new model had
-    waited a round trip for the end to be written, bench world)."""
+    lease, unknown to the gateway until its answer: a placement lending that lease as idle got the
+    slot such a job ran on (a review). The gateway names its jobs SQL placed with the lent slot, and
+    SQL counts those it moved as in use."""
     other = "acme/other-7b"
-    node = make_node(conn, max_concurrency=2, models={LLAMA8: "loaded", other: "loaded"})
+    node = make_node(conn, max_concurrency=1, models={LLAMA8: "loaded", other: "loaded"})
     key = str(make_key(conn))
     base = {"key": key, "policy": "balanced", "fallbacks": 0, "prompt_bytes": 10, "max_out": 4, "wait": True}
-    known, unknown = (place(conn, A, {**base, "model": LLAMA8}).job_id for _ in range(2))
-    got = renew(conn, A, lane(2, {}, need=2))  # the placement of one of them still on its way to A
-    assert [(row.node_id, row.slots, row.in_use, set(row.absorbed or ())) for row in got if row.slots] == [
-        (node, 2, 2, {known, unknown})
-    ]
+    job = place(conn, A, {**base, "model": LLAMA8}).job_id
+    renew(conn, A, lane(1, placed=[str(job)]))
     conn.execute("delete from private.lane_demand")
-    assert inflight(conn) == {node: 2}
-    assert_slots_add_up(conn)
+    assert conn.execute("select leased from job_attempts where job_id = %s", (job,)).fetchone() == (True,)
+    assert inflight(conn) == {node: 1}
 
-    def lending(ended: list[uuid.UUID]) -> dict[str, Any]:
-        offer = {
-            "node": str(node),
-            "model": LLAMA8,
-            "policy": "balanced",
-            "busy": 0,
-            "ended": [str(e) for e in ended],
-        }
+    def lending(placed: list[str]) -> dict[str, Any]:
+        offer = {"node": str(node), "model": LLAMA8, "policy": "balanced", "busy": 0, "placed": placed}
         return {**base, "model": other, "lend": [offer]}
 
-    assert place(conn, A, lending([])).busy  # both slots the moved jobs', known to the gateway or not
-    assert place(conn, A, lending([uuid.uuid4()])).busy  # a job of no lease's
-    lent = place(conn, A, lending([known]))  # ended, its end on its way: its slot is idle
-    assert (lent.lent, lent.node_id) == (True, node)
-    assert inflight(conn) == {node: 2}
-    assert leases(conn)[(A, node)] == (1, 1)
+    assert place(conn, A, lending([str(job)])).busy  # its one slot is the moved job's
     assert_slots_add_up(conn)
-    assert place(conn, A, lending([known])).busy  # lent once: the other slot is the unknown job's
+    got = place(conn, A, lending([]))  # unnamed, the job's slot looks idle: what was lent before
+    assert (got.lent, got.node_id) == (True, node)

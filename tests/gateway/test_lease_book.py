@@ -116,23 +116,25 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
     """A renewal on its way may give back a lease's idle slots, and moves the slots of this
     gateway's running jobs SQL placed into their lanes' leases, unknown here until its answer. A far
     gateway's placement that lent a slot given back met a full node and waited in line, while one
-    its own job had left idle in a lease was there to lend (bench world, 2026-12-07). Each lent
-    slot names the jobs SQL placed that ended there, their ends on their way: SQL counts in use
-    every other job a renewal moved into the lease."""
+    its own job had left idle in a lease was there to lend (bench world, 2026-12-07). SQL is told of
+    such jobs still running (placed), or it could lend the slot one of them runs on."""
     clock = Clock()
     book = LeaseBook(clock)
     a = uuid4()
     other = Lane("other", "balanced")
     book.renewed([row(a, 1, 1)], clock(), 5.0)
-    ended = uuid4()
-    book.lanes()  # on its way, reporting a's slot idle
+    ended, running, leased_lane = uuid4(), uuid4(), uuid4()
+    book.sql_job(ended, other, a)
+    book.sql_job(running, other, a)
+    book.sql_job(leased_lane, LANE, a)  # of the leased lane too: the renewal moves it into that lease
+    book.lanes({other: [ended, running], LANE: [leased_lane]})  # on its way, reporting a's slot idle
     at_risk = book.lend()
-    assert at_risk.slots == ((LANE, a),) and at_risk.ended == ((),)  # nothing else to lend yet
+    assert at_risk.slots == ((LANE, a),) and at_risk.placed == ((leased_lane,),)  # nothing else to lend yet
     book.settle(at_risk, None)
-    book.sql_job_ended(ended, other, a)
+    book.sql_job_ended(ended)
     lent = book.lend()
-    assert lent.slots == ((other, a),) and lent.ended == ((ended,),)  # SQL counts the rest if moved
-    assert lent.as_json()[0]["ended"] == [str(ended)]
+    assert lent.slots == ((other, a),) and lent.placed == ((running,),)  # SQL counts it if moved
+    assert lent.as_json()[0]["placed"] == [str(running)]
     again = book.lend()
     assert again.slots == ((LANE, a),)  # the moved slot is lent once: then the one at risk
     book.settle(again, None)
@@ -140,61 +142,30 @@ def test_a_node_lends_first_a_slot_the_renewal_keeps_then_one_it_moved_for_a_job
     clock.now += 0.1
     book.settle(lent, a)  # SQL took it
     assert book.lend().slots == ((LANE, a),)
-    book.renewed([row(a, 1, 1)], clock(), 5.0)
-    book.sql_job_written(ended)  # its end is in Postgres: no lease holds its slot now
+    book.renewed([row(a, 1, 1)], clock(), 5.0)  # the answer: the moved leases as SQL holds them now
+    book.sql_job_ended(running)  # no renewal on its way: its slot was SQL's, freed by its end
     assert book.lend().slots == ()  # a's one slot lent already
 
 
-def test_slots_moved_for_jobs_ended_are_lent_in_the_order_the_jobs_ended_until_a_renewal_answers() -> None:
-    """A renewal moves every job SQL placed that still runs in SQL: a job that ended while one was
-    on its way left an idle slot in a lease unknown here, lent until that renewal's answer shows it.
-    One that ended with none on its way moved nothing (its slot SQL's until its end is written), and
-    lending it had cost a round trip in line (traced, 2026-12-07); it is named all the same."""
+def test_only_a_slot_the_renewal_on_its_way_may_have_moved_is_lent_for_a_job_ended() -> None:
+    """The renewal on its way moves only the jobs SQL placed that it names: one placed after it was
+    sent moved nothing, and its slot lent was refused by SQL (traced: a round trip more). Of those
+    named, the one that ended first is lent first."""
     clock = Clock()
     book = LeaseBook(clock)
     a = uuid4()
-    older, newer = Lane("older", "balanced"), Lane("newer", "balanced")
-    before, first, second = uuid4(), uuid4(), uuid4()
+    older, newer, later = Lane("older", "balanced"), Lane("newer", "balanced"), Lane("later", "balanced")
+    first, second, third = uuid4(), uuid4(), uuid4()
     book.renewed([], clock(), 5.0)
-    book.sql_job_ended(before, older, a)
+    book.sql_job(first, older, a)
+    book.sql_job(second, newer, a)
+    book.lanes({older: [first], newer: [second]})
+    book.sql_job(third, later, a)  # placed after the renewal was sent
+    for job in (third, second, first):
+        book.sql_job_ended(job)
+    assert book.lend().slots == ((newer, a),)  # ended first
+    assert book.lend().slots == ((older, a),)
     assert book.lend().slots == ()
-    book.lanes()  # on its way
-    book.sql_job_ended(second, newer, a)
-    book.sql_job_ended(first, older, a)
-    lent = book.lend()
-    assert lent.slots == ((newer, a),) and lent.ended == ((second,),)  # ended first
-    older_lent = book.lend()
-    assert older_lent.slots == ((older, a),) and older_lent.ended == ((before, first),)
-    assert book.lend().slots == ()
-    book.settle(lent, None)
-    book.sql_job_written(second)  # no longer named; its slot, moved into the lease, idle still
-    again = book.lend()
-    assert again.slots == ((newer, a),) and again.ended == ((),)
-    book.settle(again, None)
-    book.renewed([], clock(), 5.0)  # the answer: the leases as SQL holds them, any idle slot in them
-    assert book.lend().slots == ()
-
-
-def test_a_lent_slot_counts_busy_only_what_sql_cannot_count_itself() -> None:
-    """SQL counts in use the slots a renewal moved into a lease (known here or not: a far gateway's
-    renewal may move a job whose placement's answer is still on its way). Counted here too, a slot
-    adopted so would be counted twice, and the lease's idle slot never lent."""
-    clock = Clock()
-    book = LeaseBook(clock)
-    a = uuid4()
-    book.renewed([row(a, 3, 1)], clock(), 5.0)
-    taken = book.take(LANE, None)
-    assert taken is not None
-    [lease] = [taken.lease]
-    moved = book.adopt(lease)
-    assert moved.moved and not taken.moved
-    lent = book.lend()
-    assert lent.slots == ((LANE, a),) and lent.busy == (1,)
-    book.settle(lent, None)
-    book.give_back(moved)
-    assert book.lend().busy == (1,)
-    book.give_back(taken)
-    assert book.lend().busy == (0,)
 
 
 def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_the_route() -> None:
@@ -204,8 +175,9 @@ def test_a_slot_moved_for_a_job_ended_is_not_lent_where_its_node_does_not_serve_
     other = Lane("other", "balanced")
     job = uuid4()
     book.renewed([row(a, 0, 1, routes=("embeddings",))], clock(), 5.0)
-    book.lanes()
-    book.sql_job_ended(job, other, a)
+    book.sql_job(job, other, a)
+    book.lanes({other: [job]})
+    book.sql_job_ended(job)
     assert book.lend(route="chat/completions").slots == ()
     assert book.lend(route="embeddings").slots == ((other, a),)
 
@@ -691,17 +663,11 @@ def test_a_draining_slot_that_falls_idle_asks_for_a_renewal_at_once() -> None:
     asyncio.run(main())
 
 
-def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it_in_use() -> None:
-    """SQL placed a job; a renewal moved its slot into the lease, and its answer was read before the
-    placement's (a far gateway's renewal on its way when the placement's answer came): the job was
-    unknown then. The slot is held in use from the renewal's answer: the job's when it is known,
-    given back once a renewal no longer names it (its request went away before the placement's
-    answer was read, and SQL ended it). Every answer names every moved job still running: one known
-    here already is left as it is. A
-    job that ended here before the answer came left an idle slot, free at once (held, it had kept
-    the next cold requests waiting, bench world's showed); its end, and that of a job moved into the
-    lease, is named with the slots lent there until written (SQL counts in use the moved jobs it is
-    not told ended)."""
+def test_a_renewal_that_moved_the_slot_of_a_job_since_ended_here_leaves_the_slot_idle() -> None:
+    """A renewal named a job SQL placed, and moved its slot into the lease; the job ended here before
+    the renewal's answer came. The slot is idle, free at once (held, it had kept the next cold
+    requests waiting, bench world's showed). SQL moves only the jobs a renewal names, so an answer
+    naming a job never known here leaves nothing in use either."""
 
     async def main() -> None:
         clock = Clock()
@@ -712,34 +678,21 @@ def test_a_renewal_that_moved_a_jobs_slot_before_the_job_was_known_here_keeps_it
         book.renewed([row(node, 1, 1)], clock(), 5.0)  # the renewal's answer: one slot, the job's
         [lease] = [t.lease for t in [book.take(LANE, None)] if t is not None]
         book.give_back(Taken(lease))
-        early, ended, gone = uuid4(), uuid4(), uuid4()
-        jobs.renewals.absorbed(early, lease)
-        assert book.take(LANE, None) is None  # the job runs on it
-        jobs.renewals.absorbed(early, lease)  # named again by the next answer: still one slot
-        jobs.renewals.absorbed_all({early})
-        jobs.placed_elsewhere(early, node, admitted, "chat/completions")  # the placement's answer
-        assert jobs.holds(early)
-        jobs.renewals.absorbed(early, lease)
-        assert book.lanes()[0]["adopted"] == {str(node): 1}
-        jobs.end(q.JobEnd(early, "succeeded", 1, 1))
-        taken = book.take(LANE, None)
-        assert taken is not None
-        book.give_back(taken)
+        ended, running = uuid4(), uuid4()
         jobs.placed_elsewhere(ended, node, admitted, "chat/completions")
+        assert jobs.renewals.placed() == {LANE: [ended]}  # what the renewal names
         jobs.end(q.JobEnd(ended, "succeeded", 1, 1))
         jobs.renewals.absorbed(ended, lease)  # it had ended here before the answer came
-        lent = book.lend()
-        assert lent.slots == ((LANE, node),) and set(lent.ended[0]) == {early, ended}
-        book.settle(lent, None)
         taken = book.take(LANE, None)
         assert taken is not None
         book.give_back(taken)
-        jobs.renewals.absorbed(gone, lease)
-        assert book.take(LANE, None) is None
-        jobs.renewals.absorbed_all({gone})
-        assert book.take(LANE, None) is None
-        jobs.renewals.absorbed_all(set())  # no longer running in SQL: never to be claimed here
-        assert book.take(LANE, None) is not None
+        jobs.renewals.absorbed(uuid4(), lease)  # never known here: nothing runs on it
+        taken = book.take(LANE, None)
+        assert taken is not None
+        book.give_back(taken)
+        jobs.placed_elsewhere(running, node, admitted, "chat/completions")
+        jobs.renewals.absorbed(running, lease)
+        assert jobs.holds(running) and book.take(LANE, None) is None  # the job runs on it
 
     asyncio.run(main())
 
@@ -967,24 +920,3 @@ def test_a_request_leaving_the_line_for_a_leased_slot_is_never_counted_twice() -
 
     during, after = asyncio.run(main())
     assert during["need"] == 1 and after["need"] == 1, (during, after)
-
-
-def test_a_renewal_reports_the_slots_adopted_and_the_jobs_sql_placed_that_ended_here() -> None:
-    """SQL counts in use every running job a renewal moved into a lease (its answer may have been
-    lost): the renewal says which slots in use were adopted so (not counted twice) and which jobs SQL
-    placed ended here, their ends on their way (their slots idle)."""
-    clock = Clock()
-    book = LeaseBook(clock)
-    a = uuid4()
-    other = Lane("other", "balanced")
-    book.renewed([row(a, 2, 1)], clock(), 5.0)
-    taken = book.take(LANE, None)
-    assert taken is not None
-    book.adopt(taken.lease)
-    ended = uuid4()
-    book.sql_job_ended(ended, other, a)
-    report = {lane["model"]: lane for lane in book.lanes()}
-    assert (report["m"]["in_use"], report["m"]["adopted"]) == ({str(a): 2}, {str(a): 1})
-    assert report["other"]["ended"] == [str(ended)] and "adopted" not in report["other"]
-    book.sql_job_written(ended)
-    assert [lane["model"] for lane in book.lanes()] == ["m"]

@@ -562,13 +562,13 @@ def test_a_new_model_takes_the_slot_a_renewal_on_its_way_moved_into_a_lease_for_
         renewing = app.state.services.pipeline.placement.leased.renewals
         held, let_go = threading.Event(), threading.Event()
 
-        class AnswerHeld:  # the renewal that moves the placed job runs in SQL; its answer is on its way
+        class AnswerHeld:  # the renewal that names a placed job runs in SQL; its answer is on its way
             def __getattr__(self, name: str) -> Any:
                 return getattr(store, name)
 
             async def all(self, query: Any, params: Any = None) -> Any:
                 rows = await store.all(query, params)
-                if query is q.RENEW_LEASES and not held.is_set() and any(row.absorbed for row in rows):
+                if query is q.RENEW_LEASES and not held.is_set() and '"placed"' in params[1]:
                     held.set()
                     await asyncio.to_thread(let_go.wait, 30)
                 return rows
@@ -606,8 +606,8 @@ def test_a_job_moved_into_a_lease_by_a_renewal_whose_answer_was_lost_is_known_at
     """A renewal that moves a job SQL placed into the lease commits, and its answer is lost (the
     connection breaks as it comes back): the next renewal's lease counts the job's slot, which the
     gateway did not know in use. It sent a second request to that slot while the job still ran,
-    the node past its one slot. Now SQL counts in use every running job it moved into a lease that
-    the gateway does not say it adopted (or ended), and names them all at every renewal."""
+    the node past its one slot. Now each renewal names the jobs SQL placed that the gateway still
+    thinks SQL's, and hears which of them a lease holds."""
     fake_nodes("one-slot", max_concurrency=1, latency_s=1.0)
     send = renewals.Renewals._send
     lost: list[bool] = []

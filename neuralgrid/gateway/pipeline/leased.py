@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,6 +32,9 @@ from neuralgrid.gateway.tunnel import MISDIRECTED
 
 DRAIN_S = 5.0  # on shutdown, how long the journal may take to write what it holds
 ENDED_KEPT = 4096  # jobs SQL placed that ended here, remembered for a renewal's answer still to come
+# The most jobs SQL placed a renewal names for a lane (renew_leases() takes 10,000 at most): the
+# oldest first; with more running at once, the rest are named as the first ones end.
+PLACED_NAMED = 1000
 
 
 @dataclass
@@ -48,7 +52,6 @@ class Elsewhere:
     """A job of this gateway that SQL placed (no leased slot was free), while it runs."""
 
     lane: Lane
-    node_id: UUID
     route: str | None
     max_rate: float | None
     moved: bool = False  # SQL moved it on (failover, a stream's hand-over): SQL's to its end
@@ -93,17 +96,13 @@ class LeasedJobs:
         self._slots: dict[UUID, Slot] = {}
         self._elsewhere: dict[UUID, Elsewhere] = {}  # this gateway's jobs SQL placed, in flight: demand too
         self._placed: dict[UUID, JobRecord] = {}  # the same jobs' records, their ends written behind
-        # Slots a renewal moved into a lease for a job not known here yet (its placement's answer
-        # still on its way): in use until it is, or until a renewal no longer names the job (it
-        # ended in SQL: its request went away before the placement's answer was read).
-        self._early: dict[UUID, Taken] = {}
         # Jobs SQL placed that ended here lately, oldest first: a renewal that moved the slot of
         # one of them (its end not yet written when it ran) left the lease an idle slot.
         self._ended: dict[UUID, None] = {}
         journal.on_commit.append(self._written)
         journal.on_refused.append(self._refused)
         self.renewals.absorbed = self._absorbed
-        self.renewals.absorbed_all = self._absorbed_all
+        self.renewals.placed = self._sql_placed
         self.renewals.renewed = freed  # requests waiting in line look at the renewed leases
 
     async def renew(self) -> None:
@@ -199,13 +198,10 @@ class LeasedJobs:
         as a leased job's is (end())."""
         lane = self.lane(admitted)
         self._placed[job_id] = _record(job_id, admitted, node_id, Decimal(0))  # its hold: SQL's
-        early = self._early.pop(job_id, None)
-        if early is not None:  # a renewal moved its slot into the lease first: leased from the start
-            self._slots[job_id] = Slot(early, route, [node_id], admitted.call.max_hourly_rate)
-            return
         if lane is not None and job_id not in self._elsewhere:
-            self._elsewhere[job_id] = Elsewhere(lane, node_id, route, admitted.call.max_hourly_rate)
+            self._elsewhere[job_id] = Elsewhere(lane, route, admitted.call.max_hourly_rate)
             self.book.unleased(lane, 1)
+            self.book.sql_job(job_id, lane, node_id)
         if lane is not None and (not self.book.leases(lane) or self.book.outgrown(lane)):
             # Cold, given nothing by the last renewal, or a burst past its lease: a renewal asks for
             # the lane now, its demand counting this job, which it moves into the lease it gets
@@ -249,9 +245,10 @@ class LeasedJobs:
         moves no such job into a lease). A renewal that moved its slot into the lease while SQL moved
         it on is undone here: the slot is free again (the attempt on it has ended)."""
         placed = self._elsewhere.get(job_id)
+        self.book.sql_job_gone(job_id)  # SQL's to its end: no renewal moves it now
         slot = self.release(job_id)
         if slot is not None:  # absorbed meanwhile: a request SQL placed again
-            placed = Elsewhere(slot.taken.lease.lane, slot.taken.node_id, slot.route, slot.max_rate)
+            placed = Elsewhere(slot.taken.lease.lane, slot.route, slot.max_rate)
             self.book.unleased(placed.lane, 1)
         if placed is not None:
             self._elsewhere[job_id] = dataclasses.replace(placed, moved=True)
@@ -264,6 +261,7 @@ class LeasedJobs:
         placed = self._elsewhere.pop(job_id, None)
         if placed is not None:
             self.book.unleased(placed.lane, -1)
+            self.book.sql_job_ended(job_id)
         if record is not None or placed is not None:
             self._ended[job_id] = None
             if len(self._ended) > ENDED_KEPT:
@@ -273,33 +271,31 @@ class LeasedJobs:
         """A renewal moved the slot of a job SQL placed into `lease`: the job is served from the
         lease now (its end gives the slot back here; SQL's end of it frees none). A job that ended
         before the renewal came back left the lease an idle slot, which the next renewal reports.
-        Every answer names every such job still running: one adopted here already is left as it is."""
-        if job_id in self._ended or job_id in self._slots or job_id in self._early:
+        SQL moves only the jobs a renewal names (_sql_placed()): each was known here when it was sent."""
+        if job_id in self._ended:
             return
         placed = self._elsewhere.get(job_id)
-        if placed is None and job_id not in self._placed:  # not known here yet: its answer is coming
-            self._early[job_id] = self.book.adopt(lease)
-            return
         if placed is None or placed.moved:  # SQL moved it on meanwhile: that slot is idle
             return
         del self._elsewhere[job_id]
         self.book.unleased(placed.lane, -1)
+        self.book.sql_job_gone(job_id)
         taken = self.book.adopt(lease)
         self._slots[job_id] = Slot(taken, placed.route, [lease.node_id], placed.max_rate)
 
-    def _absorbed_all(self, jobs: set[UUID]) -> None:
-        """A renewal's answer named these jobs SQL placed as held by a lease: a slot held for one not
-        known here that it no longer names is idle (the job ended in SQL: its request went away
-        before its placement's answer was read)."""
-        for job_id in [job_id for job_id in self._early if job_id not in jobs]:
-            self.book.give_back(self._early.pop(job_id))
-            self.freed()
+    def _sql_placed(self) -> dict[Lane, list[UUID]]:
+        """The running jobs SQL placed and still SQL's here, by lane: each renewal names them, and
+        hears which of them a lease holds (_absorbed), told again where the answer of the renewal
+        that moved one was lost (the job's slot in a lease this gateway thought idle)."""
+        placed: dict[Lane, list[UUID]] = defaultdict(list)
+        for job_id, where in self._elsewhere.items():
+            if not where.moved and len(placed[where.lane]) < PLACED_NAMED:
+                placed[where.lane].append(job_id)
+        return {lane: named for lane, named in placed.items() if named}
 
     def _written(self, record: JobRecord, first: bool) -> None:
         if first and record.key is not None and record.hold_usd:
             self.escrows.written(record.key, record.hold_usd)
-        if record.end is not None:
-            self.book.sql_job_written(record.id)
 
     def _refused(self, record: JobRecord) -> None:
         """SQL refused the job's record before its start was written: its hold never left the escrow."""
@@ -354,14 +350,8 @@ class LeasedJobs:
         written), whether a lease or SQL placed it (record_jobs() ends one SQL placed as
         complete_jobs() does: SQL's slot is free once written). None for a leased job SQL took over
         (a failure moved it on): complete_jobs() ends it, its leased slot free now too."""
-        slot = self.release(end.job_id)
-        elsewhere = self._elsewhere.get(end.job_id)
+        self.release(end.job_id)
         placed = self._placed.pop(end.job_id, None)
-        if placed is not None:  # SQL placed it: a renewal may have moved its slot, unknown here yet
-            if slot is not None and slot.taken.moved:
-                self.book.sql_job_ended(end.job_id, slot.taken.lease.lane, slot.taken.node_id)
-            elif elsewhere is not None and not elsewhere.moved:
-                self.book.sql_job_ended(end.job_id, elsewhere.lane, elsewhere.node_id)
         self.ended_elsewhere(end.job_id)
         if self.journal.leased(end.job_id):
             return self.journal.end(end.job_id, end)
