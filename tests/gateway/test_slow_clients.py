@@ -228,10 +228,15 @@ def test_a_client_that_stops_reading_cannot_have_a_stream_outlast_the_deadline_u
         started = time.monotonic()
         sock.sendall(head + body)
         status, tokens, cost, why = job_after_the_sweep(conn, started)  # reading nothing meanwhile
+        # What the gateway sent, read with room, for 60 s at most: the test took 492 s in a CI run
+        # on a slow hour, and this read, through the 2 KiB buffer its first part needs, was its one
+        # step with no bound (2.2 MB in 0.7 s here).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
         received = b""
         sock.settimeout(5)
+        until = time.monotonic() + 60
         with contextlib.suppress(OSError):
-            while chunk := sock.recv(1 << 16):
+            while (chunk := sock.recv(1 << 16)) and time.monotonic() < until:
                 received += chunk
     assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
     assert (status, why) == ("cancelled", "the client did not read the stream before the job deadline")
