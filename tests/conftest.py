@@ -516,6 +516,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_started] = time.monotonic()
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's time (setup, call, teardown: a module's shared fixtures count where they start),
+    added to its folder's: where the suite's time goes, printed at the end of every run."""
+    folder = "/".join(report.nodeid.split("/")[:2])
+    _folder_seconds[folder] = _folder_seconds.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _folder_seconds:
+        ranked = sorted(_folder_seconds.items(), key=lambda item: -item[1])
+        terminalreporter.write_line(
+            "time by folder: " + ", ".join(f"{folder} {seconds:.0f} s" for folder, seconds in ranked)
+        )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus == 0 and _agent_logs:  # kept where something failed, to read
         shutil.rmtree(_agent_logs[0], ignore_errors=True)
@@ -530,6 +545,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 _started = pytest.StashKey[float]()
+_folder_seconds: dict[str, float] = {}
 _agent_logs: list[Path] = []  # this session's folder of agent logs, once made
 
 
