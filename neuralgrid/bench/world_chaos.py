@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -66,17 +67,27 @@ TARGET = (
     " rest; demand shares across gateways within 10% of fair"
 )
 SAMPLE_S = 0.05  # how often nodes.inflight is read
-WINDOW = (0.1, 0.35)  # the share of the load's time whose jobs the fairness check counts
 # A scarce lane's left-over slots rotate among its gateways once every SWEEP_S (private.lane_turn()):
-# shares are exact over whole sweeps, so the window holds two and a half of them at the default
-# length. At 40 s it held one, some 90 answers of the smallest gateway, and its worst share moved
-# from 6% to 22% off between runs (five runs of 2026-12-05 all missed the 10%; three of 100 s after
-# them, of the same code, passed at 4.6, 8.0 and 8.8%).
+# shares are exact over whole sweeps only, so the fairness check counts the most whole sweeps that
+# fit between the load's first WARM_S (leases forming) and the kill. Its window was 10 s (one sweep:
+# 6% to 22% off between runs of the same code, 2026-12-05), then 25 s (two and a half: the smallest
+# gateway judged by where the rotation stood for the half; 6.3%, 9.1% and 12.1% off in three runs
+# of 2026-12-07 whose 30 s of whole sweeps were 4.2%, 8.8% and 5.1% off).
 SWEEP_S = 10.0
+WARM_S = 5.0
 SECONDS = 100.0  # the load's length by default
 KILL_AT, RESTART_PG_AT = 0.35, 0.65  # when the gateway is killed and Postgres crash-restarted
 BUDGET_TOKENS = 200  # the small-budget callers' answers: a few hundredths of a cent each
 REFUSED_PAUSE_S = 0.05  # a caller refused (the budget spent, no slot) asks again after this
+
+
+def fairness_window(seconds: float) -> tuple[float, float]:
+    """Where the fairness check counts, in seconds into a load of `seconds`: whole sweeps of the
+    rotation, as many as fit between the warm-up and the kill (at the default length, 5 s to 35 s).
+    A load too short for one sweep (the suite's) counts from a tenth of it to the kill."""
+    end = KILL_AT * seconds
+    sweeps = math.floor((end - WARM_S) / SWEEP_S)
+    return (end - sweeps * SWEEP_S if sweeps >= 1 else 0.1 * seconds), end
 
 
 @dataclass
@@ -165,7 +176,8 @@ async def _load(
 ) -> None:
     """The callers for `seconds`; each event run (in a thread) at its time into the load."""
     started = time.perf_counter()
-    window = tally.window = (started + WINDOW[0] * seconds, started + WINDOW[1] * seconds)
+    first, last = fairness_window(seconds)
+    window = tally.window = (started + first, started + last)
     plain, small = body(MODEL, False), body(MODEL, False, max_tokens=BUDGET_TOKENS)
 
     async def caller(session: aiohttp.ClientSession, home: int, key: str, data: bytes, counted: bool) -> None:

@@ -11,6 +11,7 @@ import inspect
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from neuralgrid.cli import app
@@ -83,13 +84,16 @@ def test_bench_chaos_checks_what_faults_under_load_leave(tmp_path: Path) -> None
 
 
 def test_bench_chaos_counts_shares_over_whole_sweeps_of_the_rotation() -> None:
-    """lane_target() is exact over whole sweeps of its rotation: a window of one sweep judged the
-    shares by where the rotation stood (6% to 22% off between runs of the same code)."""
+    """lane_target() is exact over whole sweeps of its rotation only: a window of one sweep judged the
+    shares by where the rotation stood (6% to 22% off between runs of the same code), one of two and
+    a half partly so (6% to 12%, where whole sweeps of the same runs were 4% to 9%)."""
     from neuralgrid.bench import world_chaos
     from neuralgrid.cli.bench_world import bench_chaos
 
     seconds = inspect.signature(bench_chaos).parameters["seconds"].default
     assert seconds == world_chaos.SECONDS
-    window = (world_chaos.WINDOW[1] - world_chaos.WINDOW[0]) * seconds
-    assert window >= 2 * world_chaos.SWEEP_S
-    assert world_chaos.WINDOW[1] <= world_chaos.KILL_AT  # before the faults
+    first, last = world_chaos.fairness_window(seconds)
+    sweeps = (last - first) / world_chaos.SWEEP_S
+    assert sweeps >= 2 and sweeps == int(sweeps), (first, last)
+    assert first >= world_chaos.WARM_S and last <= world_chaos.KILL_AT * seconds  # before the faults
+    assert world_chaos.fairness_window(6) == pytest.approx((0.6, 2.1))  # too short for a sweep
