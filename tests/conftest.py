@@ -517,9 +517,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Each test's time (setup, call, teardown: a module's shared fixtures count where they start),
-    added to its folder's: where the suite's time goes, printed at the end of every run."""
-    folder = "/".join(report.nodeid.split("/")[:2])
+    """Each test's time (setup, call, teardown: shared fixtures, a module's or the session's, count
+    where they start), added to its top folder's: where the suite's time goes, printed at the end."""
+    parts = report.nodeid.split("::")[0].split("/")
+    folder = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
     _folder_seconds[folder] = _folder_seconds.get(folder, 0.0) + report.duration
 
 

@@ -84,7 +84,7 @@ REFUSED_PAUSE_S = 0.05  # a caller refused (the budget spent, no slot) asks agai
 def fairness_window(seconds: float) -> tuple[float, float]:
     """Where the fairness check counts, in seconds into a load of `seconds`: whole sweeps of the
     rotation, as many as fit between the warm-up and the kill (at the default length, 5 s to 35 s).
-    A load too short for one sweep (the suite's) counts from a tenth of it to the kill."""
+    Where not one fits (a load under some 43 s, as the suite's), from a tenth of it to the kill."""
     end = KILL_AT * seconds
     sweeps = math.floor((end - WARM_S) / SWEEP_S)
     return (end - sweeps * SWEEP_S if sweeps >= 1 else 0.1 * seconds), end

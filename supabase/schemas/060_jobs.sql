@@ -512,6 +512,7 @@ declare
   v_tried uuid[];
   v_next integer;
   v_node public.nodes;
+  v_held uuid;
   v_lock_timeout text := current_setting('lock_timeout');
 begin
   -- The running attempt, then its node, then the next node: the order failover_job() has always
@@ -526,16 +527,28 @@ begin
   select array_agg(a.node_id), max(a.attempt) + 1 into v_tried, v_next
   from public.job_attempts a where a.job_id = p_job_id;
 
-  -- A free candidate another transaction holds (a heartbeat, a renewal) is waited for, briefly: this
-  -- transaction holds the running node's row, and another move could be waiting for it while
-  -- holding the row this one waits for. Past the wait the node is passed over.
-  perform set_config('lock_timeout', '250ms', true);
-  begin
-    select * into v_node from private.claim_node(p_candidates, v_tried, true);
-  exception when lock_not_available then
-    v_node := null;
-  end;
-  perform set_config('lock_timeout', v_lock_timeout, true);
+  select * into v_node from private.claim_node(p_candidates, v_tried, false);
+  if v_node.id is null then
+    -- Every free candidate is held by another transaction (a heartbeat, a renewal), or none is free:
+    -- the first free one is waited for once, briefly, since this transaction holds the running
+    -- node's row (above). Held past the wait, it is passed over.
+    select c.id into v_held
+    from unnest(p_candidates) with ordinality as r (id, ord)
+    join public.nodes c on c.id = r.id
+    where c.status = 'online' and c.inflight < c.max_concurrency
+      and (c.cooldown_until is null or c.cooldown_until <= now()) and c.id <> all (v_tried)
+    order by r.ord limit 1;
+    if v_held is not null then
+      perform set_config('lock_timeout', '250ms', true);
+      begin
+        perform from public.nodes n where n.id = v_held for update;
+      exception when lock_not_available then
+        null;
+      end;
+      perform set_config('lock_timeout', v_lock_timeout, true);
+      select * into v_node from private.claim_node(p_candidates, v_tried, false);
+    end if;
+  end if;
   if v_node.id is null and not p_fail_if_none then
     return;  -- nowhere to go, and told to change nothing
   end if;
@@ -554,7 +567,7 @@ begin
 end;
 $$;
 
-COMMENT ON FUNCTION private.move_job(p_job_id uuid, p_error text, p_http_status integer, p_candidates uuid[], p_fail_if_none boolean) IS 'Moves a running job to the first free candidate not yet tried (waiting up to 250 ms for one another transaction holds): its running attempt fails (its node cools down) and a new attempt starts there; with p_http_status 421 (no gateway could reach the node''s tunnel) the attempt ends cancelled instead, neutral for the node. When no candidate is free: with p_fail_if_none, the attempt ends and the job fails with the hold released; without, nothing changes. No row means the job did not move.';
+COMMENT ON FUNCTION private.move_job(p_job_id uuid, p_error text, p_http_status integer, p_candidates uuid[], p_fail_if_none boolean) IS 'Moves a running job to the first free candidate not yet tried (when another transaction holds every free one, waiting once, up to 250 ms, for the first): its running attempt fails (its node cools down) and a new attempt starts there; with p_http_status 421 (no gateway could reach the node''s tunnel) the attempt ends cancelled instead, neutral for the node. When no candidate is free: with p_fail_if_none, the attempt ends and the job fails with the hold released; without, nothing changes. No row means the job did not move.';
 
 REVOKE ALL ON FUNCTION private.move_job(p_job_id uuid, p_error text, p_http_status integer, p_candidates uuid[], p_fail_if_none boolean) FROM PUBLIC;
 GRANT ALL ON FUNCTION private.move_job(p_job_id uuid, p_error text, p_http_status integer, p_candidates uuid[], p_fail_if_none boolean) TO service_role;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -179,14 +180,19 @@ def test_failover_with_no_candidate_left_fails_the_job(conn: psycopg.Connection)
 def test_a_failover_waits_a_moment_for_a_free_node_a_heartbeat_holds(db_url: str) -> None:
     """The only other free node is held for a moment by another transaction (a heartbeat, a lease
     renewal): the failover waits for it rather than failing the job. A clean clone's CI run failed
-    a request this way (HTTP 502 with a free node online)."""
+    a request this way (a 502 with a free node online)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         first = make_node(conn, "first", hourly_rate=0.1)
         second = make_node(conn, "second", hourly_rate=2.0)
         match = match_job(conn, REQUEST)
         assert match.node_id == first and match.fallback_ids == [second]
-    with psycopg.connect(db_url) as beat, ThreadPoolExecutor(1) as pool:
+    with (
+        psycopg.connect(db_url) as beat,
+        psycopg.connect(db_url, autocommit=True) as watch,
+        ThreadPoolExecutor(1) as pool,
+    ):
         beat.execute("select from nodes where id = %s for update", (second,))
+        holder = beat.info.backend_pid
 
         def failover() -> uuid.UUID | None:
             with psycopg.connect(db_url, autocommit=True) as gateway:
@@ -194,22 +200,22 @@ def test_a_failover_waits_a_moment_for_a_free_node_a_heartbeat_holds(db_url: str
                 return None if moved is None else moved.node_id
 
         moving = pool.submit(failover)
-        with psycopg.connect(db_url, autocommit=True) as watch:
-            wait_for(
-                lambda: (
-                    moving.done()
-                    or watch.execute(
-                        "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%failover_job%'"
-                    ).fetchone()
-                )
-            )
+        # The beat ends as soon as the failover is seen waiting for it (its wait is 250 ms).
+        deadline = time.monotonic() + 10
+        while not moving.done() and time.monotonic() < deadline:
+            blocked = "select 1 from pg_stat_activity where %s = any (pg_blocking_pids(pid))"
+            if watch.execute(blocked, (holder,)).fetchone():
+                break
+        seen_waiting = not moving.done()
         beat.commit()
+        assert seen_waiting, f"the failover did not wait for the held node: {moving.result()}"
         assert moving.result(timeout=10) == second
 
 
 def test_a_failover_gives_up_on_a_node_held_past_its_wait(db_url: str) -> None:
-    """Held past the failover's short wait (which bounds what a cycle of waiting moves could
-    deadlock on), the node is passed over: the job fails, cleanly, and nothing waits on after it."""
+    """Held past the failover's short wait (which ends any cycle of waits through the running node's
+    row well before deadlock_timeout), the node is passed over: the job fails, cleanly, soon, and
+    nothing after the wait is held to it."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         first = make_node(conn, "first", hourly_rate=0.1)
         second = make_node(conn, "second", hourly_rate=2.0)
@@ -218,8 +224,10 @@ def test_a_failover_gives_up_on_a_node_held_past_its_wait(db_url: str) -> None:
         with psycopg.connect(db_url) as holder, conn.transaction():
             holder.execute("select from nodes where id = %s for update", (second,))
             conn.execute("set local lock_timeout = '7s'")
+            started = time.monotonic()
             assert failover_job(conn, match.job_id, "HTTP 500", http_status=500, candidates=[second]) is None
-            # The short wait was the claim's alone: what comes after it waits as the caller said.
+            assert time.monotonic() - started < 3  # its own wait, not the caller's 7 s
+            # The short wait was that lock's alone: what comes after it waits as the caller said.
             assert conn.execute("show lock_timeout").fetchone() == ("7s",)
         assert conn.execute("select status from jobs where id = %s", (match.job_id,)).fetchone() == (
             "failed",
