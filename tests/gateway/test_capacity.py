@@ -288,16 +288,28 @@ def test_callers_up_to_the_slots_are_never_refused(
     assert refused == []
 
 
+@pytest.mark.parametrize("leases", [True, False], ids=["leases", "leases-off"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_eight_times_the_slots_wait_and_are_all_served(
-    fake_nodes: Any, gateway: str, api_key: str, stream: bool
+    fake_nodes: Any,
+    gateway_settings: dict[str, Any],
+    request: pytest.FixtureRequest,
+    api_key: str,
+    stream: bool,
+    leases: bool,
 ) -> None:
+    """Leases off, a waiting request's turns once never asked SQL (1e7c71b to 2026-12-07): each
+    waited for its deadline, 30 s, and most were refused then."""
+    gateway_settings["NEURALGRID_LEASES"] = leases
+    gateway: str = request.getfixturevalue("gateway")
     fake_nodes(max_concurrency=2, latency_s=0.05)
     responses = asyncio.run(_load(gateway, api_key, 16, 3, stream))
     assert [r.status_code for r in responses] == [200] * 48
     waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in responses]
     assert max(waited) > 50  # most waited for a slot: at least one answer's time
     assert min(waited) >= 0
+    # 48 answers of 50 ms on 2 slots take 1.2 s: none waits for a poll (1 s), let alone a deadline.
+    assert max(waited) < 5000
 
 
 @pytest.fixture

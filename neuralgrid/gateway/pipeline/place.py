@@ -198,8 +198,11 @@ class Placement:
 
         async def ask() -> q.Match | Dispatched | None:
             nonlocal lending
+            if self.leased is None:  # leases off: every turn asks SQL
+                match = await self._match(params)
+                return None if match.busy else match
             dispatched = await self._lease(admitted, route, queued=in_line)
-            if dispatched is not None or await self._at_share(admitted) or self.leased is None:
+            if dispatched is not None or await self._at_share(admitted):
                 return dispatched
             if self.leased.holds_nothing(admitted):
                 match = await self._match(params, self.leased.book.lend())
