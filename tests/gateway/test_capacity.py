@@ -22,6 +22,15 @@ T = TypeVar("T")
 BODY = {"model": LLAMA8, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
+@pytest.fixture(params=[True, False], ids=["leases", "leases-off"])
+def either_gateway(request: pytest.FixtureRequest, gateway_settings: dict[str, Any]) -> str:
+    """The gateway with leases on, then off (NEURALGRID_LEASES=false places every request in SQL):
+    leases off, a waiting request's turns once asked nothing (1e7c71b to dc4a560), every one of them
+    waiting for its deadline, and no test ran that way."""
+    gateway_settings["NEURALGRID_LEASES"] = request.param
+    return str(request.getfixturevalue("gateway"))
+
+
 def _inflight(conn: psycopg.Connection) -> int:
     row = conn.execute(f"select coalesce(sum({JOB_SLOTS}), 0)::int from nodes n").fetchone()
     assert row is not None
@@ -288,22 +297,12 @@ def test_callers_up_to_the_slots_are_never_refused(
     assert refused == []
 
 
-@pytest.mark.parametrize("leases", [True, False], ids=["leases", "leases-off"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_eight_times_the_slots_wait_and_are_all_served(
-    fake_nodes: Any,
-    gateway_settings: dict[str, Any],
-    request: pytest.FixtureRequest,
-    api_key: str,
-    stream: bool,
-    leases: bool,
+    fake_nodes: Any, either_gateway: str, api_key: str, stream: bool
 ) -> None:
-    """Leases off, a waiting request's turns once never asked SQL (1e7c71b to 2026-12-07): each
-    waited for its deadline, 30 s, and most were refused then."""
-    gateway_settings["NEURALGRID_LEASES"] = leases
-    gateway: str = request.getfixturevalue("gateway")
     fake_nodes(max_concurrency=2, latency_s=0.05)
-    responses = asyncio.run(_load(gateway, api_key, 16, 3, stream))
+    responses = asyncio.run(_load(either_gateway, api_key, 16, 3, stream))
     assert [r.status_code for r in responses] == [200] * 48
     waited = [float(r.headers["x-neuralgrid-queue-ms"]) for r in responses]
     assert max(waited) > 50  # most waited for a slot: at least one answer's time
@@ -365,7 +364,7 @@ def test_no_node_online_is_503_at_once_and_says_so(
 
 
 def test_waiting_is_fair_across_keys(
-    conn: psycopg.Connection, fake_nodes: Any, gateway: str, api_key: str
+    conn: psycopg.Connection, fake_nodes: Any, either_gateway: str, api_key: str
 ) -> None:
     """A key that floods the queue does not push another key's request behind all of its own."""
     fake_nodes(max_concurrency=1, latency_s=0.1)
@@ -374,7 +373,7 @@ def test_waiting_is_fair_across_keys(
     other = str(row[0])
 
     async def run() -> tuple[list[float], float]:
-        async with httpx.AsyncClient(base_url=gateway, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=either_gateway, timeout=60) as http:
 
             async def one(key: str) -> float:
                 resp = await http.post(
@@ -393,11 +392,11 @@ def test_waiting_is_fair_across_keys(
     assert sum(done < patient_done for done in flood_done) <= 3
 
 
-def test_a_waiting_stream_is_served(fake_nodes: Any, gateway: str, api_key: str) -> None:
+def test_a_waiting_stream_is_served(fake_nodes: Any, either_gateway: str, api_key: str) -> None:
     fake_nodes(max_concurrency=1, latency_s=0.3)
 
     def read(_: int) -> str:
-        with stream_chat(gateway, api_key, {**BODY, "stream": True}) as resp:
+        with stream_chat(either_gateway, api_key, {**BODY, "stream": True}) as resp:
             assert resp.status_code == 200, resp.read()
             return str(resp.read().decode())
 
