@@ -46,22 +46,22 @@ RETRY_S = (0.05, 0.2, 1.0, 2.0)  # pauses between tries while the database is un
 # GATHER_S after the record that woke it (the answer that queued it goes out first). A start waits
 # START_AFTER_S, so that a job that ends sooner is written once, ended (record_jobs() then inserts
 # its job and attempt ended rather than inserting them running and updating both): the ledger shows
-# a running leased job that much later (the sweep has the spool; failover and hand-over write
-# with no wait to gather). Side by side (bench gateway, 16 callers, 2026-12-04, alternating runs):
-# with no wait and the new SQL, Postgres CPU a leased request 0.34 to 0.39 ms plain, 0.42 to 0.48
-# streaming; with the wait, 0.28 to 0.35 and 0.36 to 0.39; before both, 0.41 to 0.46 and 0.42 to
-# 0.49 (a wait alone had changed nothing: a leased job cost the rows it wrote). A job longer than
-# the wait is written twice, as before. A write begins WRITE_EVERY_S after the one before at the
-# soonest: a call costs Postgres about 1.4 ms whatever it holds and a job 0.12 ms more (2026-12-06),
-# and the journal wrote each batch as soon as the one before was in, so one caller's jobs, ending a
-# millisecond or so apart, went a job or two a call. bench gateway, one caller, Postgres CPU a
-# request: 0.60 to 0.71 ms before, 0.36 to 0.37 at 10 ms, 0.28 to 0.42 at 20 ms; at 20 ms the added
-# p99 rose by a millisecond (a bigger write holds one of this machine's two cores longer), at 10 ms
-# it did not. That cadence is kept for writes an end of a job SQL placed is in (its slot in SQL is
-# free once written: a request may be waiting for it). Writes of leased jobs alone free nothing and
-# no answer waits for them, so they begin LEASED_EVERY_S apart: bench capacity, one gateway, 64
-# callers on 8 slots (2026-12-07), record_jobs() went from 973 calls of 4 jobs to 277 of 14, and
-# Postgres CPU a request from 0.83-1.05 ms to 0.44-0.61 (alternating runs).
+# a running leased job that much later, and up to LEASED_EVERY_S more (the sweep has the spool;
+# failover and hand-over write with no wait to gather). Side by side (bench gateway, 16 callers,
+# 2026-12-04, alternating runs): with no wait and the new SQL, Postgres CPU a leased request 0.34 to
+# 0.39 ms plain, 0.42 to 0.48 streaming; with the wait, 0.28 to 0.35 and 0.36 to 0.39; before both,
+# 0.41 to 0.46 and 0.42 to 0.49 (a wait alone had changed nothing: a leased job cost the rows it
+# wrote). A job longer than the wait is written twice, as before. A write begins WRITE_EVERY_S after
+# the one before at the soonest: a call costs Postgres about 1.4 ms whatever it holds and a job 0.12
+# ms more (2026-12-06), and the journal wrote each batch as soon as the one before was in, so one
+# caller's jobs, ending a millisecond or so apart, went a job or two a call. bench gateway, one
+# caller, Postgres CPU a request: 0.60 to 0.71 ms before, 0.36 to 0.37 at 10 ms, 0.28 to 0.42 at 20
+# ms; at 20 ms the added p99 rose by a millisecond (a bigger write holds one of this machine's two
+# cores longer), at 10 ms it did not. That cadence is kept for writes an end of a job SQL placed is
+# in (its slot in SQL is free once written: a request may be waiting for it). Writes of leased jobs
+# alone free nothing and no answer waits for them, so they begin LEASED_EVERY_S apart: bench
+# capacity, one gateway, 64 callers on 8 slots (2026-12-07), record_jobs() went from 973 calls of 4
+# jobs to 277 of 14, and Postgres CPU a request from 0.83-1.05 ms to 0.44-0.61 (alternating runs).
 GATHER_S = 0.002
 WRITE_EVERY_S = 0.01
 LEASED_EVERY_S = 0.05
@@ -302,7 +302,7 @@ class Journal:
         if self.spool is not None:
             self.spool.append(record)
         self._wake.set()
-        if record.frees_slot or record.now:
+        if record.frees_slot:
             self._sooner.set()
 
     async def written(self, job_id: UUID) -> None:
@@ -347,13 +347,15 @@ class Journal:
     async def _gather(self, began: float, stop: asyncio.Event) -> None:
         """Let what comes meanwhile join the batch: until GATHER_S from now, and WRITE_EVERY_S after
         the last write `began` if an end that frees a slot in SQL is queued, else LEASED_EVERY_S;
-        no wait for a record SQL is about to act on, nor once `stop` is set."""
+        no wait for a record SQL is about to act on, for a full batch (a backlog, after an outage,
+        drains at a batch a write), nor once `stop` is set."""
         loop = asyncio.get_running_loop()
         soonest = loop.time() + GATHER_S
         while not stop.is_set():
             self._sooner.clear()
-            queued = [r for r in self._records.values() if r.dirty]
-            if any(r.now for r in queued):
+            now = time.monotonic()
+            queued = [r for r in self._records.values() if self._ready(r, False, now)]
+            if len(queued) >= BATCH or any(r.now for r in queued):
                 return
             every = WRITE_EVERY_S if any(r.frees_slot for r in queued) else LEASED_EVERY_S
             left = max(soonest, began + every) - loop.time()

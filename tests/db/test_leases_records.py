@@ -596,20 +596,33 @@ def test_a_hand_over_waiting_on_a_record_sql_refuses_goes_on(conn: psycopg.Conne
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("placed_in_sql", [False, True], ids=["leased", "placed-in-sql"])
 def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
-    conn: psycopg.Connection, db_url: str
+    conn: psycopg.Connection, db_url: str, placed_in_sql: bool
 ) -> None:
     """A call to record_jobs() costs Postgres about 1.4 ms whatever it holds, and a job 0.12 ms more.
     One caller's jobs end about a millisecond apart: the journal wrote each batch as soon as the one
     before was in, so each call held a job or two (bench gateway, one caller: Postgres 0.7 ms a
-    request). A write of leased jobs now begins LEASED_EVERY_S after the last at the soonest (at
-    WRITE_EVERY_S, 10 ms, bench capacity's one gateway wrote 973 calls of 4 jobs: Postgres 1.1 ms a
-    request)."""
+    request). A write now begins WRITE_EVERY_S after the last at the soonest when it holds the end
+    of a job SQL placed (its slot in SQL is free once written), and LEASED_EVERY_S after for leased
+    jobs alone (at WRITE_EVERY_S, 10 ms, bench capacity's one gateway wrote 973 calls of 4 jobs:
+    Postgres 1.1 ms a request)."""
     from neuralgrid.db.store import Store
-    from neuralgrid.gateway.journal import LEASED_EVERY_S, JobRecord, Journal
+    from neuralgrid.gateway.journal import LEASED_EVERY_S, WRITE_EVERY_S, JobRecord, Journal
 
-    node = make_node(conn, max_concurrency=4)
+    count = 200
+    node = make_node(conn, max_concurrency=count)
     calls: list[int] = []  # each record_jobs() call: how many records it held
+    placed: list[uuid.UUID] = []
+    if placed_in_sql:
+        key = make_key(conn)
+        params = q.match_params(
+            q.MatchRequest(model=LLAMA8), key, False, 0, prompt_bytes=4, max_out=4, wait=False
+        )
+        for _ in range(count):
+            placed.append(
+                SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(GATEWAY), "end_user": None}).job_id
+            )
 
     class Counted(Store):
         async def all(self, query: Any, params: Any = None) -> Any:
@@ -623,13 +636,16 @@ def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
             stop = asyncio.Event()
             writer = asyncio.create_task(journal.run(stop))
             began = time.monotonic()
-            for _ in range(200):
-                job = uuid.uuid4()
+            for i in range(count):
+                job = placed[i] if placed_in_sql else uuid.uuid4()
                 at = datetime.now(UTC)
-                journal.start(
-                    JobRecord(job, None, LLAMA8, "balanced", None, False, node, at, Decimal(0), None)
-                )
-                journal.end(job, q.JobEnd(job, "succeeded", 1, 1))
+                record = JobRecord(job, None, LLAMA8, "balanced", None, False, node, at, Decimal(0), None)
+                if placed_in_sql:
+                    record.end = q.JobEnd(job, "succeeded", 1, 1)
+                    journal.ended(record)
+                else:
+                    journal.start(record)
+                    journal.end(job, q.JobEnd(job, "succeeded", 1, 1))
                 await asyncio.sleep(0.001)
             took = time.monotonic() - began
             deadline = time.monotonic() + 10
@@ -640,8 +656,10 @@ def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
             return took
 
     took = asyncio.run(main())
-    assert sum(calls) == 200 and one(conn, "select count(*) from jobs where status = 'succeeded'") == 200
-    assert len(calls) <= took / LEASED_EVERY_S + 3, f"{len(calls)} calls in {took:.2f} s: {calls}"
+    assert sum(calls) == count
+    assert one(conn, "select count(*) from jobs where status = 'succeeded'") == count
+    every = WRITE_EVERY_S if placed_in_sql else LEASED_EVERY_S
+    assert len(calls) <= took / every + 3, f"{len(calls)} calls in {took:.2f} s: {calls}"
 
 
 def test_the_end_of_a_job_sql_placed_is_written_without_waiting_for_the_leased_cadence(
@@ -696,3 +714,43 @@ def test_the_end_of_a_job_sql_placed_is_written_without_waiting_for_the_leased_c
     assert one(conn, f"select {JOB_SLOTS} from nodes n where n.id = %s", node) == 0
     assert both < 1.0  # the leased end queued before it went in the same write
     assert stopped < 1.0  # a stop does not wait out the cadence
+
+
+def test_a_backlog_is_written_a_full_batch_at_a_time_without_the_cadences_wait(
+    conn: psycopg.Connection, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: after a database outage the records queued meanwhile went a batch (500) a
+    write, each write waiting out the leased cadence: catching up was capped at 10,000 records a
+    second. A full batch is written at once."""
+    from neuralgrid.db.store import Store
+    from neuralgrid.gateway import journal as journal_module
+    from neuralgrid.gateway.journal import BATCH, JobRecord, Journal
+
+    monkeypatch.setattr(journal_module, "LEASED_EVERY_S", 2.0)  # three batches would wait 6 s
+    node = make_node(conn, max_concurrency=4)
+    count = 3 * BATCH
+
+    async def main() -> float:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            journal = Journal(Store(aconn), GATEWAY, None)
+            for _ in range(count):
+                job = uuid.uuid4()
+                at = datetime.now(UTC)
+                journal.start(
+                    JobRecord(job, None, LLAMA8, "balanced", None, False, node, at, Decimal(0), None)
+                )
+                journal.end(job, q.JobEnd(job, "succeeded", 1, 1))
+            stop = asyncio.Event()
+            began = time.monotonic()
+            writer = asyncio.create_task(journal.run(stop))
+            deadline = began + 20
+            while journal.pending() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            took = time.monotonic() - began
+            stop.set()
+            await asyncio.wait_for(writer, 5)
+            return took
+
+    took = asyncio.run(main())
+    assert one(conn, "select count(*) from jobs where status = 'succeeded'") == count
+    assert took < 4.0, f"{count} records took {took:.1f} s"
