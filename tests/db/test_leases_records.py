@@ -19,6 +19,7 @@ import pytest
 
 from neuralgrid.db import queries as q
 from neuralgrid.db.store import SyncStore
+from neuralgrid.gateway.journal import JobRecord
 from tests.conftest import LLAMA8, make_key, make_node, make_user
 from tests.slots import ENDED, JOB_SLOTS, record
 
@@ -42,6 +43,19 @@ def one(conn: psycopg.Connection, sql: str, *params: Any) -> Any:
     row = conn.execute(sql, params).fetchone()
     assert row is not None
     return row[0] if len(row) == 1 else tuple(row)
+
+
+def place_in_sql(conn: psycopg.Connection, key: uuid.UUID) -> q.Match:
+    """A request placed in SQL as GATEWAY places one (PLACE_JOB): its job holds a slot in SQL."""
+    params = q.match_params(
+        q.MatchRequest(model=LLAMA8), key, False, 0, prompt_bytes=4, max_out=4, wait=False
+    )
+    return SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(GATEWAY), "end_user": None})
+
+
+def job_record(job: uuid.UUID, node: uuid.UUID, key: uuid.UUID | None = None) -> JobRecord:
+    """The journal's record of a job dispatched now, holding nothing of a budget."""
+    return JobRecord(job, key, LLAMA8, "balanced", None, False, node, datetime.now(UTC), Decimal(0), None)
 
 
 def key_money(conn: psycopg.Connection, key: uuid.UUID) -> tuple[Any, Any]:
@@ -608,7 +622,7 @@ def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
     jobs alone (at WRITE_EVERY_S, 10 ms, bench capacity's one gateway wrote 973 calls of 4 jobs:
     Postgres 1.1 ms a request)."""
     from neuralgrid.db.store import Store
-    from neuralgrid.gateway.journal import LEASED_EVERY_S, WRITE_EVERY_S, JobRecord, Journal
+    from neuralgrid.gateway.journal import LEASED_EVERY_S, WRITE_EVERY_S, Journal
 
     count = 200
     node = make_node(conn, max_concurrency=count)
@@ -616,13 +630,7 @@ def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
     placed: list[uuid.UUID] = []
     if placed_in_sql:
         key = make_key(conn)
-        params = q.match_params(
-            q.MatchRequest(model=LLAMA8), key, False, 0, prompt_bytes=4, max_out=4, wait=False
-        )
-        for _ in range(count):
-            placed.append(
-                SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(GATEWAY), "end_user": None}).job_id
-            )
+        placed = [place_in_sql(conn, key).job_id for _ in range(count)]
 
     class Counted(Store):
         async def all(self, query: Any, params: Any = None) -> Any:
@@ -638,8 +646,7 @@ def test_jobs_ending_a_millisecond_apart_are_written_in_few_calls(
             began = time.monotonic()
             for i in range(count):
                 job = placed[i] if placed_in_sql else uuid.uuid4()
-                at = datetime.now(UTC)
-                record = JobRecord(job, None, LLAMA8, "balanced", None, False, node, at, Decimal(0), None)
+                record = job_record(job, node)
                 if placed_in_sql:
                     record.end = q.JobEnd(job, "succeeded", 1, 1)
                     journal.ended(record)
@@ -669,19 +676,13 @@ def test_the_end_of_a_job_sql_placed_is_written_without_waiting_for_the_leased_c
     write it is in begins WRITE_EVERY_S after the last, even while leased jobs' writes wait longer."""
     from neuralgrid.db.store import Store
     from neuralgrid.gateway import journal as journal_module
-    from neuralgrid.gateway.journal import JobRecord, Journal
+    from neuralgrid.gateway.journal import Journal
 
     monkeypatch.setattr(journal_module, "LEASED_EVERY_S", 2.0)  # unmistakable
     node = make_node(conn, max_concurrency=4)
     key = make_key(conn)
-    params = q.match_params(
-        q.MatchRequest(model=LLAMA8), key, False, 0, prompt_bytes=4, max_out=4, wait=False
-    )
-    placed = SyncStore(conn).get(q.PLACE_JOB, {**params, "gateway": str(GATEWAY), "end_user": None})
+    placed = place_in_sql(conn, key)
     assert placed.node_id == node
-
-    def started(job: uuid.UUID) -> JobRecord:
-        return JobRecord(job, key, LLAMA8, "balanced", None, False, node, datetime.now(UTC), Decimal(0), None)
 
     async def main() -> tuple[float, float, float]:
         async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
@@ -689,15 +690,15 @@ def test_the_end_of_a_job_sql_placed_is_written_without_waiting_for_the_leased_c
             stop = asyncio.Event()
             writer = asyncio.create_task(journal.run(stop))
             leased = uuid.uuid4()
-            journal.start(started(leased))
+            journal.start(job_record(leased, node, key))
             first = journal.end(leased, q.JobEnd(leased, "succeeded", 1, 1))
             await asyncio.wait_for(first, 5)
             began = time.monotonic()
             other = uuid.uuid4()
-            journal.start(started(other))
+            journal.start(job_record(other, node, key))
             later = journal.end(other, q.JobEnd(other, "succeeded", 1, 1))
             await asyncio.sleep(0.05)
-            sql_placed = started(placed.job_id)
+            sql_placed = job_record(placed.job_id, node, key)
             sql_placed.end = q.JobEnd(placed.job_id, "succeeded", 1, 1)
             await asyncio.wait_for(journal.ended(sql_placed), 5)
             freed = time.monotonic() - began
@@ -724,7 +725,7 @@ def test_a_backlog_is_written_a_full_batch_at_a_time_without_the_cadences_wait(
     second. A full batch is written at once."""
     from neuralgrid.db.store import Store
     from neuralgrid.gateway import journal as journal_module
-    from neuralgrid.gateway.journal import BATCH, JobRecord, Journal
+    from neuralgrid.gateway.journal import BATCH, Journal
 
     monkeypatch.setattr(journal_module, "LEASED_EVERY_S", 2.0)  # three batches would wait 6 s
     node = make_node(conn, max_concurrency=4)
@@ -735,10 +736,7 @@ def test_a_backlog_is_written_a_full_batch_at_a_time_without_the_cadences_wait(
             journal = Journal(Store(aconn), GATEWAY, None)
             for _ in range(count):
                 job = uuid.uuid4()
-                at = datetime.now(UTC)
-                journal.start(
-                    JobRecord(job, None, LLAMA8, "balanced", None, False, node, at, Decimal(0), None)
-                )
+                journal.start(job_record(job, node))
                 journal.end(job, q.JobEnd(job, "succeeded", 1, 1))
             stop = asyncio.Event()
             began = time.monotonic()
