@@ -31,6 +31,7 @@ import psycopg
 from psycopg import sql
 
 from neuralgrid.db import migrate
+from neuralgrid.gateway.journal import LEASED_EVERY_S
 from neuralgrid.protocol import signing
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -39,6 +40,10 @@ CHAT = "/v1/chat/completions"
 # Postgres plans by the tables' statistics, and a new database's empty, unanalyzed ledger gets
 # other plans than the one a gateway meets in service (docs/benchmarks.md, 2026-11-28, db6d65a).
 LEDGER_HISTORY = 50_000
+# A gateway writes leased jobs' records behind, up to journal.LEASED_EVERY_S after their answers:
+# a CPU reading waits this long after the requests before it, so that each window holds the
+# Postgres work of its own requests (read at the last answer, a short run's read 0).
+SETTLE_S = 2 * LEASED_EVERY_S
 BODY: dict[str, Any] = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Benchmark me."}],
@@ -391,13 +396,15 @@ async def send_load(
     warmup: int = 0,
     warmup_s: float = 0.0,
     meter: CpuMeter | None = None,
+    settle_s: float = SETTLE_S,
 ) -> Load:
     """`total` requests (rounded down to a multiple of `callers`) from `callers` clients that each
     send one after another, caller i's j-th to urls[(i + j) % len(urls)], after `warmup` requests
     that do not count (connections, caches, plans), then `warmup_s` seconds of the same load, which
     do not count either (what adapts to a load, a gateway's leases say, has then seen it). A request
     to a URL in `sign_keys` is signed with its key as the gateway signs (before its clock starts).
-    `meter`'s groups' CPU over the part that counts.
+    `meter`'s groups' CPU over the part that counts, each reading taken `settle_s` after the
+    requests before it, once what they left to write behind has been written.
 
     The client is aiohttp on uvloop (serving.run_fast), the leanest well-kept one: on two shared
     cores the load generator's own CPU is taken from whatever it measures (httpx spent about 1 ms a
@@ -447,11 +454,14 @@ async def send_load(
         load.latencies_ms.clear()
         load.waits_ms.clear()
         load.refused = load.failed = 0
+        settle = settle_s if meter and meter.groups else 0.0
+        await asyncio.sleep(settle)  # the warm-up's tail written outside the window
         before = meter.read() if meter else {}
         started = time.perf_counter()
         await asyncio.gather(*(caller(i) for i in range(callers)))
         load.wall_s = time.perf_counter() - started
         if meter:
+            await asyncio.sleep(settle)  # and the load's own tail inside it
             after = meter.read()
             load.cpu_s = {name: after[name] - before[name] for name in before}
     return load

@@ -354,7 +354,7 @@ def test_bench_gateway_compares_the_gateway_with_the_node_and_a_bare_relay(
         "--callers",
         "1,5",
         "--requests",
-        "32",  # at 8 the leased paths' Postgres work (their records, 50 ms apart) could be under a tick
+        "8",
         "--warmup",
         "0.05",
         "--out",
