@@ -13,6 +13,7 @@ database". Everything each gateway adds over the reference is what its distance 
   proxy's own cost, a millisecond or two, is part of every round trip over it);
 - cold: the first request for a model the gateway has not served (models of their own, one whole
   answer and one stream each, every gateway asking each once), less the reference's, likewise;
+  and how many of them waited in line for a slot (x-neuralgrid-queue-ms), and how long;
 - revocation: a key every gateway has served (and cached) is revoked in SQL; each gateway is asked
   every 20 ms until it refuses; per gateway, how long after the revocation the first request sent
   was refused (none admitted after it) and when that refusal arrived;
@@ -34,7 +35,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -78,6 +79,7 @@ class Answer:
     node: str | None
     attempts: int
     job: str | None
+    queued_ms: float = 0.0  # x-neuralgrid-queue-ms: its wait in line for a slot
 
 
 def body(model: str, stream: bool, max_tokens: int = 16) -> bytes:
@@ -108,6 +110,7 @@ async def ask(client: aiohttp.ClientSession, url: str, data: bytes, key: str) ->
                 h.get("x-neuralgrid-node"),
                 attempts,
                 h.get("x-neuralgrid-job"),
+                float(h.get("x-neuralgrid-queue-ms") or 0),
             )
     except (aiohttp.ClientError, TimeoutError):
         took = time.perf_counter() - sent
@@ -125,6 +128,7 @@ class Samples:
     whole_ms: list[float]
     first_byte_ms: list[float]
     failed: int = 0
+    queued_ms: list[float] = field(default_factory=list)  # each answer's wait in line, in order
 
     def medians(self) -> tuple[float | None, float | None]:
         return _median(self.whole_ms), _median(self.first_byte_ms)
@@ -170,7 +174,9 @@ async def cold(gws: Sequence[Gateway], key: str, count: int) -> dict[str, Sample
 def _record(samples: Samples, answer: Answer, stream: bool) -> None:
     if answer.status != 200:
         samples.failed += 1
-    elif stream:
+        return
+    samples.queued_ms.append(answer.queued_ms)
+    if stream:
         samples.first_byte_ms.append(answer.first_byte_s * 1000)
     else:
         samples.whole_ms.append(answer.total_s * 1000)
@@ -354,6 +360,10 @@ def _rows(
             if prefix == "cold_":  # few, and spread widely: each one, in the order asked
                 row["cold_whole_each_ms"] = [round(ms, 1) for ms in found[g.name].whole_ms]
                 row["cold_first_byte_each_ms"] = [round(ms, 1) for ms in found[g.name].first_byte_ms]
+                # Each one's wait in line for a slot (whole answers and streams as asked): a node full
+                # of other gateways' leases, not the distance, made those wait.
+                row["cold_queued_each_ms"] = [round(ms, 1) for ms in found[g.name].queued_ms]
+                row["cold_waited"] = sum(1 for ms in found[g.name].queued_ms if ms > 0)
             for name, mine, theirs in (
                 ("whole", whole, ref_whole),
                 ("first_byte", first_byte, ref_first_byte),

@@ -35,6 +35,8 @@ def test_bench_world_measures_far_gateways_against_one_next_to_the_database(
         assert r["failed"] == r["cold_failed"] == 0, r
         assert r["samples"] == 4 and r["cold_samples"] == 2, r  # whole answers and streams
         assert len(r["cold_whole_each_ms"]) == len(r["cold_first_byte_each_ms"]) == 1, r
+        assert len(r["cold_queued_each_ms"]) == 2 and min(r["cold_queued_each_ms"]) >= 0, r
+        assert r["cold_waited"] == sum(1 for ms in r["cold_queued_each_ms"] if ms > 0), r
         assert r["whole_p50_ms"] > 0 and r["first_byte_p50_ms"] > 0 and r["cold_whole_p50_ms"] > 0, r
         assert r["revoked_refused_ms"] is not None and r["revoked_admitted_after_refusal"] == 0, r
         assert {"dead_node_avoided_ms", "dead_node_failovers", "dead_node_failed"} <= set(r), r
