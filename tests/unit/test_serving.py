@@ -1,7 +1,7 @@
 """Our uvicorn server: at rest it sleeps until there is work and stops as soon as it is told; its HTTP
 protocol (uvicorn's, subclassed) writes a response's head with its body, one write and one TCP
 segment where uvicorn alone makes two, checked through uvicorn's own request cycle with a transport
-that records what reaches the socket."""
+that records what reaches the socket; free_port() never names a port twice in a process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import gc
 import inspect
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -245,3 +246,16 @@ def test_a_head_whose_body_is_late_leaves_alone_and_at_once() -> None:
     early, socket = asyncio.run(served())
     assert len(early) == 1 and early[0].startswith(b"HTTP/1.1 200 OK\r\n") and early[0].endswith(b"\r\n\r\n")
     assert b"first" in b"".join(socket.writes[1:])
+
+
+# In a process of its own: the ports this one hands out stay handed out.
+FREE_PORTS = "from neuralgrid.server.serving import free_port; print(len({free_port() for _ in range(3000)}))"
+
+
+def test_free_port_never_names_a_port_twice() -> None:
+    """Found in `bench gateway` (2026-12-08): the kernel hands a port just let go out again, so two
+    servers were given one port; the second (the gateway with leases off) could not bind it, and
+    the benchmark measured the bare relay already serving there as that gateway (no CPU of its own,
+    the relay's requests/s)."""
+    out = subprocess.run([sys.executable, "-c", FREE_PORTS], capture_output=True, text=True, check=True)
+    assert int(out.stdout) == 3000
