@@ -170,7 +170,6 @@ DOMAINS: dict[str, tuple[str, ...]] = {
         "private.top_by_base",
         "private.top_by_total",
         "private.capacity_state",
-        "private.has_free_slot",
         "private.refresh_node_scores",
         "private.refresh_vram_pressure",
         "private.node_scores_after_catalog_change",

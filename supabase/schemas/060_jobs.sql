@@ -1003,24 +1003,17 @@ begin
                                  coalesce(r.fallbacks, 0));
       if v_key is distinct from v_for then
         v_for := null;
-        if not private.has_free_slot(r.model) then
-          -- No online node holding the model has a free slot: the ranking would be empty (a node
-          -- ranks only with one), and place() ranks no further from an empty one. A scarce lane's
-          -- waiting requests ask often, and found it so at the cost of two rankings each.
-          v_ids := '{}';
-        else
-          -- As private.place() ranks: the same call, with the scores kept.
-          v_limit := private.ranking_limit(coalesce(r.fallbacks, 0));
-          select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank),
-                 array_agg(s.capacity order by s.rank), min(s.score), count(*) >= v_limit
-            into v_ids, v_scores, v_caps, v_last, v_full
-          from public.score_nodes(r.model, r.min_vram, r.policy, r.region, r.lat, r.lon, r.max_rate, false,
-                                  v_limit, r.route) s;
-          -- In float8 over the weights' sum in real, as private.node_components divides.
-          select w.capacity::float8 / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity + w.reserve)::float8
-            into v_share from public.matching_policies w where w.name = r.policy;  -- none for seed
-          v_for := v_key;
-        end if;
+        -- As private.place() ranks: the same call, with the scores kept.
+        v_limit := private.ranking_limit(coalesce(r.fallbacks, 0));
+        select array_agg(s.node_id order by s.rank), array_agg(s.score order by s.rank),
+               array_agg(s.capacity order by s.rank), min(s.score), count(*) >= v_limit
+          into v_ids, v_scores, v_caps, v_last, v_full
+        from public.score_nodes(r.model, r.min_vram, r.policy, r.region, r.lat, r.lon, r.max_rate, false,
+                                v_limit, r.route) s;
+        -- In float8 over the weights' sum in real, as private.node_components divides.
+        select w.capacity::float8 / (w.fit + w.compute + w.price + w.warm + w.capacity + w.reputation + w.proximity + w.reserve)::float8
+          into v_share from public.matching_policies w where w.name = r.policy;  -- none for seed
+        v_for := v_key;
       end if;
       select * into v_placed
       from private.place(r.model, r.key, r.policy, r.min_vram, r.region, r.lat, r.lon, r.max_rate,

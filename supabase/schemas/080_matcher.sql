@@ -104,23 +104,6 @@ REVOKE ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, 
 GRANT ALL ON FUNCTION private.capacity_state(p_model text, p_min_vram_gb real, p_max_hourly_rate numeric, p_route text) TO service_role;
 
 
-CREATE FUNCTION private.has_free_slot(p_model text) RETURNS boolean
-    LANGUAGE sql STABLE
-    SET search_path TO ''
-    AS $$
-  select exists (
-    select from public.node_models nm
-    join public.nodes n on n.id = nm.node_id
-    where nm.model_id = p_model and n.status = 'online' and n.inflight < n.max_concurrency
-      and (n.cooldown_until is null or n.cooldown_until <= now()))
-$$;
-
-COMMENT ON FUNCTION private.has_free_slot(p_model text) IS 'Whether some online node holding p_model has a slot a claim could take (free, the node not cooling down): without one, no ranking for the model has a node (place_jobs() skips it).';
-
-REVOKE ALL ON FUNCTION private.has_free_slot(p_model text) FROM PUBLIC;
-GRANT ALL ON FUNCTION private.has_free_slot(p_model text) TO service_role;
-
-
 CREATE FUNCTION private.kept_last(p_ranked uuid[], p_kept real, p_wait boolean) RETURNS uuid[]
     LANGUAGE sql STABLE
     SET search_path TO ''

@@ -108,7 +108,6 @@ PRIVATE_HELPERS = sorted(
         "end_jobs",  # complete_jobs()'s one statement; record_jobs() writes jobs ended at once with it
         "endpoint_is_private",
         "gateway_is_live",
-        "has_free_slot",  # place_jobs() ranks no fleet without a free slot for the model
         "json_changes",  # what changed between two summaries of the map
         "schedule_sweep_with_pg_cron",
         "take_due_checks",  # the (node, model)s due a challenge, against the referee or peers

@@ -169,31 +169,3 @@ def test_like_requests_in_a_group_rank_the_fleet_once(conn: psycopg.Connection) 
             "select calls from pg_stat_xact_user_functions where funcname = 'score_nodes'"
         ).fetchone()
     assert calls == (2,)  # once for the eight, once for the two asking another number of fallbacks
-
-
-def test_a_request_every_node_is_full_for_asks_for_no_ranking(conn: psycopg.Connection) -> None:
-    """A scarce lane's waiting requests ask at each turn: where no node holding the model has a
-    free slot, the answer is busy (or cooling) as before, without ranking the nodes twice for it
-    (2026-12-08: place_jobs() and then place() each ranked a fleet with no free node)."""
-    full = make_node(conn, max_concurrency=1)
-    cooling = make_node(conn, max_concurrency=1)
-    conn.execute("update nodes set cooldown_until = now() + interval '1 minute' where id = %s", (cooling,))
-    key = make_key(conn)
-    conn.execute("set track_functions = 'pl'")
-    with conn.transaction(force_rollback=True):
-        rows = place_jobs(conn, [request(key), request(key), request(key, wait=False)])
-        ranked = conn.execute(
-            "select calls from pg_stat_xact_user_functions where funcname = 'score_nodes'"
-        ).fetchone()
-        failed = conn.execute("select status, error from jobs where id = %s", (rows[2][1],)).fetchone()
-    assert rows[0][2] == full  # ranked: a node was free
-    assert rows[1][1:5] == (None, None, True, "busy")  # waits: nothing recorded
-    assert rows[2][2] is None and failed == (
-        "failed",
-        f"every capable node for {LLAMA8} is busy: all their slots are taken",
-    )
-    assert ranked == (1,)  # the first request's ranking alone
-    conn.execute("update nodes set status = 'offline' where id = %s", (full,))
-    with conn.transaction(force_rollback=True):
-        cooled = place_jobs(conn, [request(key)])
-    assert cooled[0][1:5] == (None, None, True, "cooling")  # the one free node cools down: as before
