@@ -396,14 +396,13 @@ async def send_load(
     warmup: int = 0,
     warmup_s: float = 0.0,
     meter: CpuMeter | None = None,
-    settle_s: float = SETTLE_S,
 ) -> Load:
     """`total` requests (rounded down to a multiple of `callers`) from `callers` clients that each
     send one after another, caller i's j-th to urls[(i + j) % len(urls)], after `warmup` requests
     that do not count (connections, caches, plans), then `warmup_s` seconds of the same load, which
     do not count either (what adapts to a load, a gateway's leases say, has then seen it). A request
     to a URL in `sign_keys` is signed with its key as the gateway signs (before its clock starts).
-    `meter`'s groups' CPU over the part that counts, each reading taken `settle_s` after the
+    `meter`'s groups' CPU over the part that counts, each reading taken SETTLE_S after the
     requests before it, once what they left to write behind has been written.
 
     The client is aiohttp on uvloop (serving.run_fast), the leanest well-kept one: on two shared
@@ -454,7 +453,7 @@ async def send_load(
         load.latencies_ms.clear()
         load.waits_ms.clear()
         load.refused = load.failed = 0
-        settle = settle_s if meter and meter.groups else 0.0
+        settle = SETTLE_S if meter and meter.groups else 0.0
         await asyncio.sleep(settle)  # the warm-up's tail written outside the window
         before = meter.read() if meter else {}
         started = time.perf_counter()
